@@ -1,0 +1,1340 @@
+"""common.py: the small shared part of rrg-from-scratch.
+
+Everything here is plumbing that at least two of the method scripts use, in reading order:
+
+  1. Labels    the 14 CheXpert observations (CheXbert order) and the value conventions
+  2. Data      R2Gen-layout annotations (IU X-Ray, MIMIC-CXR), CSV/JSONL, report cleaning,
+               a torch Dataset, and the synthetic chest X-ray set used offline
+  3. Labelers  RuleLabeler (CheXpert-style rules, written here) and CheXbertLabeler
+               (f1chexbert's model with the real CheXbert weights)
+  4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (equal to pycocoevalcap), METEOR via pycocoevalcap's
+               Java scorer when present, and clinical-efficacy (CE) precision/recall/F1
+  5. Command line: `python common.py evaluate --generations FILE.jsonl`,
+                   `python common.py synthetic --out DIR`
+
+Label arrays are float (N, 14): 1 positive, 0 negative, -1 uncertain, NaN not mentioned.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("rrg")
+
+# ---------------------------------------------------------------------------------------------
+# 1. Labels
+# ---------------------------------------------------------------------------------------------
+# CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
+CHEXPERT_LABELS = [
+    "Enlarged Cardiomediastinum", "Cardiomegaly", "Lung Opacity", "Lung Lesion", "Edema",
+    "Consolidation", "Pneumonia", "Atelectasis", "Pneumothorax", "Pleural Effusion",
+    "Pleural Other", "Fracture", "Support Devices", "No Finding",
+]
+FINDINGS = CHEXPERT_LABELS[:13]  # the 13 observations other than No Finding
+LABEL_INDEX = {name: i for i, name in enumerate(CHEXPERT_LABELS)}
+POSITIVE, NEGATIVE, UNCERTAIN, BLANK = 1.0, 0.0, -1.0, float("nan")
+
+
+def binarize(labels, uncertain_as: int = 1, name: str = "labels") -> np.ndarray:
+    """(N, 14) labels with 1/0/-1/NaN -> (N, 14) int {0, 1}: 1 is positive, -1 (uncertain) is
+    positive iff uncertain_as == 1, 0 (negative) and NaN (not mentioned) are not."""
+    if uncertain_as not in (0, 1):
+        raise ValueError(f"uncertain_as must be 0 or 1, got {uncertain_as!r}")
+    x = np.asarray(labels, dtype=float)
+    if x.ndim != 2 or x.shape[1] != len(CHEXPERT_LABELS):
+        raise ValueError(f"{name} must have shape (N, {len(CHEXPERT_LABELS)}) in CHEXPERT_LABELS order, got {x.shape}")
+    bad = ~np.isnan(x) & ~np.isin(x, (-1.0, 0.0, 1.0))
+    if bad.any():  # e.g. raw CheXbert head classes (2 = negative, 3 = uncertain) passed by mistake
+        raise ValueError(f"{name} values must be 1, 0, -1 or NaN; found {sorted(set(x[bad].tolist()))[:5]}")
+    return ((x == 1) | ((x == -1) & (uncertain_as == 1))).astype(np.int64)
+
+
+def apply_no_finding_rule(labels: np.ndarray) -> np.ndarray:
+    """CheXpert's No Finding: 1 when no observation other than Support Devices is positive or
+    uncertain, blank otherwise. Works in place on (14,) or (N, 14) and returns it."""
+    others = labels[..., [LABEL_INDEX[n] for n in FINDINGS if n != "Support Devices"]]
+    found = np.any((others == 1) | (others == -1), axis=-1)
+    labels[..., LABEL_INDEX["No Finding"]] = np.where(found, np.nan, 1.0)
+    return labels
+
+
+def parse_labels(value, where: str) -> np.ndarray:
+    """A label field from an annotation file -> float (14,). Accepts a list of 14 values
+    (null = blank) or a dict {label name: value}. `where` names the file and record."""
+    out = np.full(len(CHEXPERT_LABELS), np.nan)
+    if isinstance(value, dict):
+        for name, v in value.items():
+            if name not in LABEL_INDEX:
+                raise ValueError(f"{where}: unknown label {name!r}; known labels: {CHEXPERT_LABELS}")
+            out[LABEL_INDEX[name]] = _label_value(v, where, name)
+    elif isinstance(value, (list, tuple)):
+        if len(value) != len(CHEXPERT_LABELS):
+            raise ValueError(f"{where}: 'labels' has {len(value)} values, expected 14 in the order {CHEXPERT_LABELS}")
+        for name, v in zip(CHEXPERT_LABELS, value):
+            out[LABEL_INDEX[name]] = _label_value(v, where, name)
+    else:
+        raise ValueError(f"{where}: 'labels' must be a list of 14 values or a dict, got {type(value).__name__}")
+    return out
+
+
+def _label_value(v, where: str, name: str) -> float:
+    if v is None or v == "" or (isinstance(v, float) and math.isnan(v)):
+        return np.nan
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: label {name!r} has value {v!r}; expected 1, 0, -1 or blank") from None
+    if f not in (1.0, 0.0, -1.0):
+        raise ValueError(f"{where}: label {name!r} has value {v!r}; expected 1, 0, -1 or blank")
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Data
+# ---------------------------------------------------------------------------------------------
+SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class Record:
+    """One study: its id, absolute image paths (IU X-Ray has two views, MIMIC-CXR one), the
+    report and, when the annotation has them, the 14 labels."""
+    id: str
+    image_paths: list[str]
+    report: str
+    split: str
+    labels: np.ndarray | None = None
+    meta: dict = field(default_factory=dict)  # any other fields of the record, kept as is
+
+
+# Report cleaning. R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py) lower-cases,
+# splits sentences on ". ", deletes punctuation and joins the sentences with " . ". Papers report
+# metrics on text cleaned that way, so we offer the same behaviour, written out here. Two of its
+# behaviours are quirks rather than intent; `r2gen_quirks=True` (default, for comparable numbers)
+# keeps them, False fixes them:
+#   - it deletes every "1. " (meant for numbered lists), which also turns "1.5 cm" ... "11. " into
+#     damaged numbers ("11. " -> "1"); and " 2. ".." 5. " become sentence breaks.
+#   - its punctuation class "[.,?;*!%^&_+():-\[\]{}]" contains the range ":-\[" (0x3A-0x5B),
+#     which also deletes ";<=>?@" and upper-case letters (harmless after lower-casing), while
+#     "-" itself is kept.
+#   - empty sentences are kept (its `!= []` test compares a string with a list), giving ". ."
+R2GEN_PUNCT_QUIRK = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is deliberate: see above
+# The characters R2Gen meant to list, keeping decimal points ("1.5 cm").
+R2GEN_PUNCT_FIXED = re.compile(r"[,?;*!%^&_+():\[\]{}]|\.(?!\d)|(?<!\d)\.")
+_WHITESPACE = re.compile(r"\s+")
+
+
+def _replace_repeatedly(text: str, old: str, new: str, times: int) -> str:
+    # R2Gen collapses runs ("__", "  ", "..") with a fixed number of str.replace passes, so a
+    # run longer than 2**times characters is not fully collapsed. We keep that exact behaviour.
+    for _ in range(times):
+        text = text.replace(old, new)
+    return text
+
+
+def clean_report(report: str, style: str = "mimic_cxr", r2gen_quirks: bool = True) -> str:
+    """Clean a report like R2Gen's clean_report_{mimic_cxr,iu_xray} ("mimic_cxr", "iu_xray"),
+    or only normalise whitespace ("plain")."""
+    if style == "plain":
+        return _WHITESPACE.sub(" ", report).strip()
+    if style not in ("mimic_cxr", "iu_xray"):
+        raise ValueError(f"unknown cleaning style {style!r}; use mimic_cxr, iu_xray or plain")
+    t = report
+    if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
+        t = t.replace("\n", " ")
+        t = _replace_repeatedly(t, "__", "_", 7)
+        t = _replace_repeatedly(t, "  ", " ", 6)
+    t = _replace_repeatedly(t, "..", ".", 5 if style == "mimic_cxr" else 3)
+    if r2gen_quirks:
+        t = t.replace("1. ", "")
+        for k in "2345":
+            t = t.replace(f". {k}. ", ". ")
+        for k in "2345":
+            t = t.replace(f" {k}. ", ". ")
+        punct = R2GEN_PUNCT_QUIRK
+    else:
+        # Only list markers at the start of the report or of a sentence: "1. The heart ..."
+        t = re.sub(r"(^|\.\s+)\d{1,2}\.\s+", lambda m: ". " if m.group(1) else "", t.strip())
+        t = _WHITESPACE.sub(" ", t)
+        punct = R2GEN_PUNCT_FIXED
+    sentences = t.strip().lower().split(". ")
+    cleaned = [punct.sub("", s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "").strip().lower())
+               for s in sentences]
+    if not r2gen_quirks:
+        cleaned = [_WHITESPACE.sub(" ", s).strip() for s in cleaned]
+        cleaned = [s for s in cleaned if s]
+    return " . ".join(cleaned) + " ."
+
+
+def _resolve_image_root(annotation_path: Path, image_root) -> Path:
+    # R2Gen keeps images in <dataset>/images/ next to annotation.json, with paths relative to it.
+    if image_root is not None:
+        return Path(image_root)
+    folder = annotation_path.parent
+    return folder / "images" if (folder / "images").is_dir() else folder
+
+
+def _read_annotation_file(path: Path) -> dict[str, list[dict]]:
+    """Read annotation.json (R2Gen layout), .jsonl (one record per line with a 'split' field) or
+    .csv (columns id, split, report, image_path, optional one column per label) into
+    {split: [raw record dict]}."""
+    if not path.is_file():
+        raise FileNotFoundError(f"annotation file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: expected an object {{'train': [...], 'val': [...], 'test': [...]}}, "
+                                 f"got {type(data).__name__}")
+            for split, rows in data.items():
+                if not isinstance(rows, list):
+                    raise ValueError(f"{path}: split {split!r} must be a list of records")
+            return data
+        rows = []
+        if suffix == ".jsonl":
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        elif suffix == ".csv":
+            with path.open(newline="") as f:
+                for row in csv.DictReader(f):
+                    labels = {k: v for k, v in row.items() if k in LABEL_INDEX}
+                    row = {k: v for k, v in row.items() if k not in LABEL_INDEX}
+                    if labels:
+                        row["labels"] = labels
+                    p = (row.get("image_path") or "").strip()
+                    # a JSON list, or paths separated by ';'
+                    row["image_path"] = json.loads(p) if p.startswith("[") else [s for s in p.split(";") if s]
+                    rows.append(row)
+        else:
+            raise ValueError(f"{path}: unknown annotation format {suffix!r}; use .json (R2Gen layout), .jsonl or .csv")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: cannot be read as UTF-8 text ({e})") from None
+    data: dict[str, list[dict]] = {}
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict) or "split" not in row:
+            raise ValueError(f"{path}: record {n} has no 'split' field (needed in .jsonl/.csv files)")
+        data.setdefault(row["split"], []).append(row)
+    return data
+
+
+def load_annotation(path, image_root=None, splits=SPLITS, clean: str | None = None,
+                    check_images: bool = True, drop_invalid: bool = False) -> dict[str, list[Record]]:
+    """Load an annotation file into {split: [Record]}.
+
+    path: annotation.json in R2Gen's layout ({"train": [{"id", "report", "image_path": [...],
+    "split"}], "val": [...], "test": [...]}; IU X-Ray has two image paths per study, MIMIC-CXR
+    one), or .jsonl / .csv with the same fields. Image paths are relative to `image_root`
+    (default: the 'images' folder beside the file if there is one, else the file's folder).
+    Optional 'labels': 14 values in CHEXPERT_LABELS order or a {name: value} dict.
+    clean: None keeps reports as written, else a clean_report style.
+    Bad records raise one error that lists every problem (file, split, index, id); with
+    drop_invalid=True they are dropped instead and each drop is logged.
+    """
+    path = Path(path)
+    raw = _read_annotation_file(path)
+    root = _resolve_image_root(path, image_root)
+    for split in splits:
+        if split not in raw:
+            raise KeyError(f"{path}: unknown split {split!r}; the file has splits {sorted(raw)}")
+    out: dict[str, list[Record]] = {}
+    problems: list[str] = []
+    for split in splits:
+        out[split] = []
+        for n, row in enumerate(raw[split]):
+            where = f"{path} [{split}][{n}]" + (f" id={row.get('id')!r}" if isinstance(row, dict) else "")
+            try:
+                out[split].append(_make_record(row, split, root, where, clean, check_images))
+            except (KeyError, ValueError, FileNotFoundError) as e:
+                problems.append(str(e).strip("'\""))
+    if problems:
+        if not drop_invalid:
+            shown = "\n  ".join(problems[:20])
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise ValueError(f"{path}: {len(problems)} bad record(s):\n  {shown}{more}\n"
+                             f"(pass drop_invalid=True / --drop-invalid to skip them)")
+        for p in problems:
+            log.warning("dropped: %s", p)
+    return out
+
+
+def _make_record(row, split, root: Path, where, clean, check_images) -> Record:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a record must be an object, got {type(row).__name__}")
+    for key in ("id", "report", "image_path"):
+        if key not in row:
+            raise KeyError(f"{where}: missing key {key!r} (record has {sorted(row)})")
+    report = row["report"]
+    if not isinstance(report, str) or not report.strip():
+        raise ValueError(f"{where}: empty report")
+    paths = row["image_path"]
+    paths = [paths] if isinstance(paths, str) else paths
+    if not isinstance(paths, list) or not paths:
+        raise ValueError(f"{where}: 'image_path' must be a non-empty list of paths")
+    image_paths = [str(root / p) for p in paths]
+    if check_images:
+        for p in image_paths:
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"{where}: image not found: {p}")
+    labels = parse_labels(row["labels"], where) if row.get("labels") is not None else None
+    meta = {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")}
+    if clean is not None:
+        report = clean_report(report, clean)
+    return Record(str(row["id"]), image_paths, report, split, labels, meta)
+
+
+def load_image(path: str, record_id: str = "?"):
+    """Open an image as 8-bit grey-scale PIL; a clear error names the file and the record."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(path) as im:
+            return im.convert("L")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"record {record_id}: image not found: {path}") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"record {record_id}: cannot read image {path} ({e})") from None
+
+
+def default_transform(size: int = 224, train: bool = False, channels: int = 3):
+    """R2Gen's transform: resize to 256 then random-crop 224 for training, resize to 224 at test,
+    ImageNet normalisation (grey images repeated over 3 channels for ImageNet backbones).
+    `size` scales both (crop = size, resize = size * 256 / 224)."""
+    import torchvision.transforms as T
+    mean, std = [0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]
+    steps = [T.Grayscale(num_output_channels=channels)]
+    if train:
+        steps += [T.Resize(round(size * 256 / 224)), T.RandomCrop(size), T.RandomHorizontalFlip()]
+    else:
+        steps += [T.Resize((size, size))]
+    return T.Compose(steps + [T.ToTensor(), T.Normalize(mean, std)])
+
+
+class ReportDataset(torch.utils.data.Dataset):
+    """Yields {"id", "images": (V, C, H, W) tensor (or a list of PIL images when transform is
+    "pil", for Hugging Face processors), "report", "labels": (14,) float tensor, NaN = blank}.
+    Records without labels give all-NaN labels; V = number of views (IU X-Ray: 2)."""
+
+    def __init__(self, records: list[Record], transform="default", size: int = 224, train: bool = False):
+        self.records = records
+        self.transform = default_transform(size, train) if transform == "default" else transform
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        r = self.records[i]
+        images = [load_image(p, r.id) for p in r.image_paths]
+        if self.transform != "pil":
+            images = torch.stack([self.transform(im) for im in images])  # (V, C, H, W)
+        labels = r.labels if r.labels is not None else np.full(len(CHEXPERT_LABELS), np.nan)
+        return {"id": r.id, "images": images, "report": r.report,
+                "labels": torch.as_tensor(labels, dtype=torch.float32)}
+
+
+def collate(batch: list[dict]) -> dict:
+    """Stack a batch; studies must have the same number of views (true within IU X-Ray or
+    within MIMIC-CXR as R2Gen lays them out)."""
+    out = {"id": [b["id"] for b in batch], "report": [b["report"] for b in batch],
+           "labels": torch.stack([b["labels"] for b in batch])}
+    images = [b["images"] for b in batch]
+    out["images"] = torch.stack(images) if isinstance(images[0], torch.Tensor) else images  # (B, V, C, H, W)
+    return out
+
+
+# Synthetic chest X-ray set -------------------------------------------------------------------
+# A sandbox, not a benchmark: images are drawn by draw_synthetic_cxr() (below) with one visible
+# sign per finding, reports are written from templates with varied wording, negations and
+# hedges, and the ground-truth labels are stored with every record.
+# Positive prevalences roughly as the CheXpert labeler finds them on MIMIC-CXR.
+SYNTHETIC_PREVALENCE = {
+    "Support Devices": 0.29, "Pleural Effusion": 0.23, "Lung Opacity": 0.22, "Atelectasis": 0.20,
+    "Cardiomegaly": 0.19, "Edema": 0.12, "Pneumonia": 0.07, "Consolidation": 0.05,
+    "Pneumothorax": 0.045, "Enlarged Cardiomediastinum": 0.035, "Lung Lesion": 0.03,
+    "Fracture": 0.02, "Pleural Other": 0.015,
+}
+SYNTHETIC_P_UNCERTAIN = 0.15  # of present findings, reported with a hedge (drawn fainter)
+# Chance that an absent finding is mentioned as negative ("No pneumothorax."), else not mentioned.
+SYNTHETIC_P_NEGATED = {
+    "Pneumothorax": 0.7, "Pleural Effusion": 0.7, "Consolidation": 0.6, "Cardiomegaly": 0.6,
+    "Edema": 0.4, "Enlarged Cardiomediastinum": 0.4, "Pneumonia": 0.25, "Lung Opacity": 0.2,
+    "Fracture": 0.25, "Lung Lesion": 0.15, "Atelectasis": 0.1, "Pleural Other": 0.05, "Support Devices": 0.0,
+}
+SIDED = {"Lung Opacity", "Lung Lesion", "Consolidation", "Pneumonia", "Atelectasis", "Pneumothorax",
+         "Pleural Effusion", "Pleural Other", "Fracture"}
+BILATERAL_OK = {"Lung Opacity", "Atelectasis", "Pleural Effusion"}
+GRADED = {"Pleural Effusion", "Pneumothorax", "Cardiomegaly"}
+DEVICE_KINDS = ["endotracheal tube", "central venous catheter", "nasogastric tube", "pacemaker"]
+
+# Templates. Fields: {side} left/right/bilateral, {sev} small/moderate/large, {deg} mild/moderate/
+# severe, {degly} mildly/moderately/severely. One finding per positive or hedged sentence, so the
+# labels follow from the sentence states; negations are also written as lists ("No A, B, or C.").
+POSITIVE_TEMPLATES = {
+    "Enlarged Cardiomediastinum": ["The mediastinum is widened.", "There is widening of the mediastinum.",
+                                   "The cardiomediastinal silhouette is enlarged.", "Mediastinal widening is present."],
+    "Cardiomegaly": ["The heart is {degly} enlarged.", "There is {deg} cardiomegaly.", "{Deg} cardiomegaly.",
+                     "The cardiac silhouette is {degly} enlarged."],
+    "Lung Opacity": ["There is a hazy opacity in the {side} lung.", "Hazy {side} lung opacity.",
+                     "An ill-defined opacity projects over the {side} lung."],
+    "Lung Lesion": ["There is a nodule in the {side} lung.", "A rounded {side} lung nodule is seen.",
+                    "A {side} lung mass is present."],
+    "Edema": ["There is mild pulmonary edema.", "Mild pulmonary edema.", "The lungs show interstitial edema."],
+    "Consolidation": ["There is dense consolidation in the {side} lower lobe.", "Dense {side} lower lobe consolidation.",
+                      "Consolidation is present in the {side} lung."],
+    "Pneumonia": ["Patchy {side} lower lobe pneumonia.", "There is patchy pneumonia in the {side} lung.",
+                  "Patchy airspace findings represent {side} pneumonia."],
+    "Atelectasis": ["There is plate-like atelectasis at the {side} base.", "{Side} basilar atelectasis.",
+                    "Linear atelectasis is seen at the {side} base."],
+    "Pneumothorax": ["There is a {sev} {side} pneumothorax.", "{Sev} {side} apical pneumothorax.",
+                     "A {sev} {side} pneumothorax is present."],
+    "Pleural Effusion": ["There is a {sev} {side} pleural effusion.", "{Sev} {side} pleural effusion.",
+                         "A {sev} {side} pleural effusion is present."],
+    "Pleural Other": ["There is {side} pleural thickening.", "{Side} pleural thickening is noted."],
+    "Fracture": ["There is a displaced {side} rib fracture.", "A {side} rib fracture is seen."],
+    "Support Devices": {"endotracheal tube": ["An endotracheal tube is in standard position.",
+                                              "The endotracheal tube terminates above the carina."],
+                        "central venous catheter": ["A right internal jugular central venous catheter ends in the lower SVC.",
+                                                    "A central venous catheter is in place."],
+                        "nasogastric tube": ["A nasogastric tube courses below the diaphragm.",
+                                             "The nasogastric tube ends in the stomach."],
+                        "pacemaker": ["A left chest wall pacemaker is in place with leads in the right heart.",
+                                      "A dual-lead pacemaker is present."]},
+}
+UNCERTAIN_TEMPLATES = {
+    "Enlarged Cardiomediastinum": ["Possible mediastinal widening.", "The mediastinum may be widened."],
+    "Cardiomegaly": ["Possible {deg} cardiomegaly.", "The heart is likely {degly} enlarged.",
+                     "Borderline cardiomegaly."],
+    "Lung Opacity": ["Possible faint opacity in the {side} lung.", "Questionable {side} lung opacity."],
+    "Lung Lesion": ["Possible small nodule in the {side} lung.", "Questionable {side} lung nodule."],
+    "Edema": ["Possible mild pulmonary edema.", "Mild pulmonary edema cannot be excluded."],
+    "Consolidation": ["Possible {side} lower lobe consolidation.", "Subtle consolidation in the {side} lung cannot be excluded."],
+    "Pneumonia": ["Findings are concerning for early {side} pneumonia.", "Possible {side} pneumonia.",
+                  "Cannot exclude pneumonia in the {side} lung."],
+    "Atelectasis": ["Probable {side} basilar atelectasis.", "Possible minimal atelectasis at the {side} base."],
+    "Pneumothorax": ["Possible tiny {side} apical pneumothorax.", "A tiny {side} pneumothorax cannot be excluded."],
+    "Pleural Effusion": ["Possible {sev} {side} pleural effusion.", "A trace {side} pleural effusion is not excluded."],
+    "Pleural Other": ["Possible {side} pleural thickening."],
+}
+NEGATED_PHRASES = {  # the noun phrase used when a finding is listed as absent
+    "Enlarged Cardiomediastinum": "mediastinal widening", "Lung Opacity": "focal opacity",
+    "Lung Lesion": "suspicious pulmonary nodule", "Edema": "pulmonary edema", "Consolidation": "focal consolidation",
+    "Pneumonia": "pneumonia", "Atelectasis": "atelectasis", "Pneumothorax": "pneumothorax",
+    "Pleural Effusion": "pleural effusion", "Pleural Other": "pleural thickening", "Fracture": "acute rib fracture",
+}
+NEGATED_SINGLE = {  # findings that also have their own negative sentence
+    "Cardiomegaly": ["Heart size is normal.", "The heart is not enlarged.", "Normal heart size.",
+                     "The cardiac silhouette is within normal limits."],
+    "Enlarged Cardiomediastinum": ["The mediastinal contours are normal.",
+                                   "The cardiomediastinal silhouette is within normal limits."],
+    "Pneumothorax": ["Pneumothorax is not seen.", "No pneumothorax is identified."],
+    "Fracture": ["No displaced fracture is seen."],
+}
+NEGATED_LIST_TEMPLATES = ["No {list}.", "There is no {list}.", "No evidence of {list}."]
+NORMAL_EXTRAS = ["No acute cardiopulmonary process.", "The lungs are clear.", "The osseous structures are unremarkable."]
+
+
+def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
+    """Draw one study's finding states: {label: attrs} for present findings (attrs carry side,
+    severity, device kind, uncertain) and the (14,) ground-truth label vector."""
+    labels = np.full(len(CHEXPERT_LABELS), np.nan)
+    findings = {}
+    for name in FINDINGS:
+        i = LABEL_INDEX[name]
+        if rng.random() < SYNTHETIC_PREVALENCE[name]:
+            attrs = {"uncertain": bool(name not in ("Support Devices", "Fracture") and rng.random() < SYNTHETIC_P_UNCERTAIN)}
+            if name in SIDED:
+                sides = ["left", "right"] + (["bilateral"] if name in BILATERAL_OK else [])
+                attrs["side"] = str(rng.choice(sides))
+            if name in GRADED:
+                attrs["severity"] = str(rng.choice(["small", "moderate", "large"]))
+            if name == "Support Devices":
+                attrs["kind"] = str(rng.choice(DEVICE_KINDS))
+            findings[name] = attrs
+            labels[i] = UNCERTAIN if attrs["uncertain"] else POSITIVE
+        elif rng.random() < SYNTHETIC_P_NEGATED[name]:
+            labels[i] = NEGATIVE
+    return findings, apply_no_finding_rule(labels)
+
+
+def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
+    """Turn a study's states into a report in anatomical order: devices, heart and mediastinum,
+    lungs, pleura, bones. Negated findings go into 'No A, B, or C.' sentences of 1-4 items."""
+    sentences, negated = [], []
+    for name in FINDINGS:
+        state = labels[LABEL_INDEX[name]]
+        if name in findings:
+            a = findings[name]
+            if name == "Support Devices":
+                sentences.append(str(rng.choice(POSITIVE_TEMPLATES[name][a["kind"]])))
+                continue
+            deg, degly = {"small": ("mild", "mildly"), "moderate": ("moderate", "moderately"),
+                          "large": ("severe", "severely")}[a.get("severity", "small")]
+            fields = {"side": a.get("side", ""), "sev": a.get("severity", ""), "deg": deg, "degly": degly}
+            fields.update({k.capitalize(): v.capitalize() for k, v in fields.items()})
+            pool = UNCERTAIN_TEMPLATES[name] if a["uncertain"] else POSITIVE_TEMPLATES[name]
+            text = str(rng.choice(pool)).format(**fields)
+            sentences.append(text.replace("the bilateral lung", "both lungs").replace("the bilateral base", "both bases"))
+        elif state == NEGATIVE:
+            if name in NEGATED_SINGLE and (name not in NEGATED_PHRASES or rng.random() < 0.5):
+                sentences.append(str(rng.choice(NEGATED_SINGLE[name])))
+            else:
+                negated.append(name)
+    rng.shuffle(negated)
+    while negated:
+        k = int(rng.integers(1, 5))
+        phrases = [NEGATED_PHRASES[n] for n in negated[:k]]
+        negated = negated[k:]
+        items = phrases[-1] if len(phrases) == 1 else \
+            ", ".join(phrases[:-1]) + (", or " if len(phrases) > 2 else " or ") + phrases[-1]
+        sentences.append(str(rng.choice(NEGATED_LIST_TEMPLATES)).format(list=items))
+    if labels[LABEL_INDEX["No Finding"]] == 1 and (not sentences or rng.random() < 0.5):
+        sentences.append(str(rng.choice(NORMAL_EXTRAS)))
+    return " ".join(s[0].upper() + s[1:] for s in sentences)
+
+
+# Drawing the synthetic radiograph: one visible sign per finding (DESIGN.md), numpy only.
+_CXR_SIDES = {"right": (-1,), "left": (1,), "bilateral": (-1, 1)}  # patient's right = image left
+_CXR_GRADE = {"small": 0, "moderate": 1, "large": 2}
+
+
+def _cxr_ramp(d, edge):
+    """Soft step of a signed distance d: 0 well below 0, 1 well above, linear over `edge`."""
+    return np.clip(d / edge + 0.5, 0.0, 1.0)
+
+
+def _cxr_radius(x, y, cx, cy, ax, ay):
+    """Elliptic radius: < 1 inside the ellipse centred (cx, cy) with half-axes ax, ay."""
+    return np.sqrt(((x - cx) / ax) ** 2 + ((y - cy) / ay) ** 2)
+
+
+def _cxr_gauss(x, y, cx, cy, sx, sy):
+    """Separable Gaussian bump with peak 1 (x is a row, y a column: an outer product)."""
+    return np.exp(-0.5 * ((y - cy) / sy) ** 2) * np.exp(-0.5 * ((x - cx) / sx) ** 2)
+
+
+def _cxr_blur(img, sigma):
+    """Gaussian blur, sigma in pixels, as two matrix products (rows renormalised at the edges)."""
+    i = np.arange(img.shape[0], dtype=np.float32)
+    k = np.exp(-0.5 * ((i[:, None] - i[None, :]) / sigma) ** 2)
+    k /= k.sum(1, keepdims=True)
+    return k @ img @ k.T
+
+
+def _cxr_bezier(points, n):
+    """n points along the Bezier curve with the given control points, as an (n, 2) array."""
+    t = np.linspace(0.0, 1.0, n)[:, None]
+    k = len(points) - 1
+    return sum(math.comb(k, i) * t ** i * (1 - t) ** (k - i) * np.asarray(p) for i, p in enumerate(points))
+
+
+def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128) -> np.ndarray:
+    """A (size, size) uint8 chest-radiograph-like image (frontal view; patient's right on the
+    image's left) with one visible sign per present finding of `findings` ({label: attrs}, as
+    sample_synthetic_study returns). Hedged findings are drawn fainter and smaller. Every random
+    choice comes from `rng`; the per-image variation is drawn first, so for one rng state adding a
+    finding changes only the region of its sign."""
+    U = lambda a, b: float(rng.uniform(a, b))  # noqa: E731  (python floats keep arrays float32)
+    soft = {n: 0.6 if a.get("uncertain") else 1.0 for n, a in findings.items()}
+    # Per-image variation: position, zoom, anatomy, exposure, noise.
+    dx, dy, zoom = U(-0.03, 0.03), U(-0.03, 0.03), U(0.92, 1.04)
+    t = np.arange(size, dtype=np.float32) / (size - 1) - 0.5
+    x, y = ((t - dx) / zoom + 0.5)[None, :], ((t - dy) / zoom + 0.5)[:, None]  # anatomical coords
+    px = 1.0 / (zoom * (size - 1))                      # one pixel in anatomical units
+    lw = max(0.006, 0.8 * px)                           # sigma of thin lines, >= ~1 pixel
+    lung_x, lung_y, lung_ax, lung_ay = U(0.19, 0.21), U(0.43, 0.45), U(0.145, 0.165), U(0.28, 0.32)
+    heart_w, medi_w, rib_sp, rib_ph = U(0.14, 0.155), U(0.05, 0.06), U(0.07, 0.08), U(0.0, 1.0)
+    gamma, contrast, bright, tilt = U(0.8, 1.25), U(0.85, 1.15), U(-0.06, 0.06), U(-0.1, 0.1)
+    noise = U(0.01, 0.03) * rng.standard_normal((size, size), dtype=np.float32)
+    tex = _cxr_blur(rng.standard_normal((size, size), dtype=np.float32), max(0.7, 0.01 / px))
+    tex = np.maximum(tex / (tex.std() + 1e-6), 0)      # vessel-like lung markings
+
+    # Normal anatomy: body outline with neck, two dark lung fields with markings and diaphragm domes.
+    img = np.full((size, size), 0.03, np.float32)
+    body = _cxr_ramp((1 - _cxr_radius(x, y, 0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02)
+    img += (0.5 - img) * np.maximum(body, _cxr_ramp(0.1 - np.abs(x - 0.5), 0.02) * (y < 0.3))
+    L = {}
+    for s in (-1, 1):
+        cx, cy = 0.5 + s * lung_x, lung_y
+        r = _cxr_radius(x, y, cx, cy, lung_ax, lung_ay)
+        dome = cy + 0.8 * lung_ay - 0.07 * (1 - np.clip((x - cx) / lung_ax, -1, 1) ** 2) - 0.02 * (s < 0)  # right higher
+        thorax = _cxr_ramp((1 - r) * lung_ax, 0.012)
+        lung = thorax * _cxr_ramp(dome - y, 0.012)
+        L[s] = dict(cx=cx, r=r, dome=dome, thorax=thorax, lung=lung)  # thorax: lung + costophrenic recess
+        hilum = _cxr_gauss(x, y, 0.5 + s * 0.1, 0.46, 0.06, 0.08)
+        img += (0.16 + 0.05 * tex * (0.4 + hilum) + 0.1 * hilum - img) * lung
+    lungs = L[-1]["lung"] + L[1]["lung"]
+    sides = lambda name: _CXR_SIDES[findings[name].get("side", "bilateral")]  # noqa: E731
+
+    if "Lung Opacity" in findings:  # large faint hazy patch
+        for s in sides("Lung Opacity"):
+            sd = U(0.07, 0.1) * (0.85 + 0.15 * soft["Lung Opacity"])
+            g = _cxr_gauss(x, y, L[s]["cx"] + s * U(-0.3, 0.3) * lung_ax, lung_y + U(-0.3, 0.3) * lung_ay, sd, sd * 1.3)
+            img += 0.22 * soft["Lung Opacity"] * g * L[s]["lung"]
+    if "Edema" in findings:  # bilateral perihilar haze, more markings, Kerley lines at the bases
+        a = soft["Edema"]
+        kerley = np.maximum(np.cos(2 * np.pi * y / 0.045), 0) ** 4 * _cxr_ramp(y - lung_y - 0.05, 0.05)
+        for s in (-1, 1):
+            lateral = _cxr_ramp(s * (x - L[s]["cx"]) - 0.45 * lung_ax, 0.02)
+            haze = 0.16 * _cxr_gauss(x, y, 0.5 + s * 0.12, lung_y + 0.05, 0.08, 0.12) + 0.06 * tex
+            img += a * (haze + 0.12 * kerley * lateral) * L[s]["lung"]
+    if "Consolidation" in findings:  # dense homogeneous lower-zone area with air bronchograms
+        s, a = sides("Consolidation")[0], soft["Consolidation"]
+        cx, cy = L[s]["cx"] + s * U(0.0, 0.2) * lung_ax, lung_y + U(0.3, 0.4) * lung_ay
+        area = _cxr_ramp((1 - _cxr_radius(x, y, cx, cy, 0.8 * lung_ax, 0.27 * lung_ay)) * 0.08, 0.006) * L[s]["lung"]
+        img += (0.68 - img) * area * 0.9 * a
+        for angle in (U(0.3, 0.6), U(0.9, 1.2)):  # two dark air-filled bronchi, fanning out laterally
+            d = np.abs((x - L[s]["cx"] + s * 0.5 * lung_ax) * np.sin(angle) - (y - cy + 0.05) * s * np.cos(angle))
+            img -= 0.2 * a * np.exp(-0.5 * (d / lw) ** 2) * area
+    if "Pneumonia" in findings:  # patchy mottled blotches, mid and lower zone
+        s, a = sides("Pneumonia")[0], soft["Pneumonia"]
+        patches = sum(U(0.15, 0.3) * _cxr_gauss(
+            x, y, L[s]["cx"] + s * U(-0.6, 0.7) * lung_ax, lung_y + U(-0.2, 0.6) * lung_ay, sd, sd)
+            for sd in (U(0.016, 0.028) * (0.7 + 0.3 * a) for _ in range(10)))
+        img += a * patches * (0.6 + 0.4 * tex) * L[s]["lung"]
+    if "Lung Lesion" in findings:  # small round sharp-edged bright nodule
+        s, a = sides("Lung Lesion")[0], soft["Lung Lesion"]
+        rad = 0.04 * (0.75 + 0.25 * a)
+        cx, cy = L[s]["cx"] + s * U(-0.4, 0.6) * lung_ax, lung_y + U(-0.6, 0.4) * lung_ay
+        img += 0.35 * (0.5 + 0.5 * a) * _cxr_ramp(rad - np.sqrt((x - cx) ** 2 + (y - cy) ** 2), 0.01)
+    if "Atelectasis" in findings:  # thin horizontal plate-like line above the dome
+        for s in sides("Atelectasis"):
+            xc, half = L[s]["cx"] + s * U(-0.2, 0.3) * lung_ax, U(0.07, 0.1) * (0.7 + 0.3 * soft["Atelectasis"])
+            d = y - (lung_y + 0.8 * lung_ay - 0.07 - U(0.05, 0.09) + U(-0.15, 0.15) * (x - xc))
+            plate = np.exp(-0.5 * (d / (1.3 * lw)) ** 2) * _cxr_ramp(half - np.abs(x - xc), 0.02)
+            img += 0.35 * soft["Atelectasis"] * plate * L[s]["lung"]
+    if "Pneumothorax" in findings:  # dark apex and lateral rim without markings, pleural line
+        s, a = sides("Pneumothorax")[0], soft["Pneumothorax"]
+        c = 0.15 if a < 1 else (0.2, 0.32, 0.45)[_CXR_GRADE[findings["Pneumothorax"]["severity"]]]  # hedged: tiny
+        ax, ay = lung_ax * (1 - 0.5 * c), lung_ay * (1 - 0.7 * c)  # the collapsed lung, shrunk to the hilum
+        ri = _cxr_radius(x, y, L[s]["cx"] - s * 0.5 * c * lung_ax, lung_y + 0.7 * c * lung_ay, ax, ay)
+        img += (0.05 - img) * _cxr_ramp((ri - 1) * ax, 0.006) * L[s]["lung"] * (0.5 + 0.5 * a)
+        inside = _cxr_ramp((1 - L[s]["r"]) * lung_ax - 0.015, 0.01) * _cxr_ramp(L[s]["dome"] - y - 0.015, 0.01)
+        img += 0.3 * np.exp(-0.5 * ((ri - 1) * ax / lw) ** 2) * inside  # the visceral pleural line
+
+    # Ribs: faint curved lines descending laterally; a fracture breaks one with a displaced fragment.
+    u = (y - 0.14 * (np.abs(x - 0.5) / 0.35) ** 2) / rib_sp + rib_ph  # integer u = centre of a rib
+    rib_w = max(0.011, lw)
+    ribs = np.exp(-0.5 * ((u - np.rint(u)) * rib_sp / rib_w) ** 2)
+    if "Fracture" in findings:  # rib k: a gap, a displaced bright lateral fragment, callus at the step
+        s = sides("Fracture")[0]
+        xf, yf = L[s]["cx"] + s * U(0.25, 0.55) * lung_ax, lung_y + U(-0.4, 0.3) * lung_ay
+        k = float(np.rint((yf - 0.14 * (abs(xf - 0.5) / 0.35) ** 2) / rib_sp + rib_ph))
+        rib_k = np.exp(-0.5 * ((u - k) * rib_sp / rib_w) ** 2)
+        frag = _cxr_ramp(s * (x - xf), 2 * px) * _cxr_ramp(0.1 - s * (x - xf), 0.02)
+        ribs += frag * (2.5 * np.exp(-0.5 * ((u - k - 0.4) * rib_sp / rib_w) ** 2) - rib_k)
+        ribs = np.maximum(ribs - rib_k * np.exp(-0.5 * ((x - xf) / (2 * lw)) ** 2), 0)  # the gap
+        yk = (k - rib_ph) * rib_sp + 0.14 * (abs(xf - 0.5) / 0.35) ** 2
+        ribs += 3.0 * _cxr_gauss(x, y, xf, yk + 0.2 * rib_sp, 0.016, 0.016)
+    chest = np.maximum(L[-1]["thorax"], L[1]["thorax"]) * _cxr_ramp(y - 0.08, 0.03)
+    img += 0.1 * ribs * (0.4 + 0.6 * np.minimum(lungs, 1)) * chest
+    mid = np.abs(x - 0.5)  # clavicles, rising laterally
+    img += 0.12 * np.exp(-0.5 * ((y - 0.16 + 0.2 * (mid - 0.04)) / 0.012) ** 2) * _cxr_ramp(0.13 - np.abs(mid - 0.17), 0.02)
+
+    # Mediastinum (widened upper part if Enlarged Cardiomediastinum), trachea, spine, heart.
+    wide = 0.05 * soft.get("Enlarged Cardiomediastinum", 0) * np.exp(-0.5 * ((y - 0.3) / 0.1) ** 2)
+    medi = _cxr_ramp(medi_w + wide - np.abs(x - 0.5), 0.01) * _cxr_ramp(y - 0.08, 0.03) * _cxr_ramp(0.62 - y, 0.04)
+    img += (0.72 - img) * medi
+    img += (0.35 - img) * _cxr_ramp(0.014 - np.abs(x - 0.5), 0.008) * _cxr_ramp(0.36 - y, 0.02) * 0.7
+    img += 0.05 * _cxr_ramp(0.035 - np.abs(x - 0.5), 0.01) * body
+    if "Cardiomegaly" in findings:  # wider heart shadow, graded
+        grow = (0.25, 0.38, 0.52)[_CXR_GRADE[findings["Cardiomegaly"]["severity"]]]
+        heart_w *= 1 + grow * (0.55 + 0.45 * soft["Cardiomegaly"])
+    heart = _cxr_ramp((1 - _cxr_radius(x, y, 0.5 + 0.3 * heart_w, 0.6, heart_w, 0.12)) * heart_w, 0.01)
+    img += (0.72 - img) * heart
+
+    if "Pleural Effusion" in findings:  # fluid at the base, meniscus rising laterally, angle blunted
+        for s in sides("Pleural Effusion"):
+            h = (0.08, 0.15, 0.25)[_CXR_GRADE[findings["Pleural Effusion"]["severity"]]]
+            h *= 0.7 + 0.3 * soft["Pleural Effusion"]
+            lateral = np.clip(s * (x - L[s]["cx"]) / lung_ax, 0, 1)
+            top = lung_y + 0.8 * lung_ay - h - 0.07 * lateral ** 2
+            fluid = _cxr_ramp(y - top, 0.025) * _cxr_ramp(L[s]["dome"] + 0.03 - y, 0.03) * L[s]["thorax"]
+            img = np.maximum(img, img + (0.62 + 0.08 * _cxr_ramp(y - top - 0.05, 0.1) - img) * fluid)  # only brighter
+    if "Pleural Other" in findings:  # lobulated thickened band along the lateral chest wall
+        s, a = sides("Pleural Other")[0], soft["Pleural Other"]
+        th = (0.03 + 0.012 * a) * (1 + 0.35 * np.sin(y * 45 + U(0, 6.3))) / lung_ax
+        band = _cxr_ramp(L[s]["r"] - 1 + th, 0.05) * L[s]["thorax"]
+        band *= _cxr_ramp(s * (x - L[s]["cx"]) - 0.3 * lung_ax, 0.03)  # lateral wall only, mid zones
+        band *= _cxr_ramp(y - lung_y + 0.55 * lung_ay, 0.05) * _cxr_ramp(lung_y + 0.45 * lung_ay - y, 0.05)
+        img += (0.68 - img) * band * (0.6 + 0.4 * a)
+
+    if "Support Devices" in findings:  # thin very bright tubes and lines, per kind
+        j = lambda: U(-0.015, 0.015)  # noqa: E731
+        kind = findings["Support Devices"]["kind"]
+        curves = {  # Bezier control points (x, y): ETT in the trachea above the carina, CVC from the right
+            # neck to the SVC, NGT down the midline to the stomach below the left dome, pacemaker leads to RA, RV
+            "endotracheal tube": [[(0.5 + j(), -0.02), (0.5 + j(), 0.12), (0.5, 0.27 + j())]],
+            "central venous catheter": [[(0.35 + j(), -0.02), (0.42 + j(), 0.14), (0.47, 0.2 + j()), (0.47 + j(), 0.42)]],
+            "nasogastric tube": [[(0.49 + j(), -0.02), (0.49, 0.5), (0.5 + j(), 0.85), (0.66 + j(), 0.8 + j())]],
+            "pacemaker": [[(0.7, 0.21), (0.6 + j(), 0.2), (0.42 + j(), 0.4), (0.45 + j(), 0.52)],
+                          [(0.7, 0.21), (0.58 + j(), 0.25), (0.44 + j(), 0.5), (0.54 + j(), 0.7 + j())]]}[kind]
+        lines = np.zeros((size, size), np.float32)  # 1-pixel curves, then blurred to tube width
+        for c in curves:
+            p = _cxr_bezier(c, 3 * size)
+            col = np.rint(((p[:, 0] - 0.5) * zoom + 0.5 + dx) * (size - 1)).astype(int)
+            row = np.rint(((p[:, 1] - 0.5) * zoom + 0.5 + dy) * (size - 1)).astype(int)
+            ok = (col >= 0) & (col < size) & (row >= 0) & (row < size)
+            lines[row[ok], col[ok]] = 1.0
+        sig = max(0.6, 0.008 / px)
+        img += (0.97 - img) * np.clip(_cxr_blur(lines, sig) * 2.5 * sig, 0, 1)  # 2.5 ~ sqrt(2 pi): peak 1
+        if kind == "pacemaker":  # the generator box on the left upper chest
+            bx, by = 0.72 + j(), 0.2 + j()
+            img += (1.0 - img) * _cxr_ramp(0.045 - np.abs(x - bx), 0.01) * _cxr_ramp(0.03 - np.abs(y - by), 0.01)
+
+    # Exposure: lateral gradient, gamma, contrast, brightness, then quantum noise.
+    img = np.clip(img * (1 + tilt * (x - 0.5)), 0, 1) ** gamma
+    img = (img - 0.5) * contrast + 0.5 + bright + noise
+    return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
+
+
+def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int = 500,
+                   size: int = 128, seed: int = 0) -> Path:
+    """Write a synthetic chest X-ray set in R2Gen's layout: out_dir/images/<id>.png and
+    out_dir/annotation.json ({"train": [{"id", "report", "image_path", "split", "labels",
+    "findings"}], "val": [...], "test": [...]}). Deterministic from `seed`. Returns out_dir."""
+    from PIL import Image
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    annotation = {}
+    for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
+        annotation[split] = []
+        for k in range(n):
+            study_id = f"{split}_{k:05d}"
+            findings, labels = sample_synthetic_study(rng)
+            report = write_synthetic_report(findings, labels, rng)
+            image = draw_synthetic_cxr(findings, rng, size)
+            Image.fromarray(image).save(out_dir / "images" / f"{study_id}.png")
+            annotation[split].append({
+                "id": study_id, "report": report, "image_path": [f"{study_id}.png"], "split": split,
+                "labels": [None if np.isnan(v) else v for v in labels.tolist()], "findings": findings})
+    (out_dir / "annotation.json").write_text(json.dumps(annotation, indent=1))
+    return out_dir
+
+
+def cache_dir() -> Path:
+    """Where `--data synthetic` keeps its files: $RRG_CACHE, else ~/.cache/rrg-from-scratch."""
+    return Path(os.environ.get("RRG_CACHE", Path.home() / ".cache" / "rrg-from-scratch"))
+
+
+def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128, seed: int = 0) -> Path:
+    """The synthetic set's annotation.json, made once in the cache folder. Built in a temporary
+    folder and renamed into place, so several torchrun processes can ask at the same time."""
+    final = cache_dir() / f"synthetic-v1-{n_train}-{n_val}-{n_test}-{size}px-seed{seed}"
+    if not (final / "annotation.json").is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
+        make_synthetic(tmp, n_train, n_val, n_test, size, seed)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process finished first: its copy is identical (same seed)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final / "annotation.json"
+
+
+def load_data(data: str, image_root=None, **kwargs) -> dict[str, list[Record]]:
+    """`--data` of every script: 'synthetic' or a path to an annotation file (or its folder)."""
+    if data == "synthetic":
+        return load_annotation(synthetic_data(), **kwargs)
+    path = Path(data)
+    if path.is_dir():
+        path = path / "annotation.json"
+    return load_annotation(path, image_root=image_root, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Labelers
+# ---------------------------------------------------------------------------------------------
+def _words(*phrases: str) -> str:
+    return r"\b(?:" + "|".join(phrases) + r")\b"
+
+
+# A gap inside one mention (e.g. "heart ... enlarged"): stays within the clause.
+_GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"
+_HEART = r"(?:heart(?: size)?|cardiac (?:silhouette|size|contour|contours|shadow))"
+_MEDIASTINUM = r"(?:cardiomediastinal (?:silhouette|contours?)|mediastinal (?:contours?|silhouette)|mediastinum)"
+_NORMAL = r"(?:normal|within normal limits|unremarkable)"
+
+
+class RuleLabeler:
+    """CheXpert-style rule labeler (Irvin et al. 2019), written here: mention phrases per
+    observation, negation and uncertainty cues scoped to the clause, CheXpert's aggregation and
+    No Finding rule. Offline default labeler: fast and deterministic, but only as good as its
+    phrase lists (the CheXbert labeler is the one papers report).
+
+    Mention -> state, in CheXpert's order: a pre-negation uncertainty cue ("cannot exclude") in
+    reach -> uncertain; else a negation cue -> negative; else an uncertainty cue -> uncertain;
+    else positive. Per report: any positive -> 1, else any uncertain -> -1, else any negative
+    -> 0, else blank ({0,-1} -> -1, {0,1} -> 1, {-1,1} -> 1).
+    """
+
+    # Mention phrases. Organ words only count with their qualifier ("heart ... enlarged",
+    # "heart size is normal"): the span covers both, so a cue between them ("the heart is not
+    # enlarged", "is likely enlarged") applies.
+    MENTIONS = {
+        "Enlarged Cardiomediastinum": [
+            _words("mediastinal widening", r"widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum",
+                   r"enlarged cardiomediastinum", r"enlarged cardiomediastinal silhouette"),
+            _MEDIASTINUM + _GAP + r"{0,30}?" + _words(r"widened", r"enlarged", _NORMAL),
+            _words("normal") + " " + _MEDIASTINUM],
+        "Cardiomegaly": [
+            _words("cardiomegaly", r"cardiac enlargement", r"enlarged (?:heart|cardiac silhouette)",
+                   r"enlargement of the (?:heart|cardiac silhouette)"),
+            r"\b" + _HEART + r"\b" + _GAP + r"{0,30}?" + _words(r"enlarged", r"increased", _NORMAL),
+            _words("normal") + " " + _HEART + r"\b"],
+        "Lung Opacity": [_words(r"opacit(?:y|ies)", r"opacification", r"opacified", r"infiltrat(?:e|es|ion)",
+                                r"haziness", r"hazy", r"air ?space (?:disease|process)", r"ground[- ]glass")],
+        "Lung Lesion": [_words(r"nodul(?:e|es|ar)", r"mass(?:es)?", r"lesions?", r"tumou?r", r"neoplasm",
+                               r"carcinoma", r"lump")],
+        "Edema": [_words(r"edema", r"(?:pulmonary|vascular) congestion", r"congestive heart failure", r"chf",
+                         r"fluid overload", r"vascular engorgement")],
+        "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
+        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infection", r"infectious(?: process)?",
+                             r"aspiration")],
+        "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
+        "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
+        "Pleural Effusion": [
+            r"(?<!pericardial )" + _words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax"),
+            _words(r"blunt(?:ing|ed) (?:of )?(?:the )?(?:\w+ )?costophrenic angles?", r"costophrenic angle blunting")],
+        "Pleural Other": [_words(r"pleural (?:thickening|plaques?|scarring|calcifications?)", r"fibrothorax")],
+        "Fracture": [_words(r"fractur(?:e|es|ed)")],
+        "Support Devices": [_words(
+            r"endotracheal tube", r"et tube", r"ett", r"tracheostomy(?: tube)?", r"(?:naso|oro)gastric tube",
+            r"ng tube", r"og tube", r"enteric tube", r"feeding tube", r"dobhoff(?: tube)?", r"chest tubes?",
+            r"(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?", r"central (?:venous )?line",
+            r"picc(?: line)?", r"port-a-cath", r"portacath", r"mediport", r"pacemaker", r"pacer", r"icd",
+            r"defibrillator", r"pacing leads?", r"sternotomy wires", r"intra-aortic balloon pump", r"iabp",
+            r"stents?", r"drains?", r"prosthetic valve", r"valve replacement", r"lvad")],
+    }
+
+    # Cues: (pattern, kind, direction, reach in characters between cue and mention).
+    # kind: "pre_neg_unc" (uncertain although it contains a negation), "neg", "unc".
+    # direction: "pre" applies to mentions after the cue, "post" to mentions before it.
+    # Any cue inside a mention's span applies whatever its direction.
+    CLAUSE = 1000  # reach to the end of the clause
+    CUES = [
+        (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
+         r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
+         r"(?:excluded|ruled out)|difficult to (?:exclude|rule out)", "pre_neg_unc", "both", CLAUSE),
+        (r"no longer|has resolved|have resolved|resolved|(?:has|have) been removed|removed|is absent|are absent"
+         r"|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged|widened)",
+         "neg", "post", 40),
+        (r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
+         r"|rather than|without|no|not|nor|neither|never", "neg", "pre", CLAUSE),
+        (r"normal|within normal limits|unremarkable", "neg", "both", 0),  # only inside "heart size is normal"
+        (r"versus|vs\.?|\?", "unc", "both", CLAUSE),
+        (r"is possible|are possible|is suspected|are suspected|is likely|are likely|is questioned|may be present"
+         r"|is not excluded|are not excluded", "unc", "post", 30),
+        (r"possible|possibly|probable|probably|likely|may|might|could|questionable|question of|suspicious for"
+         r"|suspected|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|differential"
+         r"|consider(?:ed)?|borderline|equivocal|presumed|presumably|indeterminate|evaluate for|evaluation for"
+         r"|assess for|rule out|r/o", "unc", "pre", CLAUSE),
+    ]
+    # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
+    TERMINATORS = (r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
+                   r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b")
+    SENTENCE_ENDS = r"\.(?!\d)|;|\n"
+
+    def __init__(self):
+        self.mentions = [(LABEL_INDEX[name], re.compile("|".join(f"(?:{p})" for p in pats)))
+                         for name, pats in self.MENTIONS.items()]
+        # One pass over the text finds every cue; group i+1 is CUES[i].
+        self.cues = re.compile("|".join(rf"(?<!\w)({p})(?!\w)" if p != r"versus|vs\.?|\?" else f"({p})"
+                                        for p, *_ in self.CUES))
+        self.boundaries = re.compile(f"{self.SENTENCE_ENDS}|{self.TERMINATORS}")
+
+    def label_one(self, report: str) -> np.ndarray:
+        labels = np.full(len(CHEXPERT_LABELS), np.nan)
+        text = report.lower()
+        if not text.strip():
+            # Nothing said: every label blank, No Finding included (our choice; CheXpert's rule
+            # would call an empty report "No Finding" and reward empty generations).
+            return labels
+        bounds = [0] + [m.start() for m in self.boundaries.finditer(text)] + [len(text)]
+        bounds_end = [0] + [m.end() for m in self.boundaries.finditer(text)] + [len(text)]
+        cues = [(m.start(), m.end(), self.CUES[m.lastindex - 1]) for m in self.cues.finditer(text)]
+        states: dict[int, set] = {}
+        for idx, pattern in self.mentions:
+            for m in pattern.finditer(text):
+                start, end = m.start(), m.end()
+                # the clause around the mention: last boundary before it, first after it
+                lo = max(b for b in bounds_end if b <= start)
+                hi = min(b for b in bounds if b >= end)
+                states.setdefault(idx, set()).add(self._state(start, end, lo, hi, cues))
+        for idx, found in states.items():
+            labels[idx] = 1.0 if 1.0 in found else -1.0 if -1.0 in found else 0.0
+        return apply_no_finding_rule(labels)
+
+    @staticmethod
+    def _state(start, end, lo, hi, cues) -> float:
+        applies = {"pre_neg_unc": False, "neg": False, "unc": False}
+        for c_start, c_end, (_, kind, direction, reach) in cues:
+            if c_start >= start and c_end <= end:
+                applies[kind] = True  # inside the mention's own span
+            elif lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach:
+                applies[kind] = True
+            elif end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach:
+                applies[kind] = True
+        if applies["pre_neg_unc"]:
+            return UNCERTAIN
+        if applies["neg"]:
+            return NEGATIVE
+        return UNCERTAIN if applies["unc"] else POSITIVE
+
+    def __call__(self, reports: list[str]) -> np.ndarray:
+        """Label reports -> float (N, 14), 1 / 0 / -1 / NaN, CHEXPERT_LABELS order."""
+        if isinstance(reports, str):
+            raise TypeError("RuleLabeler takes a list of reports, not one string")
+        out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)
+        for i, r in enumerate(reports):
+            out[i] = self.label_one(r)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Metrics: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D) and CE (label precision/recall/F1)
+# ---------------------------------------------------------------------------------------------
+# BLEU, ROUGE-L and CIDEr-D are written here and equal pycocoevalcap 1.2 (bleu/bleu_scorer.py,
+# rouge/rouge.py, cider/cider_scorer.py) to 1e-9, corpus and per sample (tests/test_metrics.py).
+# We rewrite them because RL rewards score thousands of pairs per step and pycocoevalcap's
+# pure-Python O(m*n) LCS dominates its time. METEOR is the Java 1.5 jar through pycocoevalcap:
+# no Python port matches it, so we never report an approximation under its name.
+NGRAM_N = 4  # BLEU-4 and CIDEr-D both use 1..4-grams
+ROUGE_BETA = 1.2  # pycocoevalcap rouge.py: Rouge.beta, recall weighted 1.2x
+CIDER_SIGMA = 6.0  # pycocoevalcap cider.py: Cider(sigma=6.0), the "-D" length penalty
+
+
+def _ngram_counts(tokens: list[str], n: int = NGRAM_N) -> list[Counter]:
+    """counts[k - 1] = Counter of the k-grams of `tokens` (unigrams as plain strings, longer
+    n-grams as tuples). Mirrors precook() in both bleu_scorer.py and cider_scorer.py (we build
+    it once per text and share it between BLEU and CIDEr; pycocoevalcap builds it twice)."""
+    # zip of k shifted views yields every k-gram without a per-token Python loop
+    return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, n + 1)]
+
+
+def _check_pairs(hyps, refs) -> list[list[str]]:
+    """Validate the inputs and return refs as a list of reference lists."""
+    if isinstance(hyps, str) or isinstance(refs, str):
+        raise TypeError("hyps and refs must be lists of strings, not a single string")
+    if len(hyps) != len(refs):
+        raise ValueError(f"got {len(hyps)} hypotheses but {len(refs)} references")
+    if len(hyps) == 0:
+        # A corpus score of nothing is undefined; returning 0 would hide an empty split.
+        raise ValueError("nlg_metrics needs at least one (hypothesis, reference) pair")
+    ref_lists = []
+    for i, (h, r) in enumerate(zip(hyps, refs)):
+        r = [r] if isinstance(r, str) else list(r)
+        if not isinstance(h, str) or not r or not all(isinstance(x, str) for x in r):
+            raise TypeError(f"pair {i}: need a str hypothesis and a str or non-empty list "
+                            f"of str references, got {type(h).__name__} / {r!r:.80}")
+        ref_lists.append(r)
+    return ref_lists
+
+
+# --- BLEU ------------------------------------------------------------------
+def _bleu_stats(hyp: list[str], hyp_counts, refs: list[list[str]], refs_counts):
+    """Clipped matches, guesses and the effective reference length of one pair.
+    Mirrors cook_refs()/cook_test() in bleu_scorer.py."""
+    # 'closest' reference length, ties go to the SHORTER one: pycocoevalcap takes
+    # min((abs(l - testlen), l)), so the tuple's second item breaks ties.
+    ref_len = min((abs(len(r) - len(hyp)), len(r)) for r in refs)[1]
+    # Clip each hypothesis n-gram count by its max count in any single reference.
+    max_counts = refs_counts[0]
+    if len(refs_counts) > 1:
+        max_counts = [Counter() for _ in range(NGRAM_N)]
+        for ref_counts in refs_counts:
+            for k in range(NGRAM_N):
+                max_counts[k] |= ref_counts[k]  # Counter | Counter = element-wise max
+    # Only n-grams in both can match; the key-set intersection runs in C.
+    correct = [sum(min(h[g], m[g]) for g in h.keys() & m.keys())
+               for h, m in zip(hyp_counts, max_counts)]
+    guess = [max(0, len(hyp) - k) for k in range(NGRAM_N)]  # number of (k+1)-grams
+    return correct, guess, len(hyp), ref_len
+
+
+def _bleu_scores(correct, guess, hyp_len, ref_len) -> np.ndarray:
+    """BLEU-1..4 for each row. Mirrors BleuScorer.compute_score(): the same smoothing
+    constants (so an empty hypothesis gives 0, not NaN) and the same product order,
+    which makes per-sample and corpus scores equal pycocoevalcap to the last bits."""
+    tiny, small = 1e-15, 1e-9
+    correct, guess = np.asarray(correct, float), np.asarray(guess, float)  # (N, 4)
+    # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
+    prods = np.cumprod((correct + tiny) / (guess + small), axis=1)  # (N, 4)
+    bleu = prods ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
+    # Brevity penalty exp(1 - r/c), applied only when the hypothesis is shorter
+    ratio = (np.asarray(hyp_len, float) + tiny) / (np.asarray(ref_len, float) + small)
+    with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
+        bp = np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)  # (N,)
+    return bleu * bp[:, None]
+
+
+# --- ROUGE-L ---------------------------------------------------------------
+def _lcs_length(a: list[str], b: list[str]) -> int:
+    """Length of the longest common subsequence of two token lists.
+    Same value as my_lcs() in rouge.py, but bit-parallel (Allison & Dix 1986, in the
+    form of Hyyro 2004): one Python big int holds a whole DP column, so the cost is
+    O(len(b)) big-int operations instead of O(len(a) * len(b)) Python steps."""
+    if not a or not b:
+        return 0
+    # match[t] has bit i set where a[i] == t
+    match = {}
+    for i, tok in enumerate(a):
+        match[tok] = match.get(tok, 0) | (1 << i)
+    full = (1 << len(a)) - 1
+    v = full  # zero bits of v mark the positions where the LCS grew
+    for tok in b:
+        u = v & match.get(tok, 0)
+        v = (v + u) | (v - u)
+    return len(a) - (v & full).bit_count()
+
+
+def _rouge_l(hyp: list[str], refs: list[list[str]], beta: float = ROUGE_BETA) -> float:
+    """Mirrors Rouge.calc_score() in rouge.py: precision and recall are maximised
+    over the references SEPARATELY (they may come from different references)."""
+    if not hyp:
+        # pycocoevalcap splits "" into [""], one empty token; that gives 0 here too,
+        # except when the reference is also empty, where it would give 1.0. We give 0.
+        return 0.0
+    prec_max = rec_max = 0.0
+    for ref in refs:
+        lcs = _lcs_length(hyp, ref)
+        prec_max = max(prec_max, lcs / len(hyp))
+        rec_max = max(rec_max, lcs / len(ref) if ref else 0.0)
+    if prec_max == 0 or rec_max == 0:
+        return 0.0
+    # F_beta = (1 + b^2) P R / (R + b^2 P), written in pycocoevalcap's operation order
+    return ((1 + beta**2) * prec_max * rec_max) / float(rec_max + beta**2 * prec_max)
+
+
+# --- CIDEr-D ---------------------------------------------------------------
+def _cider_vec(counts: list[Counter], idf2: dict, default_idf2: float):
+    """L2 norms of the TF-IDF vectors (one per n-gram order) and the 'length'.
+    Mirrors counts2vec() in cider_scorer.py, where vec[g] = tf(g) * idf(g); we keep
+    the raw counts and the squared idf instead of building the weighted dicts, which
+    pycocoevalcap rebuilds for every reference of every pair."""
+    # ||vec||^2 = sum_g tf(g)^2 * idf(g)^2, as one dot product per order
+    norms = [math.sqrt(sum(tf * tf * idf2.get(g, default_idf2) for g, tf in c.items())) for c in counts]
+    # pycocoevalcap's 'length' counts BIGRAMS (its `if n == 1` is the 0-based bigram
+    # index), i.e. len(tokens) - 1, and 0 for texts of 0 or 1 token. We keep that
+    # quirk: it decides the Gaussian length penalty.
+    length = sum(counts[1].values())
+    return counts, norms, length
+
+
+def _cider_sim(hyp, ref, idf2: dict, sigma: float = CIDER_SIGMA) -> list[float]:
+    """Per-order clipped cosine similarity with the Gaussian length penalty.
+    Mirrors sim() in cider_scorer.py: sum_g min(w_h(g), w_r(g)) * w_r(g) with
+    w = tf * idf; as idf >= 0 this is min(tf_h, tf_r) * tf_r * idf^2 (the "-D"
+    clipping), and only n-grams present in both contribute."""
+    (h_counts, h_norms, h_len), (r_counts, r_norms, r_len) = hyp, ref
+    penalty = math.exp(-((h_len - r_len) ** 2) / (2 * sigma**2))
+    vals = []
+    for h, r, h_norm, r_norm in zip(h_counts, r_counts, h_norms, r_norms):
+        val = sum(min(h[g], r[g]) * r[g] * idf2[g] for g in h.keys() & r.keys())
+        if h_norm != 0 and r_norm != 0:
+            val /= h_norm * r_norm
+        vals.append(val * penalty)
+    return vals
+
+
+def _cider_d(hyps_counts, refs_counts) -> np.ndarray:
+    """CIDEr-D of every pair. Mirrors CiderScorer.compute_score(): document
+    frequencies come from the references being scored (each pair's reference set is
+    one document), so a score depends on the whole evaluated set; with a single pair
+    log(N) = 0 and every score is 0. Score = 10 * mean over n of the similarity,
+    averaged over the references."""
+    # df(g) = number of pairs whose references (any of them) contain g
+    df = Counter()
+    for refs in refs_counts:
+        df.update(set().union(*(c.keys() for ref in refs for c in ref)))
+    log_n = math.log(len(refs_counts))
+    # idf = log(N) - log(max(1, df)); n-grams absent from every reference get log(N)
+    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf
+    scores = []
+    for hyp, refs in zip(hyps_counts, refs_counts):
+        h = _cider_vec(hyp, idf2, log_n**2)
+        total = np.zeros(NGRAM_N)
+        for ref in refs:
+            total += _cider_sim(h, _cider_vec(ref, idf2, log_n**2), idf2)
+        scores.append(np.mean(total) / len(refs) * 10.0)
+    return np.array(scores)
+
+
+# --- METEOR ----------------------------------------------------------------
+_METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
+
+
+def _meteor_available() -> bool:
+    return importlib.util.find_spec("pycocoevalcap") is not None and shutil.which("java") is not None
+
+
+def _meteor_scorer():
+    """pycocoevalcap's Meteor (java -jar meteor-1.5.jar -stdio), started once."""
+    global _METEOR_SCORER
+    if _METEOR_SCORER is None:
+        from pycocoevalcap.meteor.meteor import Meteor
+        _METEOR_SCORER = Meteor()
+    return _METEOR_SCORER
+
+
+def _meteor(hyps: list[str], refs: list[list[str]]):
+    """Corpus METEOR (the jar's own aggregate, not the mean of per-sample scores) and
+    per-sample scores. Texts must be one line each: a newline ends a command of the
+    jar's stdin protocol, and "|||" separates fields (Meteor._stat only cleans it
+    from the hypothesis, so we clean the references too)."""
+    def one_line(t):
+        return " ".join(t.replace("|||", " ").split())
+    res = {i: [one_line(h)] for i, h in enumerate(hyps)}
+    gts = {i: [one_line(r) for r in rs] for i, rs in enumerate(refs)}
+    score, scores = _meteor_scorer().compute_score(gts, res)
+    return float(score), [float(s) for s in scores]
+
+
+# --- NLG entry point -------------------------------------------------------
+def nlg_metrics(hyps, refs, meteor="auto", per_sample: bool = False) -> dict:
+    """BLEU-1..4, ROUGE-L, CIDEr(-D) and, when computed, METEOR, as pycocoevalcap.
+
+    hyps: list of str. refs: list of str, or list of lists of str (several references
+    per hypothesis). Texts are used as given: split on any whitespace (newlines
+    included), no lower-casing or punctuation handling; clean them before.
+    meteor: "auto" (compute when pycocoevalcap and java are present, else leave the
+    key out and log a warning), True (raise if unavailable) or False (skip).
+    per_sample: also return {"per_sample": {metric: [score per hypothesis]}}.
+    """
+    if meteor not in ("auto", True, False):
+        raise ValueError(f"meteor must be 'auto', True or False, got {meteor!r}")
+    ref_texts = _check_pairs(hyps, refs)
+    hyp_toks = [h.split() for h in hyps]  # str.split(): whitespace incl. newlines
+    ref_toks = [[r.split() for r in rs] for rs in ref_texts]
+    hyp_counts = [_ngram_counts(t) for t in hyp_toks]
+    ref_counts = [[_ngram_counts(t) for t in rs] for rs in ref_toks]
+
+    # BLEU: per-sample from each pair's stats, corpus from the summed stats
+    stats = [_bleu_stats(*args) for args in zip(hyp_toks, hyp_counts, ref_toks, ref_counts)]
+    correct, guess, hyp_len, ref_len = (np.array(x) for x in zip(*stats))
+    bleu_each = _bleu_scores(correct, guess, hyp_len, ref_len)  # (N, 4)
+    bleu_corpus = _bleu_scores(correct.sum(0, keepdims=True), guess.sum(0, keepdims=True),
+                               hyp_len.sum(keepdims=True), ref_len.sum(keepdims=True))[0]
+    each = {f"BLEU-{k + 1}": bleu_each[:, k] for k in range(NGRAM_N)}
+    out = {f"BLEU-{k + 1}": float(bleu_corpus[k]) for k in range(NGRAM_N)}
+
+    # ROUGE-L and CIDEr-D: the corpus score is the mean of the per-sample scores
+    each["ROUGE-L"] = np.array([_rouge_l(h, rs) for h, rs in zip(hyp_toks, ref_toks)])
+    each["CIDEr"] = _cider_d(hyp_counts, ref_counts)
+    out["ROUGE-L"] = float(np.mean(each["ROUGE-L"]))
+    out["CIDEr"] = float(np.mean(each["CIDEr"]))
+
+    if meteor is not False:
+        if _meteor_available():
+            out["METEOR"], each["METEOR"] = _meteor(hyps, ref_texts)
+        elif meteor is True:
+            raise RuntimeError("METEOR needs pycocoevalcap (pip install pycocoevalcap) and "
+                               "a `java` executable on PATH; pass meteor=False to skip it")
+        else:
+            log.warning("METEOR skipped: needs pycocoevalcap and `java` on PATH "
+                                   "(no approximation is reported in its place)")
+    if per_sample:
+        out["per_sample"] = {k: [float(x) for x in v] for k, v in each.items()}
+    return out
+
+
+# --- CE metrics ------------------------------------------------------------
+# F1-CheXbert (R2Gen/CMN/... tables): micro F1 over these 5 observations only
+CHEXBERT_5 = ["Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion"]
+
+
+def _safe_div(num, den) -> np.ndarray:
+    """num / den with 0 where den == 0: scikit-learn's zero_division=0."""
+    num, den = np.asarray(num, float), np.asarray(den, float)
+    return np.divide(num, den, out=np.zeros_like(num), where=den != 0)
+
+
+def _prf(tp, fp, fn):
+    """Precision, recall, F1 = 2TP / (2TP + FP + FN), each 0 when undefined
+    (scikit-learn's precision_recall_fscore_support with zero_division=0)."""
+    return _safe_div(tp, tp + fp), _safe_div(tp, tp + fn), _safe_div(2 * tp, 2 * tp + fp + fn)
+
+
+def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
+    """Clinical efficacy: labels of generated (hyp) vs reference reports.
+
+    hyp_labels, ref_labels: float arrays (N, 14) in CHEXPERT_LABELS order, with
+    1 positive, 0 negative, -1 uncertain, NaN not mentioned.
+    uncertain_as: 1 counts uncertain as positive, 0 as negative. Papers differ:
+    PromptMRG's code takes CheXbert class 1 only (uncertain_as=0); CheXpert-style
+    "U-ones" and DEER's reward count it positive (uncertain_as=1, our default).
+    """
+    if uncertain_as not in (0, 1):
+        raise ValueError(f"uncertain_as must be 0 or 1, got {uncertain_as!r}")
+    hyp = binarize(hyp_labels, uncertain_as, "hyp_labels").astype(bool)  # (N, 14) bool
+    ref = binarize(ref_labels, uncertain_as, "ref_labels").astype(bool)  # (N, 14) bool
+    if hyp.shape != ref.shape:
+        raise ValueError(f"hyp_labels {hyp.shape} and ref_labels {ref.shape} differ in shape")
+    if hyp.shape[0] == 0:
+        raise ValueError("ce_metrics needs at least one report")
+    tp = (hyp & ref).astype(float)  # (N, 14)
+    fp = (hyp & ~ref).astype(float)
+    fn = (~hyp & ref).astype(float)
+    out = {}
+
+    # Micro: pool TP/FP/FN over all reports and labels
+    p, r, f = _prf(tp.sum(), fp.sum(), fn.sum())
+    out.update(micro_precision=p, micro_recall=r, micro_f1=f)
+
+    # Macro: P/R/F1 per label, then the plain mean over the 14 labels (labels with no
+    # positive anywhere count as 0, as scikit-learn's average="macro" does)
+    p_lab, r_lab, f_lab = _prf(tp.sum(0), fp.sum(0), fn.sum(0))  # (14,) each
+    out.update(macro_precision=p_lab.mean(), macro_recall=r_lab.mean(), macro_f1=f_lab.mean())
+
+    # Example-based (PromptMRG, modules/metrics_clinical.py): P/R/F1 per report, then
+    # the mean over ALL reports. A report with no predicted positive has precision 0,
+    # one with no reference positive recall 0, and one with neither scores 0 on all
+    # three (PromptMRG's nan_to_num; equals scikit-learn average="samples",
+    # zero_division=0). We keep that, for comparable numbers, though it punishes
+    # correct all-negative reports; with CheXbert labels No Finding is usually
+    # positive in a normal report, so the case is rare.
+    p_ex, r_ex, f_ex = _prf(tp.sum(1), fp.sum(1), fn.sum(1))  # (N,) each
+    out.update(example_precision=p_ex.mean(), example_recall=r_ex.mean(), example_f1=f_ex.mean())
+
+    # F1-CheXbert: micro over the 5 common observations
+    cols = [CHEXPERT_LABELS.index(name) for name in CHEXBERT_5]
+    p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
+    out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
+
+    out = {k: float(v) for k, v in out.items()}
+    out["per_label"] = {
+        name: {"precision": float(p_lab[i]), "recall": float(r_lab[i]), "f1": float(f_lab[i]),
+               "support": int(ref[:, i].sum())}
+        for i, name in enumerate(CHEXPERT_LABELS)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Command line
+# ---------------------------------------------------------------------------------------------
+def read_generations(path) -> list[dict]:
+    """generations.jsonl: one {"id", "reference", "generated", ...} object per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"generations file not found: {path}")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        for key in ("reference", "generated"):
+            if not isinstance(row.get(key), str):
+                raise ValueError(f"{path}:{n}: field {key!r} missing or not a string (line has {sorted(row)})")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no generations in the file")
+    return rows
+
+
+def make_labeler(name: str, chexbert_weights=None, device="cpu"):
+    """`--labeler rule|chexbert` of every script."""
+    if name == "rule":
+        return RuleLabeler()
+    if name == "chexbert":
+        return CheXbertLabeler(weights=chexbert_weights, device=device)
+    raise ValueError(f"--labeler must be 'rule' or 'chexbert', got {name!r}")
+
+
+def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_cxr", uncertain_as: int = 1,
+                         meteor="auto") -> dict:
+    """NLG metrics on cleaned text (R2Gen convention) and CE metrics from the labels of the raw
+    generated and reference reports."""
+    hyps = [r["generated"] for r in rows]
+    refs = [r["reference"] for r in rows]
+    n_empty = sum(not h.strip() for h in hyps)
+    if n_empty:
+        log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
+    if clean is not None:
+        hyps_c = [clean_report(h, clean) if h.strip() else "" for h in hyps]
+        refs_c = [clean_report(r, clean) for r in refs]
+    else:
+        hyps_c, refs_c = hyps, refs
+    results = {"n": len(rows), "n_empty_generations": n_empty, "clean": clean,
+               "labeler": type(labeler).__name__, "uncertain_as": uncertain_as}
+    results["nlg"] = nlg_metrics(hyps_c, refs_c, meteor=meteor)
+    results["ce"] = ce_metrics(labeler(hyps), labeler(refs), uncertain_as=uncertain_as)
+    return results
+
+
+def format_table(results: dict) -> str:
+    nlg, ce = results["nlg"], results["ce"]
+    lines = [f"{results['n']} reports, labeler {results['labeler']}, uncertain counted as {results['uncertain_as']}",
+             "  ".join(f"{k} {v:.4f}" for k, v in nlg.items() if isinstance(v, float))]
+    for conv in ("micro", "macro", "example"):
+        lines.append(f"CE {conv:8s} P {ce[f'{conv}_precision']:.4f}  R {ce[f'{conv}_recall']:.4f}  F1 {ce[f'{conv}_f1']:.4f}")
+    lines.append(f"CE 5-label micro F1 {ce['5label_micro_f1']:.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="rrg-from-scratch shared tools")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("evaluate", help="score a generations.jsonl file (NLG + CE metrics)")
+    e.add_argument("--generations", required=True, help="JSONL with 'reference' and 'generated' per line")
+    e.add_argument("--labeler", default="rule", choices=["rule", "chexbert"])
+    e.add_argument("--chexbert-weights", default=None, help="local chexbert.pth (else downloaded once)")
+    e.add_argument("--clean", default="mimic_cxr", choices=["mimic_cxr", "iu_xray", "plain", "none"],
+                   help="text normalisation before NLG metrics (R2Gen's cleaning by default)")
+    e.add_argument("--uncertain-as", type=int, default=1, choices=[0, 1], help="CE: count uncertain as positive (1) or not")
+    e.add_argument("--no-meteor", action="store_true", help="skip METEOR (needs Java + pycocoevalcap)")
+    e.add_argument("--out", default=None, help="JSON output (default: next to the generations file)")
+    s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout)")
+    s.add_argument("--out", required=True)
+    s.add_argument("--n-train", type=int, default=2000)
+    s.add_argument("--n-val", type=int, default=200)
+    s.add_argument("--n-test", type=int, default=500)
+    s.add_argument("--size", type=int, default=128)
+    s.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        _run_command(args)
+    except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
+        raise SystemExit(f"error: {e}") from None
+
+
+def _run_command(args):
+    if args.command == "evaluate":
+        rows = read_generations(args.generations)
+        labeler = make_labeler(args.labeler, args.chexbert_weights)
+        results = evaluate_generations(rows, labeler, None if args.clean == "none" else args.clean,
+                                       args.uncertain_as, meteor=False if args.no_meteor else "auto")
+        out = Path(args.out) if args.out else Path(args.generations).with_name("eval.json")
+        out.write_text(json.dumps(results, indent=2))
+        print(format_table(results))
+        print(f"wrote {out}")
+    elif args.command == "synthetic":
+        path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
+        print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
+
+
+if __name__ == "__main__":
+    main()

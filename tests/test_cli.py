@@ -1,0 +1,70 @@
+"""`python common.py evaluate` and `python common.py synthetic`, run as a user would."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ROWS = [
+    {"id": "a", "reference": "There is a small left pleural effusion. No pneumothorax.",
+     "generated": "Small left pleural effusion. No pneumothorax."},
+    {"id": "b", "reference": "The heart is mildly enlarged. No focal consolidation.",
+     "generated": "There is mild cardiomegaly. There is a right pleural effusion."},
+    {"id": "c", "reference": "The lungs are clear. No acute cardiopulmonary process.",
+     "generated": ""},
+]
+
+
+def run_common(*args):
+    return subprocess.run([sys.executable, str(ROOT / "common.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_evaluate_writes_the_same_numbers_as_the_functions(tmp_path):
+    gen = tmp_path / "generations.jsonl"
+    gen.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    proc = run_common("evaluate", "--generations", str(gen), "--no-meteor")
+    assert proc.returncode == 0, proc.stderr
+    assert "5-label micro F1" in proc.stdout
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["n"] == 3 and result["n_empty_generations"] == 1
+    hyps = [common.clean_report(r["generated"]) if r["generated"] else "" for r in ROWS]
+    refs = [common.clean_report(r["reference"]) for r in ROWS]
+    expected = common.nlg_metrics(hyps, refs, meteor=False)
+    for key, value in expected.items():
+        assert result["nlg"][key] == pytest.approx(value, abs=1e-12)
+    labeler = common.RuleLabeler()
+    ce = common.ce_metrics(labeler([r["generated"] for r in ROWS]), labeler([r["reference"] for r in ROWS]))
+    # by hand: refs positive: a effusion; b cardiomegaly; c No Finding.
+    # hyps positive: a effusion; b cardiomegaly + effusion; c nothing (empty).
+    # TP 2, FP 1, FN 1 -> micro P = R = F1 = 2/3
+    assert ce["micro_f1"] == pytest.approx(2 / 3)
+    assert result["ce"]["micro_f1"] == pytest.approx(2 / 3)
+    # 5 labels (No Finding not among them): TP 2, FP 1, FN 0 -> F1 = 4 / 5
+    assert result["ce"]["5label_micro_f1"] == pytest.approx(0.8)
+
+
+def test_evaluate_bad_file_names_the_line(tmp_path):
+    gen = tmp_path / "generations.jsonl"
+    gen.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"id": "x", "generated": "ok"}) + "\n")
+    proc = run_common("evaluate", "--generations", str(gen), "--no-meteor")
+    assert proc.returncode != 0
+    assert f"{gen}:2" in proc.stderr and "'reference'" in proc.stderr
+    proc = run_common("evaluate", "--generations", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode != 0 and "missing.jsonl" in proc.stderr
+
+
+def test_synthetic_command_writes_a_loadable_set(tmp_path):
+    proc = run_common("synthetic", "--out", str(tmp_path / "syn"), "--n-train", "6", "--n-val", "2",
+                      "--n-test", "3", "--size", "32", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    data = common.load_annotation(tmp_path / "syn" / "annotation.json")
+    assert [len(data[s]) for s in ("train", "val", "test")] == [6, 2, 3]
+    labels = np.stack([r.labels for r in data["train"]])
+    np.testing.assert_array_equal(common.RuleLabeler()([r.report for r in data["train"]]), labels)

@@ -1,0 +1,151 @@
+"""RuleLabeler: exact on the synthetic reports, right on real-style report text."""
+import time
+
+import numpy as np
+import pytest
+
+from common import CHEXPERT_LABELS, LABEL_INDEX, RuleLabeler, apply_no_finding_rule, sample_synthetic_study, \
+    write_synthetic_report
+
+# Real-style report text with labels we are sure of. Labels not listed are blank; No Finding
+# follows CheXpert's rule (1 when nothing but Support Devices is positive or uncertain).
+REAL_STYLE = [
+    ("No acute cardiopulmonary process.", {}),
+    ("No pleural effusion or pneumothorax.", {"Pleural Effusion": 0, "Pneumothorax": 0}),
+    ("No focal consolidation, pleural effusion, or pneumothorax.",
+     {"Consolidation": 0, "Pleural Effusion": 0, "Pneumothorax": 0}),
+    ("Heart size is normal.", {"Cardiomegaly": 0}),
+    ("The heart size is mildly enlarged.", {"Cardiomegaly": 1}),
+    ("Moderate cardiomegaly is unchanged.", {"Cardiomegaly": 1}),
+    ("Stable moderate cardiomegaly.", {"Cardiomegaly": 1}),
+    ("The cardiac silhouette is enlarged.", {"Cardiomegaly": 1}),
+    ("The heart is not enlarged.", {"Cardiomegaly": 0}),
+    ("Mild pulmonary edema.", {"Edema": 1}),
+    ("There is mild pulmonary vascular congestion.", {"Edema": 1}),
+    ("Moderate pulmonary edema has improved.", {"Edema": 1}),
+    ("Pulmonary edema has resolved.", {"Edema": 0}),
+    ("Small bilateral pleural effusions.", {"Pleural Effusion": 1}),
+    ("Small left pleural effusion cannot be excluded.", {"Pleural Effusion": -1}),
+    ("Cannot exclude a small left pleural effusion.", {"Pleural Effusion": -1}),
+    ("Possible small right pleural effusion.", {"Pleural Effusion": -1}),
+    ("Interval resolution of the left pleural effusion.", {"Pleural Effusion": 0}),
+    ("No pericardial effusion.", {}),
+    ("Left lower lobe opacity may reflect atelectasis or pneumonia.",
+     {"Lung Opacity": 1, "Atelectasis": -1, "Pneumonia": -1}),
+    ("Right basilar opacity, likely atelectasis.", {"Lung Opacity": 1, "Atelectasis": -1}),
+    ("Patchy opacity in the right lower lobe concerning for pneumonia.", {"Lung Opacity": 1, "Pneumonia": -1}),
+    ("Hazy opacity at the right base may represent pneumonia.", {"Lung Opacity": 1, "Pneumonia": -1}),
+    ("There is no evidence of pneumonia.", {"Pneumonia": 0}),
+    ("Findings suggestive of pneumonia.", {"Pneumonia": -1}),
+    ("Pneumonia is not excluded.", {"Pneumonia": -1}),
+    ("Pneumonia cannot be ruled out.", {"Pneumonia": -1}),
+    ("There is no focal consolidation to suggest pneumonia.", {"Consolidation": 0, "Pneumonia": 0}),
+    ("Right lower lobe consolidation, but no pleural effusion.", {"Consolidation": 1, "Pleural Effusion": 0}),
+    ("No pleural effusion, but there is a small right pneumothorax.", {"Pleural Effusion": 0, "Pneumothorax": 1}),
+    ("Lungs are clear without consolidation or edema.", {"Consolidation": 0, "Edema": 0}),
+    ("Endotracheal tube terminates 4 cm above the carina.", {"Support Devices": 1}),
+    ("The endotracheal tube has been removed.", {"Support Devices": 0}),
+    ("Interval removal of the nasogastric tube.", {"Support Devices": 0}),
+    ("Right internal jugular central venous catheter tip in the mid SVC.", {"Support Devices": 1}),
+    ("Left chest wall pacemaker with leads in the right atrium and right ventricle.", {"Support Devices": 1}),
+    ("Nasogastric tube courses below the diaphragm.", {"Support Devices": 1}),
+    ("Feeding tube tip is in the stomach.", {"Support Devices": 1}),
+    ("Left PICC line tip in the lower SVC.", {"Support Devices": 1}),
+    ("Small right apical pneumothorax.", {"Pneumothorax": 1}),
+    ("There is a tiny left apical pneumothorax.", {"Pneumothorax": 1}),
+    ("No pneumothorax is seen.", {"Pneumothorax": 0}),
+    ("There is a 1.2 cm nodule in the right upper lobe.", {"Lung Lesion": 1}),
+    ("No suspicious pulmonary nodules or masses.", {"Lung Lesion": 0}),
+    ("Multiple displaced left rib fractures.", {"Fracture": 1}),
+    ("No acute displaced rib fracture.", {"Fracture": 0}),
+    ("Mild bibasilar atelectasis.", {"Atelectasis": 1}),
+    ("The cardiomediastinal silhouette is within normal limits.", {"Enlarged Cardiomediastinum": 0}),
+    ("The mediastinum is widened.", {"Enlarged Cardiomediastinum": 1}),
+    ("Apical pleural thickening.", {"Pleural Other": 1}),
+    ("Calcified pleural plaques are consistent with prior asbestos exposure.", {"Pleural Other": 1}),
+    ("Mild cardiomegaly with small left pleural effusion and adjacent atelectasis.",
+     {"Cardiomegaly": 1, "Pleural Effusion": 1, "Atelectasis": 1}),
+    ("The lungs are hyperinflated but clear.", {}),
+    ("Small left pleural effusion is unchanged. No pneumothorax.", {"Pleural Effusion": 1, "Pneumothorax": 0}),
+    ("No evidence of pneumothorax or pleural effusion. Heart size is normal.",
+     {"Pneumothorax": 0, "Pleural Effusion": 0, "Cardiomegaly": 0}),
+    # CheXpert's aggregation over mentions of one observation: {0,1} -> 1, {0,-1} -> -1, {-1,1} -> 1
+    ("No right pleural effusion. Small left pleural effusion.", {"Pleural Effusion": 1}),
+    ("Possible left basilar atelectasis. No atelectasis on the right.", {"Atelectasis": -1}),
+    ("Possible small left effusion. Small right pleural effusion.", {"Pleural Effusion": 1}),
+]
+
+
+def expected_vector(labels: dict) -> np.ndarray:
+    v = np.full(14, np.nan)
+    for name, value in labels.items():
+        v[LABEL_INDEX[name]] = value
+    return apply_no_finding_rule(v)
+
+
+def same(a, b):
+    return bool(np.all((a == b) | (np.isnan(a) & np.isnan(b))))
+
+
+@pytest.mark.parametrize("text,labels", REAL_STYLE, ids=[t[:40] for t, _ in REAL_STYLE])
+def test_real_style_sentences(text, labels):
+    got = RuleLabeler()([text])[0]
+    want = expected_vector(labels)
+    assert same(got, want), {n: (g, w) for n, g, w in zip(CHEXPERT_LABELS, got, want) if not same(np.array(g), np.array(w))}
+
+
+def test_real_style_set_is_large_enough():
+    assert len(REAL_STYLE) >= 40
+
+
+def test_no_finding_rule_ignores_support_devices():
+    labels = RuleLabeler()(["Endotracheal tube in standard position. No pneumothorax.",
+                            "Endotracheal tube in standard position. Small pneumothorax."])
+    assert labels[0, LABEL_INDEX["No Finding"]] == 1
+    assert np.isnan(labels[1, LABEL_INDEX["No Finding"]])
+
+
+def test_uncertain_finding_blocks_no_finding():
+    labels = RuleLabeler()(["Possible small left pleural effusion."])
+    assert np.isnan(labels[0, LABEL_INDEX["No Finding"]])
+
+
+def test_empty_report_is_all_blank():
+    labels = RuleLabeler()(["", "   "])
+    assert np.isnan(labels).all()
+
+
+def test_rejects_a_single_string():
+    with pytest.raises(TypeError, match="list of reports"):
+        RuleLabeler()("No pneumothorax.")
+
+
+def test_labels_every_synthetic_report_exactly():
+    rng = np.random.default_rng(123)
+    reports, truth = [], []
+    for _ in range(3000):
+        findings, labels = sample_synthetic_study(rng)
+        reports.append(write_synthetic_report(findings, labels, rng))
+        truth.append(labels)
+    got = RuleLabeler()(reports)
+    truth = np.array(truth)
+    wrong = [reports[i] for i in range(len(reports)) if not same(got[i], truth[i])]
+    assert not wrong, wrong[:5]
+
+
+@pytest.mark.slow
+def test_speed_at_least_2000_reports_per_second():
+    import torch
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    reports = []
+    for _ in range(5000):
+        f, l = sample_synthetic_study(rng)
+        reports.append(write_synthetic_report(f, l, rng))
+    reports += [t for t, _ in REAL_STYLE] * 20
+    labeler = RuleLabeler()
+    start = time.perf_counter()
+    labeler(reports)
+    rate = len(reports) / (time.perf_counter() - start)
+    print(f"\nRuleLabeler: {rate:.0f} reports/s on one core ({len(reports)} reports)")
+    assert rate >= 2000
