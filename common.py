@@ -9,7 +9,11 @@ Everything here is plumbing that at least two of the method scripts use, in read
                (f1chexbert's model with the real CheXbert weights)
   4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (equal to pycocoevalcap), METEOR via pycocoevalcap's
                Java scorer when present, and clinical-efficacy (CE) precision/recall/F1
-  5. Command line: `python common.py evaluate --generations FILE.jsonl`,
+  5. Models    one policy interface: TinyPolicy (small CNN + GPT-2-configured decoder, offline)
+               and HFPolicy (Qwen2.5-VL and kin through AutoModelForImageTextToText); LoRA
+  6. RL core   group advantages, GRPO loss (grpo / bnpo / dr_grpo, k3 KL), DPO loss, rollouts
+  7. Running   seeding, torchrun/DDP, rank-0 logging, atomic checkpoints with resume
+  8. Command line: `python common.py evaluate --generations FILE.jsonl`,
                    `python common.py synthetic --out DIR`
 
 Label arrays are float (N, 14): 1 positive, 0 negative, -1 uncertain, NaN not mentioned.
@@ -1230,7 +1234,379 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Command line
+# 5. Models: one small policy interface, a tiny built-in VLM and Hugging Face VLMs
+# ---------------------------------------------------------------------------------------------
+# Every RL script talks to a policy through the same methods (N = B prompts x G samples, each
+# group contiguous; T completion tokens):
+#   prompt_batch(images, text) -> prompts        model inputs of B studies (lists of PIL views)
+#   repeat(prompts, G)                           each prompt G times, row i -> rows iG .. iG+G-1
+#   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T)
+#                                                mask: 1 up to AND including the first EOS
+#   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
+#   encode_targets(texts) -> ids, mask;  decode(ids, mask) -> texts;  sft_loss(prompts, texts)
+#   save(dir) / load(dir)
+# Sampling is pure temperature sampling: top-k / top-p would make the recorded log-probs
+# differ from the policy's, biasing the GRPO ratio (PITFALLS.md).
+_WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
+
+
+class WordTokenizer:
+    """Word-level tokenizer of the tiny model, built from the training reports: lower-cased
+    words, numbers and single punctuation marks; angle-bracket tags (<think>) stay whole."""
+    PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+
+    def __init__(self, vocab: list[str]):
+        self.vocab = list(vocab)
+        self.index = {w: i for i, w in enumerate(self.vocab)}
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (self.index[t] for t in (self.PAD, self.BOS, self.EOS, self.UNK))
+
+    @classmethod
+    def build(cls, texts: list[str], min_count: int = 1, extra_tokens=()) -> "WordTokenizer":
+        counts = Counter(w for t in texts for w in _WORD_RE.findall(t.lower()))
+        words = sorted(w for w, c in counts.items() if c >= min_count)
+        specials = [cls.PAD, cls.BOS, cls.EOS, cls.UNK, *extra_tokens]
+        return cls(specials + [w for w in words if w not in specials])
+
+    def encode(self, text: str) -> list[int]:
+        return [self.index.get(w, self.unk_id) for w in _WORD_RE.findall(text.lower())]
+
+    def decode(self, ids) -> str:
+        words = [self.vocab[i] for i in ids if i not in (self.pad_id, self.bos_id, self.eos_id)]
+        text = " ".join(words)
+        return re.sub(r" ?- ?", "-", re.sub(r" ([.,;:?!])", r"\1", text))
+
+
+class TinyVLM(torch.nn.Module):
+    """The offline policy's network: a small CNN turns each view into a grid of prefix
+    embeddings that a GPT-2-configured decoder (transformers, random init) reads before BOS.
+
+    image (V, 1, S, S) -> conv stack -> (D, g, g) -> g*g prefix vectors per view -> decoder
+    """
+
+    def __init__(self, vocab_size: int, n_views: int = 1, grid: int = 4, n_embd: int = 128, n_layer: int = 2,
+                 n_head: int = 4, max_len: int = 96, channels: int = 32):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        self.hparams = dict(vocab_size=vocab_size, n_views=n_views, grid=grid, n_embd=n_embd, n_layer=n_layer,
+                            n_head=n_head, max_len=max_len, channels=channels)
+        c = channels
+        block = lambda i, o: [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+        self.encoder = torch.nn.Sequential(*block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c),
+                                           torch.nn.AdaptiveAvgPool2d(grid))
+        self.project = torch.nn.Linear(2 * c, n_embd)
+        self.view_embedding = torch.nn.Parameter(torch.zeros(n_views, 1, n_embd))
+        self.n_prefix = n_views * grid * grid + 1  # image tokens, then BOS
+        # No dropout and GroupNorm rather than BatchNorm: the log-probs of a completion must not
+        # depend on train/eval mode or on the batch, or the GRPO ratio is off before any update.
+        config = GPT2Config(vocab_size=vocab_size, n_positions=self.n_prefix + max_len, n_embd=n_embd,
+                            n_layer=n_layer, n_head=n_head, bos_token_id=1, eos_token_id=2,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.decoder = GPT2LMHeadModel(config)
+
+    def prefix(self, pixel_values, bos_id: int):
+        """(N, V, 1, S, S) -> (N, V*g*g + 1, D): projected image features, then the BOS embedding."""
+        N, V = pixel_values.shape[:2]
+        feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
+        feats = self.project(feats.flatten(2).transpose(1, 2))  # (N*V, g*g, D)
+        feats = (feats.view(N, V, -1, feats.shape[-1]) + self.view_embedding[:V]).flatten(1, 2)  # (N, V*g*g, D)
+        bos = self.decoder.transformer.wte(torch.full((N, 1), bos_id, device=feats.device))  # (N, 1, D)
+        return torch.cat([feats, bos], dim=1)
+
+
+class TinyPolicy:
+    """The tiny built-in vision-language policy (offline default, `--model tiny`). The prompt is
+    the image prefix + BOS: this model has no text prompt, so `text` is ignored."""
+
+    def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
+        self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
+        self.device = torch.device(device)
+        self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
+
+    @classmethod
+    def build(cls, train_reports: list[str], n_views: int = 1, image_size: int = 64, device="cpu",
+              extra_tokens=(), **model_kwargs) -> "TinyPolicy":
+        tok = WordTokenizer.build(train_reports, extra_tokens=extra_tokens)
+        return cls(TinyVLM(len(tok.vocab), n_views=n_views, **model_kwargs), tok, image_size, device)
+
+    def prompt_batch(self, images, text=None) -> dict:
+        """images: one list of PIL views per study -> {"pixel_values": (B, V, 1, S, S)} in [-1, 1]."""
+        import torchvision.transforms.functional as F
+        views = [torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size, self.image_size]))
+                              for im in study]) for study in images]
+        return {"pixel_values": (torch.stack(views) * 2 - 1).to(self.device)}  # (B, V, 1, S, S)
+
+    def repeat(self, prompts: dict, G: int) -> dict:
+        return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
+
+    @torch.no_grad()
+    def generate(self, prompts: dict, max_new_tokens: int = 80, temperature: float = 1.0, do_sample: bool = True,
+                 return_logprobs: bool = False):
+        """Sample token by token with the KV cache. Returns ids (N, T), mask (N, T) and, with
+        return_logprobs, the log-probs of the sampled tokens as recorded while sampling."""
+        was_training = self.model.training
+        self.model.eval()
+        dec = self.model.decoder
+        max_new_tokens = min(max_new_tokens, self.model.hparams["max_len"])
+        embeds = self.model.prefix(prompts["pixel_values"], self.tokenizer.bos_id)  # (N, P, D)
+        N = embeds.shape[0]
+        ids, logps = [], []
+        done = torch.zeros(N, dtype=torch.bool, device=self.device)
+        out = dec(inputs_embeds=embeds, use_cache=True)
+        for _ in range(max_new_tokens):
+            logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (N, V)
+            tok = torch.multinomial(logp.exp(), 1).squeeze(1) if do_sample else logp.argmax(-1)  # (N,)
+            tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
+            ids.append(tok)
+            logps.append(logp.gather(1, tok[:, None]).squeeze(1))
+            done |= tok == self.eos_token_id
+            if done.all():
+                break
+            out = dec(input_ids=tok[:, None], past_key_values=out.past_key_values, use_cache=True)
+        self.model.train(was_training)
+        ids = torch.stack(ids, 1)  # (N, T)
+        mask = completion_mask(ids, self.eos_token_id)  # (N, T)
+        ids = torch.where(mask.bool(), ids, torch.full_like(ids, self.pad_token_id))
+        return (ids, mask, torch.stack(logps, 1) * mask) if return_logprobs else (ids, mask)
+
+    def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
+        """One forward pass over prefix + completion; logits / temperature -> log_softmax -> the
+        log-prob of each completion token. (N, T) float32, 0 where the mask is 0. Completions are
+        right-padded, so causal attention never lets a pad change a real token's log-prob."""
+        prefix = self.model.prefix(prompts["pixel_values"], self.tokenizer.bos_id)  # (N, P, D)
+        P, T = prefix.shape[1], completion_ids.shape[1]
+        embeds = torch.cat([prefix, self.model.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
+        logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1:P - 1 + T]  # (N, T, V) predicts token t
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return logp.gather(2, completion_ids[..., None]).squeeze(2) * completion_mask  # (N, T)
+
+    def encode_targets(self, texts: list[str]):
+        max_len = self.model.hparams["max_len"]
+        seqs = [(self.tokenizer.encode(t)[:max_len - 1]) + [self.eos_token_id] for t in texts]
+        return pad_completions(seqs, self.pad_token_id, self.device)
+
+    def decode(self, completion_ids, completion_mask) -> list[str]:
+        return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
+
+    def sft_loss(self, prompts: dict, texts: list[str]):
+        ids, mask = self.encode_targets(texts)
+        logp = self.completion_logprobs(prompts, ids, mask)  # (N, T)
+        return -(logp * mask).sum() / mask.sum()  # token sum / token count
+
+    def save(self, path):
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save({"hparams": self.model.hparams, "state_dict": self.model.state_dict(), "vocab": self.tokenizer.vocab,
+                    "image_size": self.image_size}, path / "tiny_policy.pt")
+
+    @classmethod
+    def load(cls, path, device="cpu") -> "TinyPolicy":
+        f = Path(path) / "tiny_policy.pt"
+        if not f.is_file():
+            raise FileNotFoundError(f"no tiny policy at {f}")
+        ck = torch.load(f, map_location="cpu", weights_only=True)
+        model = TinyVLM(**ck["hparams"])
+        model.load_state_dict(ck["state_dict"])
+        return cls(model, WordTokenizer(ck["vocab"]), ck["image_size"], device)
+
+
+def completion_mask(ids, eos_id: int):
+    """(N, T) float: 1 up to and including the first EOS, 0 after (all 1 if no EOS)."""
+    is_eos = (ids == eos_id).int()  # (N, T)
+    after_eos = (is_eos.cumsum(1) - is_eos) > 0  # (N, T) strictly after the first EOS
+    return (~after_eos).float()
+
+
+def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
+    """Right-pad token lists -> ids (N, T) long, mask (N, T) float."""
+    T = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. RL core: group advantages, the GRPO clipped loss (three normalisations), DPO, rollouts
+# ---------------------------------------------------------------------------------------------
+# Written by hand against TRL 1.x's GRPOTrainer._compute_loss and DPOTrainer (sigmoid loss),
+# the reference most readers compare with. Notation: N sequences (= B prompts x G samples,
+# each group contiguous), T completion tokens, A advantages. The loss functions are pure:
+# tensors in, (tensor, python floats) out, no state.
+def group_advantages(rewards, group_size, scale="std", eps=1e-4):
+    """Group-relative advantages (DeepSeekMath GRPO, Sec. 4.1.2), one per sequence.
+
+    rewards: (B*G,) sequence rewards; rows g*G .. g*G+G-1 are the G samples of prompt g.
+    scale="std":  A = (r - mean_g) / (std_g + eps), std with Bessel's correction (TRL).
+    scale="none": A = r - mean_g (Dr. GRPO, arXiv:2503.20783, drops the std division).
+    Only sequence rewards are accepted: token-level schemes (e.g. DEER's token weights)
+    multiply these (N,) advantages by their (N, T) weights and pass the result to
+    grpo_loss, which takes A of shape (N,) or (N, T). A group whose rewards are all equal
+    gets exactly 0 (set explicitly: in float, r - mean(r) can be ~1e-8 instead of 0).
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (B*G,), got shape {tuple(rewards.shape)}; "
+                         "weight tokens after computing sequence advantages")
+    if scale not in ("std", "none"):
+        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
+    if group_size < (2 if scale == "std" else 1):
+        # Bessel's std of one sample is 0/0 = NaN: fail here, not as NaN losses later.
+        raise ValueError(f"group_size={group_size}: scale='std' needs at least 2 samples per group")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards is not a multiple of group_size={group_size}")
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"non-finite rewards (NaN/inf) at indices {bad}")
+    r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
+    # Eq. (GRPO outcome supervision): A_i = (r_i - mean(r)) / std(r)
+    A = r - r.mean(dim=1, keepdim=True)  # (B, G)
+    if scale == "std":
+        A = A / (r.std(dim=1, keepdim=True) + eps)  # (B, G), unbiased std (N - 1)
+    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) all rewards in the group equal
+    return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2,
+              beta=0.0, loss_type="grpo", max_completion_length=None):
+    """Clipped GRPO surrogate plus optional k3 KL, as TRL's GRPOTrainer. Returns (loss, stats).
+
+    logp, old_logp, ref_logp, mask: (N, T). old_logp=None means one update per rollout:
+    old = logp.detach(), the ratio is exactly 1 and clipping never acts (loss ~ -mean A,
+    gradient not zero). ref_logp may be None only when beta == 0. Padded positions of the
+    log-prob tensors must hold finite numbers (0 is fine): they are zeroed by the mask.
+    advantages: (N,) per sequence, or (N, T) per token.
+    Normalisation of the masked per-token loss L_it (the place the variants differ):
+      "grpo":    mean over each sequence's tokens, then mean over the N sequences
+      "bnpo":    sum over all tokens / number of completion tokens in the batch
+      "dr_grpo": sum over all tokens / (N * max_completion_length), default T
+    A sequence with an empty mask contributes 0 (token counts are clamped at 1); it still
+    counts as one of the N sequences in "grpo" and "dr_grpo".
+    """
+    if loss_type not in ("grpo", "bnpo", "dr_grpo"):
+        raise ValueError(f"loss_type must be 'grpo', 'bnpo' or 'dr_grpo', got {loss_type!r}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
+    mask = mask.to(logp.dtype)  # (N, T)
+    old_logp = logp.detach() if old_logp is None else old_logp  # (N, T)
+    A = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (N, 1) or (N, T)
+    # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old, per token
+    ratio = torch.exp(logp - old_logp)  # (N, T)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
+    # GRPO (DeepSeekMath Eq. 3): L = -min(ratio * A, clip(ratio, 1-eps_low, 1+eps_high) * A)
+    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
+    if ref_logp is not None:
+        # DeepSeekMath Eq. 4, the k3 estimator: KL = exp(ref - logp) - (ref - logp) - 1 >= 0
+        # (unbiased, always positive: http://joschu.net/blog/kl-approx.html)
+        log_r = ref_logp - logp  # (N, T)
+        kl = torch.exp(log_r) - log_r - 1  # (N, T)
+        if beta > 0:
+            per_token = per_token + beta * kl  # (N, T)
+    n_tokens = mask.sum().clamp(min=1)  # () all completion tokens, clamped for empty batches
+    if loss_type == "grpo":
+        # mean per sequence (empty ones clamp their length at 1 and give 0), then over N
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # ()
+    elif loss_type == "bnpo":
+        loss = (per_token * mask).sum() / n_tokens  # ()
+    else:
+        # Dr. GRPO: a constant denominator, so long and short answers weigh the same per token
+        L = mask.shape[1] if max_completion_length is None else max_completion_length
+        loss = (per_token * mask).sum() / (mask.shape[0] * L)  # ()
+
+    # Stats, as TRL counts them: a token is clipped when the min picked the clipped branch
+    with torch.no_grad():
+        A_t = A.expand_as(ratio)  # (N, T)
+        is_low = (ratio < 1 - clip_eps_low) & (A_t < 0)  # (N, T) pushed down, held at 1-eps
+        is_high = (ratio > 1 + clip_eps_high) & (A_t > 0)  # (N, T) pushed up, held at 1+eps
+        is_clipped = (is_low | is_high).to(mask.dtype)  # (N, T)
+        stats = {
+            "clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
+            "kl": ((kl * mask).sum() / n_tokens).item() if ref_logp is not None else 0.0,
+            "ratio_mean": ((ratio * mask).sum() / n_tokens).item(),
+        }
+    return loss, stats
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1,
+             length_normalize=False, chosen_mask=None, rejected_mask=None):
+    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over the N pairs. Returns (loss, stats).
+
+    Each log-prob input is either per token (N, T) with its side's mask (N, T) (policy and
+    reference share the mask), or already summed per sequence (N,) when the mask is None.
+    Normalisation: log pi(y|x) = sum of the completion's token log-probs (TRL's default);
+    length_normalize=True uses the mean per token instead (needs masks).
+    """
+    if length_normalize and (chosen_mask is None or rejected_mask is None):
+        raise ValueError("length_normalize=True needs chosen_mask and rejected_mask (token counts)")
+
+    def seq_logp(lp, m):  # (N, T) + mask -> (N,), or (N,) passed through
+        if m is None:
+            if lp.dim() != 1:
+                raise ValueError("without a mask, log-probs must be summed per sequence (N,), "
+                                 f"got shape {tuple(lp.shape)}")
+            return lp
+        m = m.to(lp.dtype)  # (N, T)
+        total = (lp * m).sum(-1)  # (N,)
+        return total / m.sum(-1).clamp(min=1) if length_normalize else total
+
+    c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
+    r = seq_logp(policy_rejected, rejected_mask)  # (N,)
+    ref_r = seq_logp(ref_rejected, rejected_mask)  # (N,)
+    # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
+    chosen_reward = beta * (c - ref_c)  # (N,) implicit reward, DPO Sec. 5
+    rejected_reward = beta * (r - ref_r)  # (N,)
+    margin = chosen_reward - rejected_reward  # (N,)
+    loss = -torch.nn.functional.logsigmoid(margin).mean()  # ()
+    with torch.no_grad():
+        stats = {
+            "reward_margin": margin.mean().item(),
+            "chosen_reward": chosen_reward.mean().item(),
+            "rejected_reward": rejected_reward.mean().item(),
+            "accuracy": (margin > 0).float().mean().item(),
+        }
+    return loss, stats
+
+
+@dataclass
+class Rollout:
+    """G sampled completions for each of B prompts (N = B*G rows, groups contiguous)."""
+    prompts: dict  # model inputs, each prompt repeated G times
+    completion_ids: torch.Tensor  # (N, T)
+    completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
+    texts: list  # N decoded completions
+    rewards: torch.Tensor  # (N,)
+    old_logp: torch.Tensor | None  # (N, T) sampling policy, when updates reuse the rollout
+    ref_logp: torch.Tensor | None  # (N, T) reference policy, when the KL term is on
+
+
+def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temperature: float = 1.0,
+            ref="none", need_old_logp: bool = False) -> Rollout:
+    """Sample G completions per study, score them, and record the log-probs the loss needs.
+
+    reward_fn(texts, owners) -> N rewards, where owners[n] = n // G is the study (0..B-1) that
+    completion n answers. ref: "none" (beta = 0), "lora" (the policy with its LoRA switched
+    off: no second copy in memory) or another policy object (a frozen copy)."""
+    prompts = policy.repeat(policy.prompt_batch(images, text), G)
+    ids, mask = policy.generate(prompts, max_new_tokens, temperature)  # (N, T), (N, T)
+    texts = policy.decode(ids, mask)
+    owners = [n // G for n in range(len(texts))]
+    rewards = torch.as_tensor(reward_fn(texts, owners), dtype=torch.float32, device=ids.device)  # (N,)
+    if rewards.shape != (len(texts),):
+        raise ValueError(f"reward_fn returned shape {tuple(rewards.shape)}, expected ({len(texts)},)")
+    old_logp = ref_logp = None
+    with torch.no_grad():
+        if need_old_logp:
+            old_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
+        if ref == "lora":
+            with lora_disabled(policy.model):
+                ref_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
+        elif ref != "none":
+            ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
+    return Rollout(prompts, ids, mask, texts, rewards, old_logp, ref_logp)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Command line
 # ---------------------------------------------------------------------------------------------
 def read_generations(path) -> list[dict]:
     """generations.jsonl: one {"id", "reference", "generated", ...} object per line."""

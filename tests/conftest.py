@@ -10,6 +10,10 @@ sys.path.insert(0, str(ROOT))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: benchmarks and long checks, run with -m slow")
+    # Tiny models are all small ops: intra-op threads only spin and fight (10x slower on a
+    # busy 2-core machine). Benchmarks that want threads set them themselves.
+    import torch
+    torch.set_num_threads(int(os.environ.get("RRG_TEST_THREADS", "1")))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,150 @@
+"""The tiny built-in policy (common.TinyPolicy) against the policy interface, and the rollout
+helper: recorded vs recomputed log-probs, masks, padding, temperature, save/load, and that a
+few GRPO steps raise a simple reward."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import common
+from common import TinyPolicy, WordTokenizer, completion_mask, group_advantages, grpo_loss, rollout
+
+REPORTS = ["The heart is not enlarged. No pleural effusion.",
+           "There is a small left pleural effusion. Plate-like atelectasis at the right base.",
+           "No pneumothorax, focal consolidation, or pulmonary edema."]
+
+
+def images(n, size=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[Image.fromarray(rng.integers(0, 255, (size, size), dtype=np.uint8))] for _ in range(n)]
+
+
+@pytest.fixture
+def policy():
+    torch.manual_seed(0)
+    return TinyPolicy.build(REPORTS, image_size=32, n_embd=32, n_layer=2, n_head=2, channels=8, max_len=24)
+
+
+def test_word_tokenizer_round_trip_and_unknown_words():
+    tok = WordTokenizer.build(REPORTS, extra_tokens=("<think>", "</think>"))
+    assert tok.vocab[:4] == ["<pad>", "<bos>", "<eos>", "<unk>"]
+    assert tok.decode(tok.encode(REPORTS[1])) == REPORTS[1].lower()
+    assert tok.encode("<think> heart </think>") == [tok.index["<think>"], tok.index["heart"], tok.index["</think>"]]
+    assert tok.encode("cardiomegaly") == [tok.unk_id]
+
+
+def test_completion_mask_runs_through_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
+    assert completion_mask(ids, eos_id=2).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_logprobs_equal_forward_logprobs(policy, temperature):
+    # PITFALLS: the log-probs recorded while sampling and those of a training forward must
+    # agree (same temperature), or the GRPO ratio is off before any update.
+    torch.manual_seed(1)
+    prompts = policy.repeat(policy.prompt_batch(images(2)), 3)
+    ids, mask, sampled = policy.generate(prompts, 20, temperature, return_logprobs=True)
+    assert ids.shape[0] == 6 and mask.shape == ids.shape
+    forward = policy.completion_logprobs(prompts, ids, mask, temperature)
+    assert forward.dtype == torch.float32
+    assert (forward - sampled).abs().max().item() < 1e-4
+    assert (forward[mask == 0] == 0).all()
+
+
+def test_temperature_divides_the_logits(policy):
+    prompts = policy.prompt_batch(images(1))
+    ids, mask = policy.encode_targets(["no pleural effusion."])
+    prefix = policy.model.prefix(prompts["pixel_values"], policy.tokenizer.bos_id)
+    embeds = torch.cat([prefix, policy.model.decoder.transformer.wte(ids)], 1)
+    logits = policy.model.decoder(inputs_embeds=embeds).logits[0, prefix.shape[1] - 1:-1]  # (T, V)
+    expected = torch.log_softmax(logits / 2.0, -1).gather(1, ids[0, :, None]).squeeze(1)
+    got = policy.completion_logprobs(prompts, ids, mask, temperature=2.0)[0]
+    torch.testing.assert_close(got, expected)
+
+
+def test_padding_does_not_change_logprobs(policy):
+    prompts = policy.prompt_batch(images(2))
+    ids, mask = policy.encode_targets(["no effusion.", REPORTS[1]])  # first row right-padded
+    both = policy.completion_logprobs(prompts, ids, mask)
+    alone = policy.completion_logprobs({"pixel_values": prompts["pixel_values"][:1]}, ids[:1, :int(mask[0].sum())],
+                                       mask[:1, :int(mask[0].sum())])
+    torch.testing.assert_close(both[0, :alone.shape[1]], alone[0])
+
+
+def test_generation_stops_at_eos_and_pads_after(policy):
+    with torch.no_grad():  # make EOS the only likely token: every completion is just EOS
+        policy.model.decoder.lm_head.weight.zero_()
+        policy.model.decoder.transformer.wte.weight[policy.eos_token_id] = 0  # tied head: row stays 0
+        policy.model.decoder.lm_head.bias = None
+    head = policy.model.decoder.lm_head
+    handle = head.register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.tensor([policy.eos_token_id]), 50.0))
+    ids, mask = policy.generate(policy.repeat(policy.prompt_batch(images(2)), 2), 10)
+    handle.remove()
+    assert ids.shape == (4, 1) and mask.tolist() == [[1.0]] * 4  # the EOS counts as a completion token
+    assert policy.decode(ids, mask) == [""] * 4  # an empty generation decodes to ""
+
+
+def test_sft_loss_decreases(policy):
+    prompts = policy.prompt_batch(images(3))
+    opt = torch.optim.Adam(policy.model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        loss = policy.sft_loss(prompts, REPORTS)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5 * first
+
+
+def test_save_and_load_round_trip(policy, tmp_path):
+    prompts = policy.prompt_batch(images(2))
+    ids, mask = policy.encode_targets(REPORTS[:2])
+    policy.save(tmp_path / "ck")
+    again = TinyPolicy.load(tmp_path / "ck")
+    torch.testing.assert_close(again.completion_logprobs(prompts, ids, mask), policy.completion_logprobs(prompts, ids, mask))
+    assert again.tokenizer.vocab == policy.tokenizer.vocab
+    with pytest.raises(FileNotFoundError, match="no tiny policy"):
+        TinyPolicy.load(tmp_path / "missing")
+
+
+def test_rollout_records_rewards_owners_and_logprobs(policy):
+    import copy
+    seen = {}
+
+    def reward_fn(texts, owners):
+        seen["owners"] = owners
+        return [float(len(t)) for t in texts]
+
+    ref = copy.deepcopy(policy)
+    r = rollout(policy, images(2), "", G=3, reward_fn=reward_fn, max_new_tokens=8, ref=ref, need_old_logp=True)
+    assert seen["owners"] == [0, 0, 0, 1, 1, 1]
+    assert r.rewards.tolist() == [float(len(t)) for t in r.texts]
+    torch.testing.assert_close(r.old_logp, r.ref_logp)  # the frozen copy equals the policy before updates
+    with pytest.raises(ValueError, match="reward_fn returned shape"):
+        rollout(policy, images(1), "", G=2, reward_fn=lambda t, o: [1.0], max_new_tokens=4)
+
+
+def test_grpo_steps_raise_the_reward(policy):
+    # End to end through the core: reward = share of completion tokens that are "effusion".
+    target = policy.tokenizer.index["effusion"]
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(policy.model.parameters(), lr=3e-3)
+    imgs = images(4)
+
+    def reward_fn(texts, owners):
+        return [t.split().count("effusion") / max(1, len(t.split())) for t in texts]
+
+    means = []
+    for step in range(25):
+        r = rollout(policy, imgs, "", G=4, reward_fn=reward_fn, max_new_tokens=6)
+        A = group_advantages(r.rewards, 4)
+        logp = policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
+        loss, _ = grpo_loss(logp, None, None, A, r.completion_mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        means.append(r.rewards.mean().item())
+    assert target > 0
+    assert np.mean(means[-5:]) > np.mean(means[:5]) + 0.2
