@@ -366,6 +366,27 @@ def collate(batch: list[dict]) -> dict:
     return out
 
 
+
+def study_batches(records: list[Record], batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+                  start_step: int = 0, transform="pil"):
+    """Endless shuffled batches of studies (PIL views by default: the policies process images
+    themselves), yielding (epoch, batch). Under torchrun each rank reads its own shard
+    (DistributedSampler, reshuffled each epoch from `seed`). The order is a function of
+    (seed, step) only, so a run resumed at `start_step` sees exactly the batches it would have."""
+    from torch.utils.data import DistributedSampler
+    if len(records) < batch_size * world_size:
+        raise ValueError(f"{len(records)} studies cannot fill one batch of {batch_size} on each of {world_size} ranks")
+    dataset = ReportDataset(records, transform=transform)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    per_epoch = len(sampler) // batch_size
+    epoch, skip = divmod(start_step, per_epoch)
+    while True:
+        sampler.set_epoch(epoch)
+        order = list(sampler)  # this rank's shuffled indices for the epoch
+        for b in range(skip, per_epoch):
+            yield epoch, collate([dataset[i] for i in order[b * batch_size:(b + 1) * batch_size]])
+        epoch, skip = epoch + 1, 0
+
 # Synthetic chest X-ray set -------------------------------------------------------------------
 # A sandbox, not a benchmark: images are drawn by draw_synthetic_cxr() (below) with one visible
 # sign per finding, reports are written from templates with varied wording, negations and
@@ -1409,6 +1430,28 @@ class TinyPolicy:
         return cls(model, WordTokenizer(ck["vocab"]), ck["image_size"], device)
 
 
+
+def supervised_finetune(policy, records: list[Record], steps: int, batch_size: int = 16, lr: float = 1e-3,
+                        prompt: str = "", seed: int = 0, rank: int = 0, world_size: int = 1,
+                        desc: str = "SFT") -> list[float]:
+    """Teacher-forced report likelihood on (image, report) pairs, AdamW, constant lr. The warm
+    start the RL scripts give the tiny model (a random policy never earns a reward) and the
+    SFT stage of the papers that have one. Gradients are averaged over ranks. Returns the losses."""
+    from tqdm.auto import trange
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    batches = study_batches(records, batch_size, seed, rank, world_size)
+    losses = []
+    for _ in trange(steps, desc=desc, disable=rank != 0):
+        _, batch = next(batches)
+        loss = policy.sft_loss(policy.prompt_batch(batch["images"], prompt), batch["report"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        all_reduce_gradients(params, world_size)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
 def completion_mask(ids, eos_id: int):
     """(N, T) float: 1 up to and including the first EOS, 0 after (all 1 if no EOS)."""
     is_eos = (ids == eos_id).int()  # (N, T)
@@ -1603,6 +1646,37 @@ def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temper
         elif ref != "none":
             ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
     return Rollout(prompts, ids, mask, texts, rewards, old_logp, ref_logp)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Running: torchrun, seeding, logging, checkpoints
+# ---------------------------------------------------------------------------------------------
+def all_reduce_gradients(params, world_size: int, bucket_numel: int = 25_000_000):
+    """Average the gradients of `params` over ranks, as DDP does, in flat buckets of at most
+    `bucket_numel` elements (one all_reduce each). We call it explicitly after backward instead
+    of wrapping the model in DDP: the policies run sub-modules and generate(), which DDP's
+    forward hook never sees. A trainable parameter without a gradient this step (a frozen
+    path, an unused head) sends zeros, so every rank makes the same collective calls."""
+    if world_size == 1:
+        return
+    import torch.distributed as tdist
+    params = list(params)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket, size = [], 0
+    for i, p in enumerate(params):
+        bucket.append(p)
+        size += p.numel()
+        if size >= bucket_numel or i == len(params) - 1:
+            flat = torch.cat([q.grad.flatten() for q in bucket])  # (size,)
+            tdist.all_reduce(flat)
+            flat /= world_size
+            offset = 0
+            for q in bucket:
+                q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
+                offset += q.numel()
+            bucket, size = [], 0
 
 
 # ---------------------------------------------------------------------------------------------

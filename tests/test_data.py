@@ -247,3 +247,24 @@ def test_synthetic_data_is_cached(monkeypatch, tmp_path):
     second = common.synthetic_data(n_train=4, n_val=2, n_test=2, size=32)
     assert first == second and second.stat().st_mtime_ns == stamp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_study_batches_shard_resume_and_size_check(small_synthetic):
+    from itertools import islice
+    records = load_annotation(small_synthetic)["train"]  # 40 studies
+    ids = lambda it, n: [b["id"] for _, b in islice(it, n)]
+    # two ranks: disjoint shards within an epoch, together all 40 studies once (bs 5: 4 steps)
+    r0 = ids(common.study_batches(records, 5, seed=3, rank=0, world_size=2), 4)
+    r1 = ids(common.study_batches(records, 5, seed=3, rank=1, world_size=2), 4)
+    flat = [i for b in r0 + r1 for i in b]
+    assert sorted(flat) == sorted(r.id for r in records)
+    # resuming at step 6 gives exactly steps 6, 7, ... of the uninterrupted order (epoch 2 included)
+    full = ids(common.study_batches(records, 5, seed=3), 12)
+    assert ids(common.study_batches(records, 5, seed=3, start_step=6), 6) == full[6:]
+    first, second = full[:8], full[8:12]  # epoch 0 is 8 steps; epoch 1 reshuffles
+    assert sorted(i for b in first for i in b) == sorted(r.id for r in records)
+    assert second != first[:4]
+    batch = next(common.study_batches(records, 2))[1]
+    assert isinstance(batch["images"][0][0], Image.Image) and len(batch["report"]) == 2
+    with pytest.raises(ValueError, match="cannot fill one batch of 16 on each of 3 ranks"):
+        next(common.study_batches(records, 16, world_size=3))

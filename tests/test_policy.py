@@ -148,3 +148,72 @@ def test_grpo_steps_raise_the_reward(policy):
         means.append(r.rewards.mean().item())
     assert target > 0
     assert np.mean(means[-5:]) > np.mean(means[:5]) + 0.2
+
+
+@pytest.mark.slow
+def test_tiny_sft_beats_the_most_common_report():
+    """Benchmark (README): SFT of the tiny policy on the synthetic set, greedy reports on the
+    500 test studies, CE micro F1 (rule labeler) against always writing the most common
+    training report.   python -m pytest -q tests/test_policy.py -m slow -s"""
+    import time
+    from collections import Counter
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    data = common.load_data("synthetic")
+    train, test = data["train"], data["test"]
+    policy = TinyPolicy.build([r.report for r in train])
+    t0 = time.time()
+    losses = common.supervised_finetune(policy, train, steps=1200, batch_size=32, lr=1e-3)
+    t_sft = time.time() - t0
+    generated = []
+    for i in range(0, len(test), 100):
+        chunk = test[i:i + 100]
+        prompts = policy.prompt_batch([[common.load_image(p) for p in r.image_paths] for r in chunk])
+        generated += policy.decode(*policy.generate(prompts, 96, do_sample=False))
+    labeler = common.RuleLabeler()
+    refs = labeler([r.report for r in test])
+    f1 = common.ce_metrics(labeler(generated), refs)["micro_f1"]
+    most_common = Counter(r.report for r in train).most_common(1)[0][0]
+    f1_const = common.ce_metrics(labeler([most_common] * len(test)), refs)["micro_f1"]
+    print(f"\ntiny SFT: 1200 steps x 32 in {t_sft:.0f} s (loss {np.mean(losses[:20]):.2f} -> {np.mean(losses[-20:]):.2f}); "
+          f"CE micro F1 {f1:.3f} vs most common report {f1_const:.3f} ({most_common!r})")
+    assert f1 > f1_const + 0.3
+
+
+@pytest.mark.slow
+def test_tiny_grpo_step_timing():
+    """Benchmark (README): one GRPO step of the tiny policy on CPU, 8 prompts x G = 8, split into
+    sampling, scoring (old/ref log-probs and rewards) and the update."""
+    import copy
+    import time
+    torch.set_num_threads(2)
+    data = common.load_data("synthetic")
+    policy = TinyPolicy.build([r.report for r in data["train"]])
+    ref = copy.deepcopy(policy)
+    batch = next(common.study_batches(data["train"], 8))[1]
+    labeler = common.RuleLabeler()
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-5)
+    times = {"sample": [], "score": [], "update": []}
+    for _ in range(4):
+        t0 = time.time()
+        prompts = policy.repeat(policy.prompt_batch(batch["images"]), 8)
+        ids, mask = policy.generate(prompts, 96)
+        t1 = time.time()
+        texts = policy.decode(ids, mask)
+        hyp, ref_labels = labeler(texts), labeler([batch["report"][n // 8] for n in range(64)])
+        rewards = torch.tensor((common.binarize(hyp) == common.binarize(ref_labels)).mean(1))  # label accuracy
+        with torch.no_grad():
+            ref_logp = ref.completion_logprobs(prompts, ids, mask)
+        t2 = time.time()
+        logp = policy.completion_logprobs(prompts, ids, mask)
+        loss, _ = grpo_loss(logp, None, ref_logp, group_advantages(rewards, 8), mask, beta=0.04)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        t3 = time.time()
+        for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[k].append(v)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    print(f"\ntiny GRPO step, 8 x 8, T = {ids.shape[1]}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in med.items())
+          + f", total {sum(med.values()) * 1000:.0f} ms")
+    assert sum(med.values()) < 30
