@@ -936,6 +936,176 @@ class RuleLabeler:
         return out
 
 
+# CheXbert (Smit et al. 2020, https://arxiv.org/abs/2004.09167): BERT-base with one linear head
+# per observation over the [CLS] state; 13 heads of 4 classes (0 blank, 1 positive, 2 negative,
+# 3 uncertain) and a No Finding head of 2 (0 blank, 1 positive). Mapped as CheXbert's label.py:
+CHEXBERT_CLASS_VALUES = (np.nan, POSITIVE, NEGATIVE, UNCERTAIN)
+CHEXBERT_MAX_PIECES = 512  # including [CLS] and [SEP]: longer reports keep their first 510 pieces
+CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
+
+
+def chexbert_model(config=None):
+    """f1chexbert's `bert_labeler` (its layout and forward) with the BERT built from a config.
+    Its own __init__ fetches bert-base-uncased from the Hub even when real weights follow, so we
+    set the same three attributes here; the default config is bert-base-uncased's shape."""
+    from f1chexbert.f1chexbert import bert_labeler
+    from transformers import BertConfig, BertModel
+    config = config or BertConfig()  # bert-base-uncased: 30522 word pieces, 768 hidden, 12 layers
+
+    class CheXbertModel(bert_labeler):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.bert = BertModel(config)
+            self.dropout = torch.nn.Dropout(0.1)
+            heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
+            self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
+
+    return CheXbertModel()
+
+
+def download_chexbert_weights() -> str:
+    """chexbert.pth from the Hub with today's huggingface_hub (f1chexbert 0.0.2 passes the
+    removed `force_filename` argument, so its own download never arrives). Cached by the Hub."""
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(repo_id=CHEXBERT_REPO, filename=CHEXBERT_FILE)
+
+
+def load_chexbert_weights(model, path):
+    """Load a CheXbert checkpoint ({"model_state_dict": {"module.<name>": tensor}}, saved from
+    DataParallel) strictly: a mismatch is an error, not the silent strict=False of f1chexbert."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
+                                f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    state = checkpoint.get("model_state_dict", checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a CheXbert checkpoint (expected a dict with 'model_state_dict')")
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    # Old transformers saved position_ids as a buffer; today it is rebuilt, not loaded.
+    if "bert.embeddings.position_ids" not in model.state_dict():
+        state.pop("bert.embeddings.position_ids", None)
+    missing, unexpected = sorted(set(model.state_dict()) - set(state)), sorted(set(state) - set(model.state_dict()))
+    if missing or unexpected:
+        raise ValueError(f"{path}: does not match CheXbert's model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
+                         f", unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # same names, other shapes
+        raise ValueError(f"{path}: does not match CheXbert's model: {str(e).splitlines()[-1].strip()}") from None
+    return model
+
+
+class CheXbertLabeler:
+    """CheXbert labels for reports, in batches: same output as RuleLabeler, float (N, 14) with
+    1 / 0 / -1 / NaN. Reports are sorted by length and padded per batch (f1chexbert labels one
+    report at a time: label_one_by_one, kept for comparison). `model` / `tokenizer` let tests
+    pass a tiny random BERT; by default the real weights (local `weights` path or the Hub) and
+    bert-base-uncased's word pieces are used."""
+
+    def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
+        from transformers import BertTokenizerFast
+        if model is None:
+            model = load_chexbert_weights(chexbert_model(), weights or download_chexbert_weights())
+        self.tokenizer = tokenizer or BertTokenizerFast.from_pretrained("bert-base-uncased")
+        self.model = model.to(device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.device, self.batch_size = torch.device(device), batch_size
+
+    def encode(self, report: str) -> list[int] | None:
+        """[CLS] pieces [SEP], cut to 512 as CheXbert does; None for an empty report. BERT's
+        tokenizer splits on any whitespace, so CheXbert's newline/space clean-up changes nothing."""
+        if not report.strip():
+            return None
+        ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
+        return ids if len(ids) <= CHEXBERT_MAX_PIECES else ids[:CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
+
+    def _pad(self, seqs: list[list[int]]):
+        """Right-pad to the longest -> ids (B, L), attention mask (B, L) on the device."""
+        L = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), L), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(seqs), L, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _heads(self, hidden):
+        """[CLS] state (B, H) -> the 14 heads' logits, a list of (B, 4) x 13 and (B, 2)."""
+        cls = self.model.dropout(hidden[:, 0])
+        return [head(cls) for head in self.model.linear_heads]
+
+    @staticmethod
+    def _classes_to_labels(classes: np.ndarray) -> np.ndarray:
+        """argmax classes (B, 14) -> labels (B, 14): 0 blank -> NaN, 1 -> 1, 2 -> 0, 3 -> -1."""
+        return np.asarray(CHEXBERT_CLASS_VALUES)[classes]
+
+    @torch.inference_mode()
+    def _label_encoded(self, seqs: list[list[int]]) -> np.ndarray:
+        ids, mask = self._pad(seqs)
+        logits = self.model(ids, mask)  # f1chexbert's forward: 14 tensors (B, C)
+        classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14)
+        return self._classes_to_labels(classes.cpu().numpy())
+
+    def __call__(self, reports: list[str]) -> np.ndarray:
+        if isinstance(reports, str):
+            raise TypeError("CheXbertLabeler takes a list of reports, not one string")
+        out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)  # empty reports stay blank
+        encoded = [(i, s) for i, s in enumerate(map(self.encode, reports)) if s is not None]
+        encoded.sort(key=lambda x: len(x[1]))  # similar lengths share a batch: little padding
+        for b in range(0, len(encoded), self.batch_size):
+            chunk = encoded[b:b + self.batch_size]
+            out[[i for i, _ in chunk]] = self._label_encoded([s for _, s in chunk])
+        return out
+
+    def label_one_by_one(self, reports: list[str]) -> np.ndarray:
+        """f1chexbert's way, one forward per report: the reference for the batched path."""
+        out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)
+        for i, r in enumerate(reports):
+            s = self.encode(r)
+            if s is not None:
+                out[i] = self._label_encoded([s])[0]
+        return out
+
+    def saliency(self, reports: list[str], target_labels: list[str]) -> list[dict]:
+        """Per report {"tokens", "offsets", "saliency"}: for each word piece (no [CLS]/[SEP]),
+        the L2 norm over the hidden size of d(sum over the target labels of the positive and
+        uncertain logits) / d(input word embedding); offsets are (start, end) characters in the
+        report. No Finding has no uncertain class: its positive logit only. (DEER's token weights.)"""
+        unknown = [t for t in target_labels if t not in LABEL_INDEX]
+        if unknown:
+            raise ValueError(f"unknown labels {unknown}; valid: {CHEXPERT_LABELS}")
+        heads = [LABEL_INDEX[t] for t in target_labels]
+        results = []
+        for b in range(0, len(reports), self.batch_size):
+            results += self._saliency_batch(reports[b:b + self.batch_size], heads)
+        return results
+
+    def _saliency_batch(self, reports: list[str], heads: list[int]) -> list[dict]:
+        enc = [self.tokenizer(r, add_special_tokens=False, return_offsets_mapping=True) for r in reports]
+        keep = CHEXBERT_MAX_PIECES - 2
+        pieces = [e["input_ids"][:keep] for e in enc]
+        out = [{"tokens": self.tokenizer.convert_ids_to_tokens(p), "offsets": [tuple(o) for o in e["offset_mapping"][:keep]],
+                "saliency": np.zeros(len(p), dtype=np.float32)} for p, e in zip(pieces, enc)]
+        rows = [i for i, p in enumerate(pieces) if p]
+        if not rows:
+            return out
+        cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        ids, mask = self._pad([[cls_id] + pieces[i] + [sep_id] for i in rows])  # (B, L)
+        with torch.enable_grad():
+            embeds = self.model.bert.embeddings.word_embeddings(ids).detach().requires_grad_(True)  # (B, L, H)
+            hidden = self.model.bert(inputs_embeds=embeds, attention_mask=mask)[0]  # (B, L, H)
+            logits = self._heads(hidden)
+            # positive (class 1) + uncertain (class 3) logits of the target labels; reports are
+            # independent under the attention mask, so one backward serves the batch
+            score = sum(logits[h][:, 1] + (logits[h][:, 3] if h < 13 else 0) for h in heads)  # (B,)
+            (grad,) = torch.autograd.grad(score.sum(), embeds)  # (B, L, H)
+        norms = grad.norm(dim=-1).float().cpu().numpy()  # (B, L)
+        for k, i in enumerate(rows):
+            out[i]["saliency"] = norms[k, 1:1 + len(pieces[i])]
+        return out
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Metrics: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D) and CE (label precision/recall/F1)
 # ---------------------------------------------------------------------------------------------

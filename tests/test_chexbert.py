@@ -1,0 +1,201 @@
+"""CheXbertLabeler offline: a tiny random BERT in CheXbert's shape (f1chexbert's class) with a
+locally built word-piece vocabulary. Batched labels equal one-at-a-time labels, CheXbert's
+class mapping and truncation, strict checkpoint loading, and input-embedding saliency."""
+import string
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig, BertTokenizerFast
+
+import common
+from common import CHEXPERT_LABELS, CheXbertLabeler, chexbert_model, load_chexbert_weights
+
+SENTENCES = [
+    "There is a small left pleural effusion.", "No pneumothorax.", "Heart size is normal.",
+    "Mild pulmonary edema cannot be excluded.", "An endotracheal tube terminates above the carina.",
+    "Plate-like atelectasis at the right base.", "The cardiomediastinal silhouette is enlarged.",
+    "Possible right lower lobe consolidation or pneumonia.", "No acute cardiopulmonary process.",
+    "There is a displaced left rib fracture.",
+]
+
+
+@pytest.fixture(scope="module")
+def vocab_file(tmp_path_factory):
+    words = sorted({w.strip(string.punctuation).lower() for s in SENTENCES for w in s.split()} - {""})
+    pieces = [c for c in string.ascii_lowercase + string.digits] + ["##" + c for c in string.ascii_lowercase]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(string.punctuation) + pieces + words
+    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    path.write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+    return path
+
+
+def local_tokenizer(vocab_path):
+    # from_pretrained(folder) reads vocab.txt under transformers 4 and 5 alike; transformers 5
+    # silently ignores BertTokenizerFast(vocab_file=...) and leaves only the special tokens.
+    tok = BertTokenizerFast.from_pretrained(str(vocab_path.parent))
+    assert tok.tokenize("No pneumothorax.") == ["no", "pneumothorax", "."]
+    return tok
+
+
+def tiny_config(vocab_size):
+    return BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def labeler(vocab_file):
+    tok = local_tokenizer(vocab_file)
+    torch.manual_seed(0)
+    return CheXbertLabeler(model=chexbert_model(tiny_config(tok.vocab_size)), tokenizer=tok, batch_size=4)
+
+
+def reports(n=30, seed=0):
+    rng = np.random.default_rng(seed)
+    out = [" ".join(rng.choice(SENTENCES, size=rng.integers(1, 8))) for _ in range(n)]
+    out[3] = ""  # empty
+    out[7] = "  \n  "  # whitespace only
+    out[11] = " ".join(SENTENCES * 40)  # far more than 512 word pieces
+    out[13] = "zzqx blorf"  # unknown words: character pieces
+    return out
+
+
+def test_batched_equals_one_by_one(labeler):
+    r = reports()
+    batched, single = labeler(r), labeler.label_one_by_one(r)
+    np.testing.assert_array_equal(batched, single)
+    assert batched.shape == (30, 14) and batched.dtype == np.float64
+    assert set(np.unique(batched[~np.isnan(batched)])) <= {1.0, 0.0, -1.0}
+    assert np.isnan(batched[3]).all() and np.isnan(batched[7]).all()
+    with pytest.raises(TypeError, match="list of reports"):
+        labeler("No pneumothorax.")
+
+
+def test_truncation_to_512_pieces_as_chexbert(labeler):
+    long = " ".join(SENTENCES * 40)
+    ids = labeler.encode(long)
+    assert len(ids) == 512 and ids[0] == labeler.tokenizer.cls_token_id and ids[-1] == labeler.tokenizer.sep_token_id
+    pieces = labeler.tokenizer.tokenize(long)
+    assert len(pieces) > 600
+    cut = labeler.tokenizer.convert_tokens_to_string(pieces[:510])  # the text CheXbert actually sees
+    assert labeler.encode(cut) == ids
+    np.testing.assert_array_equal(labeler([long]), labeler([cut]))
+
+
+def test_class_mapping(vocab_file):
+    # Zero weights and hand-set biases make each head's argmax known: CheXbert's label.py mapping
+    tok = local_tokenizer(vocab_file)
+    model = chexbert_model(tiny_config(tok.vocab_size))
+    wanted = [0, 1, 2, 3, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # classes for the 13 four-class heads
+    with torch.no_grad():
+        for h, c in enumerate(wanted):
+            model.linear_heads[h].weight.zero_()
+            model.linear_heads[h].bias.copy_(torch.eye(4)[c])
+        model.linear_heads[13].weight.zero_()
+        model.linear_heads[13].bias.copy_(torch.tensor([0.0, 1.0]))
+    lab = CheXbertLabeler(model=model, tokenizer=tok)
+    expected = [np.nan, 1, 0, -1, 1, 0, -1, np.nan, 1, 0, -1, np.nan, 1] + [1]
+    np.testing.assert_array_equal(lab(["No pneumothorax."])[0], np.array(expected, dtype=float))
+    with torch.no_grad():
+        model.linear_heads[13].bias.copy_(torch.tensor([1.0, 0.0]))
+    assert np.isnan(lab(["No pneumothorax."])[0, 13])  # No Finding: class 0 is blank
+
+
+def test_layout_matches_f1chexbert_bert_labeler(vocab_file, tmp_path):
+    # f1chexbert's own constructor, offline, from a saved tiny BERT: same names, shapes, outputs
+    from f1chexbert.f1chexbert import bert_labeler
+    from transformers import BertModel
+    tok = local_tokenizer(vocab_file)
+    BertModel(tiny_config(tok.vocab_size)).save_pretrained(tmp_path / "bert")
+    theirs = bert_labeler(pretrain_path=str(tmp_path / "bert")).eval()
+    ours = chexbert_model(tiny_config(tok.vocab_size)).eval()
+    assert {k: v.shape for k, v in theirs.state_dict().items()} == {k: v.shape for k, v in ours.state_dict().items()}
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.tensor([tok("No pneumothorax.")["input_ids"]])
+    for a, b in zip(theirs(ids, torch.ones_like(ids)), ours(ids, torch.ones_like(ids))):
+        torch.testing.assert_close(a, b)
+
+
+def save_as_chexbert_checkpoint(model, path):
+    """CheXbert's file format: DataParallel names ("module." prefix) under model_state_dict."""
+    state = {"module." + k: v for k, v in model.state_dict().items()}
+    state["module.bert.embeddings.position_ids"] = torch.arange(512)[None]  # as old transformers saved it
+    torch.save({"epoch": 3, "model_state_dict": state}, path)
+    return state
+
+
+def test_strict_loading(labeler, vocab_file, tmp_path):
+    tok = labeler.tokenizer
+    path = tmp_path / "chexbert.pth"
+    state = save_as_chexbert_checkpoint(labeler.model, path)
+    fresh = load_chexbert_weights(chexbert_model(tiny_config(tok.vocab_size)), path)
+    again = CheXbertLabeler(model=fresh, tokenizer=tok)
+    r = reports()
+    np.testing.assert_array_equal(again(r), labeler(r))
+
+    del state["module.linear_heads.13.bias"]
+    torch.save({"model_state_dict": state}, tmp_path / "broken.pth")
+    with pytest.raises(ValueError, match=r"missing \['linear_heads.13.bias'\]"):
+        load_chexbert_weights(chexbert_model(tiny_config(tok.vocab_size)), tmp_path / "broken.pth")
+    with pytest.raises(ValueError, match="does not match"):  # same names, other shapes
+        load_chexbert_weights(chexbert_model(tiny_config(tok.vocab_size + 1)), path)
+    with pytest.raises(FileNotFoundError, match="--chexbert-weights"):
+        CheXbertLabeler(weights=tmp_path / "nope.pth", tokenizer=tok)
+
+
+def test_saliency_tokens_offsets_and_values(labeler):
+    r = ["There is a small  left\npleural effusion.", "", "Zzqx edema."]
+    out = labeler.saliency(r, ["Pleural Effusion", "Edema"])
+    assert len(out) == 3
+    for report, s in zip(r, out):
+        assert len(s["tokens"]) == len(s["offsets"]) == len(s["saliency"])
+        for tok, (a, b) in zip(s["tokens"], s["offsets"]):
+            assert report[a:b].lower() == tok.removeprefix("##")
+        assert (s["saliency"] >= 0).all()
+    assert out[1]["tokens"] == [] and out[1]["saliency"].shape == (0,)
+    assert out[0]["tokens"][:4] == ["there", "is", "a", "small"]
+
+    # the same gradient recomputed by hand for report 0
+    m = labeler.model
+    ids = torch.tensor([labeler.encode(r[0])])
+    emb = m.bert.embeddings.word_embeddings(ids).detach().requires_grad_(True)
+    cls = m.bert(inputs_embeds=emb, attention_mask=torch.ones_like(ids))[0][:, 0]
+    lg = [h(cls) for h in m.linear_heads]
+    i, j = CHEXPERT_LABELS.index("Pleural Effusion"), CHEXPERT_LABELS.index("Edema")
+    (lg[i][0, 1] + lg[i][0, 3] + lg[j][0, 1] + lg[j][0, 3]).backward()
+    np.testing.assert_allclose(out[0]["saliency"], emb.grad[0, 1:-1].norm(dim=-1).numpy(), rtol=1e-5, atol=1e-7)
+    # batching must not change saliency
+    alone = labeler.saliency(r[:1], ["Pleural Effusion", "Edema"])[0]["saliency"]
+    np.testing.assert_allclose(alone, out[0]["saliency"], rtol=1e-4, atol=1e-7)
+
+
+def test_saliency_bad_input(labeler, vocab_file):
+    with pytest.raises(ValueError, match="unknown labels \\['Pneumonitis'\\]"):
+        labeler.saliency(["No pneumothorax."], ["Pneumonitis"])
+
+
+@pytest.mark.slow
+def test_batched_speedup_bert_base_size(tmp_path):
+    """Benchmark (README): a bert-base-size random CheXbert, 128 reports of 40-120 words,
+    batches of 32 sorted by length vs one report at a time (f1chexbert's way), 2 threads.
+        python -m pytest -q tests/test_chexbert.py -m slow -s"""
+    torch.set_num_threads(2)
+    words = sorted({w.strip(string.punctuation).lower() for s in SENTENCES for w in s.split()} - {""})
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "."] + words) + "\n")
+    tok = BertTokenizerFast.from_pretrained(str(tmp_path))
+    torch.manual_seed(0)
+    lab = CheXbertLabeler(model=chexbert_model(BertConfig(vocab_size=tok.vocab_size)), tokenizer=tok, batch_size=32)
+    rng = np.random.default_rng(0)
+    r = [" ".join(rng.choice(SENTENCES, size=rng.integers(6, 18))) for _ in range(128)]
+    lab(r[:4])  # warm up
+    t0 = time.time()
+    batched = lab(r)
+    t1 = time.time()
+    single = lab.label_one_by_one(r)
+    t2 = time.time()
+    n_words = np.mean([len(x.split()) for x in r])
+    print(f"\nCheXbert (bert-base size, random), {len(r)} reports of {n_words:.0f} words: batched {len(r) / (t1 - t0):.1f} "
+          f"reports/s, one by one {len(r) / (t2 - t1):.1f} reports/s, speed-up {(t2 - t1) / (t1 - t0):.2f}x")
+    np.testing.assert_array_equal(batched, single)
+    assert t2 - t1 > t1 - t0
