@@ -56,6 +56,7 @@ def test_shape_dtype_and_range(size):
         assert lo < 40 and hi > 170, (lo, hi)  # dark air outside the body, bright bone/heart
 
 
+@pytest.mark.slow  # a timing: flaky on a loaded machine, so a benchmark, not a default test
 def test_speed():
     rng = np.random.default_rng(0)
     studies = [common.sample_synthetic_study(rng)[0] for _ in range(200)]
