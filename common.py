@@ -21,18 +21,21 @@ Label arrays are float (N, 14): 1 positive, 0 negative, -1 uncertain, NaN not me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib.util
 import json
 import logging
 import math
 import os
+import pickle
+import random
 import re
 import shutil
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -1640,6 +1643,111 @@ def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
     return ids.to(device), mask.to(device)
 
 
+# LoRA ------------------------------------------------------------------------------------------
+# LoRA (Hu et al. 2021, https://arxiv.org/abs/2106.09685), written by hand as PEFT's
+# LoraLayer: h = W0 x + (alpha / r) * B A dropout(x), with W0 frozen, A (r, in) drawn
+# kaiming-uniform, B (out, r) zeros, so the adapted model starts equal to the base model.
+# Switching the LoRA path off gives the base model back: GRPO/DPO use that as the reference
+# policy instead of keeping a second copy in memory (`lora_disabled`).
+# Two layer kinds are wrapped: nn.Linear (weight (out, in), Qwen's q_proj/v_proj, ...) and
+# GPT-2's Conv1D (transformers.pytorch_utils.Conv1D, weight stored transposed as (in, out);
+# the tiny policy's c_attn). Only the merge has to know the difference.
+class LoRALinear(torch.nn.Module):
+    """A frozen nn.Linear or GPT-2 Conv1D plus a trainable low-rank update (alpha / r) * B A."""
+
+    def __init__(self, base: torch.nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0):
+        super().__init__()
+        if r < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+        self.base = base
+        self.transposed = not isinstance(base, torch.nn.Linear)  # Conv1D keeps weight as (in, out)
+        out_f, in_f = base.weight.shape[::-1] if self.transposed else base.weight.shape
+        w = base.weight
+        self.lora_A = torch.nn.Parameter(torch.empty(r, in_f, device=w.device, dtype=w.dtype))  # (r, in)
+        self.lora_B = torch.nn.Parameter(torch.zeros(out_f, r, device=w.device, dtype=w.dtype))  # (out, r)
+        # PEFT's init: A as nn.Linear's default weight init, B = 0 so B A = 0 at the start
+        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scaling = alpha / r
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.enabled = True
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x):  # x (..., in) -> (..., out)
+        out = self.base(x)
+        if not self.enabled:
+            return out
+        # h = W0 x + (alpha / r) * B (A dropout(x))
+        lora = torch.nn.functional.linear(torch.nn.functional.linear(self.dropout(x), self.lora_A), self.lora_B)
+        return out + lora * self.scaling
+
+    def delta_weight(self):
+        """(alpha / r) * B A in the base weight's layout: (out, in) for Linear, (in, out) for Conv1D."""
+        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling  # (out, in), fp32 for the merge
+        return (delta.T if self.transposed else delta).to(self.base.weight.dtype)
+
+
+def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def apply_lora(model: torch.nn.Module, target_modules: list[str], r: int = 8, alpha: float = 16.0,
+               dropout: float = 0.0) -> list[str]:
+    """Wrap every nn.Linear / Conv1D whose name ends with one of `target_modules` (e.g.
+    ["q_proj", "v_proj"] or ["c_attn"]) in a LoRALinear, and freeze every other parameter.
+    Returns the wrapped names. A script that trains more than the adapters (the tiny policy's
+    image encoder, say) sets requires_grad on those parameters again afterwards."""
+    from transformers.pytorch_utils import Conv1D
+    kinds = (torch.nn.Linear, Conv1D)
+    targets = list(target_modules)
+    matched, wrong_kind = [], []
+    for name, module in model.named_modules():
+        if not any(name == t or name.endswith("." + t) for t in targets):
+            continue
+        if isinstance(module, LoRALinear):
+            raise ValueError(f"{name} already has LoRA: apply_lora was called twice")
+        (matched if isinstance(module, kinds) else wrong_kind).append((name, module))
+    if wrong_kind:
+        name, module = wrong_kind[0]
+        raise ValueError(f"LoRA target {name} is a {type(module).__name__}; only nn.Linear and GPT-2 Conv1D "
+                         "layers can be wrapped (name the projections inside it)")
+    if not matched:
+        raise ValueError(f"no nn.Linear/Conv1D module name ends with any of the LoRA targets {targets}; "
+                         "print(model) to see the layer names")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, module in matched:
+        _set_submodule(model, name, LoRALinear(module, r, alpha, dropout))
+    return [name for name, _ in matched]
+
+
+@contextlib.contextmanager
+def lora_disabled(model: torch.nn.Module):
+    """Inside the block the model is its base (LoRA paths off): the reference policy for free."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    before = [m.enabled for m in layers]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, was in zip(layers, before):
+            m.enabled = was
+
+
+@torch.no_grad()
+def merge_lora(model: torch.nn.Module) -> list[str]:
+    """Fold (alpha / r) * B A into each base weight and put the plain layer back, in place
+    (whatever `enabled` says). Used on save, so the saved model loads without this code;
+    deep-copy the model first if training goes on. Returns the merged names."""
+    merged = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name, m in merged:
+        m.base.weight += m.delta_weight()
+        _set_submodule(model, name, m.base)
+    return [name for name, _ in merged]
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. RL core: group advantages, the GRPO clipped loss (three normalisations), DPO, rollouts
 # ---------------------------------------------------------------------------------------------
@@ -1819,8 +1927,100 @@ def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temper
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Running: torchrun, seeding, logging, checkpoints
+# 7. Running: torchrun, seeding, dtype, logging, checkpoints
 # ---------------------------------------------------------------------------------------------
+# The same script runs under `python script.py` (one process) and under
+# `torchrun --nproc_per_node=N script.py`, which sets RANK, WORLD_SIZE and LOCAL_RANK (as
+# nanoGPT's train.py). Rank 0 is the master: it alone logs, shows the bar and writes files.
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    is_main: bool = True
+    backend: str | None = None  # "nccl" or "gloo" under torchrun, None for one process
+
+
+def resolve_device(device_arg: str = "auto") -> torch.device:
+    """`--device auto|cpu|cuda|cuda:N`; auto picks CUDA when there is one."""
+    if device_arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device_arg)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device_arg}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+def setup_distributed(device_arg: str = "auto") -> Dist:
+    """One process when RANK is unset; under torchrun, join the process group (NCCL on CUDA,
+    gloo on CPU) and give each rank the GPU of its local rank."""
+    device = resolve_device(device_arg)
+    if "RANK" not in os.environ:
+        return Dist(device=device)
+    import torch.distributed as tdist
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)  # one GPU per process, whatever index was asked
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not tdist.is_initialized():
+        tdist.init_process_group(backend=backend)
+    return Dist(rank, world_size, local_rank, device, rank == 0, backend)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def cleanup_distributed():
+    if _distributed():
+        torch.distributed.destroy_process_group()
+
+
+def _collective_device() -> torch.device:
+    """NCCL reduces tensors on the GPU only; gloo on the CPU."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_mean(x):
+    """Mean over ranks of a number, a tensor or a dict of numbers (one collective; every rank
+    must pass the same keys in the same order). For logging: returns python floats."""
+    if isinstance(x, dict):
+        values = all_reduce_mean(torch.tensor([float(v) for v in x.values()], dtype=torch.float64))  # (K,)
+        return dict(zip(x.keys(), values))
+    t = torch.as_tensor(x, dtype=torch.float64).detach().clone()
+    if _distributed():
+        t = t.to(_collective_device())
+        torch.distributed.all_reduce(t)
+        t /= torch.distributed.get_world_size()
+    t = t.cpu()
+    return t.item() if t.dim() == 0 else t.tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s python object on every rank (e.g. a run name or an eval decision)."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@torch.no_grad()
+def broadcast_parameters(model: torch.nn.Module, src: int = 0):
+    """Copy rank `src`'s parameters and buffers to every rank. DDP does this when it wraps a
+    model; code that averages gradients itself (all_reduce_gradients) must do it once after
+    building the model, or ranks seeded apart start from different weights."""
+    if not _distributed():
+        return
+    for t in list(model.parameters()) + list(model.buffers()):
+        torch.distributed.broadcast(t.data, src=src)
+
+
 def all_reduce_gradients(params, world_size: int, bucket_numel: int = 25_000_000):
     """Average the gradients of `params` over ranks, as DDP does, in flat buckets of at most
     `bucket_numel` elements (one all_reduce each). We call it explicitly after backward instead
@@ -1847,6 +2047,199 @@ def all_reduce_gradients(params, world_size: int, bucket_numel: int = 25_000_000
                 q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
                 offset += q.numel()
             bucket, size = [], 0
+
+
+def seed_everything(seed: int, rank: int = 0) -> int:
+    """Seed python, numpy and torch (all CUDA devices too) with seed + rank, so ranks draw
+    different samples (nanoGPT's seed offset). Build models before offsetting, or broadcast
+    them, if every rank must start from the same weights. Returns the seed used."""
+    seed = seed + rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    return seed
+
+
+# Mixed precision. `--dtype fp32|bf16|fp16|auto`: weights stay fp32, matmuls run in the lower
+# precision under torch.autocast. fp16 needs a torch.amp.GradScaler("cuda") against underflow;
+# bf16 does not. On CPU only bf16 is offered (CPU autocast's fp16 is slow and patchy).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(flag: str, device) -> torch.dtype:
+    """`--dtype` flag -> torch dtype, checked against the device; auto = bf16 where the GPU has
+    it, else fp32."""
+    device = torch.device(device)
+    if flag == "auto":
+        flag = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if flag not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES) + ['auto']}, got {flag!r}")
+    if flag == "fp16" and device.type != "cuda":
+        raise ValueError(f"--dtype fp16 needs a CUDA device, got {device}; use bf16 or fp32")
+    if flag == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError("--dtype bf16: this GPU has no bf16 support; use fp16 or fp32")
+    return DTYPES[flag]
+
+
+def autocast(device, flag: str):
+    """Context for the forward passes: torch.autocast in bf16/fp16, nothing for fp32."""
+    dtype = resolve_dtype(flag, device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+# Logging: one tqdm bar and one JSONL line per log step, on rank 0 only (as CleanRL and
+# lm-human-preference-details: the other ranks get a logger that does nothing).
+class RunLog:
+    """tqdm bar over the run's steps with the latest scalars, and `out_dir/metrics.jsonl`
+    with one {"step", "time", **scalars} line per call ("time": seconds since the start).
+    The file is appended to, so a resumed run continues it."""
+
+    def __init__(self, out_dir, total_steps: int, is_main: bool = True, start_step: int = 0, desc: str = "train"):
+        self.is_main = is_main
+        if not is_main:
+            return
+        from tqdm.auto import tqdm
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.start = time.time()
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
+
+    def log(self, step: int, **scalars):
+        if not self.is_main:
+            return
+        row = {"step": step, "time": round(time.time() - self.start, 3)}
+        row.update({k: float(v) for k, v in scalars.items()})  # tensors and numpy numbers too
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.bar.update(max(0, step - self.bar.n))
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in row.items() if k not in ("step", "time")}, refresh=False)
+
+    def close(self):
+        if self.is_main:
+            self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def config_dict(args) -> dict:
+    """A dataclass, argparse Namespace or dict as JSON-ready values (paths become strings)."""
+    if is_dataclass(args):
+        d = asdict(args)
+    elif isinstance(args, dict):
+        d = dict(args)
+    else:
+        d = vars(args)
+    return json.loads(json.dumps(d, default=str))
+
+
+def save_config(out_dir, args) -> Path:
+    """out_dir/config.json: the full configuration of the run (call it on the master only)."""
+    path = Path(out_dir) / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config_dict(args), indent=2) + "\n")
+    return path
+
+
+# Checkpoints. One file, `out/last.pt`, overwritten atomically (torch.save to a temporary file
+# in the same folder, then os.replace), so a crash mid-save leaves the previous checkpoint.
+# RNG choice: every rank's RNG states (python, numpy, torch, its own CUDA device) are gathered
+# to rank 0 and saved, and on resume each rank gets its own back, so a resumed run draws the
+# same samples and dropout masks as an uninterrupted one, on every rank. If the world size
+# changed, exact resume is impossible anyway: the RNG is left as seed_everything set it, with a
+# warning. Data order is the sampler's business (study_batches resumes from its step).
+def rng_state() -> dict:
+    """This process's RNG states, as plain tensors and lists (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: one per rank
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(_as_tuples(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuples(x):
+    """random.setstate wants the nested tuples random.getstate gave, whatever the round trip made of them."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def save_checkpoint(path, model, optimizer=None, scheduler=None, step: int = 0, extra: dict | None = None,
+                    config=None):
+    """Save everything a resume needs to `path` (scripts use out/last.pt). Call it on EVERY
+    rank: the RNG states are gathered (a collective), rank 0 alone writes, and all ranks wait
+    for the file. `extra`: the method's own state (a curriculum's counters, a baseline ...) as
+    plain python values and tensors. `config`: the run's Args, saved with the weights."""
+    states = [rng_state()]
+    if _distributed():
+        states = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(states, rng_state())
+    if not _distributed() or torch.distributed.get_rank() == 0:
+        ckpt = {"step": step, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": states, "extra": extra or {}, "config": config_dict(config) if config is not None else None}
+        _atomic_save(ckpt, Path(path))
+    if _distributed():
+        torch.distributed.barrier()  # nobody reads or overwrites it before it is complete
+
+
+def _atomic_save(obj, path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX and Windows when in the same folder
+    finally:
+        if os.path.exists(tmp):  # only when saving failed
+            os.remove(tmp)
+
+
+def load_checkpoint(path, model, optimizer=None, scheduler=None, map_location="cpu"):
+    """Restore model, optimizer, scheduler and this rank's RNG states from `path` (a file, or
+    a folder holding last.pt). Returns (step, extra). A LoRA model needs apply_lora before
+    loading, so the parameter names match."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "last.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (--resume takes a checkpoint file or its run folder)")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+        reason = (str(e).splitlines() or [""])[0][:160]
+        raise ValueError(f"{path} is not a readable checkpoint (truncated, or not written by save_checkpoint): "
+                         f"{type(e).__name__} {reason}") from e
+    model.load_state_dict(ckpt["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(ckpt["scheduler"])
+    rank = torch.distributed.get_rank() if _distributed() else 0
+    world_size = torch.distributed.get_world_size() if _distributed() else 1
+    if len(ckpt["rng"]) == world_size:
+        set_rng_state(ckpt["rng"][rank])
+    elif rank == 0:
+        log.warning("checkpoint %s was saved by %d processes, now %d: RNG states not restored, the "
+                    "resumed run will not draw the same samples as an uninterrupted one",
+                    path, len(ckpt["rng"]), world_size)
+    return ckpt["step"], ckpt["extra"]
 
 
 # ---------------------------------------------------------------------------------------------
