@@ -217,3 +217,64 @@ def test_tiny_grpo_step_timing():
     print(f"\ntiny GRPO step, 8 x 8, T = {ids.shape[1]}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in med.items())
           + f", total {sum(med.values()) * 1000:.0f} ms")
     assert sum(med.values()) < 30
+
+
+def test_rollout_reference_is_the_policy_with_lora_off(policy):
+    common.apply_lora(policy.model.decoder, ["c_attn", "c_fc"], r=4, alpha=8)
+    prompts = policy.prompt_batch(images(2))
+    ids, mask = policy.encode_targets(REPORTS[:2])
+    with torch.no_grad():
+        base = policy.completion_logprobs(prompts, ids, mask)
+        for m in policy.model.modules():  # move the adapters away from their zero start
+            if isinstance(m, common.LoRALinear):
+                m.lora_B.normal_()
+    r = rollout(policy, images(2), "", G=2, reward_fn=lambda t, o: [0.0] * len(t), max_new_tokens=6, ref="lora",
+                need_old_logp=True)
+    with torch.no_grad():
+        with common.lora_disabled(policy.model):
+            ref_again = policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
+        assert not torch.allclose(policy.completion_logprobs(prompts, ids, mask), base)  # LoRA changed the policy
+        with common.lora_disabled(policy.model):
+            torch.testing.assert_close(policy.completion_logprobs(prompts, ids, mask), base)  # off = the base
+    torch.testing.assert_close(r.ref_logp, ref_again)
+    assert not torch.allclose(r.ref_logp, r.old_logp)
+
+
+def _grpo_run(records, out, steps, resume=False):
+    """A miniature GRPO training run with checkpoints, as the method scripts write theirs."""
+    common.seed_everything(0)
+    policy = TinyPolicy.build([r.report for r in records], image_size=32, n_embd=32, n_layer=1, n_head=2,
+                              channels=8, max_len=12)
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
+    start = 0
+    if resume:
+        start, extra = common.load_checkpoint(out / "last.pt", policy.model, opt, sched)
+        assert set(extra) == {"reward_sum"}
+    reward_sum = 0.0 if not resume else extra["reward_sum"]
+    batches = common.study_batches(records, 2, seed=0, start_step=start)
+    for step in range(start, steps):
+        _, batch = next(batches)
+        refs = batch["report"]
+        r = rollout(policy, batch["images"], "", G=2, max_new_tokens=8,
+                    reward_fn=lambda texts, owners: [float(len(set(t.split()) & set(refs[o].lower().split())))
+                                                     for t, o in zip(texts, owners)])
+        logp = policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
+        loss, _ = grpo_loss(logp, None, None, group_advantages(r.rewards, 2, scale="none"), r.completion_mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        reward_sum += r.rewards.sum().item()
+        common.save_checkpoint(out / "last.pt", policy.model, opt, sched, step + 1, extra={"reward_sum": reward_sum})
+    return policy, reward_sum
+
+
+def test_stopped_and_resumed_grpo_run_equals_uninterrupted(small_synthetic, tmp_path):
+    records = common.load_annotation(small_synthetic)["train"][:8]  # 4 steps per epoch: resume crosses an epoch
+    full, full_sum = _grpo_run(records, tmp_path / "a", steps=6)
+    _grpo_run(records, tmp_path / "b", steps=3)
+    resumed, resumed_sum = _grpo_run(records, tmp_path / "b", steps=6, resume=True)
+    assert resumed_sum == full_sum
+    for (n, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
