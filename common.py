@@ -951,7 +951,9 @@ def chexbert_model(config=None):
     """f1chexbert's `bert_labeler` (its layout and forward) with the BERT built from a config.
     Its own __init__ fetches bert-base-uncased from the Hub even when real weights follow, so we
     set the same three attributes here; the default config is bert-base-uncased's shape."""
-    from f1chexbert.f1chexbert import bert_labeler
+    import warnings
+    with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
+        from f1chexbert.f1chexbert import bert_labeler
     from transformers import BertConfig, BertModel
     config = config or BertConfig()  # bert-base-uncased: 30522 word pieces, 768 hidden, 12 layers
 
@@ -1606,10 +1608,11 @@ class TinyPolicy:
 
 def supervised_finetune(policy, records: list[Record], steps: int, batch_size: int = 16, lr: float = 1e-3,
                         prompt: str = "", seed: int = 0, rank: int = 0, world_size: int = 1,
-                        desc: str = "SFT") -> list[float]:
+                        target_fn=None, desc: str = "SFT") -> list[float]:
     """Teacher-forced report likelihood on (image, report) pairs, AdamW, constant lr. The warm
     start the RL scripts give the tiny model (a random policy never earns a reward) and the
-    SFT stage of the papers that have one. Gradients are averaged over ranks. Returns the losses."""
+    SFT stage of the papers that have one. target_fn(batch) -> target texts (default: the
+    reports). Gradients are averaged over ranks. Returns the losses."""
     from tqdm.auto import trange
     params = [p for p in policy.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
@@ -1617,13 +1620,37 @@ def supervised_finetune(policy, records: list[Record], steps: int, batch_size: i
     losses = []
     for _ in trange(steps, desc=desc, disable=rank != 0):
         _, batch = next(batches)
-        loss = policy.sft_loss(policy.prompt_batch(batch["images"], prompt), batch["report"])
+        targets = target_fn(batch) if target_fn else batch["report"]
+        loss = policy.sft_loss(policy.prompt_batch(batch["images"], prompt), targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         all_reduce_gradients(params, world_size)
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+
+@torch.no_grad()
+def generate_reports(policy, records: list[Record], prompt: str = "", batch_size: int = 32,
+                     max_new_tokens: int = 96, rank: int = 0, world_size: int = 1, desc: str = "generate") -> list[str]:
+    """Greedy completions for `records`, in their order. Under torchrun each rank generates a
+    strided shard and every rank gets the full list back."""
+    from tqdm.auto import tqdm
+    mine = list(range(rank, len(records), world_size))
+    texts = []
+    for b in tqdm(range(0, len(mine), batch_size), desc=desc, disable=rank != 0):
+        chunk = [records[i] for i in mine[b:b + batch_size]]
+        prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in chunk], prompt)
+        texts += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
+    if world_size == 1:
+        return texts
+    shards = [None] * world_size
+    torch.distributed.all_gather_object(shards, texts)
+    out = [None] * len(records)
+    for r, shard in enumerate(shards):
+        out[r::world_size] = shard
+    return out
 
 def completion_mask(ids, eos_id: int):
     """(N, T) float: 1 up to and including the first EOS, 0 after (all 1 if no EOS)."""

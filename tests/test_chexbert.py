@@ -40,8 +40,10 @@ def local_tokenizer(vocab_path):
 
 
 def tiny_config(vocab_size):
+    # initializer_range 0.5, not BERT's 0.02: with small weights every report gets the same
+    # labels and "batched equals one by one" would prove nothing
     return BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=64, max_position_embeddings=512)
+                      intermediate_size=64, max_position_embeddings=512, initializer_range=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,8 @@ def test_batched_equals_one_by_one(labeler):
     assert batched.shape == (30, 14) and batched.dtype == np.float64
     assert set(np.unique(batched[~np.isnan(batched)])) <= {1.0, 0.0, -1.0}
     assert np.isnan(batched[3]).all() and np.isnan(batched[7]).all()
+    filled = [i for i in range(30) if i not in (3, 7)]
+    assert len({tuple(np.nan_to_num(batched[i], nan=9)) for i in filled}) > 10  # the labels differ across reports
     with pytest.raises(TypeError, match="list of reports"):
         labeler("No pneumothorax.")
 
@@ -100,6 +104,20 @@ def test_class_mapping(vocab_file):
     with torch.no_grad():
         model.linear_heads[13].bias.copy_(torch.tensor([1.0, 0.0]))
     assert np.isnan(lab(["No pneumothorax."])[0, 13])  # No Finding: class 0 is blank
+
+
+def test_importing_f1chexbert_keeps_warnings_on():
+    # f1chexbert's module calls warnings.filterwarnings("ignore") on import; we must not let it
+    # silence the user's warnings (a fresh process: pytest resets filters around each test)
+    import subprocess
+    import sys
+    code = ("import warnings, common; from transformers import BertConfig; "
+            "common.chexbert_model(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, "
+            "num_attention_heads=1, intermediate_size=8)); "
+            "print(any(f[0] == 'ignore' and f[1] is None and f[2] is Warning and f[3] is None for f in warnings.filters))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=common.__file__.rsplit("/", 1)[0])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"  # no catch-all "ignore" filter was left behind
 
 
 def test_layout_matches_f1chexbert_bert_labeler(vocab_file, tmp_path):
