@@ -245,6 +245,10 @@ def train(args: Args) -> dict:
                                    target_fn=lambda b: [sft_target(r, l) for r, l in zip(b["report"], b["labels"])])
         if ref != "lora":
             ref = copy.deepcopy(policy)  # GRPO's reference is the warm-started model
+            if dist.is_main:
+                ref.save(out / "sft")  # kept for --resume
+    elif args.sft_steps and ref != "lora":
+        ref = common.TinyPolicy.load(out / "sft", dist.device)
     for p in ([] if ref == "lora" else ref.model.parameters()):
         p.requires_grad_(False)
 
@@ -257,10 +261,10 @@ def train(args: Args) -> dict:
     schedule = lambda s: (s + 1) / max(1, warmup) if s < warmup else \
         0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    common.seed_everything(args.seed, dist.rank)  # ranks sample differently from here on
     start = 0
-    if args.resume:
+    if args.resume:  # restores the RNG states too, so sampling continues where it stopped
         start, _ = common.load_checkpoint(out / "last.pt", policy.model, optimizer, scheduler)
-    common.seed_everything(args.seed + start, dist.rank)  # ranks sample differently from here on
 
     results = {"before": evaluate(policy, val_records, labeler, args, dist, "val_before")} if start == 0 else {}
     batches = common.study_batches(train_records, args.prompts_per_step, args.seed, dist.rank, dist.world_size,
