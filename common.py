@@ -1536,9 +1536,11 @@ class TinyPolicy:
 
     @torch.no_grad()
     def generate(self, prompts: dict, max_new_tokens: int = 80, temperature: float = 1.0, do_sample: bool = True,
-                 return_logprobs: bool = False):
+                 return_logprobs: bool = False, top_p: float = 1.0):
         """Sample token by token with the KV cache. Returns ids (N, T), mask (N, T) and, with
-        return_logprobs, the log-probs of the sampled tokens as recorded while sampling."""
+        return_logprobs, the log-probs of the sampled tokens under the full (temperature-scaled)
+        distribution. top_p < 1 is nucleus sampling, for uses outside the RL loss (DEER's
+        DDSampling); GRPO rollouts keep top_p = 1."""
         was_training = self.model.training
         self.model.eval()
         dec = self.model.decoder
@@ -1550,7 +1552,7 @@ class TinyPolicy:
         out = dec(inputs_embeds=embeds, use_cache=True)
         for _ in range(max_new_tokens):
             logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (N, V)
-            tok = torch.multinomial(logp.exp(), 1).squeeze(1) if do_sample else logp.argmax(-1)  # (N,)
+            tok = torch.multinomial(nucleus_probs(logp, top_p), 1).squeeze(1) if do_sample else logp.argmax(-1)  # (N,)
             tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
             ids.append(tok)
             logps.append(logp.gather(1, tok[:, None]).squeeze(1))
@@ -1651,6 +1653,21 @@ def generate_reports(policy, records: list[Record], prompt: str = "", batch_size
     for r, shard in enumerate(shards):
         out[r::world_size] = shard
     return out
+
+def nucleus_probs(logp, top_p: float = 1.0):
+    """(N, V) log-probs -> sampling probabilities restricted to the smallest set of tokens whose
+    mass reaches top_p (nucleus sampling, Holtzman et al. 2020), renormalised. top_p = 1: all."""
+    probs = logp.exp()  # (N, V)
+    if top_p >= 1.0:
+        return probs
+    if not 0.0 < top_p < 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # (N, V)
+    outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # (N, V) mass before this token already reached top_p
+    sorted_p = sorted_p.masked_fill(outside, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)  # (N, V) back in vocabulary order
+    return kept / kept.sum(-1, keepdim=True)
+
 
 def completion_mask(ids, eos_id: int):
     """(N, T) float: 1 up to and including the first EOS, 0 after (all 1 if no EOS)."""
@@ -2292,6 +2309,30 @@ def read_generations(path) -> list[dict]:
     if not rows:
         raise ValueError(f"{path}: no generations in the file")
     return rows
+
+
+def parse_args(args_class, argv=None, description: str | None = None):
+    """Every script's command line, built from its `Args` dataclass: one `--flag-name` per
+    field, typed from the annotation (`int`, `float`, `str`, `X | None`; a bool becomes
+    `--flag` / `--no-flag`), its help the comment after the field in the source, so a knob
+    is written down once. Returns an `args_class` instance."""
+    import inspect
+    helps = dict(re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", inspect.getsource(args_class), flags=re.M))
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    casts = {"int": int, "float": float, "str": str}
+    for f in args_class.__dataclass_fields__.values():
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        help_ = f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%")  # argparse formats help with %
+        if kind == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            continue
+        base = kind.replace("| None", "").strip()
+        if base not in casts:
+            raise TypeError(f"{args_class.__name__}.{f.name}: parse_args handles int, float, str, bool "
+                            f"(optionally | None), not {kind}")
+        p.add_argument(flag, type=casts[base], default=default, help=help_)
+    return args_class(**vars(p.parse_args(argv)))
 
 
 def make_labeler(name: str, chexbert_weights=None, device="cpu"):

@@ -321,17 +321,7 @@ def train(args: Args) -> dict:
 
 
 def main(argv=None):
-    import argparse
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in Args().__dict__.items():
-        kind = Args.__annotations__[name]
-        flag = "--" + name.replace("_", "-")
-        if kind == "bool":
-            p.add_argument(flag, action="store_true")
-        else:
-            cast = {"int": int, "float": float, "str": str}.get(kind.split(" ")[0], str)
-            p.add_argument(flag, type=cast, default=default)
-    train(Args(**vars(p.parse_args(argv))))
+    train(common.parse_args(Args, argv, __doc__))
 
 
 if __name__ == "__main__":

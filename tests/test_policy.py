@@ -278,3 +278,13 @@ def test_stopped_and_resumed_grpo_run_equals_uninterrupted(small_synthetic, tmp_
     assert resumed_sum == full_sum
     for (n, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+
+
+def test_nucleus_probs_keeps_the_smallest_set_reaching_top_p():
+    logp = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25]]))
+    # sorted 0.5, 0.25, 0.15, 0.1: 0.5 + 0.25 = 0.75 >= 0.7, so two tokens stay
+    torch.testing.assert_close(common.nucleus_probs(logp, 0.7), torch.tensor([[0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75]]))
+    torch.testing.assert_close(common.nucleus_probs(logp, 0.5), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(common.nucleus_probs(logp, 1.0), logp.exp())
+    with pytest.raises(ValueError, match="top_p"):
+        common.nucleus_probs(logp, 0.0)
