@@ -1574,8 +1574,7 @@ class TinyPolicy:
         P, T = prefix.shape[1], completion_ids.shape[1]
         embeds = torch.cat([prefix, self.model.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
         logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1:P - 1 + T]  # (N, T, V) predicts token t
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        return logp.gather(2, completion_ids[..., None]).squeeze(2) * completion_mask  # (N, T)
+        return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
         max_len = self.model.hparams["max_len"]
@@ -1606,6 +1605,173 @@ class TinyPolicy:
         model.load_state_dict(ck["state_dict"])
         return cls(model, WordTokenizer(ck["vocab"]), ck["image_size"], device)
 
+
+class HFPolicy:
+    """A Hugging Face vision-language model behind the policy interface, through AutoProcessor
+    and AutoModelForImageTextToText: Qwen2.5-VL first (HuatuoGPT-Vision-7B-Qwen2.5VL is the same
+    architecture). The prompt is the processor's chat template with one image entry per view and
+    the instruction text, left-padded; completions are right-padded. The hub's generation
+    defaults (Qwen's top_k, top_p and repetition penalty) are replaced by plain temperature
+    sampling, so the recorded and the scored log-probs come from the same distribution.
+
+    Weights are loaded in `dtype` (bf16 on a GPU halves the memory; LoRA adapters stay fp32).
+    max_pixels bounds the image tokens per view (Qwen: one token per 28 x 28 pixels)."""
+
+    MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+    def __init__(self, name_or_path: str, device="cpu", dtype=torch.float32, gradient_checkpointing: bool = False,
+                 freeze_vision: bool = False, freeze_language: bool = False, max_pixels: int | None = None,
+                 max_target_tokens: int = 512):
+        from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+        self.name, self.device, self.max_target_tokens = str(name_or_path), torch.device(device), max_target_tokens
+        size = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)} if max_pixels else None
+        self.processor = AutoProcessor.from_pretrained(name_or_path, **({"size": size} if size else {}))
+        self.tokenizer = self.processor.tokenizer
+        self.tokenizer.padding_side = "left"  # prompts end where generation starts (PITFALLS.md)
+        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype).to(self.device)
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
+        if self.eos_token_id not in self.eos_token_ids:
+            self.eos_token_ids.append(self.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=gen.bos_token_id, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0)  # no hidden sampling tricks
+        if gradient_checkpointing:
+            enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})  # non-reentrant: works with frozen inputs (LoRA)
+            self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
+        vision, language = self.vision_and_language()
+        for part, frozen in ((vision, freeze_vision), (language, freeze_language)):
+            for p in part.parameters():
+                p.requires_grad_(not frozen)
+
+    def vision_and_language(self):
+        """(vision tower incl. its projector/merger, language model incl. the LM head) as modules."""
+        inner = getattr(self.model, "model", self.model)
+        vision = next((getattr(inner, n) for n in ("visual", "vision_tower", "vision_model") if hasattr(inner, n)), None)
+        if vision is None:
+            raise ValueError(f"{self.name}: no vision tower found (looked for visual, vision_tower, vision_model)")
+        vision_ids = {id(p) for p in vision.parameters()}
+        language = torch.nn.ModuleList([m for n, m in self.model.named_children() if n != "model"] +
+                                       [m for n, m in inner.named_children() if all(id(p) not in vision_ids for p in m.parameters())])
+        return vision, language
+
+    def _reset_rope(self):
+        # Qwen2-VL caches rope_deltas in generate(); a later forward with another batch would reuse
+        # them (PITFALLS.md). Positions are recomputed from input_ids when the cache is empty.
+        inner = getattr(self.model, "model", None)
+        if inner is not None and hasattr(inner, "rope_deltas"):
+            inner.rope_deltas = None
+
+    def _inputs(self, prompts: dict) -> dict:
+        return {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
+
+    def prompt_batch(self, images, text) -> dict:
+        """images: one list of PIL views per study; text: one instruction or one per study."""
+        texts = [text] * len(images) if isinstance(text, str) or text is None else list(text)
+        if len(texts) != len(images):
+            raise ValueError(f"prompt_batch: {len(images)} studies but {len(texts)} instructions")
+        chats = [[{"role": "user", "content": [{"type": "image"} for _ in views] + [{"type": "text", "text": t or ""}]}]
+                 for views, t in zip(images, texts)]
+        prompt_text = [self.processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        flat = [im.convert("RGB") for views in images for im in views]
+        inputs = self.processor(text=prompt_text, images=flat, padding=True, return_tensors="pt")  # never truncated
+        prompts = {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
+        prompts["n_images"] = torch.tensor([len(v) for v in images])  # (B,) views per study, for repeat()
+        return prompts
+
+    def repeat(self, prompts: dict, G: int) -> dict:
+        """Each study G times in a row. Text tensors are (B, P); pixel_values holds every image's
+        patches one after the other (Qwen: grid t*h*w rows per image), so it is cut per study."""
+        n_images = prompts["n_images"].tolist()
+        if "image_grid_thw" in prompts:
+            rows_per_image = prompts["image_grid_thw"].prod(-1).tolist()  # patches per image
+        else:
+            rows_per_image = [len(prompts["pixel_values"]) // sum(n_images)] * sum(n_images)
+        per_study_rows = [sum(c) for c in _split_list(rows_per_image, n_images)]
+        out = {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items() if k not in ("pixel_values", "image_grid_thw")}
+        out["pixel_values"] = torch.cat([c for c in prompts["pixel_values"].split(per_study_rows) for _ in range(G)])
+        if "image_grid_thw" in prompts:
+            out["image_grid_thw"] = torch.cat([c for c in prompts["image_grid_thw"].split(n_images) for _ in range(G)])
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompts: dict, max_new_tokens: int = 256, temperature: float = 1.0, do_sample: bool = True,
+                 return_logprobs: bool = False, top_p: float = 1.0):
+        """model.generate with the KV cache on; returns completion ids (N, T), mask (N, T) and,
+        with return_logprobs, the sampled tokens' log-probs under logits / temperature."""
+        was_training = self.model.training
+        self.model.eval()
+        self._reset_rope()
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
+        out = self.model.generate(**self._inputs(prompts), max_new_tokens=max_new_tokens, use_cache=True,
+                                  return_dict_in_generate=True, output_logits=return_logprobs, **sampling)
+        self._reset_rope()
+        self.model.train(was_training)
+        ids = out.sequences[:, prompts["input_ids"].shape[1]:]  # (N, T) completion only
+        mask = completion_mask(ids, self.eos_token_ids)  # (N, T)
+        ids = torch.where(mask.bool(), ids, torch.full_like(ids, self.pad_token_id))
+        if not return_logprobs:
+            return ids, mask
+        logits = torch.stack(out.logits, dim=1)  # (N, T, V) raw logits of each step
+        return ids, mask, token_logprobs(logits, ids, temperature) * mask
+
+    def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
+        """One forward pass over prompt + completion; only the T + 1 last positions go through
+        the LM head. (N, T) float32, 0 where the mask is 0."""
+        self._reset_rope()
+        T = completion_ids.shape[1]
+        inputs = self._inputs(prompts)
+        inputs["input_ids"] = torch.cat([prompts["input_ids"], completion_ids], dim=1)  # (N, P+T)
+        inputs["attention_mask"] = torch.cat([prompts["attention_mask"], completion_mask.to(prompts["attention_mask"].dtype)], 1)
+        if "mm_token_type_ids" in prompts:  # completions are text (type 0)
+            inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
+        logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V) predicts token t
+        return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
+
+    def encode_targets(self, texts: list[str]):
+        seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:self.max_target_tokens - 1] + [self.eos_token_id]
+                for t in texts]
+        return pad_completions(seqs, self.pad_token_id, self.device)
+
+    def decode(self, completion_ids, completion_mask) -> list[str]:
+        rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
+        return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
+
+    sft_loss = TinyPolicy.sft_loss
+
+    def save(self, path):
+        """save_pretrained of the model (LoRA merged into the weights, the live model untouched)
+        and of the processor: the folder loads with HFPolicy(path) or plain transformers."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, state_dict=lora_merged_state_dict(self.model))
+        self.processor.save_pretrained(path)
+
+    @classmethod
+    def load(cls, path, device="cpu", **kwargs) -> "HFPolicy":
+        return cls(path, device=device, **kwargs)
+
+
+def _split_list(values: list, sizes: list[int]) -> list[list]:
+    out, i = [], 0
+    for n in sizes:
+        out.append(values[i:i + n])
+        i += n
+    return out
+
+
+def make_policy(model: str, train_reports: list[str], device, dtype=torch.float32, max_new_tokens: int = 128,
+                extra_tokens=(), gradient_checkpointing: bool = True, **hf_kwargs):
+    """`--model tiny` -> TinyPolicy with a word tokenizer built from the training reports (plus
+    extra_tokens); anything else -> HFPolicy (hub id or local folder)."""
+    if model == "tiny":
+        return TinyPolicy.build(list(train_reports), extra_tokens=extra_tokens, max_len=max_new_tokens, device=device)
+    return HFPolicy(model, device=device, dtype=dtype, gradient_checkpointing=gradient_checkpointing, **hf_kwargs)
 
 
 def supervised_finetune(policy, records: list[Record], steps: int, batch_size: int = 16, lr: float = 1e-3,
@@ -1654,6 +1820,17 @@ def generate_reports(policy, records: list[Record], prompt: str = "", batch_size
         out[r::world_size] = shard
     return out
 
+def token_logprobs(logits, ids, temperature: float = 1.0):
+    """log softmax(logits / temperature) at the given ids: (N, T, V), (N, T) -> (N, T) float32.
+    One sequence at a time, so the float32 copy is (T, V), not (N, T, V): with a 150k-word
+    vocabulary the full copy would be the largest tensor of the step."""
+    rows = []
+    for lg, tok in zip(logits, ids):  # (T, V), (T,)
+        lg = lg.float() / temperature
+        rows.append(lg.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(lg, dim=-1))  # (T,)
+    return torch.stack(rows)  # (N, T)
+
+
 def nucleus_probs(logp, top_p: float = 1.0):
     """(N, V) log-probs -> sampling probabilities restricted to the smallest set of tokens whose
     mass reaches top_p (nucleus sampling, Holtzman et al. 2020), renormalised. top_p = 1: all."""
@@ -1669,9 +1846,10 @@ def nucleus_probs(logp, top_p: float = 1.0):
     return kept / kept.sum(-1, keepdim=True)
 
 
-def completion_mask(ids, eos_id: int):
-    """(N, T) float: 1 up to and including the first EOS, 0 after (all 1 if no EOS)."""
-    is_eos = (ids == eos_id).int()  # (N, T)
+def completion_mask(ids, eos_id):
+    """(N, T) float: 1 up to and including the first EOS, 0 after (all 1 if no EOS). eos_id: one
+    id or a list (chat models end a turn with <|im_end|> but may also stop on <|endoftext|>)."""
+    is_eos = torch.isin(ids, torch.as_tensor(eos_id, device=ids.device)).int()  # (N, T)
     after_eos = (is_eos.cumsum(1) - is_eos) > 0  # (N, T) strictly after the first EOS
     return (~after_eos).float()
 
@@ -1707,8 +1885,10 @@ class LoRALinear(torch.nn.Module):
         self.transposed = not isinstance(base, torch.nn.Linear)  # Conv1D keeps weight as (in, out)
         out_f, in_f = base.weight.shape[::-1] if self.transposed else base.weight.shape
         w = base.weight
-        self.lora_A = torch.nn.Parameter(torch.empty(r, in_f, device=w.device, dtype=w.dtype))  # (r, in)
-        self.lora_B = torch.nn.Parameter(torch.zeros(out_f, r, device=w.device, dtype=w.dtype))  # (out, r)
+        # fp32 adapters whatever the base's dtype (PEFT's autocast_adapter_dtype): bf16 Adam updates
+        # of a B that starts at 0 would mostly round away
+        self.lora_A = torch.nn.Parameter(torch.empty(r, in_f, device=w.device))  # (r, in)
+        self.lora_B = torch.nn.Parameter(torch.zeros(out_f, r, device=w.device))  # (out, r)
         # PEFT's init: A as nn.Linear's default weight init, B = 0 so B A = 0 at the start
         torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.scaling = alpha / r
@@ -1722,8 +1902,9 @@ class LoRALinear(torch.nn.Module):
         if not self.enabled:
             return out
         # h = W0 x + (alpha / r) * B (A dropout(x))
-        lora = torch.nn.functional.linear(torch.nn.functional.linear(self.dropout(x), self.lora_A), self.lora_B)
-        return out + lora * self.scaling
+        x = self.dropout(x).to(self.lora_A.dtype)
+        lora = torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B)
+        return out + (lora * self.scaling).to(out.dtype)
 
     def delta_weight(self):
         """(alpha / r) * B A in the base weight's layout: (out, in) for Linear, (in, out) for Conv1D."""
@@ -1764,6 +1945,22 @@ def apply_lora(model: torch.nn.Module, target_modules: list[str], r: int = 8, al
     for name, module in matched:
         _set_submodule(model, name, LoRALinear(module, r, alpha, dropout))
     return [name for name, _ in matched]
+
+
+@torch.no_grad()
+def lora_merged_state_dict(model: torch.nn.Module) -> dict:
+    """The state dict the model would have with every LoRA folded into its base layer (names
+    as without LoRA), computed on the side: the live model keeps training with its adapters."""
+    state = model.state_dict()
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            for key in ("lora_A", "lora_B"):
+                state.pop(f"{name}.{key}")
+            for key in ("weight", "bias"):
+                if f"{name}.base.{key}" in state:
+                    state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
+            state[f"{name}.weight"] = state[f"{name}.weight"] + m.delta_weight()
+    return state
 
 
 @contextlib.contextmanager

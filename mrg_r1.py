@@ -196,12 +196,11 @@ def sft_target(report: str, labels: torch.Tensor) -> str:
 
 def build_policy(args: Args, train_records, dist):
     dtype = common.resolve_dtype(args.dtype, dist.device)
+    label_words = [n.lower() for n in common.CHEXPERT_LABELS]  # the tiny model's <think> lists findings
+    policy = common.make_policy(args.model, [r.report for r in train_records] + label_words, dist.device, dtype,
+                                args.max_new_tokens, extra_tokens=TAGS)
     if args.model == "tiny":
-        label_words = [n.lower() for n in common.CHEXPERT_LABELS]
-        policy = common.TinyPolicy.build([r.report for r in train_records] + label_words, extra_tokens=TAGS,
-                                         max_len=args.max_new_tokens, device=dist.device)
         return policy, copy.deepcopy(policy)  # full fine-tuning: the reference is a frozen copy
-    policy = common.HFPolicy(args.model, device=dist.device, dtype=dtype, gradient_checkpointing=True)
     common.apply_lora(policy.model, args.lora_targets.split(","), args.lora_r, args.lora_alpha, args.lora_dropout)
     return policy, "lora"  # the reference is the base model with LoRA switched off
 

@@ -29,3 +29,60 @@ def small_synthetic(tmp_path_factory):
     out = tmp_path_factory.mktemp("synthetic")
     common.make_synthetic(out, n_train=40, n_val=8, n_test=12, size=64, seed=0)
     return out / "annotation.json"
+
+
+# A tiny randomly initialised Qwen2.5-VL with a processor assembled around a locally trained
+# byte-level BPE tokenizer, saved like a hub checkpoint, so HFPolicy's real path
+# (AutoProcessor, AutoModelForImageTextToText, chat template, image grid, generate) runs offline.
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>"]
+QWEN_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+             "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+             "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_qwen(out_dir, texts, image_pixels: int = 56 * 56, seed: int = 0):
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=QWEN_SPECIALS,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  chat_template=QWEN_CHAT)
+    patch = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=image_pixels, max_pixels=image_pixels, **patch),
+                                    tokenizer=tok, video_processor=Qwen2VLVideoProcessor(**patch), chat_template=QWEN_CHAT)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=56,
+                           out_hidden_size=64, fullatt_block_indexes=[1], patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    # Qwen2.5-VL-Instruct's generation_config.json: near-greedy sampling that HFPolicy must undo
+    model.generation_config.update(do_sample=True, top_k=1, top_p=0.001, temperature=0.1, repetition_penalty=1.05)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory, small_synthetic):
+    """A folder with a tiny random Qwen2.5-VL and its processor, usable as `--model DIR`."""
+    import common
+    reports = [r.report for r in common.load_annotation(small_synthetic)["train"]]
+    prompts = ["You are a radiologist. Describe the chest X-ray.", "<think> </think> <report> </report>"]
+    return build_tiny_qwen(tmp_path_factory.mktemp("tiny_qwen"), reports + prompts)

@@ -149,3 +149,17 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     assert [x["step"] for x in lines] == [1, 2]  # rank 0 alone writes
     gens = [json.loads(x) for x in (out / "generations_test.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shards, in order
+
+
+def test_end_to_end_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir):
+    """The real path: a (tiny, random) Qwen2.5-VL through AutoProcessor / AutoModelForImageTextToText,
+    LoRA on attention and MLP projections, the LoRA-off base as the KL reference, merged save."""
+    out = tmp_path / "hf"
+    mrg_r1.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--steps", "2",
+                 "--prompts-per-step", "2", "--max-new-tokens", "8", "--n-eval", "2", "--lora-r", "4",
+                 "--log-every", "1", "--out", str(out)])
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and all(math.isfinite(x["loss"]) and x["kl"] >= 0 for x in lines)
+    assert (out / "final" / "config.json").is_file() and (out / "final" / "tokenizer.json").is_file()
+    reloaded = common.HFPolicy(str(out / "final"))
+    assert not any(isinstance(m, common.LoRALinear) for m in reloaded.model.modules())  # LoRA merged on save

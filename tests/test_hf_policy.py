@@ -1,0 +1,159 @@
+"""HFPolicy on a tiny random Qwen2.5-VL (built offline in conftest.py, loaded through
+AutoProcessor / AutoModelForImageTextToText like a hub checkpoint): prompts, repeat, sampling,
+log-prob agreement, the rope_deltas pitfall, LoRA, freezing, gradient checkpointing, saving."""
+import pytest
+import torch
+
+import common
+
+PROMPT = "You are a radiologist. Describe the chest X-ray."
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_qwen_dir):
+    return common.HFPolicy(str(tiny_qwen_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def studies(small_synthetic):
+    records = common.load_annotation(small_synthetic)["train"][:3]
+    views = [[common.load_image(p, r.id) for p in r.image_paths] for r in records]
+    views[1] = views[1] * 2  # an IU X-Ray-like study with two views
+    return views, [r.report for r in records]
+
+
+def test_hub_sampling_defaults_are_replaced(policy):
+    g = policy.model.generation_config
+    # the saved model asks for top_k 1, top_p 0.001, repetition penalty 1.05: plain sampling instead
+    assert (g.top_k, g.top_p, g.repetition_penalty or 1.0) == (0, 1.0, 1.0)
+    assert policy.tokenizer.convert_ids_to_tokens(policy.eos_token_id) == "<|im_end|>"
+    assert set(policy.eos_token_ids) == {policy.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+
+
+def test_prompt_batch_left_padded_and_whole(policy, studies):
+    views, _ = studies
+    p = policy.prompt_batch(views, PROMPT)
+    image_id = policy.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    # 56 x 56 pixels -> 4 x 4 patches of 14 -> 4 tokens after the 2 x 2 merge, per view
+    assert (p["input_ids"] == image_id).sum(1).tolist() == [4, 8, 4]
+    assert p["image_grid_thw"].tolist() == [[1, 4, 4]] * 4 and p["n_images"].tolist() == [1, 2, 1]
+    # left padding: every row ends with the assistant turn, the shorter ones start with pads
+    assert (p["attention_mask"][:, -1] == 1).all()
+    assert p["attention_mask"][0, 0] == 0 and p["attention_mask"][1].all()
+    with pytest.raises(ValueError, match="3 studies but 2 instructions"):
+        policy.prompt_batch(views, [PROMPT, PROMPT])
+
+
+def test_repeat_copies_each_study_with_its_own_images(policy, studies):
+    views, _ = studies
+    p = policy.prompt_batch(views, PROMPT)
+    r = policy.repeat(p, 3)
+    assert r["input_ids"].shape[0] == 9 and r["image_grid_thw"].shape[0] == 12
+    assert torch.equal(r["input_ids"][3], p["input_ids"][1]) and torch.equal(r["input_ids"][5], p["input_ids"][1])
+    per_study = [16, 32, 16]  # patch rows per study (16 per view)
+    chunks = r["pixel_values"].split([n for n in per_study for _ in range(3)])
+    originals = p["pixel_values"].split(per_study)
+    for i, chunk in enumerate(chunks):
+        assert torch.equal(chunk, originals[i // 3])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_logprobs_equal_forward_then_other_batch_size(policy, studies, temperature):
+    views, _ = studies
+    prompts = policy.repeat(policy.prompt_batch(views, PROMPT), 2)  # 6 rows
+    torch.manual_seed(0)
+    ids, mask, recorded = policy.generate(prompts, 10, temperature=temperature, return_logprobs=True)
+    assert ids.shape[0] == 6 and mask.shape == ids.shape
+    with torch.no_grad():
+        scored = policy.completion_logprobs(prompts, ids, mask, temperature)
+    assert (recorded - scored).abs().max() < 1e-4
+    # generate() caches rope_deltas for 6 rows; a forward on 3 rows must not reuse them (PITFALLS.md)
+    one_each = policy.prompt_batch(views, PROMPT)
+    with torch.no_grad():
+        sub = policy.completion_logprobs(one_each, ids[::2], mask[::2], temperature)
+    assert (sub - recorded[::2]).abs().max() < 1e-4
+
+
+def test_mask_runs_to_the_first_eos_and_decode_drops_specials(policy):
+    eos, pad = policy.eos_token_id, policy.pad_token_id
+    word = policy.tokenizer("heart", add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([word + [eos, pad], word + word[:1] + [eos]])
+    mask = common.completion_mask(ids, policy.eos_token_ids)
+    assert mask.tolist() == [[1.0] * (len(word) + 1) + [0.0], [1.0] * (len(word) + 2)]
+    assert policy.decode(ids, mask)[0] == "heart"
+    targets, tmask = policy.encode_targets(["heart", ""])
+    assert targets[0, len(word)].item() == eos and tmask.sum(1).tolist() == [len(word) + 1, 1]
+
+
+def test_sft_steps_lower_the_loss(tiny_qwen_dir, studies):
+    views, reports = studies
+    torch.manual_seed(0)
+    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu")
+    opt = torch.optim.AdamW(pol.model.parameters(), lr=3e-3)
+    prompts = pol.prompt_batch(views, PROMPT)
+    losses = []
+    for _ in range(8):
+        loss = pol.sft_loss(prompts, reports)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_freeze_language_trains_only_the_vision_tower(tiny_qwen_dir, studies):
+    views, reports = studies
+    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu", freeze_language=True)
+    vision, language = pol.vision_and_language()
+    trainable = {id(p) for p in pol.model.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in vision.parameters()} and trainable
+    before = {n: p.detach().clone() for n, p in pol.model.named_parameters()}
+    opt = torch.optim.SGD([p for p in pol.model.parameters() if p.requires_grad], lr=0.1)
+    pol.sft_loss(pol.prompt_batch(views, PROMPT), reports).backward()
+    opt.step()
+    changed = {n for n, p in pol.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".visual." in f".{n}" for n in changed)
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_qwen_dir, studies):
+    views, reports = studies
+    grads = []
+    for ckpt in (False, True):
+        pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu", gradient_checkpointing=ckpt)
+        pol.model.train()
+        pol.sft_loss(pol.prompt_batch(views, PROMPT), reports).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in pol.model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_lora_reference_save_merged_and_reload(tiny_qwen_dir, studies, tmp_path):
+    views, reports = studies
+    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu")
+    prompts = pol.prompt_batch(views, PROMPT)
+    ids, mask = pol.encode_targets(reports)
+    with torch.no_grad():
+        base = pol.completion_logprobs(prompts, ids, mask)
+    wrapped = common.apply_lora(pol.model, ["q_proj", "v_proj", "gate_proj"], r=4, alpha=8)
+    assert wrapped and all("visual" not in n or "proj" in n for n in wrapped)
+    for m in pol.model.modules():  # move away from B = 0 so LoRA changes the outputs
+        if isinstance(m, common.LoRALinear):
+            torch.nn.init.normal_(m.lora_B, std=0.05)
+    with torch.no_grad():
+        adapted = pol.completion_logprobs(prompts, ids, mask)
+        with common.lora_disabled(pol.model):
+            reference = pol.completion_logprobs(prompts, ids, mask)
+    assert (adapted - base).abs().max() > 1e-3
+    torch.testing.assert_close(reference, base)
+    # rollout with the LoRA-off reference
+    roll = common.rollout(pol, views[:2], PROMPT, 2, lambda texts, owners: [0.0] * len(texts), 6, ref="lora")
+    assert roll.ref_logp.shape == roll.completion_ids.shape
+    pol.save(tmp_path / "merged")
+    assert any(isinstance(m, common.LoRALinear) for m in pol.model.modules())  # the live model keeps its adapters
+    reloaded = common.HFPolicy(str(tmp_path / "merged"), device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.completion_logprobs(prompts, ids, mask), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_make_policy_picks_the_kind(tiny_qwen_dir):
+    assert isinstance(common.make_policy("tiny", ["no effusion ."], "cpu"), common.TinyPolicy)
+    assert isinstance(common.make_policy(str(tiny_qwen_dir), [], "cpu"), common.HFPolicy)
