@@ -157,3 +157,45 @@ def test_lora_reference_save_merged_and_reload(tiny_qwen_dir, studies, tmp_path)
 def test_make_policy_picks_the_kind(tiny_qwen_dir):
     assert isinstance(common.make_policy("tiny", ["no effusion ."], "cpu"), common.TinyPolicy)
     assert isinstance(common.make_policy(str(tiny_qwen_dir), [], "cpu"), common.HFPolicy)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU benchmark")
+def test_gpu_grpo_step_speed_and_memory(small_synthetic):
+    """One GRPO step of a real VLM on one GPU: 8 prompts x G = 8, up to 256 new tokens, bf16
+    weights, gradient checkpointing, LoRA r 128 on attention + MLP, LoRA-off reference.
+        RRG_BENCH_MODEL=Qwen/Qwen2.5-VL-3B-Instruct python -m pytest -q tests/test_hf_policy.py -m slow -s
+    (the model must be in the local Hugging Face cache or a local folder)."""
+    import os
+    import time
+    name = os.environ.get("RRG_BENCH_MODEL")
+    if not name:
+        pytest.skip("set RRG_BENCH_MODEL to a local Qwen2.5-VL id or folder")
+    pol = common.HFPolicy(name, device="cuda", dtype=torch.bfloat16, gradient_checkpointing=True,
+                          max_pixels=int(os.environ.get("RRG_BENCH_MAX_PIXELS", 448 * 448)))
+    common.apply_lora(pol.model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 128, 256)
+    params = [p for p in pol.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=5e-6)
+    records = common.load_annotation(small_synthetic)["train"][:8]
+    views = [[common.load_image(p, r.id) for p in r.image_paths] for r in records]
+    for step in range(2):  # the first step warms up kernels and the allocator
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        roll = common.rollout(pol, views, PROMPT, 8, lambda texts, owners: [float(len(t) % 3) for t in texts], 256,
+                              ref="lora")
+        torch.cuda.synchronize()
+        t1 = time.time()
+        A = common.group_advantages(roll.rewards, 8)
+        opt.zero_grad(set_to_none=True)
+        for rows in torch.arange(64).split(16):  # 4 micro-batches of 16 completions
+            prompts = pol.prompt_batch([views[i // 8] for i in rows.tolist()], PROMPT)  # the same inputs, 16 rows
+            logp = pol.completion_logprobs(prompts, roll.completion_ids[rows], roll.completion_mask[rows])
+            loss, _ = common.grpo_loss(logp, None, roll.ref_logp[rows], A[rows], roll.completion_mask[rows], beta=0.04)
+            (loss / 4).backward()
+        opt.step()
+        torch.cuda.synchronize()
+        t2 = time.time()
+    tokens = roll.completion_mask.sum().item()
+    print(f"\n{name}: step {t2 - t0:.1f} s (rollout + reference {t1 - t0:.1f} s, {tokens / (t1 - t0):.0f} generated "
+          f"tokens/s incl. scoring; update {t2 - t1:.1f} s), peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
