@@ -1257,17 +1257,33 @@ def _cider_sim(hyp, ref, idf2: dict, sigma: float = CIDER_SIGMA) -> list[float]:
     return vals
 
 
-def _cider_d(hyps_counts, refs_counts) -> np.ndarray:
-    """CIDEr-D of every pair. Mirrors CiderScorer.compute_score(): document
-    frequencies come from the references being scored (each pair's reference set is
-    one document), so a score depends on the whole evaluated set; with a single pair
-    log(N) = 0 and every score is 0. Score = 10 * mean over n of the similarity,
-    averaged over the references."""
-    # df(g) = number of pairs whose references (any of them) contain g
+def _document_frequency(refs_counts) -> Counter:
+    """df(g) = number of documents (reference sets) containing the n-gram g."""
     df = Counter()
     for refs in refs_counts:
         df.update(set().union(*(c.keys() for ref in refs for c in ref)))
-    log_n = math.log(len(refs_counts))
+    return df
+
+
+def cider_document_frequency(refs) -> tuple[Counter, int]:
+    """CIDEr-D document frequencies of a fixed corpus (one document per reference, or per
+    list of references), for rewards: scored against the training references, a sample's
+    CIDEr no longer depends on which other reports share its batch (the usual SCST
+    practice). Pass the result as nlg_metrics(..., cider_df=...). Each reference is its own
+    document: ViLMedic's CIDEr-D reward joins them into one, so every df is 1."""
+    ref_texts = [[r] if isinstance(r, str) else list(r) for r in refs]
+    return _document_frequency([[_ngram_counts(t.split()) for t in rs] for rs in ref_texts]), len(ref_texts)
+
+
+def _cider_d(hyps_counts, refs_counts, cider_df=None) -> np.ndarray:
+    """CIDEr-D of every pair. Mirrors CiderScorer.compute_score(): document
+    frequencies come from the references being scored (each pair's reference set is
+    one document), so a score depends on the whole evaluated set; with a single pair
+    log(N) = 0 and every score is 0. cider_df = (df, N) from cider_document_frequency
+    fixes them instead. Score = 10 * mean over n of the similarity, averaged over the
+    references."""
+    df, n_docs = cider_df if cider_df is not None else (_document_frequency(refs_counts), len(refs_counts))
+    log_n = math.log(n_docs)
     # idf = log(N) - log(max(1, df)); n-grams absent from every reference get log(N)
     idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf
     scores = []
@@ -1311,7 +1327,7 @@ def _meteor(hyps: list[str], refs: list[list[str]]):
 
 
 # --- NLG entry point -------------------------------------------------------
-def nlg_metrics(hyps, refs, meteor="auto", per_sample: bool = False) -> dict:
+def nlg_metrics(hyps, refs, meteor="auto", per_sample: bool = False, cider_df=None) -> dict:
     """BLEU-1..4, ROUGE-L, CIDEr(-D) and, when computed, METEOR, as pycocoevalcap.
 
     hyps: list of str. refs: list of str, or list of lists of str (several references
@@ -1320,6 +1336,8 @@ def nlg_metrics(hyps, refs, meteor="auto", per_sample: bool = False) -> dict:
     meteor: "auto" (compute when pycocoevalcap and java are present, else leave the
     key out and log a warning), True (raise if unavailable) or False (skip).
     per_sample: also return {"per_sample": {metric: [score per hypothesis]}}.
+    cider_df: (df, N) from cider_document_frequency(corpus) to fix CIDEr's document
+    frequencies (rewards); None computes them from `refs`, as pycocoevalcap.
     """
     if meteor not in ("auto", True, False):
         raise ValueError(f"meteor must be 'auto', True or False, got {meteor!r}")
@@ -1340,7 +1358,7 @@ def nlg_metrics(hyps, refs, meteor="auto", per_sample: bool = False) -> dict:
 
     # ROUGE-L and CIDEr-D: the corpus score is the mean of the per-sample scores
     each["ROUGE-L"] = np.array([_rouge_l(h, rs) for h, rs in zip(hyp_toks, ref_toks)])
-    each["CIDEr"] = _cider_d(hyp_counts, ref_counts)
+    each["CIDEr"] = _cider_d(hyp_counts, ref_counts, cider_df)
     out["ROUGE-L"] = float(np.mean(each["ROUGE-L"]))
     out["CIDEr"] = float(np.mean(each["CIDEr"]))
 
@@ -1648,6 +1666,9 @@ class HFPolicy:
         for part, frozen in ((vision, freeze_vision), (language, freeze_language)):
             for p in part.parameters():
                 p.requires_grad_(not frozen)
+        # from_pretrained returns eval mode, where gradient checkpointing and LoRA dropout are
+        # silently off; the policy trains, and generate() switches to eval and back itself
+        self.model.train()
 
     def vision_and_language(self):
         """(vision tower incl. its projector/merger, language model incl. the LM head) as modules."""
@@ -1918,17 +1939,20 @@ def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module):
 
 
 def apply_lora(model: torch.nn.Module, target_modules: list[str], r: int = 8, alpha: float = 16.0,
-               dropout: float = 0.0) -> list[str]:
+               dropout: float = 0.0, exclude: torch.nn.Module | None = None) -> list[str]:
     """Wrap every nn.Linear / Conv1D whose name ends with one of `target_modules` (e.g.
     ["q_proj", "v_proj"] or ["c_attn"]) in a LoRALinear, and freeze every other parameter.
-    Returns the wrapped names. A script that trains more than the adapters (the tiny policy's
-    image encoder, say) sets requires_grad on those parameters again afterwards."""
+    Layers inside `exclude` are left alone (HFPolicy: the vision tower, whose MLP shares the
+    language model's gate/up/down_proj names). Returns the wrapped names. A script that
+    trains more than the adapters (the tiny policy's image encoder, say) sets requires_grad
+    on those parameters again afterwards."""
     from transformers.pytorch_utils import Conv1D
     kinds = (torch.nn.Linear, Conv1D)
     targets = list(target_modules)
     matched, wrong_kind = [], []
+    skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
     for name, module in model.named_modules():
-        if not any(name == t or name.endswith("." + t) for t in targets):
+        if id(module) in skip or not any(name == t or name.endswith("." + t) for t in targets):
             continue
         if isinstance(module, LoRALinear):
             raise ValueError(f"{name} already has LoRA: apply_lora was called twice")
@@ -2379,6 +2403,28 @@ def config_dict(args) -> dict:
     return json.loads(json.dumps(d, default=str))
 
 
+def check_resume_config(out_dir, args, may_change=("resume", "steps", "epochs", "eval_every", "log_every", "device")):
+    """--resume with other flags than the run had would quietly train something else: compare
+    the Args with out_dir/config.json and raise naming every difference. Fields in
+    `may_change` may differ (a longer run, another logging rhythm, another device)."""
+    path = Path(out_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: {path} not found; is --out the folder of the run to resume?")
+    saved, now = json.loads(path.read_text()), config_dict(args)
+    diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the run, {v!r} now" for k, v in now.items()
+            if k not in may_change and saved.get(k) != v]
+    if diff:
+        raise ValueError(f"--resume with flags that differ from {path}: {'; '.join(diff)}. Resume with the run's "
+                         "flags, or start a new --out")
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b for batch arithmetic that must come out whole (lm-human-preference-details' helper)."""
+    if b <= 0 or a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
 def save_config(out_dir, args) -> Path:
     """out_dir/config.json: the full configuration of the run (call it on the master only)."""
     path = Path(out_dir) / "config.json"
@@ -2419,17 +2465,23 @@ def _as_tuples(x):
 
 
 def save_checkpoint(path, model, optimizer=None, scheduler=None, step: int = 0, extra: dict | None = None,
-                    config=None):
+                    config=None, trainable_only: bool = False):
     """Save everything a resume needs to `path` (scripts use out/last.pt). Call it on EVERY
     rank: the RNG states are gathered (a collective), rank 0 alone writes, and all ranks wait
     for the file. `extra`: the method's own state (a curriculum's counters, a baseline ...) as
-    plain python values and tensors. `config`: the run's Args, saved with the weights."""
+    plain python values and tensors. `config`: the run's Args, saved with the weights.
+    trainable_only: keep only the parameters that train (LoRA adapters of a 7B model: MBs,
+    not 15 GB); the frozen rest is what the model was built from, and must be again."""
     states = [rng_state()]
     if _distributed():
         states = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(states, rng_state())
     if not _distributed() or torch.distributed.get_rank() == 0:
-        ckpt = {"step": step, "model": model.state_dict(),
+        state = model.state_dict()
+        if trainable_only:
+            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in trainable}
+        ckpt = {"step": step, "model": state, "trainable_only": trainable_only,
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": states, "extra": extra or {}, "config": config_dict(config) if config is not None else None}
@@ -2467,7 +2519,16 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, map_location="c
         reason = (str(e).splitlines() or [""])[0][:160]
         raise ValueError(f"{path} is not a readable checkpoint (truncated, or not written by save_checkpoint): "
                          f"{type(e).__name__} {reason}") from e
-    model.load_state_dict(ckpt["model"])
+    if ckpt.get("trainable_only"):
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        unknown, absent = set(ckpt["model"]) - set(model.state_dict()), trainable - set(ckpt["model"])
+        if unknown or absent:
+            raise ValueError(f"{path} holds the trainable parameters of another model set-up (not in this model: "
+                             f"{sorted(unknown)[:5]}; trainable here but not saved: {sorted(absent)[:5]}); resume "
+                             "with the flags of the run that wrote it")
+        model.load_state_dict(ckpt["model"], strict=False)
+    else:
+        model.load_state_dict(ckpt["model"])
     if optimizer is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
     if scheduler is not None:

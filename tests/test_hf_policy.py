@@ -199,3 +199,15 @@ def test_gpu_grpo_step_speed_and_memory(small_synthetic):
     tokens = roll.completion_mask.sum().item()
     print(f"\n{name}: step {t2 - t0:.1f} s (rollout + reference {t1 - t0:.1f} s, {tokens / (t1 - t0):.0f} generated "
           f"tokens/s incl. scoring; update {t2 - t1:.1f} s), peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+def test_policy_trains_in_training_mode_and_lora_skips_the_vision_tower(tiny_qwen_dir, studies):
+    views, _ = studies
+    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu", gradient_checkpointing=True)
+    assert pol.model.training  # from_pretrained gives eval mode: checkpointing and dropout would be off
+    pol.generate(pol.prompt_batch(views[:1], PROMPT), 2)
+    assert pol.model.training  # generate() samples in eval mode and switches back
+    wrapped = common.apply_lora(pol.model, ["q_proj", "gate_proj", "up_proj", "down_proj"], r=2, alpha=4,
+                                exclude=pol.vision_and_language()[0])
+    assert wrapped and not any("visual" in n for n in wrapped)
+    assert not any(p.requires_grad for p in pol.vision_and_language()[0].parameters())

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+import common
 from common import CHEXPERT_LABELS, ce_metrics, nlg_metrics
 
 TOL = 1e-9
@@ -397,3 +398,17 @@ def test_benchmark_vs_pycocoevalcap():
     for key in NLG_KEYS:
         assert ours[key] == pytest.approx(corpus[key], abs=TOL, rel=0), key
     assert t_coco / t_ours >= 3.0
+
+
+def test_cider_with_document_frequencies_of_a_fixed_corpus():
+    texts = ["the heart is normal", "small left pleural effusion seen"]
+    corpus = common.cider_document_frequency(texts)
+    df, n = corpus
+    assert n == 2 and df["heart"] == 1 and df[("the", "heart")] == 1  # unigrams are plain strings
+    # with the scored references as the corpus, nothing changes
+    assert nlg_metrics(texts, texts, meteor=False, cider_df=corpus)["CIDEr"] == pytest.approx(10.0)
+    # a single pair now scores like it does inside the corpus (without a corpus it is 0)
+    assert nlg_metrics(texts[:1], texts[:1], meteor=False, cider_df=corpus)["CIDEr"] == pytest.approx(10.0)
+    # each reference is its own document: an n-gram in both references has df 2 and idf 0
+    df2, _ = common.cider_document_frequency(["no effusion", "no pneumothorax"])
+    assert df2["no"] == 2

@@ -303,3 +303,44 @@ def test_runlog_and_config(tmp_path):
     assert json.loads(save_config(tmp_path, Args()).read_text()) == {"lr": 1e-3, "out": "runs/x"}
     ns = argparse.Namespace(seed=3)
     assert json.loads(save_config(tmp_path / "ns", ns).read_text()) == {"seed": 3}
+
+
+def test_trainable_only_checkpoint_holds_adapters_and_restores_them(tmp_path):
+    model = tiny_gpt2()
+    apply_lora(model, ["c_attn"], r=2, alpha=4)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.normal_()
+    save_checkpoint(tmp_path / "last.pt", model, step=5, trainable_only=True)
+    saved = torch.load(tmp_path / "last.pt", weights_only=True)["model"]
+    assert saved and all("lora_" in k for k in saved)  # no frozen base weight in the file
+    fresh = tiny_gpt2()
+    apply_lora(fresh, ["c_attn"], r=2, alpha=4)
+    assert load_checkpoint(tmp_path / "last.pt", fresh)[0] == 5
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    other = tiny_gpt2()
+    apply_lora(other, ["c_proj"], r=2, alpha=4)  # another LoRA set-up: a clear error, not a silent partial load
+    with pytest.raises(ValueError, match="another model set-up"):
+        load_checkpoint(tmp_path / "last.pt", other)
+
+
+def test_check_resume_config_names_changed_flags(tmp_path):
+    import common
+
+    @dataclass
+    class Args:
+        lr: float = 1e-3
+        steps: int = 10
+        resume: bool = False
+
+    save_config(tmp_path, Args())
+    common.check_resume_config(tmp_path, Args(steps=20, resume=True))  # a longer run: fine
+    with pytest.raises(ValueError, match=r"--lr 0.001 in the run, 0.01 now"):
+        common.check_resume_config(tmp_path, Args(lr=1e-2, resume=True))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        common.check_resume_config(tmp_path / "nothing", Args())
+    assert common.exact_div(16, 4, "x") == 4
+    with pytest.raises(ValueError, match="--prompts-per-step: 6 is not divisible by 4"):
+        common.exact_div(6, 4, "--prompts-per-step")
