@@ -1655,9 +1655,17 @@ class HFPolicy:
             self.eos_token_ids.append(self.eos_token_id)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
+        # A vision placeholder (<|image_pad|> ...) sampled into a completion would be taken for an
+        # image slot by the next forward ("Image features and image tokens do not match"): a
+        # trained model never writes one, a random one can. They are never sampled and get
+        # probability 0 in the scored distribution too, so sampling and scoring still agree.
+        cfg = self.model.config
+        self.suppressed = [i for i in (getattr(cfg, n, None) for n in ("image_token_id", "video_token_id",
+                           "vision_start_token_id", "vision_end_token_id")) if i is not None]
         self.model.generation_config = GenerationConfig(
             bos_token_id=gen.bos_token_id, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0)  # no hidden sampling tricks
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0,  # no hidden sampling tricks
+            suppress_tokens=self.suppressed or None)
         if gradient_checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             enable({"use_reentrant": False})  # non-reentrant: works with frozen inputs (LoRA)
@@ -1739,7 +1747,7 @@ class HFPolicy:
         if not return_logprobs:
             return ids, mask
         logits = torch.stack(out.logits, dim=1)  # (N, T, V) raw logits of each step
-        return ids, mask, token_logprobs(logits, ids, temperature) * mask
+        return ids, mask, token_logprobs(logits, ids, temperature, self.suppressed) * mask
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prompt + completion; only the T + 1 last positions go through
@@ -1752,7 +1760,7 @@ class HFPolicy:
         if "mm_token_type_ids" in prompts:  # completions are text (type 0)
             inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
         logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V) predicts token t
-        return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
+        return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
         seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:self.max_target_tokens - 1] + [self.eos_token_id]
@@ -1841,13 +1849,16 @@ def generate_reports(policy, records: list[Record], prompt: str = "", batch_size
         out[r::world_size] = shard
     return out
 
-def token_logprobs(logits, ids, temperature: float = 1.0):
+def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
     """log softmax(logits / temperature) at the given ids: (N, T, V), (N, T) -> (N, T) float32.
     One sequence at a time, so the float32 copy is (T, V), not (N, T, V): with a 150k-word
-    vocabulary the full copy would be the largest tensor of the step."""
+    vocabulary the full copy would be the largest tensor of the step. `suppressed` token ids
+    get probability 0, as in sampling (HFPolicy's vision placeholders)."""
     rows = []
     for lg, tok in zip(logits, ids):  # (T, V), (T,)
         lg = lg.float() / temperature
+        if len(suppressed):
+            lg[:, list(suppressed)] = float("-inf")
         rows.append(lg.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(lg, dim=-1))  # (T,)
     return torch.stack(rows)  # (N, T)
 
@@ -2591,6 +2602,21 @@ def parse_args(args_class, argv=None, description: str | None = None):
                             f"(optionally | None), not {kind}")
         p.add_argument(flag, type=casts[base], default=default, help=help_)
     return args_class(**vars(p.parse_args(argv)))
+
+
+class LabelCache:
+    """A labeler that labels each distinct text once: the G copies of a reference in a step,
+    repeated completions, and texts scored for a reward and again for the CE metrics. Make
+    one per step or evaluation, so it stays small."""
+
+    def __init__(self, labeler):
+        self.labeler, self.labels = labeler, {}
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        new = [t for t in dict.fromkeys(texts) if t not in self.labels]
+        if new:
+            self.labels.update(zip(new, self.labeler(new)))
+        return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
 
 
 def make_labeler(name: str, chexbert_weights=None, device="cpu"):

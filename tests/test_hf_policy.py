@@ -211,3 +211,19 @@ def test_policy_trains_in_training_mode_and_lora_skips_the_vision_tower(tiny_qwe
                                 exclude=pol.vision_and_language()[0])
     assert wrapped and not any("visual" in n for n in wrapped)
     assert not any(p.requires_grad for p in pol.vision_and_language()[0].parameters())
+
+
+def test_vision_placeholders_are_never_sampled(tiny_qwen_dir, studies):
+    views, _ = studies
+    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu")
+    image_pad = pol.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert image_pad in pol.suppressed
+    with torch.no_grad():  # make <|image_pad|> by far the likeliest next token everywhere
+        pol.model.lm_head.weight[image_pad] = pol.model.lm_head.weight.abs().max() * 50
+    prompts = pol.repeat(pol.prompt_batch(views, PROMPT), 2)
+    torch.manual_seed(0)
+    ids, mask, recorded = pol.generate(prompts, 6, return_logprobs=True)
+    assert not (ids == image_pad).any()
+    with torch.no_grad():  # the forward would fail on an image token without image features
+        scored = pol.completion_logprobs(prompts, ids, mask)
+    assert (scored - recorded).abs().max() < 1e-4
