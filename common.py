@@ -1520,6 +1520,9 @@ class TinyVLM(torch.nn.Module):
     def prefix(self, pixel_values, bos_id: int):
         """(N, V, 1, S, S) -> (N, V*g*g + 1, D): projected image features, then the BOS embedding."""
         N, V = pixel_values.shape[:2]
+        if V > len(self.view_embedding):
+            raise ValueError(f"studies with {V} views, but the tiny model was built for {len(self.view_embedding)}: "
+                             f"build it with n_views={V} (common.make_policy(..., n_views=...))")
         feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
         feats = self.project(feats.flatten(2).transpose(1, 2))  # (N*V, g*g, D)
         feats = (feats.view(N, V, -1, feats.shape[-1]) + self.view_embedding[:V]).flatten(1, 2)  # (N, V*g*g, D)
@@ -1545,6 +1548,10 @@ class TinyPolicy:
     def prompt_batch(self, images, text=None) -> dict:
         """images: one list of PIL views per study -> {"pixel_values": (B, V, 1, S, S)} in [-1, 1]."""
         import torchvision.transforms.functional as F
+        if len({len(study) for study in images}) > 1:
+            raise ValueError(f"the tiny model takes the same number of views in every study of a batch, got "
+                             f"{sorted({len(study) for study in images})} (use the data's fixed view count, "
+                             "or one view per sample)")
         views = [torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size, self.image_size]))
                               for im in study]) for study in images]
         return {"pixel_values": (torch.stack(views) * 2 - 1).to(self.device)}  # (B, V, 1, S, S)
@@ -1795,11 +1802,13 @@ def _split_list(values: list, sizes: list[int]) -> list[list]:
 
 
 def make_policy(model: str, train_reports: list[str], device, dtype=torch.float32, max_new_tokens: int = 128,
-                extra_tokens=(), gradient_checkpointing: bool = True, **hf_kwargs):
+                extra_tokens=(), gradient_checkpointing: bool = True, n_views: int = 1, **hf_kwargs):
     """`--model tiny` -> TinyPolicy with a word tokenizer built from the training reports (plus
-    extra_tokens); anything else -> HFPolicy (hub id or local folder)."""
+    extra_tokens) and room for n_views views per study (IU X-Ray: 2); anything else -> HFPolicy
+    (hub id or local folder), which takes any number of views."""
     if model == "tiny":
-        return TinyPolicy.build(list(train_reports), extra_tokens=extra_tokens, max_len=max_new_tokens, device=device)
+        return TinyPolicy.build(list(train_reports), n_views=n_views, extra_tokens=extra_tokens, max_len=max_new_tokens,
+                                device=device)
     return HFPolicy(model, device=device, dtype=dtype, gradient_checkpointing=gradient_checkpointing, **hf_kwargs)
 
 
@@ -2496,12 +2505,12 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, step: int = 0, 
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": states, "extra": extra or {}, "config": config_dict(config) if config is not None else None}
-        _atomic_save(ckpt, Path(path))
+        atomic_save(ckpt, Path(path))
     if _distributed():
         torch.distributed.barrier()  # nobody reads or overwrites it before it is complete
 
 
-def _atomic_save(obj, path: Path):
+def atomic_save(obj, path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

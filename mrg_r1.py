@@ -300,7 +300,8 @@ def build_policy(args: Args, train_records, dist, model: str):
     dtype = common.resolve_dtype(args.dtype, dist.device)
     label_words = [n.lower() for n in common.CHEXPERT_LABELS]  # the tiny model's <think> lists findings
     policy = common.make_policy(model, [r.report for r in train_records] + label_words, dist.device, dtype,
-                                args.max_new_tokens, extra_tokens=TAGS)
+                                args.max_new_tokens, extra_tokens=TAGS,
+                                n_views=max(len(r.image_paths) for r in train_records))
     if args.model == "tiny":
         return policy, copy.deepcopy(policy)
     add_lora(policy, args)

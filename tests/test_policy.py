@@ -288,3 +288,14 @@ def test_nucleus_probs_keeps_the_smallest_set_reaching_top_p():
     torch.testing.assert_close(common.nucleus_probs(logp, 1.0), logp.exp())
     with pytest.raises(ValueError, match="top_p"):
         common.nucleus_probs(logp, 0.0)
+
+
+def test_view_counts_are_checked():
+    two = TinyPolicy.build(REPORTS, n_views=2, image_size=32, n_embd=32, n_layer=1, n_head=2, channels=8, max_len=8)
+    ids, mask = two.generate(two.prompt_batch([v * 2 for v in images(2)]), 4)
+    assert ids.shape[0] == 2
+    one = TinyPolicy.build(REPORTS, image_size=32, n_embd=32, n_layer=1, n_head=2, channels=8, max_len=8)
+    with pytest.raises(ValueError, match="n_views=2"):
+        one.generate(one.prompt_batch([v * 2 for v in images(1)]), 4)
+    with pytest.raises(ValueError, match="same number of views"):
+        two.prompt_batch([images(1)[0] * 2, images(1)[0]])
