@@ -1048,7 +1048,9 @@ class CheXbertLabeler:
     @torch.inference_mode()
     def _label_encoded(self, seqs: list[list[int]]) -> np.ndarray:
         ids, mask = self._pad(seqs)
-        logits = self.model(ids, mask)  # f1chexbert's forward: 14 tensors (B, C)
+        # the reward runs inside the policy's bf16 autocast: labels must not depend on it
+        with torch.autocast(ids.device.type, enabled=False):
+            logits = self.model(ids, mask)  # f1chexbert's forward: 14 tensors (B, C)
         classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14)
         return self._classes_to_labels(classes.cpu().numpy())
 
@@ -1097,7 +1099,7 @@ class CheXbertLabeler:
             return out
         cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
         ids, mask = self._pad([[cls_id] + pieces[i] + [sep_id] for i in rows])  # (B, L)
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autocast(ids.device.type, enabled=False):
             embeds = self.model.bert.embeddings.word_embeddings(ids).detach().requires_grad_(True)  # (B, L, H)
             hidden = self.model.bert(inputs_embeds=embeds, attention_mask=mask)[0]  # (B, L, H)
             logits = self._heads(hidden)
@@ -1654,6 +1656,7 @@ class HFPolicy:
         self.tokenizer = self.processor.tokenizer
         self.tokenizer.padding_side = "left"  # prompts end where generation starts (PITFALLS.md)
         self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype).to(self.device)
+        self.dtype = dtype
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -1695,6 +1698,13 @@ class HFPolicy:
         language = torch.nn.ModuleList([m for n, m in self.model.named_children() if n != "model"] +
                                        [m for n, m in inner.named_children() if all(id(p) not in vision_ids for p in m.parameters())])
         return vision, language
+
+    def _autocast(self):
+        """Weights in bf16/fp16 with some parameters kept in fp32 (fp32_trainable, LoRA) need
+        autocast to mix them; the policy applies it itself, whatever the caller does."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def _reset_rope(self):
         # Qwen2-VL caches rope_deltas in generate(); a later forward with another batch would reuse
@@ -1744,8 +1754,9 @@ class HFPolicy:
         self.model.eval()
         self._reset_rope()
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
-        out = self.model.generate(**self._inputs(prompts), max_new_tokens=max_new_tokens, use_cache=True,
-                                  return_dict_in_generate=True, output_logits=return_logprobs, **sampling)
+        with self._autocast():
+            out = self.model.generate(**self._inputs(prompts), max_new_tokens=max_new_tokens, use_cache=True,
+                                      return_dict_in_generate=True, output_logits=return_logprobs, **sampling)
         self._reset_rope()
         self.model.train(was_training)
         ids = out.sequences[:, prompts["input_ids"].shape[1]:]  # (N, T) completion only
@@ -1766,7 +1777,8 @@ class HFPolicy:
         inputs["attention_mask"] = torch.cat([prompts["attention_mask"], completion_mask.to(prompts["attention_mask"].dtype)], 1)
         if "mm_token_type_ids" in prompts:  # completions are text (type 0)
             inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
-        logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V) predicts token t
+        with self._autocast():
+            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V) predicts token t
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
@@ -1793,6 +1805,24 @@ class HFPolicy:
         return cls(path, device=device, **kwargs)
 
 
+def fp32_trainable(model: torch.nn.Module) -> int:
+    """Cast every parameter that trains to float32, in place; the frozen rest keeps its dtype.
+    With bf16 weights, AdamW steps of size ~lr (1e-6) are far below bf16's resolution at
+    weights of ~0.02 and mostly round away: full fine-tuning needs fp32 master weights.
+    Call after freezing, before building the optimizer. Returns the number of cast tensors."""
+    cast = [p for p in model.parameters() if p.requires_grad and p.dtype != torch.float32]
+    for p in cast:
+        p.data = p.data.float()
+    return len(cast)
+
+
+def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
+    """A policy saved by policy.save(path): TinyPolicy (tiny_policy.pt) or HFPolicy."""
+    if (Path(path) / "tiny_policy.pt").is_file():
+        return TinyPolicy.load(path, device)
+    return HFPolicy.load(path, device=device, dtype=dtype, **hf_kwargs)
+
+
 def _split_list(values: list, sizes: list[int]) -> list[list]:
     out, i = [], 0
     for n in sizes:
@@ -1802,14 +1832,18 @@ def _split_list(values: list, sizes: list[int]) -> list[list]:
 
 
 def make_policy(model: str, train_reports: list[str], device, dtype=torch.float32, max_new_tokens: int = 128,
-                extra_tokens=(), gradient_checkpointing: bool = True, n_views: int = 1, **hf_kwargs):
+                extra_tokens=(), gradient_checkpointing: bool = True, n_views: int = 1, max_pixels: int | None = 512 * 512,
+                **hf_kwargs):
     """`--model tiny` -> TinyPolicy with a word tokenizer built from the training reports (plus
     extra_tokens) and room for n_views views per study (IU X-Ray: 2); anything else -> HFPolicy
-    (hub id or local folder), which takes any number of views."""
+    (hub id or local folder), which takes any number of views. max_pixels bounds the image
+    tokens per view (512 x 512 -> 334 Qwen tokens; the processor's default would turn a
+    full-size radiograph into ~10,000); None keeps the processor's setting."""
     if model == "tiny":
         return TinyPolicy.build(list(train_reports), n_views=n_views, extra_tokens=extra_tokens, max_len=max_new_tokens,
                                 device=device)
-    return HFPolicy(model, device=device, dtype=dtype, gradient_checkpointing=gradient_checkpointing, **hf_kwargs)
+    return HFPolicy(model, device=device, dtype=dtype, gradient_checkpointing=gradient_checkpointing,
+                    max_pixels=max_pixels, **hf_kwargs)
 
 
 def supervised_finetune(policy, records: list[Record], steps: int, batch_size: int = 16, lr: float = 1e-3,

@@ -217,3 +217,15 @@ def test_batched_speedup_bert_base_size(tmp_path):
           f"reports/s, one by one {len(r) / (t2 - t1):.1f} reports/s, speed-up {(t2 - t1) / (t1 - t0):.2f}x")
     np.testing.assert_array_equal(batched, single)
     assert t2 - t1 > t1 - t0
+
+
+def test_labels_and_saliency_ignore_the_callers_autocast(labeler):
+    # rewards are computed inside the policy's bf16 autocast; the labels must be the fp32 ones
+    texts = reports(40, seed=3)
+    plain = labeler(texts)
+    sal = labeler.saliency(texts[:4], ["Cardiomegaly", "Edema"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        np.testing.assert_array_equal(labeler(texts), plain)
+        again = labeler.saliency(texts[:4], ["Cardiomegaly", "Edema"])
+    for a, b in zip(sal, again):
+        np.testing.assert_allclose(a["saliency"], b["saliency"], rtol=1e-5, atol=1e-7)

@@ -227,3 +227,27 @@ def test_vision_placeholders_are_never_sampled(tiny_qwen_dir, studies):
     with torch.no_grad():  # the forward would fail on an image token without image features
         scored = pol.completion_logprobs(prompts, ids, mask)
     assert (scored - recorded).abs().max() < 1e-4
+
+
+def test_bf16_weights_with_fp32_trainable_parts(tiny_qwen_dir, studies):
+    """bf16 weights (the GPU setting) with the trained part in fp32 master weights: the policy
+    applies autocast itself, so generate, scoring and the loss run without the caller's help,
+    and a small AdamW step really changes the trained weights (bf16 would round it away)."""
+    views, reports = studies
+    pol = common.make_policy(str(tiny_qwen_dir), [], "cpu", dtype=torch.bfloat16, max_pixels=56 * 56)
+    vision, language = pol.vision_and_language()
+    for p in language.parameters():
+        p.requires_grad_(False)
+    assert common.fp32_trainable(pol.model) > 0
+    assert all(p.dtype == torch.float32 for p in vision.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in language.parameters())
+    prompts = pol.prompt_batch(views, PROMPT)
+    ids, mask = pol.generate(prompts, 4)
+    assert pol.completion_logprobs(prompts, ids, mask).dtype == torch.float32
+    before = [p.detach().clone() for p in vision.parameters()]
+    opt = torch.optim.AdamW(vision.parameters(), lr=1e-6)
+    pol.sft_loss(prompts, reports).backward()
+    opt.step()
+    changed = sum((p != b).float().mean().item() for p, b in zip(vision.parameters(), before)) / len(before)
+    assert changed > 0.9  # in bf16 most of these 1e-6 steps would round to nothing
+
