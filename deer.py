@@ -19,7 +19,8 @@ the top 10 % of tokens by each weighting changes the labels).
     torchrun --nproc_per_node=8 deer.py all --data /data/mimic_cxr/annotation.json \\
         --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16
 
-Commands: sft | sample | rl | all (the three in order) | table6 | table7; flags follow.
+Commands: sft | sample | rl | all (the three in order) | table6 | table7; flags follow. Batch
+sizes count studies over all ranks (the paper's 64), split evenly over the processes.
 Outputs under --out: sft/ (final/, eval.json), ddsampling/ (scores.*.jsonl, selection.json),
 <rl-dir>/ (metrics.jsonl, last.pt, final/, eval.json, generations_test.jsonl), table6.json,
 table7.json.
@@ -62,23 +63,25 @@ class Args:
     out: str = "runs/deer"
     seed: int = 0
     device: str = "auto"
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 | auto
-    resume: bool = False  # continue each stage from its checkpoint or scored studies; finished stages are skipped
+    dtype: str = "fp32"  # fp32 | bf16 | auto (bf16 on a GPU with it); fp16 only for sample/table6/table7 (no loss scaling)
+    max_pixels: int | None = 512 * 512  # HF models: pixels per view (334 image tokens); the paper gives none: ours
+    resume: bool = False  # continue each stage (same flags) from its checkpoint or scores; finished stages are skipped
     max_new_tokens: int | None = None  # None: 256 for HF models, 96 for the tiny model (our choice)
     n_eval: int | None = None  # test studies scored after SFT and after RL (None: all)
+    meteor: bool = True  # METEOR in the test evaluations (pycocoevalcap's Java jar; skipped without Java)
     log_every: int = 10
     save_every: int = 50  # checkpoint every N steps (SFT and RL)
     # Stage 1: SFT cold start (paper Sec. 4.1)
     sft_train: str = "auto"  # vision (paper: LM frozen, vision encoder + projector trained) | all | auto: vision for HF, all for tiny (its LM starts random)
     sft_lr: float | None = None  # None: 1e-5 (paper) for HF models, 1e-3 for the tiny model
-    sft_batch_size: int | None = None  # studies per step per rank; None: 64 (paper) for HF, 32 for tiny
-    sft_grad_accum: int = 1  # micro-batches per SFT step
-    sft_epochs: float = 1.0  # the paper gives no length: our choice
-    sft_steps: int | None = None  # overrides sft_epochs; None: 600 for the tiny model
+    sft_batch_size: int | None = None  # studies per SFT step over all ranks; None: 64 (paper) for HF, 32 for tiny
+    sft_grad_accum: int = 1  # micro-batches per SFT step on each rank (a memory knob)
+    sft_epochs: float | None = None  # None: 1 (paper: no length; ours); tiny: 600 steps unless this or --sft-steps is set
+    sft_steps: int | None = None  # overrides --sft-epochs
     # Stage 2: DDSampling (Sec. 3.2)
     dd_k: int = 10  # K reports per image (paper)
     dd_top_p: float = 0.9  # nucleus mass: the paper says nucleus sampling without a value; our choice
-    dd_batch_size: int = 32  # studies per generation chunk (x K reports)
+    dd_batch_size: int = 32  # studies per generation chunk (x K reports); chunks are seeded by their index
     fraction: float = 0.2  # share of the training set kept for RL (paper: 20 %)
     # Stage 3: DiTPO (Sec. 3.1, 3.3, 4.1)
     subset: str = "ddsampling"  # RL data: ddsampling (Stage 2's selection) | random (a random --fraction) | all (100 %)
@@ -92,16 +95,16 @@ class Args:
     gamma: float = 0.25  # Eq. 1 BLEU-2 weight in the second phase (paper)
     gamma_switch: float = 0.5  # share of RL steps with gamma = 0 (first phase); the paper gives no switch point: our choice
     group_size: int = 8  # rollouts per image (paper)
-    prompts_per_step: int | None = None  # studies per step per rank; None: 64 (paper's batch) for HF, 8 for tiny
-    grad_accum: int | None = None  # micro-batches per RL step; None: 8 for HF, 1 for tiny
+    prompts_per_step: int | None = None  # studies per RL step over all ranks; None: 64 (paper) for HF, 8 for tiny
+    grad_accum: int | None = None  # micro-batches per RL step on each rank (memory); None: 8 for HF (1 study on 8 GPUs), 1 tiny
     lr: float | None = None  # None: 1e-6 (paper) for HF models, 1e-4 for the tiny model
     max_grad_norm: float = 1.0  # not in the paper: verl's default
     clip_eps: float = 0.2  # the PPO-style clip; the paper gives no value: PPO's
     kl_beta: float = 0.0  # KL weight to the SFT model; the paper's objective has no KL term
     loss_type: str = "grpo"  # grpo | bnpo | dr_grpo (common.grpo_loss); the paper does not say
     temperature: float = 1.0  # sampling temperature of rollouts and of DDSampling (the paper gives none)
-    epochs: float = 1.0  # RL epochs over the subset; the paper gives no length: our choice
-    steps: int | None = None  # overrides epochs; None: 150 for the tiny model
+    epochs: float | None = None  # RL epochs over the subset; None: 1 (paper: no length; ours); tiny: 150 steps unless this or --steps is set
+    steps: int | None = None  # overrides --epochs
     # Analyses (Tables 6 and 7)
     analysis_policy: str = "sft"  # the policy that samples: sft or an RL sub-folder name (its final/)
     analysis_n: int = 500  # studies drawn from each set (paper: 10,000 rollouts for Table 6)
@@ -109,6 +112,14 @@ class Args:
 
 
 COMMANDS = ("sft", "sample", "rl", "all", "table6", "table7")
+# The flags a stage's output depends on: --resume refuses to continue a stage with others
+SHARED_FLAGS = ("data", "model", "seed", "dtype", "max_pixels", "max_new_tokens")
+STAGE_FLAGS = {"sft": SHARED_FLAGS + ("sft_train", "sft_lr", "sft_batch_size", "sft_grad_accum"),
+               "ddsampling": SHARED_FLAGS + ("labeler", "dd_k", "dd_top_p", "dd_batch_size", "temperature", "fraction"),
+               "rl": SHARED_FLAGS + ("labeler", "subset", "fraction", "weighting", "alpha", "beta", "tf", "idf",
+                                     "targets_no_finding", "gamma", "gamma_switch", "group_size", "prompts_per_step",
+                                     "grad_accum", "lr", "max_grad_norm", "clip_eps", "kl_beta", "loss_type",
+                                     "temperature")}
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
 
 
@@ -129,11 +140,10 @@ def bleu2(texts: list[str], refs: list[str]) -> np.ndarray:
 
 
 def reward(texts: list[str], refs: list[str], ref_labels: np.ndarray, labeler, gamma: float):
-    """Eq. 1: r = F1(C(o), C(y)) + gamma * BLEU-2(o, y). Returns (r (N,), labels of o (N, 14), terms)."""
-    hyp_labels = labeler(texts)  # (N, 14)
-    f1 = report_f1(hyp_labels, ref_labels)  # (N,)
+    """Eq. 1: r = F1(C(o), C(y)) + gamma * BLEU-2(o, y). Returns (r (N,), the mean of each term)."""
+    f1 = report_f1(labeler(texts), ref_labels)  # (N,)
     b2 = bleu2(texts, refs) if gamma else np.zeros(len(texts))
-    return f1 + gamma * b2, hyp_labels, {"f1": float(f1.mean()), "bleu2": float(b2.mean())}
+    return f1 + gamma * b2, {"f1": float(f1.mean()), "bleu2": float(b2.mean())}
 
 
 def gamma_at(step: int, total: int, switch: float, gamma: float) -> float:
@@ -272,20 +282,14 @@ def token_advantages(A: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return A[:, None] * w
 
 
-# The model -------------------------------------------------------------------------------------
-def build_policy(args: Args, train_records, dist):
-    dtype = common.resolve_dtype(args.dtype, dist.device)
-    return common.make_policy(args.model, [r.report for r in train_records], dist.device, dtype, args.max_new_tokens,
-                                n_views=max(len(r.image_paths) for r in train_records))
-
-
-def load_policy(path: Path, args: Args, dist):
+# Plumbing: policies, stage folders, batches, evaluation ---------------------------------------
+def trained_policy(args: Args, stage: str, device):
+    """The policy a stage saved under --out/<stage>/final (tiny or HF, by the folder's content)."""
+    path = Path(args.out) / stage / "final"
     if not path.is_dir():
         raise FileNotFoundError(f"no trained policy at {path}: run the stage that writes it first (same --out)")
-    if args.model == "tiny":
-        return common.TinyPolicy.load(path, dist.device)
-    return common.HFPolicy.load(path, device=dist.device, dtype=common.resolve_dtype(args.dtype, dist.device),
-                                gradient_checkpointing=True)
+    return common.load_policy(path, device, common.resolve_dtype(args.dtype, device), max_pixels=args.max_pixels,
+                              gradient_checkpointing=True)
 
 
 def set_sft_trainable(policy, train: str) -> list:
@@ -304,66 +308,78 @@ def set_sft_trainable(policy, train: str) -> list:
     return [p for p in m.parameters() if p.requires_grad]
 
 
+def local_batches(batch: int, accum: int, world: int, flags: tuple[str, str]) -> tuple[int, int]:
+    """A batch of studies over all ranks -> (studies per rank, studies per micro-batch)."""
+    per_rank = common.exact_div(batch, world, f"--{flags[0]} over {world} processes")
+    return per_rank, common.exact_div(per_rank, accum, f"--{flags[0]} per process / --{flags[1]}")
+
+
+def open_stage(out: Path, args: Args, dist, stage: str, total: int | None = None) -> str:
+    """A stage's folder. Under --resume, when an earlier run left its config.json there, the flags
+    the stage depends on (STAGE_FLAGS) must be that run's, and the state is "done" (eval.json says
+    the stage finished at `total` steps) or "resume" (from last.pt; DDSampling: from the scores so
+    far). Otherwise "fresh": rank 0 removes an earlier run's outputs. Rank 0 saves the config."""
+    out.mkdir(parents=True, exist_ok=True)  # on every rank: under --resume nobody makes it first
+    resume = common.broadcast_object(args.resume and (out / "config.json").is_file())  # rank 0 decides
+    if resume:
+        others = [k for k in common.config_dict(args) if k not in STAGE_FLAGS[stage]]
+        common.check_resume_config(out, args, may_change=others)
+        if (out / "eval.json").is_file() and json.loads((out / "eval.json").read_text()).get("step") == total:
+            return "done"
+    state = "resume" if resume and (stage == "ddsampling" or (out / "last.pt").is_file()) else "fresh"
+    if dist.world_size > 1:
+        torch.distributed.barrier()  # everyone has read config.json before it is rewritten
+    if dist.is_main:
+        old = ("metrics.jsonl", "eval.json", "last.pt", "scores.*.jsonl", "selection.json") if state == "fresh" else ()
+        for f in [f for pattern in old for f in out.glob(pattern)]:
+            f.unlink()
+        common.save_config(out, args)
+    if dist.world_size > 1:
+        torch.distributed.barrier()
+    return state
+
+
 def evaluate(policy, records, labeler, args: Args, dist, out: Path, step: int) -> dict:
-    """Greedy reports for `records`; common NLG + CE metrics; rank 0 writes eval.json (with the
+    """Greedy reports for `records`; on rank 0 the common NLG + CE metrics, eval.json (with the
     stage's final step: --resume skips a stage finished at its length) and the generations."""
     texts = common.generate_reports(policy, records, PROMPT, max_new_tokens=args.max_new_tokens,
                                     rank=dist.rank, world_size=dist.world_size, desc="test")
-    rows = [{"id": r.id, "reference": r.report, "generated": t} for r, t in zip(records, texts)]
-    results = common.evaluate_generations(rows, labeler, meteor=False)
-    results["step"] = step
+    results = None
     if dist.is_main:
+        rows = [{"id": r.id, "reference": r.report, "generated": t} for r, t in zip(records, texts)]
+        results = common.evaluate_generations(rows, labeler, meteor="auto" if args.meteor else False)
+        results["step"] = step
         with open(out / "generations_test.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         (out / "eval.json").write_text(json.dumps(results, indent=2))
         ce = results["ce"]
         print(f"{out}: CE example F1 {ce['example_f1']:.3f}, micro F1 {ce['micro_f1']:.3f}, "
               f"BLEU-4 {results['nlg']['BLEU-4']:.3f}")
-    return results
-
-
-def open_stage(out: Path, total: int, args: Args, dist) -> str:
-    """"done" under --resume when eval.json says the stage finished at `total` steps; "resume" under
-    --resume with a checkpoint; else "fresh", after clearing the old log. Saves the config."""
-    done = out / "eval.json"
-    if args.resume and done.is_file() and json.loads(done.read_text()).get("step") == total:
-        return "done"
-    state = "resume" if args.resume and (out / "last.pt").is_file() else "fresh"
-    if state == "fresh":
-        fresh(out, dist, "metrics.jsonl")
-    if dist.is_main:
-        common.save_config(out, args)
-    return state
-
-
-def fresh(path: Path, dist, *patterns):
-    """Start a stage from scratch: rank 0 removes its old logs, then everyone waits."""
-    if dist.is_main:
-        path.mkdir(parents=True, exist_ok=True)
-        for pattern in patterns:
-            for f in path.glob(pattern):
-                f.unlink()
-    if dist.world_size > 1:
-        torch.distributed.barrier()
+    return common.broadcast_object(results)
 
 
 # Stage 1: SFT cold start -------------------------------------------------------------------------
 def sft(args: Args, dist, data, labeler) -> dict | None:
-    out = Path(args.out) / "sft"
-    total = args.sft_steps or max(1, int(args.sft_epochs * len(data["train"]) / (args.sft_batch_size * dist.world_size)))
-    state = open_stage(out, total, args, dist)
+    out, train = Path(args.out) / "sft", data["train"]
+    per_rank, micro = local_batches(args.sft_batch_size, args.sft_grad_accum, dist.world_size,
+                                    ("sft-batch-size", "sft-grad-accum"))
+    total = args.sft_steps if args.sft_steps is not None else \
+        max(1, int(args.sft_epochs * len(train) / args.sft_batch_size))
+    state = open_stage(out, args, dist, "sft", total)
     if state == "done":
         return None
     common.seed_everything(args.seed)  # same initial weights on every rank
-    policy = build_policy(args, data["train"], dist)
+    policy = common.make_policy(args.model, [r.report for r in train], dist.device,
+                                common.resolve_dtype(args.dtype, dist.device), args.max_new_tokens,
+                                n_views=max(len(r.image_paths) for r in train), max_pixels=args.max_pixels)
     params = set_sft_trainable(policy, args.sft_train)
+    common.fp32_trainable(policy.model)  # bf16 weights: what trains keeps fp32 master weights
     optimizer = torch.optim.AdamW(params, lr=args.sft_lr)
-    micro = exact_div(args.sft_batch_size, args.sft_grad_accum, "--sft-batch-size", "--sft-grad-accum")
     common.seed_everything(args.seed, dist.rank)
     start = 0
     if state == "resume":  # restores the RNG states too
         start, _ = common.load_checkpoint(out / "last.pt", policy.model, optimizer)
-    batches = common.study_batches(data["train"], args.sft_batch_size, args.seed, dist.rank, dist.world_size, start_step=start)
+    batches = common.study_batches(train, per_rank, args.seed, dist.rank, dist.world_size, start_step=start)
     with common.RunLog(out, total, dist.is_main, start, desc="DEER SFT") as runlog:
         for step in range(start, total):
             _, batch = next(batches)
@@ -379,8 +395,9 @@ def sft(args: Args, dist, data, labeler) -> dict | None:
             optimizer.step()
             if (step + 1) % args.log_every == 0 or step + 1 == total:
                 runlog.log(step + 1, sft_loss=common.all_reduce_mean(float(np.mean(losses))))
-            if (step + 1) % args.save_every == 0 or step + 1 == total:
-                common.save_checkpoint(out / "last.pt", policy.model, optimizer, None, step + 1, config=args)
+            if (step + 1) % args.save_every == 0 or step + 1 == total:  # "vision": the frozen LM comes from --model
+                common.save_checkpoint(out / "last.pt", policy.model, optimizer, None, step + 1, config=args,
+                                       trainable_only=args.sft_train == "vision")
     if dist.is_main:
         policy.save(out / "final")
     return evaluate(policy, data["test"][:args.n_eval], labeler, args, dist, out, total)
@@ -388,14 +405,13 @@ def sft(args: Args, dist, data, labeler) -> dict | None:
 
 # Stage 2: DDSampling -----------------------------------------------------------------------------
 def read_scores(folder: Path) -> dict[str, float]:
-    """{study id: D} from every rank's scores file (a line cut by a crash is dropped)."""
+    """{study id: D} from every rank's scores file; a last line without its newline (cut by a
+    crash, or being written by another rank) does not count."""
     scores = {}
     for f in sorted(folder.glob("scores.*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the last line of a killed run
+        text = f.read_text()
+        for line in text[:text.rfind("\n") + 1].splitlines():
+            row = json.loads(line)
             scores[row["id"]] = row["D"]
     return scores
 
@@ -421,16 +437,16 @@ def ddsampling(args: Args, dist, data, labeler) -> dict:
     by c, so a resumed or differently sharded run draws the same samples), then rank 0 draws
     the RL subset into selection.json (drawn again under --resume: it is cheap and seeded)."""
     out = Path(args.out) / "ddsampling"
-    if not args.resume:
-        fresh(out, dist, "scores.*.jsonl", "selection.json")
-    if dist.is_main:
-        common.save_config(out, args)
+    open_stage(out, args, dist, "ddsampling")
+    path = out / f"scores.{dist.rank}.jsonl"
+    if path.is_file():  # a crash can cut the last row: drop it, or the next row is glued onto it
+        os.truncate(path, path.read_bytes().rfind(b"\n") + 1)
     pool = data["train"]
     done = read_scores(out)  # under --resume, the studies already scored
     chunks = [pool[c:c + args.dd_batch_size] for c in range(0, len(pool), args.dd_batch_size)]
     mine = [c for c in range(dist.rank, len(chunks), dist.world_size) if any(r.id not in done for r in chunks[c])]
-    policy = load_policy(Path(args.out) / "sft" / "final", args, dist) if mine else None
-    with open(out / f"scores.{dist.rank}.jsonl", "a") as f:
+    policy = trained_policy(args, "sft", dist.device) if mine else None
+    with open(path, "a") as f:
         for c in tqdm(mine, desc="DDSampling", disable=not dist.is_main):
             torch.manual_seed(args.seed * 1_000_003 + c)
             D = score_chunk(policy, chunks[c], labeler, args)
@@ -438,16 +454,18 @@ def ddsampling(args: Args, dist, data, labeler) -> dict:
             f.flush()
     if dist.world_size > 1:
         torch.distributed.barrier()
-    selection = None
+    summary = None
     if dist.is_main:
         scores = read_scores(out)
-        selection = select_subset([r.id for r in pool], np.array([scores[r.id] for r in pool]), args.fraction, args.seed)
+        D = np.array([scores[r.id] for r in pool])
+        selection = select_subset([r.id for r in pool], D, args.fraction, args.seed)
         selection.update(K=args.dd_k, top_p=args.dd_top_p, temperature=args.temperature)
         (out / "selection.json").write_text(json.dumps(selection, indent=1))
-        D = np.array([x["D"] for x in selection["ranked"]])
-        print(f"DDSampling: {len(selection['ids'])} of {len(pool)} studies; D mean {D.mean():.3f}, "
-              f"selected mean {np.mean([scores[i] for i in selection['ids']]):.3f}")
-    return common.broadcast_object(selection) if dist.world_size > 1 else selection
+        summary = {"n_pool": len(pool), "ids": selection["ids"], "D_mean": float(D.mean()),
+                   "D_mean_selected": float(np.mean([scores[i] for i in selection["ids"]]))}
+        print(f"DDSampling: {len(selection['ids'])} of {len(pool)} studies; D mean {summary['D_mean']:.3f}, "
+              f"selected mean {summary['D_mean_selected']:.3f}")
+    return common.broadcast_object(summary)
 
 
 def rl_records(args: Args, train: list, subset: str) -> list:
@@ -468,44 +486,39 @@ def rl_records(args: Args, train: list, subset: str) -> list:
     return [by_id[i] for i in ids]
 
 
-def exact_div(a: int, b: int, name_a: str, name_b: str) -> int:
-    if b < 1 or a % b:
-        raise ValueError(f"{name_a} {a} is not divisible by {name_b} {b}")
-    return a // b
-
-
 # Stage 3: DiTPO ----------------------------------------------------------------------------------
 def ditpo(args: Args, dist, data, labeler) -> dict | None:
     out = Path(args.out) / args.rl_dir
     records = rl_records(args, data["train"], args.subset)
-    total = args.steps or max(1, int(args.epochs * len(records) / (args.prompts_per_step * dist.world_size)))
-    state = open_stage(out, total, args, dist)
+    per_rank, micro = local_batches(args.prompts_per_step, args.grad_accum, dist.world_size,
+                                    ("prompts-per-step", "grad-accum"))
+    total = args.steps if args.steps is not None else max(1, int(args.epochs * len(records) / args.prompts_per_step))
+    state = open_stage(out, args, dist, "rl", total)
     if state == "done":
         return None
-    policy = load_policy(Path(args.out) / "sft" / "final", args, dist)
-    for p in policy.model.parameters():  # Sec. 4.1: RL unfreezes and optimises the entire model
-        p.requires_grad_(True)
+    policy = trained_policy(args, "sft", dist.device)
+    policy.model.requires_grad_(True)  # Sec. 4.1: RL unfreezes and optimises the entire model
     ref = "none"
-    if args.kl_beta > 0:
+    if args.kl_beta > 0:  # the SFT model, frozen, in the weights' dtype
         ref = copy.deepcopy(policy)
-        for p in ref.model.parameters():
-            p.requires_grad_(False)
+        ref.model.requires_grad_(False)
+    # bf16 weights: fp32 master weights for the whole model (3B: ~60 GB per rank with AdamW's state)
+    common.fp32_trainable(policy.model)
     params = list(policy.model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr)  # constant lr: the paper names no schedule
     G = args.group_size
-    micro = exact_div(args.prompts_per_step, args.grad_accum, "--prompts-per-step", "--grad-accum")
     common.seed_everything(args.seed, dist.rank)
     start = 0
     if state == "resume":  # restores the RNG states too
         start, _ = common.load_checkpoint(out / "last.pt", policy.model, optimizer)
-    batches = common.study_batches(records, args.prompts_per_step, args.seed, dist.rank, dist.world_size, start_step=start)
+    batches = common.study_batches(records, per_rank, args.seed, dist.rank, dist.world_size, start_step=start)
     desc = f"DiTPO ({args.weighting})" if args.weighting != "none" else "GRPO"
     with common.RunLog(out, total, dist.is_main, start, desc=desc) as runlog:
         for step in range(start, total):
             _, batch = next(batches)
             gamma = gamma_at(step, total, args.gamma_switch, args.gamma)  # Sec. 3.1: F1 first, then + BLEU-2
             optimizer.zero_grad(set_to_none=True)
-            stats = []
+            stats, n_completions = [], 0
             for k in range(args.grad_accum):
                 rows = slice(k * micro, (k + 1) * micro)
                 refs = batch["report"][rows]
@@ -513,13 +526,13 @@ def ditpo(args: Args, dist, data, labeler) -> dict | None:
                 terms = {}
 
                 def reward_fn(texts, owners):
-                    r, _, t = reward(texts, [refs[o] for o in owners], ref_labels[owners], labeler, gamma)
+                    r, t = reward(texts, [refs[o] for o in owners], ref_labels[owners], labeler, gamma)
                     terms.update(t)
                     return r
 
                 with common.autocast(dist.device, args.dtype):
                     roll = common.rollout(policy, batch["images"][rows], PROMPT, G, reward_fn, args.max_new_tokens,
-                                          args.temperature, ref=ref if args.kl_beta > 0 else "none")
+                                          args.temperature, ref=ref)
                 # Eq. 2: A_i = (r_i - mean) / std over the group (Bessel's std + 1e-4, as TRL)
                 A = common.group_advantages(roll.rewards, G)  # (N,)
                 owners = np.repeat(np.arange(micro), G)
@@ -538,11 +551,14 @@ def ditpo(args: Args, dist, data, labeler) -> dict | None:
                          zero_var=(r == r[:, :1]).all(1).float().mean().item(), w_mean=w[m].mean().item(),
                          w_max=w[m].max().item(), **terms)
                 stats.append(s)
+                n_completions += len(roll.texts)
             common.all_reduce_gradients(params, dist.world_size)
             torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
             if (step + 1) % args.log_every == 0 or step + 1 == total:
-                mean = common.all_reduce_mean({k: np.mean([s[k] for s in stats]) for k in stats[0]})
+                mean = common.all_reduce_mean({"completions": n_completions,
+                                               **{k: np.mean([s[k] for s in stats]) for k in stats[0]}})
+                mean["completions"] *= dist.world_size  # completions this step over all ranks
                 runlog.log(step + 1, gamma=gamma, **mean)
             if (step + 1) % args.save_every == 0 or step + 1 == total:
                 common.save_checkpoint(out / "last.pt", policy.model, optimizer, None, step + 1, config=args)
@@ -574,34 +590,49 @@ def mask_top_tokens(weights: torch.Tensor, candidates: torch.Tensor, frac: float
     return keep
 
 
+def masking_effect(policy, labeler, ids, mask, w, labels: np.ndarray, frac: float, rng) -> dict[str, list]:
+    """Table 6 for one weighting: remove the top `frac` of each report's tokens by w (EOS adds no
+    text: never), label what is left -> per report: labels changed (any of the 14, NaN = NaN),
+    changed after binarising, F1 of the masked report's labels against the unmasked (`labels`)."""
+    eos = torch.tensor(getattr(policy, "eos_token_ids", [policy.eos_token_id]), device=ids.device)
+    candidates = mask.bool() & ~torch.isin(ids, eos)  # (N, T)
+    masked = labeler(policy.decode(ids, mask_top_tokens(w, candidates, frac, rng).to(ids.device)))  # (N, 14)
+    same = (masked == labels) | (np.isnan(masked) & np.isnan(labels))
+    return {"label_mod_ratio": (~same).any(1).tolist(),
+            "label_mod_ratio_binary": (common.binarize(masked) != common.binarize(labels)).any(1).tolist(),
+            "post_mask_f1": report_f1(masked, labels, both_empty=1.0).tolist()}
+
+
 @torch.no_grad()
 def sample_groups(policy, records, labeler, args: Args):
     """G rollouts (temperature sampling, as RL) per study, in batches -> per-batch dicts."""
     for b in range(0, len(records), args.dd_batch_size):
         chunk = records[b:b + args.dd_batch_size]
         prompts = repeated_prompts(policy, chunk, args.group_size)
-        ids, mask = policy.generate(prompts, args.max_new_tokens, args.temperature)
+        with common.autocast(policy.device, args.dtype):
+            ids, mask = policy.generate(prompts, args.max_new_tokens, args.temperature)
         refs = [r.report for r in chunk for _ in range(args.group_size)]
         yield {"ids": ids, "mask": mask, "texts": policy.decode(ids, mask), "refs": refs, "ref_labels": labeler(refs)}
 
 
 def analysis_setup(args: Args):
-    """The policy the analyses sample from (one process), seeded."""
-    dist = common.Dist(device=common.resolve_device(args.device))
-    policy = load_policy(Path(args.out) / args.analysis_policy / "final", args, dist)
+    """The policy the analyses sample from (one process), seeded; rng; draw(records): --analysis-n of them at random."""
+    policy = trained_policy(args, args.analysis_policy, common.resolve_device(args.device))
     common.seed_everything(args.seed)
-    return policy, np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seed)
+    draw = lambda rs: [rs[i] for i in sorted(rng.choice(len(rs), min(args.analysis_n, len(rs)), replace=False))]
+    return policy, rng, draw
 
 
 def table7(args: Args, data, labeler) -> dict:
     """Reward diversity of G rollouts per study (phase-1 reward, F1 only) on a random sample of the
     full training set vs of the DDSampling subset."""
-    policy, rng = analysis_setup(args)
-    sets = {"random_100": data["train"], "ddsampling": rl_records(args, data["train"], "ddsampling")}
+    policy, _, draw = analysis_setup(args)
+    sets = {"random_100": draw(data["train"]), "ddsampling": draw(rl_records(args, data["train"], "ddsampling"))}
     results = {"policy": args.analysis_policy, "G": args.group_size}
     for name, records in sets.items():
-        chosen = [records[i] for i in sorted(rng.choice(len(records), min(args.analysis_n, len(records)), replace=False))]
-        rewards = [reward(g["texts"], g["refs"], g["ref_labels"], labeler, 0.0)[0] for g in sample_groups(policy, chosen, labeler, args)]
+        rewards = [reward(g["texts"], g["refs"], g["ref_labels"], labeler, 0.0)[0]
+                   for g in sample_groups(policy, records, labeler, args)]
         results[name] = reward_diversity(np.concatenate(rewards).reshape(-1, args.group_size))
         print(f"Table 7 {name}: {results[name]}")
     (Path(args.out) / "table7.json").write_text(json.dumps(results, indent=2))
@@ -612,28 +643,20 @@ def table6(args: Args, data, labeler) -> dict:
     """Mask (remove) the top --mask-frac tokens of each rollout by random, rule and (with CheXbert)
     grad weights; share of reports whose labels change, and F1 of the masked report's labels against
     the unmasked report's."""
-    policy, rng = analysis_setup(args)
-    train = data["train"]
-    chosen = [train[i] for i in sorted(rng.choice(len(train), min(args.analysis_n, len(train)), replace=False))]
+    policy, rng, draw = analysis_setup(args)
     strategies = ["random", "rule"] + (["grad"] if hasattr(labeler, "saliency") else [])
-    changed, changed_bin, f1 = defaultdict(list), defaultdict(list), defaultdict(list)
-    for g in sample_groups(policy, chosen, labeler, args):
-        ids, mask = g["ids"], g["mask"]
+    stats = {name: defaultdict(list) for name in strategies}
+    for g in sample_groups(policy, draw(data["train"]), labeler, args):
         labels = labeler(g["texts"])  # (N, 14) C(o)
-        eos = torch.tensor(getattr(policy, "eos_token_ids", [policy.eos_token_id]), device=ids.device)
-        candidates = mask.bool() & ~torch.isin(ids, eos)  # (N, T) EOS adds no text
         for name in strategies:
-            w = (torch.rand(mask.shape) if name == "random" else
-                 token_weights(name, args, policy, labeler, ids, mask, g["texts"], g["ref_labels"]))
-            masked = labeler(policy.decode(ids, mask_top_tokens(w, candidates, args.mask_frac, rng).to(ids.device)))
-            changed[name] += (~((masked == labels) | (np.isnan(masked) & np.isnan(labels)))).any(1).tolist()
-            changed_bin[name] += (common.binarize(masked) != common.binarize(labels)).any(1).tolist()
-            f1[name] += report_f1(masked, labels, both_empty=1.0).tolist()
-    results = {"policy": args.analysis_policy, "mask_frac": args.mask_frac, "n_reports": len(f1["random"])}
+            w = (torch.rand(g["mask"].shape) if name == "random" else
+                 token_weights(name, args, policy, labeler, g["ids"], g["mask"], g["texts"], g["ref_labels"]))
+            for k, v in masking_effect(policy, labeler, g["ids"], g["mask"], w, labels, args.mask_frac, rng).items():
+                stats[name][k] += v
+    results = {"policy": args.analysis_policy, "mask_frac": args.mask_frac,
+               "n_reports": len(stats["random"]["post_mask_f1"])}
     for name in strategies:
-        results[name] = {"label_mod_ratio": float(np.mean(changed[name])),
-                         "label_mod_ratio_binary": float(np.mean(changed_bin[name])),
-                         "post_mask_f1": float(np.mean(f1[name]))}
+        results[name] = {k: float(np.mean(v)) for k, v in stats[name].items()}
         print(f"Table 6 {name}: {results[name]}")
     (Path(args.out) / "table6.json").write_text(json.dumps(results, indent=2))
     return results
@@ -646,9 +669,14 @@ def resolve(args: Args) -> Args:
     pick = lambda value, t, hf: value if value is not None else (t if tiny else hf)
     args.max_new_tokens = pick(args.max_new_tokens, 96, 256)
     args.sft_lr, args.sft_batch_size = pick(args.sft_lr, 1e-3, 1e-5), pick(args.sft_batch_size, 32, 64)
-    args.sft_steps = pick(args.sft_steps, 600, None)
     args.prompts_per_step, args.grad_accum = pick(args.prompts_per_step, 8, 64), pick(args.grad_accum, 1, 8)
-    args.lr, args.steps = pick(args.lr, 1e-4, 1e-6), pick(args.steps, 150, None)
+    args.lr = pick(args.lr, 1e-4, 1e-6)
+    # the tiny model's run lengths, unless a length was asked for
+    if tiny and args.sft_steps is None and args.sft_epochs is None:
+        args.sft_steps = 600
+    if tiny and args.steps is None and args.epochs is None:
+        args.steps = 150
+    args.sft_epochs, args.epochs = pick(args.sft_epochs, 1.0, 1.0), pick(args.epochs, 1.0, 1.0)
     if args.sft_train == "auto":
         args.sft_train = "all" if tiny else "vision"
     if args.weighting == "auto":
@@ -667,6 +695,9 @@ def resolve(args: Args) -> Args:
 
 def train(command: str, args: Args) -> dict:
     args = resolve(args)
+    if args.dtype == "fp16" and command in ("sft", "rl", "all"):
+        raise ValueError("--dtype fp16 cannot train here: fp16 gradients need loss scaling (torch.amp.GradScaler), which "
+                         "deer.py does not do; train in bf16 or fp32 (fp16 is fine for sample, table6, table7)")
     data = common.load_data(args.data)
     if command in ("table6", "table7"):  # analyses of a trained policy, in one process
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -674,6 +705,10 @@ def train(command: str, args: Args) -> dict:
         labeler = common.make_labeler(args.labeler, args.chexbert_weights, common.resolve_device(args.device))
         return (table6 if command == "table6" else table7)(args, data, labeler)
     dist = common.setup_distributed(args.device)
+    if command in ("sft", "all"):  # uneven batches fail now, not after hours of the stage before
+        local_batches(args.sft_batch_size, args.sft_grad_accum, dist.world_size, ("sft-batch-size", "sft-grad-accum"))
+    if command in ("rl", "all"):
+        local_batches(args.prompts_per_step, args.grad_accum, dist.world_size, ("prompts-per-step", "grad-accum"))
     labeler = common.make_labeler(args.labeler, args.chexbert_weights, dist.device)
     results = {}
     if command in ("sft", "all"):

@@ -167,9 +167,9 @@ def test_eq1_reward_and_two_phases():
     ref = "Small left pleural effusion. Mild pulmonary edema."
     texts = [ref, "Small left pleural effusion.", ""]
     ref_labels = lab([ref] * 3)
-    r, hyp, terms = deer.reward(texts, [ref] * 3, ref_labels, lab, gamma=0.0)
+    r, terms = deer.reward(texts, [ref] * 3, ref_labels, lab, gamma=0.0)
     np.testing.assert_allclose(r, [1.0, 2 / 3, 0.0])  # F1 = 2 TP / (|o| + |y|) = 2 / (1 + 2)
-    r, _, terms = deer.reward(texts, [ref] * 3, ref_labels, lab, gamma=0.25)
+    r, terms = deer.reward(texts, [ref] * 3, ref_labels, lab, gamma=0.25)
     assert r[0] == pytest.approx(1.25) and terms["bleu2"] > 0 and r[1] > 2 / 3 and r[2] == 0
     assert report_f1(np.array([labels()]), np.array([labels()]), both_empty=1.0)[0] == 1.0
     assert [gamma_at(s, 10, 0.5, 0.25) for s in range(10)] == [0.0] * 5 + [0.25] * 5
@@ -192,6 +192,26 @@ def test_mask_top_tokens():
     assert (keep[0, :10] == 0).nonzero().flatten().tolist() == [1, 2, 5]
 
 
+def test_table6_masking_effect_hand_example():
+    """One token removed per report (ceil(0.2 x n), n <= 5), chosen by fixed weights; the rule labeler."""
+    reports = ["small left pleural effusion.", "mild pulmonary edema.", "no pneumothorax.", "heart size is normal."]
+    policy = common.TinyPolicy.build(reports)
+    tok = policy.tokenizer
+    ids, mask = common.pad_completions([tok.encode(t) + [tok.eos_id] for t in reports], tok.pad_id)
+    top = ["effusion", "mild", "no", "normal"]  # the token with the largest weight in each report
+    w = torch.tensor([[9.0 if tok.vocab[i] == t else 1.0 for i in row.tolist()] for row, t in zip(ids, top)])
+    w[ids == tok.eos_id] = 99  # EOS is never a candidate, whatever its weight
+    lab = common.RuleLabeler()
+    effect = deer.masking_effect(policy, lab, ids, mask, w, lab(reports), 0.2, np.random.default_rng(0))
+    # "small left pleural ."  Pleural Effusion 1 -> No Finding 1: changed, binary changed, F1 0
+    # "pulmonary edema."      Edema 1 as before: unchanged, F1 1
+    # "pneumothorax."         Pneumothorax 0 + No Finding 1 -> Pneumothorax 1: changed, binary changed, F1 0
+    # "heart size is ."       Cardiomegaly 0 + No Finding 1 -> No Finding 1: changed (0 -> blank), binary the same, F1 1
+    assert effect["label_mod_ratio"] == [True, False, True, True]
+    assert effect["label_mod_ratio_binary"] == [True, False, True, False]
+    assert effect["post_mask_f1"] == [0.0, 1.0, 0.0, 1.0]
+
+
 def test_ddsampling_is_label_free(small_synthetic):
     records = common.load_data(str(small_synthetic))["train"][:4]
     args = deer.resolve(deer.Args(dd_k=3, max_new_tokens=12))
@@ -203,13 +223,25 @@ def test_ddsampling_is_label_free(small_synthetic):
     np.testing.assert_array_equal(deer.score_chunk(policy, blind, common.RuleLabeler(), args), D)
 
 
-def test_bad_flags():
+def test_bad_flags_and_defaults():
     with pytest.raises(ValueError, match="needs --labeler chexbert"):
         deer.resolve(deer.Args(weighting="grad"))
     with pytest.raises(ValueError, match="--subset must be one of"):
         deer.resolve(deer.Args(subset="half"))
     with pytest.raises(SystemExit, match="unknown command 'train'"):
         deer.main(["train"])
+    with pytest.raises(ValueError, match="GradScaler"):  # before any data is read
+        deer.main(["sft", "--dtype", "fp16", "--data", "/nonexistent.json"])
+    # the tiny model's step counts apply only when no length was asked for
+    tiny = deer.resolve(deer.Args())
+    assert (tiny.sft_steps, tiny.steps) == (600, 150)
+    given = deer.resolve(deer.Args(sft_epochs=2.0, epochs=3.0))
+    assert (given.sft_steps, given.steps, given.sft_epochs, given.epochs) == (None, None, 2.0, 3.0)
+    hf = deer.resolve(deer.Args(model="some/vlm"))
+    assert (hf.sft_steps, hf.steps, hf.epochs, hf.prompts_per_step, hf.grad_accum) == (None, None, 1.0, 64, 8)
+    assert deer.local_batches(64, 8, 8, ("prompts-per-step", "grad-accum")) == (8, 1)  # the paper's batch on 8 GPUs
+    with pytest.raises(ValueError, match="--prompts-per-step over 3 processes"):
+        deer.local_batches(64, 8, 3, ("prompts-per-step", "grad-accum"))
 
 
 # End to end --------------------------------------------------------------------------------------
@@ -222,7 +254,8 @@ def staged(tmp_path_factory, small_synthetic):
     """SFT and DDSampling once for the tests below: (out folder, common flags)."""
     out = tmp_path_factory.mktemp("deer")
     base = ["--data", str(small_synthetic), "--out", str(out), "--max-new-tokens", "16", "--n-eval", "4",
-            "--log-every", "1", "--dd-k", "3", "--dd-batch-size", "8", "--sft-steps", "6", "--sft-batch-size", "8"]
+            "--log-every", "1", "--dd-k", "3", "--dd-batch-size", "8", "--sft-steps", "6", "--sft-batch-size", "8",
+            "--no-meteor"]
     deer.main(["sft", *base, "--save-every", "3"])
     deer.main(["sample", *base])
     return out, base
@@ -237,13 +270,18 @@ def test_sft_and_sample_stages(staged):
     assert sel["n_pool"] == 40 and len(sel["ids"]) == 8 == len(set(sel["ids"])) and sel["K"] == 3
     D = [x["D"] for x in sel["ranked"]]
     assert D == sorted(D, reverse=True) and max(D) > 0
-    # a run killed mid-way (half the scores, a cut line) resumes to the same selection
+    # a run killed mid-way, in the first row of a chunk (rows 16-23: chunk 2), resumes to the same
+    # selection: the cut row is dropped, not glued to the next one
     scores = out / "ddsampling" / "scores.0.jsonl"
-    lines = scores.read_text().splitlines()
-    scores.write_text("\n".join(lines[:12]) + "\n" + lines[12][:9])
+    full = scores.read_text()
+    lines = full.splitlines()
+    scores.write_text("\n".join(lines[:16]) + "\n" + lines[16][:9])
     (out / "ddsampling" / "selection.json").unlink()
-    deer.main(["sample", *base, "--resume"])
+    with pytest.raises(ValueError, match="--dd-k 3 in the run, 4 now"):  # other flags than the run had
+        deer.main(["sample", *base, "--resume", "--dd-k", "4"])
+    deer.main(["sample", *base, "--resume", "--sft-lr", "0.5"])  # an SFT flag: no concern of this stage
     assert json.loads((out / "ddsampling" / "selection.json").read_text())["ids"] == sel["ids"]
+    assert scores.read_text() == full  # chunks 2-4 scored again, exactly as before
 
 
 def test_rl_stage_resume_and_grpo_baseline(staged):
@@ -254,6 +292,7 @@ def test_rl_stage_resume_and_grpo_baseline(staged):
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["gamma"] for x in lines] == [0, 0, 0.25]
     assert all(x["w_mean"] > 1 for x in lines)  # rule weights (the default with the rule labeler)
     assert {"reward", "f1", "bleu2", "zero_var", "loss"} <= set(lines[0])
+    assert all(x["completions"] == 2 * 8 for x in lines)  # 2 studies x G = 8
     gens = [json.loads(x) for x in (out / "rl" / "generations_test.jsonl").read_text().splitlines()]
     assert len(gens) == 4 and (out / "rl" / "final").is_dir()
     deer.main(["rl", *rl, "--steps", "4", "--resume"])
@@ -265,6 +304,40 @@ def test_rl_stage_resume_and_grpo_baseline(staged):
     deer.main(["all", *rl, "--steps", "4", "--resume"])
     assert (out / "sft" / "final" / "tiny_policy.pt").stat().st_mtime_ns == stamp
     assert len(metrics(out / "rl" / "metrics.jsonl")) == 4
+
+
+class Crash(Exception):
+    pass
+
+
+def test_rl_resume_matches_an_uninterrupted_run(staged, monkeypatch):
+    """Stopped after the step-2 checkpoint and resumed, an RL run ends with the weights and the log
+    of a run that was never stopped. The reward is the text's length mod 7, so every step updates."""
+    out, base = staged
+    monkeypatch.setattr(deer, "reward", lambda texts, refs, ref_labels, labeler, gamma:
+                        (np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0, "bleu2": 0.0}))
+    rl = base + ["--prompts-per-step", "2", "--grad-accum", "2", "--steps", "4", "--save-every", "2"]
+    deer.main(["rl", *rl, "--rl-dir", "full"])
+    real_save = common.save_checkpoint
+
+    def save_then_crash(path, model, optimizer, scheduler, step, **kw):
+        real_save(path, model, optimizer, scheduler, step, **kw)
+        if step == 2:
+            raise Crash
+    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    with pytest.raises(Crash):
+        deer.main(["rl", *rl, "--rl-dir", "part"])
+    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    with pytest.raises(ValueError, match="--lr 0.0001 in the run, 0.01 now"):  # other flags than the run had
+        deer.main(["rl", *rl, "--rl-dir", "part", "--resume", "--lr", "0.01"])
+    deer.main(["rl", *rl, "--rl-dir", "part", "--resume"])
+    weights = lambda d: torch.load(out / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]
+    full, part, sft = weights("full"), weights("part"), weights("sft")
+    assert all(torch.equal(full[k], part[k]) for k in full)
+    assert any(not torch.equal(full[k], sft[k]) for k in full)  # RL changed the weights
+    rows = lambda d: [{k: v for k, v in x.items() if k != "time"} for x in metrics(out / d / "metrics.jsonl")]
+    assert rows("full") == rows("part") and [x["step"] for x in rows("part")] == [1, 2, 3, 4]
+    assert len({x["reward"] for x in rows("part")}) > 1 and all(x["completions"] == 16 for x in rows("part"))
 
 
 def test_tables_6_and_7(staged):
@@ -296,7 +369,8 @@ def test_torchrun_two_processes(staged, tmp_path):
     shutil.copytree(out / "sft", ddp / "sft")  # the same, finished SFT stage: `all --resume` skips it
     root = os.path.dirname(common.__file__)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    flags = [*base[:2], "--out", str(ddp), *base[4:], "--device", "cpu", "--steps", "2", "--prompts-per-step", "2"]
+    # --prompts-per-step is global: 2 studies = 1 per rank; one epoch of 8 studies is 4 steps, whatever the ranks
+    flags = [*base[:2], "--out", str(ddp), *base[4:], "--device", "cpu", "--epochs", "0.5", "--prompts-per-step", "2"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                            os.path.join(root, "deer.py"), "all", *flags, "--resume"],
                           env=env, capture_output=True, text=True, timeout=300)
@@ -305,20 +379,30 @@ def test_torchrun_two_processes(staged, tmp_path):
     single = json.loads((out / "ddsampling" / "selection.json").read_text())
     assert json.loads((ddp / "ddsampling" / "selection.json").read_text())["ids"] == single["ids"]  # same chunks, same seeds
     assert len(list((ddp / "ddsampling").glob("scores.*.jsonl"))) == 2
-    assert [x["step"] for x in metrics(ddp / "rl" / "metrics.jsonl")] == [1, 2]  # rank 0 alone writes
+    lines = metrics(ddp / "rl" / "metrics.jsonl")
+    assert [x["step"] for x in lines] == [1, 2]  # rank 0 alone writes
+    assert [x["completions"] for x in lines] == [16, 16]  # 1 study x G = 8 on each of 2 ranks
     gens = [json.loads(x) for x in (ddp / "rl" / "generations_test.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(4)]
 
 
 def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir):
-    """A tiny random Qwen2.5-VL: SFT trains the vision tower only (LM frozen), DDSampling with nucleus
-    sampling, DiTPO; token spans of byte-level BPE tokens tile the decoded report."""
+    """A tiny random Qwen2.5-VL in bf16: SFT trains the vision tower only (LM frozen) with fp32 master
+    weights and checkpoints it alone, DDSampling with nucleus sampling, DiTPO trains everything in fp32;
+    --max-pixels reaches the processor; token spans of byte-level BPE tokens tile the decoded report."""
     out = tmp_path / "hf"
     base = ["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--out", str(out), "--max-new-tokens", "8",
-            "--n-eval", "2", "--log-every", "1"]
+            "--n-eval", "2", "--log-every", "1", "--dtype", "bf16", "--max-pixels", "6272", "--no-meteor"]
     deer.main(["all", *base, "--sft-steps", "2", "--sft-batch-size", "2", "--sft-lr", "1e-3", "--dd-k", "2",
                "--dd-batch-size", "20", "--steps", "1", "--prompts-per-step", "2", "--grad-accum", "1"])
-    before, after = common.HFPolicy(str(tiny_qwen_dir)), common.HFPolicy(str(out / "sft" / "final"))
+    sft_ckpt = torch.load(out / "sft" / "last.pt", weights_only=True)
+    vision = {n for n, _ in common.HFPolicy(str(tiny_qwen_dir)).vision_and_language()[0].named_parameters()}
+    assert sft_ckpt["trainable_only"] and {k.split("visual.")[-1] for k in sft_ckpt["model"]} == vision
+    assert all(v.dtype == torch.float32 for v in sft_ckpt["model"].values())  # fp32 master weights
+    rl_model = torch.load(out / "rl" / "last.pt", weights_only=True)["model"]
+    assert len(rl_model) > len(sft_ckpt["model"]) and all(v.dtype == torch.float32 for v in rl_model.values() if v.is_floating_point())
+    before, after = (common.HFPolicy(str(p), dtype=torch.bfloat16) for p in (tiny_qwen_dir, out / "sft" / "final"))
+    assert after.processor.image_processor.size["longest_edge"] == 6272  # saved with the policy
     (vis0, lang0), (vis1, lang1) = before.vision_and_language(), after.vision_and_language()
     assert all(torch.equal(a, b) for a, b in zip(lang0.parameters(), lang1.parameters()))
     assert not all(torch.equal(a, b) for a, b in zip(vis0.parameters(), vis1.parameters()))
