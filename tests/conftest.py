@@ -86,3 +86,27 @@ def tiny_qwen_dir(tmp_path_factory, small_synthetic):
     reports = [r.report for r in common.load_annotation(small_synthetic)["train"]]
     prompts = ["You are a radiologist. Describe the chest X-ray.", "<think> </think> <report> </report>"]
     return build_tiny_qwen(tmp_path_factory.mktemp("tiny_qwen"), reports + prompts)
+
+
+class Crash(Exception):
+    """A run killed right after writing a checkpoint (the resume tests)."""
+
+
+@pytest.fixture
+def crash_after_checkpoint(monkeypatch):
+    """arm(k): from now on common.save_checkpoint writes its checkpoint and then raises Crash
+    when it saved step k; arm(None) puts the real one back."""
+    import common
+    real = common.save_checkpoint
+
+    def arm(crash_step):
+        if crash_step is None:
+            monkeypatch.setattr(common, "save_checkpoint", real)
+            return
+
+        def save_then_crash(path, model, optimizer=None, scheduler=None, step=0, **kw):
+            real(path, model, optimizer, scheduler, step, **kw)
+            if step == crash_step:
+                raise Crash(f"stopped after the step-{step} checkpoint")
+        monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    return arm

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+from conftest import Crash
 import deer
 from deer import (align_to_tokens, diagnostic_diversity, gamma_at, log_rank_probs, mask_top_tokens, reference_targets,
                   report_f1, reward_diversity, select_subset, tfidf_weights, token_advantages, token_spans)
@@ -306,11 +307,7 @@ def test_rl_stage_resume_and_grpo_baseline(staged):
     assert len(metrics(out / "rl" / "metrics.jsonl")) == 4
 
 
-class Crash(Exception):
-    pass
-
-
-def test_rl_resume_matches_an_uninterrupted_run(staged, monkeypatch):
+def test_rl_resume_matches_an_uninterrupted_run(staged, monkeypatch, crash_after_checkpoint):
     """Stopped after the step-2 checkpoint and resumed, an RL run ends with the weights and the log
     of a run that was never stopped. The reward is the text's length mod 7, so every step updates."""
     out, base = staged
@@ -318,16 +315,10 @@ def test_rl_resume_matches_an_uninterrupted_run(staged, monkeypatch):
                         (np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0, "bleu2": 0.0}))
     rl = base + ["--prompts-per-step", "2", "--grad-accum", "2", "--steps", "4", "--save-every", "2"]
     deer.main(["rl", *rl, "--rl-dir", "full"])
-    real_save = common.save_checkpoint
-
-    def save_then_crash(path, model, optimizer, scheduler, step, **kw):
-        real_save(path, model, optimizer, scheduler, step, **kw)
-        if step == 2:
-            raise Crash
-    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    crash_after_checkpoint(2)
     with pytest.raises(Crash):
         deer.main(["rl", *rl, "--rl-dir", "part"])
-    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    crash_after_checkpoint(None)
     with pytest.raises(ValueError, match="--lr 0.0001 in the run, 0.01 now"):  # other flags than the run had
         deer.main(["rl", *rl, "--rl-dir", "part", "--resume", "--lr", "0.01"])
     deer.main(["rl", *rl, "--rl-dir", "part", "--resume"])

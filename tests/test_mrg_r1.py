@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from conftest import Crash
 import mrg_r1
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
@@ -278,11 +279,7 @@ def test_end_to_end_tiny_run(tmp_path, small_synthetic):
                      "--out", str(tmp_path / "bad")])
 
 
-class Crash(Exception):
-    pass
-
-
-def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, monkeypatch):
+def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, monkeypatch, crash_after_checkpoint):
     """Stopped after the step-2 checkpoint and resumed, a run ends with the weights of a run that
     was never stopped. The reward depends on the text, so every step really updates."""
     def text_reward(completions, references, labeler, args, cider_df=None):
@@ -290,17 +287,11 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, monkeypa
     monkeypatch.setattr(mrg_r1, "total_reward", text_reward)
     flags = ["--data", str(small_synthetic), "--steps", "4"] + FLAGS
     mrg_r1.main(flags + ["--out", str(tmp_path / "full")])
-    real_save = common.save_checkpoint
-
-    def save_then_crash(path, model, optimizer, scheduler, step, **kw):
-        real_save(path, model, optimizer, scheduler, step, **kw)
-        if step == 2:
-            raise Crash
-    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    crash_after_checkpoint(2)
     part = tmp_path / "part"
     with pytest.raises(Crash):
         mrg_r1.main(flags + ["--out", str(part)])
-    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    crash_after_checkpoint(None)
     with pytest.raises(ValueError, match="--lr"):  # other flags than the run had: refused
         mrg_r1.main(flags + ["--out", str(part), "--resume", "--lr", "0.01"])
     mrg_r1.main(flags + ["--out", str(part), "--resume"])
