@@ -2285,7 +2285,11 @@ def setup_distributed(device_arg: str = "auto") -> Dist:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not tdist.is_initialized():
-        tdist.init_process_group(backend=backend)
+        # NCCL's default watchdog kills a collective after 10 minutes; rank 0 alone sometimes works
+        # longer while the others wait (measuring difficulty, probes, evaluation on MIMIC-CXR)
+        from datetime import timedelta
+        minutes = float(os.environ.get("RRG_DIST_TIMEOUT_MIN", 120))
+        tdist.init_process_group(backend=backend, timeout=timedelta(minutes=minutes))
     return Dist(rank, world_size, local_rank, device, rank == 0, backend)
 
 
