@@ -13,22 +13,25 @@ the teacher-forced SFT of the project's policy (the tiny model, or a Hugging Fac
     python rrgcl.py --scheduler none,rrgcl           # baseline and RRGCL, same budget and seed -> compare.json
     python rrgcl.py q1 --run runs/rrgcl              # Fig. 1: per-class BLEU-4 vs class size and difficulty
     python rrgcl.py --data /data/mimic_cxr/annotation.json --labeler chexbert --visual-encoder resnet101 \\
-        --resnet101-weights resnet101_chexpert.pth --text-encoder emilyalsentzer/Bio_ClinicalBERT --measure-only
+        --resnet101-weights resnet101_chexpert.pth --text-encoder emilyalsentzer/Bio_ClinicalBERT \\
+        --out runs/rrgcl_mimic --measure-only
     torchrun --nproc_per_node=4 rrgcl.py --data /data/mimic_cxr/annotation.json --labeler chexbert \\
         --visual-encoder resnet101 --resnet101-weights resnet101_chexpert.pth \\
-        --text-encoder emilyalsentzer/Bio_ClinicalBERT --model Qwen/Qwen2.5-VL-3B-Instruct --dtype bf16
-On large data run the measurer once in one process (--measure-only, as above): the features are
-cached, so the torchrun ranks do not wait on rank 0 while it extracts them.
+        --text-encoder emilyalsentzer/Bio_ClinicalBERT --out runs/rrgcl_mimic \\
+        --model Qwen/Qwen2.5-VL-3B-Instruct --dtype bf16
+On large data measure first in one process (--measure-only, as above). A run reuses <out>/difficulty.json
+whenever it was measured on the same studies with the same measuring flags, so the torchrun ranks do not
+wait on rank 0 (NCCL gives up after 10 minutes) while it labels, extracts features and trains MINE.
 
 Equations, and where they are implemented:
     Eq. 1-4   S^v, S^t cosine, G = |S^v - S^t|, dif1 = row sums   vns_gap() (row blocks, never N x N)
     Eq. 5-8   MINE: Donsker-Varadhan bound, maximised over T     dv_bound(), train_mine()
-    Eq. 9     dif2(i) = T*(I_i, R_i)                              train_mine() -> StatisticsNetwork
+    Eq. 9     dif2(i) = T*(I_i, R_i)                              itas()
     Eq. 10    dif = alpha z(dif1) + beta z(dif2) (ITAS sign flag)  sample_difficulty()
-    Alg. 1 l.1-2  classes, class difficulty (mean)               class_members(), class_difficulty()
+    Alg. 1 l.1-3  classes, class difficulty (mean), class orders  class_members(), class_difficulty(), curriculum_plan()
     Eq. 11    lambda_n(t) class-level root schedule              rrgcl_lambda()
     Eq. 12-13 gamma_n = 1 + (1 - diff_C) c, lambda_n(0)          scheduling_exponents()
-    Alg. 1 l.6-11 per-class top fraction, de-duplicated union    rrgcl_subset(), train()
+    Alg. 1 l.6-11 per-class top fraction, de-duplicated union    rrgcl_subset(), epoch_subset(), train()
     Table 2   Baby Step, Linear, One Pass, Root, Geom            pacing(), epoch_subset()
     Fig. 1    per-class BLEU-4 vs class size / difficulty       q1_analysis()
     Fig. 3    lambda_n(t) curves                                 schedule.json (write_schedule())
@@ -40,6 +43,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +65,7 @@ class Args:
     seed: int = 0
     device: str = "auto"
     dtype: str = "fp32"  # fp32 | bf16 | fp16 | auto
-    resume: bool = False  # continue from out/last.pt (the difficulty comes back from out/difficulty.json)
+    resume: bool = False  # continue from out/last.pt; the flags must match out/config.json (only logging, device, workers may change)
     # Scheduler (paper Sec. 3.3, Table 2)
     scheduler: str = "rrgcl"  # rrgcl | root | linear | baby_step | one_pass | geom | none; a comma list trains each under out/<name>
     measure: str = "vns+itas"  # the difficulty: vns+itas (paper), vns or itas alone (Table 2 rows a, b)
@@ -82,8 +86,8 @@ class Args:
     mine_lr: float = 1e-4  # Belghazi et al. 2018
     mine_ma_rate: float = 0.0  # MINE's moving-average bias correction of the gradient (Belghazi et al. Sec. 3.2 use 0.01); 0 = off
     vns_block: int = 2048  # rows of the N x N similarity computed at once: memory O(N x block)
-    feature_cache: str | None = None  # cached features; None: $RRG_CACHE/rrgcl when RRG_CACHE is set, else <out>/features
-    measure_only: bool = False  # compute and write the difficulty (difficulty.json, schedule.json), then stop
+    feature_cache: str | None = None  # cached labels and features; None: $RRG_CACHE/rrgcl when RRG_CACHE is set, else <out>/features
+    measure_only: bool = False  # write difficulty.json and schedule.json, then stop (a later run with this --out reuses them)
     # Report generator (SFT on each epoch's subset; "follows the combined RRG method", Sec. 4.3)
     epochs: int = 10  # T
     epoch_steps: int | None = None  # optimiser steps per epoch; None: one full-set pass (N / (batch x ranks)) for every scheduler
@@ -108,6 +112,12 @@ PROMPT = "You are a radiologist. Write the findings section of the report for th
 # every keyword labelled 1 (positive).
 CLASSES = [n for n in common.CHEXPERT_LABELS if n != "Support Devices"]
 SCHEDULERS = ("rrgcl", "root", "linear", "baby_step", "one_pass", "geom", "none")
+# --resume may change these only: not --epochs, T is in Eq. 11
+RESUMABLE = ("resume", "log_every", "save_every", "device", "num_workers")
+# What dif1 and dif2 depend on besides the data: difficulty.json is reused while these match
+MEASURE_FLAGS = ("measure", "visual_encoder", "text_encoder", "encoder_image_size", "encoder_epochs", "mine_steps",
+                 "mine_batch_size", "mine_lr", "mine_ma_rate", "seed")
+RECIPE = "rrgcl-measurer-2"  # in every cache key and in difficulty.json's: change it when the measurer's code changes
 
 
 def check_args(args: Args):
@@ -165,30 +175,17 @@ class SmallTextEncoder(torch.nn.Module):
         return h.masked_fill((ids == 0)[:, None], 0).amax(2)  # (B, dim); ReLU output >= 0, so pads never win
 
 
-class Studies(torch.utils.data.Dataset):
-    """(views (V, C, S, S), 14 binary labels) per study, for the image encoders."""
-
-    def __init__(self, records, targets, transform):
-        self.records, self.targets, self.transform = records, targets, transform
-
-    def __len__(self):
-        return len(self.records)
-
-    def __getitem__(self, i):
-        r = self.records[i]
-        return torch.stack([self.transform(common.load_image(p, r.id)) for p in r.image_paths]), self.targets[i]
-
-
-def train_label_encoder(model, dataset, epochs: int, device, seed: int, num_workers: int = 0, desc: str = "encoder"):
-    """A few epochs of multi-label BCE on the observation labels (positive and uncertain = 1)."""
+def train_label_encoder(model, dataset, x: str, epochs: int, device, seed: int, num_workers: int = 0, desc: str = "encoder"):
+    """A few epochs of multi-label BCE from batch[x] on the observation labels (positive and uncertain = 1)."""
     from tqdm.auto import tqdm
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True, num_workers=num_workers,
                                          generator=torch.Generator().manual_seed(seed))
     for _ in tqdm(range(epochs), desc=desc):
-        for x, y in loader:
-            loss = F.binary_cross_entropy_with_logits(model.head(model(x.to(device))), y.to(device))
+        for batch in loader:
+            y = torch.as_tensor(common.binarize(batch["labels"]), dtype=torch.float32, device=device)  # (B, 14)
+            loss = F.binary_cross_entropy_with_logits(model.head(model(batch[x].to(device))), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -196,30 +193,24 @@ def train_label_encoder(model, dataset, epochs: int, device, seed: int, num_work
 
 
 @torch.no_grad()
-def extract(model, dataset, device, num_workers: int = 0) -> torch.Tensor:
+def extract(model, dataset, x: str, device, num_workers: int = 0) -> torch.Tensor:
     loader = torch.utils.data.DataLoader(dataset, batch_size=64, num_workers=num_workers)
-    return torch.cat([model(x.to(device)).float().cpu() for x, _ in loader])  # (N, d)
+    return torch.cat([model(batch[x].to(device)).float().cpu() for batch in loader])  # (N, d)
 
 
 def resnet101_encoder(path: str) -> torch.nn.Module:
     """torchvision ResNet-101 with the given weights and no classifier: (B, V, 3, H, W) -> (B, 2048).
-    Accepts plain state dicts and training checkpoints ({"state_dict": ...}, "module." prefixes);
-    the classification head (fc) is dropped, any other missing or unexpected key is an error."""
+    Accepts plain state dicts and training checkpoints ({"state_dict": ...}, "module." prefixes); the
+    classification head (fc) is dropped, any other missing, unexpected or misshapen tensor is an error."""
     import torchvision
     net = torchvision.models.resnet101(weights=None)
+    net.fc = torch.nn.Identity()  # the CheXpert classifier is not used
     state = torch.load(path, map_location="cpu", weights_only=True)
-    state = state.get("state_dict", state)
-    state = {k.removeprefix("module.").removeprefix("model."): v for k, v in state.items()}
-    state = {k: v for k, v in state.items() if not k.startswith("fc.")}  # the CheXpert classifier is not used
+    state = {k.removeprefix("module.").removeprefix("model."): v for k, v in state.get("state_dict", state).items()}
     try:
-        missing, unexpected = net.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor of the wrong shape
-        raise ValueError(f"--resnet101-weights {path}: not a torchvision ResNet-101 state dict ({e})") from None
-    missing = [k for k in missing if not k.startswith("fc.")]
-    if missing or unexpected:
-        raise ValueError(f"--resnet101-weights {path}: not a torchvision ResNet-101 state dict "
-                         f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-    net.fc = torch.nn.Identity()
+        net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
+    except RuntimeError as e:
+        raise ValueError(f"--resnet101-weights {path}: not a torchvision ResNet-101 state dict ({str(e)[:300]})") from None
     return ViewMean(net).eval()
 
 
@@ -238,54 +229,98 @@ def bert_features(name: str, reports: list[str], device, batch_size: int = 64) -
     return torch.cat(out)
 
 
+def measure_text(r: common.Record) -> str:
+    """Sec. 4.1: the measurer reads "Findings" and "Impression" stitched together: the report and the
+    record's "impression" field when the annotation has one, else the report alone."""
+    impression = r.meta.get("impression")
+    return f"{r.report} {impression.strip()}" if isinstance(impression, str) and impression.strip() else r.report
+
+
+# Cache keys: what a result was computed from. Features, labels and difficulty.json are reused only
+# while the key matches, so an edited image, report or encoder setting is never served stale.
+def key_hash(**key) -> str:
+    return hashlib.sha1(json.dumps({"recipe": RECIPE, **key}, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_stamp(path) -> list | None:
+    """[absolute path, size, mtime] of a file (the path alone if there is no such file)."""
+    if not path:
+        return None
+    try:
+        s = os.stat(path)
+    except OSError:
+        return [os.path.abspath(path)]
+    return [os.path.abspath(path), s.st_size, s.st_mtime_ns]
+
+
+def data_key(args: Args, records) -> str:
+    """A hash of everything the measurer reads of the training studies: ids, image files (size and
+    mtime), texts, the data's labels, and the labeler where the data has none."""
+    h = hashlib.sha1()
+    for r in records:
+        labels = None if r.labels is None else np.nan_to_num(r.labels, nan=9).tolist()
+        h.update(json.dumps([r.id, [file_stamp(p) for p in r.image_paths], measure_text(r), labels]).encode())
+    labeler = None if all(r.labels is not None for r in records) else [args.labeler, file_stamp(args.chexbert_weights)]
+    return key_hash(studies=h.hexdigest(), labeler=labeler)
+
+
+def feature_cache(args: Args) -> Path:
+    if args.feature_cache:
+        return Path(args.feature_cache)
+    return Path(os.environ["RRG_CACHE"]) / "rrgcl" if "RRG_CACHE" in os.environ else Path(args.out) / "features"
+
+
 def cached(cache: Path, kind: str, key: dict, compute) -> torch.Tensor:
-    """compute() once per (data, encoder settings): cache/<kind>-<hash of key>.pt."""
-    path = cache / f"{kind}-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.pt"
+    """compute() once per key: cache/<kind>-<hash of key>.pt."""
+    path = cache / f"{kind}-{key_hash(**key)}.pt"
     if path.is_file():
-        print(f"features: {kind} from {path}")
+        print(f"cache: {kind} from {path}")
         return torch.load(path, weights_only=True)
     value = compute()
     common.atomic_save(value, path)
     return value
 
 
-def extract_features(args: Args, records, labels: np.ndarray, device, cache: Path) -> dict:
-    """{"vns_image", "itas_image", "text"}: (N, d) features of the training studies."""
-    fingerprint = hashlib.sha1(json.dumps([[r.id, r.image_paths, r.report] for r in records]).encode()
-                               + np.nan_to_num(labels, nan=9).tobytes()).hexdigest()
-    targets = torch.tensor(common.binarize(labels), dtype=torch.float32)  # (N, 14)
-    base = {"data": fingerprint, "seed": args.seed, "epochs": args.encoder_epochs}
+def extract_features(args: Args, records, labels: np.ndarray, data: str, device) -> dict:
+    """The (N, d) features of the training studies that --measure needs: "text" (psi), "vns_image"
+    (phi, VNS-Gap only) and "itas_image" (MINE's small CNN, ITAS only). data: data_key()."""
+    cache, base = feature_cache(args), {"data": data, "seed": args.seed, "epochs": args.encoder_epochs}
+    studies = [dataclasses.replace(r, labels=l) for r, l in zip(records, labels)]  # the labels the encoders learn
 
     def small_image():
         torch.manual_seed(args.seed)
-        data = Studies(records, targets, common.default_transform(args.encoder_image_size, channels=1))
-        model = train_label_encoder(small_image_encoder(), data, args.encoder_epochs, device, args.seed, args.num_workers,
-                                    "small image encoder")
-        return extract(model, data, device, args.num_workers)
+        dataset = common.ReportDataset(studies, transform=common.default_transform(args.encoder_image_size, channels=1))
+        model = train_label_encoder(small_image_encoder(), dataset, "images", args.encoder_epochs, device, args.seed,
+                                    args.num_workers, "small image encoder")
+        return extract(model, dataset, "images", device, args.num_workers)
 
     def small_text():
         torch.manual_seed(args.seed)
-        tok = common.WordTokenizer.build([r.report for r in records])
-        seqs = [torch.tensor(tok.encode(r.report)[:256] or [tok.unk_id]) for r in records]
+        tok = common.WordTokenizer.build([measure_text(r) for r in records])
+        seqs = [torch.tensor(tok.encode(measure_text(r))[:256] or [tok.unk_id]) for r in records]
         ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.pad_id)  # (N, L); pad id is 0
-        data = torch.utils.data.TensorDataset(ids, targets)
-        model = train_label_encoder(SmallTextEncoder(len(tok.vocab)), data, 2 * args.encoder_epochs, device, args.seed,
-                                    desc="small text encoder")
-        return extract(model, data, device)
+        dataset = [{"ids": i, "labels": torch.as_tensor(l, dtype=torch.float32)} for i, l in zip(ids, labels)]
+        model = train_label_encoder(SmallTextEncoder(len(tok.vocab)), dataset, "ids", 2 * args.encoder_epochs, device,
+                                    args.seed, desc="small text encoder")
+        return extract(model, dataset, "ids", device)
 
-    feats = {"itas_image": cached(cache, "small_image", {**base, "size": args.encoder_image_size}, small_image)}
-    if args.visual_encoder == "resnet101":
-        w = Path(args.resnet101_weights)
-        data = Studies(records, targets, common.default_transform(256))  # Sec. 4.1: 256 x 256
-        feats["vns_image"] = cached(cache, "resnet101", {"data": fingerprint, "weights": str(w.resolve()), "mtime": w.stat().st_mtime},
-                                    lambda: extract(resnet101_encoder(str(w)).to(device), data, device, args.num_workers))
-    else:
-        feats["vns_image"] = feats["itas_image"]
+    # the small CNN is ITAS's image side whatever phi is, and phi itself unless --visual-encoder resnet101
+    small = None
+    if "itas" in args.measure or args.visual_encoder == "small":
+        small = cached(cache, "small_image", {**base, "size": args.encoder_image_size}, small_image)
+    feats = {"itas_image": small} if "itas" in args.measure else {}
+    if "vns" in args.measure and args.visual_encoder == "resnet101":
+        dataset = common.ReportDataset(studies, transform=common.default_transform(256))  # Sec. 4.1: 256 x 256
+        feats["vns_image"] = cached(cache, "resnet101", {"data": data, "weights": file_stamp(args.resnet101_weights)},
+                                    lambda: extract(resnet101_encoder(args.resnet101_weights).to(device), dataset, "images",
+                                                    device, args.num_workers))
+    elif "vns" in args.measure:
+        feats["vns_image"] = small
     if args.text_encoder == "small":
         feats["text"] = cached(cache, "small_text", base, small_text)
     else:
-        feats["text"] = cached(cache, "bert", {"data": fingerprint, "model": args.text_encoder},
-                               lambda: bert_features(args.text_encoder, [r.report for r in records], device))
+        feats["text"] = cached(cache, "bert", {"data": data, "model": args.text_encoder},
+                               lambda: bert_features(args.text_encoder, [measure_text(r) for r in records], device))
     return feats
 
 
@@ -295,7 +330,8 @@ def vns_gap(v: torch.Tensor, t: torch.Tensor, block: int = 2048, device="cpu") -
     """dif1(i) = sum_j |S^v_ij - S^t_ij| for (N, d_v) visual and (N, d_t) text features, in row blocks:
     memory O(N x block), never N x N. One matmul gives S^v - S^t: [v, t] . [v, -t] = v.v' - t.t'.
     G is symmetric, so block b only computes columns j >= its first row and hands the part right of
-    its own rows to those rows as column sums: half the multiplications. Returns (N,) float64."""
+    its own rows to those rows as column sums: half the multiplications. Returns (N,) float64
+    (block sums in the features' dtype, accumulated in float64)."""
     dtype = v.dtype if v.dtype == torch.float64 else torch.float32
     v = F.normalize(v.to(device, dtype), dim=1)  # Eq. 1 denominators
     t = F.normalize(t.to(device, dtype), dim=1)  # Eq. 2 denominators
@@ -305,8 +341,9 @@ def vns_gap(v: torch.Tensor, t: torch.Tensor, block: int = 2048, device="cpu") -
     for s in range(0, N, block):
         e = min(s + block, N)
         G = (a[s:e] @ b[s:].T).abs_()  # Eq. 3: (e - s, N - s) = |S^v_ij - S^t_ij| for j >= s
-        dif1[s:e] += G.sum(1, dtype=torch.float64)  # Eq. 4, columns j >= s
-        dif1[e:] += G[:, e - s:].sum(0, dtype=torch.float64)  # G_ji = G_ij: rows after the block, columns s..e
+        dif1[s:e] += G.sum(1).double()  # Eq. 4, columns j >= s (summed in G's dtype: no float64 copy of G)
+        dif1[e:] += G[:, e - s:].sum(0).double()  # G_ji = G_ij: rows after the block, columns s..e
+        del G  # freed before the next block's is made
     return dif1.cpu()
 
 
@@ -368,13 +405,6 @@ def itas(T, image, text, batch_size: int = 4096) -> torch.Tensor:
     device = next(T.parameters()).device
     return torch.cat([T(image[s:s + batch_size].to(device), text[s:s + batch_size].to(device)).cpu()
                       for s in range(0, len(image), batch_size)]).double()  # (N,)
-
-
-@torch.no_grad()
-def mine_estimate(T, image, text, seed: int = 0) -> float:
-    """The DV bound over a whole set (a held-out set gives an honest lower bound on the MI)."""
-    j = torch.randperm(len(image), generator=torch.Generator().manual_seed(seed))
-    return dv_bound(T(image, text), T(image, text[j])).item()
 
 
 # Eq. 10 and the classes (Algorithm 1, lines 1-3) -------------------------------------------------
@@ -448,6 +478,18 @@ def rrgcl_subset(class_orders: list[np.ndarray], fractions) -> np.ndarray:
     return np.unique(np.concatenate([take(o, f) for o, f in zip(class_orders, fractions)]))
 
 
+def curriculum_plan(dif: np.ndarray, labels: np.ndarray, unlabelled: str = "class") -> dict:
+    """Algorithm 1 lines 1-3 from the study difficulties dif (N,) and labels (N, 14): the classes,
+    their difficulty and Eq. 12-13's gamma_n, lambda_n(0), every class sorted from easy to hard,
+    and the global easy-to-hard order for Table 2's schedulers."""
+    names, members, outside = class_members(labels, unlabelled)
+    raw, norm = class_difficulty(dif, members)
+    gamma, lambda0 = scheduling_exponents(norm)
+    return {"classes": names, "members": members, "outside": outside, "class_difficulty": raw,
+            "class_difficulty_norm": norm, "gamma": gamma, "lambda0": lambda0,
+            "class_orders": [idx[np.argsort(dif[idx], kind="stable")] for idx in members],
+            "order": np.argsort(dif, kind="stable")}
+
 # Table 2: the ablation schedulers, global (no classes) on the easy-to-hard order ---------------
 def pacing(name: str, t: int, T: int, c0: float = 0.01, buckets: int = 5) -> tuple[float, float]:
     """The slice [lo, hi) of the easy-to-hard order used at epoch t (fractions of N)."""
@@ -479,19 +521,27 @@ def epoch_subset(scheduler: str, t: int, T: int, plan: dict, args: Args) -> np.n
 
 
 # The measurer, end to end ------------------------------------------------------------------------
-def record_labels(records, labeler) -> np.ndarray:
-    """(N, 14) labels: the data's own where it has them, else the labeler's reading of the report."""
+def record_labels(records, labeler, texts: list[str] | None = None) -> np.ndarray:
+    """(N, 14) labels: the data's own where it has them, else the labeler's reading of `texts` (default: the reports)."""
+    texts = texts or [r.report for r in records]
     labels = np.array([np.full(14, np.nan) if r.labels is None else r.labels for r in records])  # (N, 14)
     missing = [i for i, r in enumerate(records) if r.labels is None]
     if missing:
-        labels[missing] = labeler([records[i].report for i in missing])
+        labels[missing] = labeler([texts[i] for i in missing])
     return labels
 
 
-def measure_difficulty(args: Args, records, labeler, device) -> dict:
-    """Features -> dif1 (Eq. 1-4), dif2 (Eq. 5-9) -> dif (Eq. 10) -> classes and their difficulty."""
-    labels = record_labels(records, labeler)
-    feats = extract_features(args, records, labels, device, feature_cache(args))
+def zscore_columns(x: torch.Tensor) -> torch.Tensor:
+    """Standardise each feature for MINE's network (our choice: the paper feeds features as they come)."""
+    return (x - x.mean(0)) / x.std(0).clamp_min(1e-6)
+
+
+def measure_difficulty(args: Args, records, labeler, data: str, device) -> dict:
+    """Labels and features -> dif1 (Eq. 1-4) and dif2 (Eq. 5-9) of the training studies. data: data_key()."""
+    # the labels are cached with the features: the labeler reads the 270k MIMIC-CXR reports once
+    labels = cached(feature_cache(args), "labels", {"data": data}, lambda: torch.from_numpy(
+        record_labels(records, labeler, [measure_text(r) for r in records]))).numpy()
+    feats = extract_features(args, records, labels, data, device)
     dif1 = dif2 = None
     if "vns" in args.measure:
         dif1 = vns_gap(feats["vns_image"], feats["text"], args.vns_block, device).numpy()
@@ -500,62 +550,50 @@ def measure_difficulty(args: Args, records, labeler, device) -> dict:
         T, history = train_mine(img, txt, args.mine_steps, args.mine_batch_size, args.mine_lr, args.mine_ma_rate,
                                 args.seed, device, log_every=max(1, args.mine_steps // 10))
         dif2 = itas(T, img, txt).numpy()
-        print(f"MINE: DV bound on the training pairs {mine_estimate(T.cpu(), img, txt, args.seed):.3f} nats "
-              f"(batch estimates {[round(m, 3) for _, m in history]})")
-    dif = sample_difficulty(dif1, dif2, args.alpha, args.beta, args.itas_sign)
-    names, members, outside = class_members(labels, args.unlabelled)
-    raw, norm = class_difficulty(dif, members)
-    gamma, lambda0 = scheduling_exponents(norm)
-    return {"ids": [r.id for r in records], "dif1": dif1, "dif2": dif2, "dif": dif, "classes": names,
-            "members": members, "outside": outside, "class_difficulty": raw, "class_difficulty_norm": norm,
-            "gamma": gamma, "lambda0": lambda0}
+        print(f"MINE: DV bound on training batches {[round(m, 3) for _, m in history]} nats")
+    return {"labels": labels, "dif1": dif1, "dif2": dif2}
 
 
-def feature_cache(args: Args) -> Path:
-    if args.feature_cache:
-        return Path(args.feature_cache)
-    return Path(os.environ["RRG_CACHE"]) / "rrgcl" if "RRG_CACHE" in os.environ else Path(args.out) / "features"
+def difficulty(args: Args, records, labeler, device) -> dict:
+    """{"key", "ids", "labels" (N, 14), "dif1", "dif2"} of the training studies: from <out>/difficulty.json
+    when its key matches (the same studies: ids, image files, texts, labels; the same measuring
+    flags), as after a --measure-only run or on resume; else measured now."""
+    path = Path(args.out) / "difficulty.json"
+    data = data_key(args, records)
+    key = key_hash(data=data, resnet101=file_stamp(args.resnet101_weights), **{f: getattr(args, f) for f in MEASURE_FLAGS})
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            print(f"difficulty: reusing {path} (same studies and measuring flags)")
+            s, arr = saved["samples"], lambda x: None if x is None else np.asarray(x, dtype=float)  # null -> NaN
+            return {"key": key, "ids": s["ids"], "labels": arr(s["labels"]), "dif1": arr(s["dif1"]), "dif2": arr(s["dif2"])}
+        if args.resume and (Path(args.out) / "last.pt").is_file():
+            raise ValueError(f"--resume: {path} was measured on other training data than --data {args.data} has now "
+                             "(studies, images or reports changed); start a new --out")
+        print(f"difficulty: {path} was measured on other studies or with other flags: measuring again")
+    return {"key": key, "ids": [r.id for r in records], **measure_difficulty(args, records, labeler, data, device)}
 
 
-def zscore_columns(x: torch.Tensor) -> torch.Tensor:
-    """Standardise each feature for MINE's network (our choice: the paper feeds features as they come)."""
-    return (x - x.mean(0)) / x.std(0).clamp_min(1e-6)
-
-
-def save_difficulty(path: Path, m: dict):
-    js = lambda a: None if a is None else np.asarray(a).tolist()
+def save_difficulty(path: Path, measured: dict, dif: np.ndarray, plan: dict):
+    """difficulty.json: the per-study labels and scores (a later run reuses them and rebuilds the classes)
+    and a per-class summary for readers and the Q1 command."""
+    js = lambda a: None if a is None else np.where(np.isnan(a), None, a).tolist()  # NaN -> null
     classes = [{"name": n, "size": len(idx), "difficulty": float(d), "difficulty_norm": float(dn), "gamma": float(g),
-                "lambda0": float(l0)} for n, idx, d, dn, g, l0 in zip(m["classes"], m["members"], m["class_difficulty"],
-                                                                     m["class_difficulty_norm"], m["gamma"], m["lambda0"])]
-    path.write_text(json.dumps({"classes": classes, "members": [js(x) for x in m["members"]], "outside": js(m["outside"]),
-                                "samples": {k: js(m[k]) for k in ("ids", "dif1", "dif2", "dif")}}))
+                "lambda0": float(l0)} for n, idx, d, dn, g, l0 in zip(plan["classes"], plan["members"], plan["class_difficulty"],
+                                                                     plan["class_difficulty_norm"], plan["gamma"], plan["lambda0"])]
+    samples = {"ids": measured["ids"], "labels": js(measured["labels"]), "dif1": js(measured["dif1"]),
+               "dif2": js(measured["dif2"]), "dif": js(dif)}
+    path.write_text(json.dumps({"key": measured["key"], "classes": classes, "samples": samples}))
 
 
-def load_difficulty(path: Path) -> dict:
-    d = json.loads(path.read_text())
-    cls, s = d["classes"], d["samples"]
-    arr = lambda x, dtype=float: None if x is None else np.asarray(x, dtype=dtype)
-    return {"ids": s["ids"], "dif1": arr(s["dif1"]), "dif2": arr(s["dif2"]), "dif": arr(s["dif"]),
-            "classes": [c["name"] for c in cls], "members": [arr(x, np.int64) for x in d["members"]],
-            "outside": arr(d["outside"], np.int64), **{k: arr([c[k.removeprefix("class_")] for c in cls])
-                                                      for k in ("class_difficulty", "class_difficulty_norm", "gamma", "lambda0")}}
-
-
-def curriculum_plan(m: dict) -> dict:
-    """Algorithm 1 line 2: every class sorted from easy to hard; the global order for Table 2's schedulers."""
-    dif = m["dif"]
-    return {"class_orders": [idx[np.argsort(dif[idx], kind="stable")] for idx in m["members"]],
-            "order": np.argsort(dif, kind="stable"), "outside": m["outside"], "gamma": m["gamma"], "lambda0": m["lambda0"]}
-
-
-def write_schedule(path: Path, m: dict, plan: dict, args: Args):
+def write_schedule(path: Path, plan: dict, N: int, args: Args):
     """Fig. 3 as JSON: lambda_n(t) of every class for t = 0..T, the ablation schedulers' fractions,
     and the subset sizes each scheduler gives this data."""
     T, ts = args.epochs, np.arange(args.epochs + 1)
-    curves = rrgcl_lambda(ts[:, None], T, m["gamma"], m["lambda0"])  # (T + 1, c)
-    out = {"T": T, "N": len(m["dif"]), "t": ts.tolist(),
+    curves = rrgcl_lambda(ts[:, None], T, plan["gamma"], plan["lambda0"])  # (T + 1, c)
+    out = {"T": T, "N": N, "t": ts.tolist(),
            "classes": [{"name": n, "size": len(idx), "gamma": float(g), "lambda0": float(l0), "lambda": curves[:, k].tolist()}
-                       for k, (n, idx, g, l0) in enumerate(zip(m["classes"], m["members"], m["gamma"], m["lambda0"]))],
+                       for k, (n, idx, g, l0) in enumerate(zip(plan["classes"], plan["members"], plan["gamma"], plan["lambda0"]))],
            "pacing": {s: [list(pacing(s, t, T, args.c0, args.buckets)) for t in ts] for s in SCHEDULERS if s != "rrgcl"},
            "subset_sizes": {s: [len(epoch_subset(s, t, T, plan, args)) for t in range(1, T + 1)] for s in SCHEDULERS}}
     path.write_text(json.dumps(out, indent=1))
@@ -592,6 +630,7 @@ class Q1Args:
     run: str = "runs/rrgcl"  # a run folder of this script
     generations: str | None = None  # generated test reports with reference labels (default: <run>/generations_test.jsonl)
     difficulty: str | None = None  # class sizes and difficulty (default: <run>/difficulty.json)
+    out: str | None = None  # the result (default: <run>/q1.json; with --generations FILE: FILE with the suffix .q1.json)
     labeler: str = "rule"  # labels the references of rows that carry no "labels": rule | chexbert
     chexbert_weights: str | None = None
 
@@ -607,8 +646,9 @@ def q1_command(argv):
         for r, l in zip(unlabelled, labels):
             r["labels"] = [None if np.isnan(v) else v for v in l]
     result = q1_analysis(rows, json.loads(Path(a.difficulty or run / "difficulty.json").read_text())["classes"])
-    (run / "q1.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k != "per_class"}, indent=1), f"\nwrote {run / 'q1.json'}")
+    out = Path(a.out or (Path(a.generations).with_suffix(".q1.json") if a.generations else run / "q1.json"))
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "per_class"}, indent=1), f"\nwrote {out}")
 
 
 # Training -------------------------------------------------------------------------------------------
@@ -633,20 +673,29 @@ def build_policy(args: Args, train_records, dist):
     return policy
 
 
+def n_tokens(policy, texts: list[str]) -> float:
+    """Target tokens of the texts (end of text included): the weight of their mean in a token mean."""
+    return float(policy.encode_targets(texts)[1].sum())
+
+
 @torch.no_grad()
 def val_loss(policy, records, args: Args, dist) -> float:
-    """Teacher-forced NLL of the val reports (each rank a strided shard, averaged)."""
+    """Teacher-forced NLL per token of the val reports: each rank a strided shard (uneven, or empty
+    when there are fewer studies than ranks), token sums and counts summed over ranks."""
     mine = records[dist.rank::dist.world_size]
     was_training = policy.model.training
     policy.model.eval()  # no LoRA dropout
-    losses = []
+    nll = tokens = 0.0
     for i in range(0, len(mine), args.batch_size):
         chunk = mine[i:i + args.batch_size]
         images = [[common.load_image(p, r.id) for p in r.image_paths] for r in chunk]
+        n = n_tokens(policy, [r.report for r in chunk])
         with common.autocast(dist.device, args.dtype):
-            losses.append(policy.sft_loss(policy.prompt_batch(images, PROMPT), [r.report for r in chunk]).item())
+            nll += policy.sft_loss(policy.prompt_batch(images, PROMPT), [r.report for r in chunk]).item() * n
+        tokens += n
     policy.model.train(was_training)
-    return common.all_reduce_mean(float(np.mean(losses)) if losses else 0.0)
+    nll, tokens = common.all_reduce_mean([nll, tokens])  # means over ranks: their ratio is the ratio of the sums
+    return nll / tokens if tokens else float("nan")
 
 
 def evaluate(policy, records, labeler, args: Args, dist, name: str) -> dict:
@@ -669,9 +718,12 @@ def train(args: Args) -> dict:
     check_args(args)
     dist = common.setup_distributed(args.device)
     tiny = args.model == "tiny"
+    lora = not tiny and args.lora_r > 0
     args.lr = args.lr or (1e-3 if tiny else 1e-4)
     args.max_new_tokens = args.max_new_tokens or (96 if tiny else 256)
     out = Path(args.out)
+    if args.resume:  # before save_config overwrites config.json
+        common.check_resume_config(out, args, may_change=RESUMABLE)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         common.save_config(out, args)
@@ -680,28 +732,20 @@ def train(args: Args) -> dict:
     labeler = common.make_labeler(args.labeler, args.chexbert_weights, dist.device)
 
     # Learning-difficulty measurer (Sec. 3.2), on rank 0; the other ranks receive its result
-    measured = None
-    if dist.is_main:
-        if args.resume and (out / "difficulty.json").is_file():
-            measured = load_difficulty(out / "difficulty.json")
-            if measured["ids"] != [r.id for r in train_records]:
-                raise ValueError(f"{out / 'difficulty.json'} was measured on other training studies than --data {args.data}")
-        else:
-            measured = measure_difficulty(args, train_records, labeler, dist.device)
-            save_difficulty(out / "difficulty.json", measured)
-    measured = common.broadcast_object(measured)
-    plan = curriculum_plan(measured)
+    measured = common.broadcast_object(difficulty(args, train_records, labeler, dist.device) if dist.is_main else None)
+    dif = sample_difficulty(measured["dif1"], measured["dif2"], args.alpha, args.beta, args.itas_sign)  # Eq. 10
+    plan = curriculum_plan(dif, measured["labels"], args.unlabelled)
     T, N = args.epochs, len(train_records)
     subsets = [epoch_subset(args.scheduler, t, T, plan, args) for t in range(1, T + 1)]  # Algorithm 1, t = 1..T
     if dist.is_main:
-        write_schedule(out / "schedule.json", measured, plan, args)
+        save_difficulty(out / "difficulty.json", measured, dif, plan)
+        write_schedule(out / "schedule.json", plan, N, args)
         print("classes (size, difficulty, gamma, lambda_0): " + "; ".join(
-            f"{n} {len(i)} {d:+.2f} {g:.1f} {l:.3f}" for n, i, d, g, l in zip(measured["classes"], measured["members"],
-                                                                           measured["class_difficulty"], measured["gamma"],
-                                                                           measured["lambda0"])))
+            f"{n} {len(i)} {d:+.2f} {g:.1f} {l:.3f}" for n, i, d, g, l in zip(plan["classes"], plan["members"],
+                                                                           plan["class_difficulty"], plan["gamma"], plan["lambda0"])))
         print(f"{args.scheduler}: subset sizes per epoch {[len(s) for s in subsets]} of {N}")
     if args.measure_only:
-        return {"classes": measured["classes"], "subset_sizes": [len(s) for s in subsets]}
+        return {"classes": plan["classes"], "subset_sizes": [len(s) for s in subsets]}
 
     # Report generator: same seed, so every scheduler starts from the same weights
     common.seed_everything(args.seed)
@@ -718,8 +762,11 @@ def train(args: Args) -> dict:
     ends = np.cumsum(steps)  # global step at the end of each epoch
     common.seed_everything(args.seed, dist.rank)
     start = 0
-    if args.resume:
+    if args.resume and (out / "last.pt").is_file():  # a run stopped before its first checkpoint starts again
         start, _ = common.load_checkpoint(out / "last.pt", policy.model, optimizer)
+    if dist.is_main and (out / "metrics.jsonl").is_file():  # drop what was logged after the checkpoint
+        lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (out / "metrics.jsonl").write_text("".join(x for x in lines if json.loads(x)["step"] <= start))
     dataset = common.ReportDataset(train_records, transform="pil")
     policy.model.train()
     micro = args.batch_size // args.grad_accum
@@ -732,18 +779,25 @@ def train(args: Args) -> dict:
                                                  collate_fn=common.collate, num_workers=args.num_workers)
             losses = []
             for step, batch in enumerate(loader, start=int(ends[epoch] - steps[epoch] + first)):
+                # The step's loss is the token mean over the whole step, all micro-batches of all ranks, so
+                # --grad-accum and the number of ranks do not change it: micro-batch k's token mean is
+                # weighted by its share of the step's tokens, times world size (all_reduce_gradients averages).
+                parts = [slice(k * micro, (k + 1) * micro) for k in range(args.grad_accum)]
+                counts = [n_tokens(policy, batch["report"][p]) for p in parts]
+                total = common.all_reduce_mean(sum(counts)) * dist.world_size
                 optimizer.zero_grad(set_to_none=True)
-                for k in range(args.grad_accum):
-                    rows = slice(k * micro, (k + 1) * micro)
+                step_loss = 0.0
+                for p, n in zip(parts, counts):
                     with common.autocast(dist.device, args.dtype):
-                        loss = policy.sft_loss(policy.prompt_batch(batch["images"][rows], PROMPT), batch["report"][rows])
-                    (loss / args.grad_accum).backward()
-                    losses.append(loss.item())
+                        loss = policy.sft_loss(policy.prompt_batch(batch["images"][p], PROMPT), batch["report"][p])
+                    (loss * (n * dist.world_size / total)).backward()
+                    step_loss += loss.item() * n * dist.world_size / total
+                losses.append(step_loss)  # its mean over ranks is the step's token mean
                 common.all_reduce_gradients(params, dist.world_size)
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 optimizer.step()
                 if (step + 1) % args.log_every == 0:
-                    runlog.log(step + 1, loss=common.all_reduce_mean(np.mean(losses[-args.log_every * args.grad_accum:])))
+                    runlog.log(step + 1, loss=common.all_reduce_mean(np.mean(losses[-args.log_every:])))
                 end_of_epoch = step + 1 == ends[epoch]
                 if end_of_epoch:
                     runlog.log(step + 1, epoch=epoch + 1, subset=len(subsets[epoch]), subset_fraction=len(subsets[epoch]) / N,
@@ -751,13 +805,13 @@ def train(args: Args) -> dict:
                                val_loss=val_loss(policy, val_records, args, dist))
                 if end_of_epoch or (step + 1) % args.save_every == 0:
                     common.save_checkpoint(out / "last.pt", policy.model, optimizer, None, step + 1,
-                                           extra={"epoch": epoch + 1}, config=args)
+                                           extra={"epoch": epoch + 1}, config=args, trainable_only=lora)  # LoRA: adapters only
 
     results = {"val": evaluate(policy, val_records, labeler, args, dist, "val"),
                "test": evaluate(policy, test_records, labeler, args, dist, "test")}
     if dist.is_main:
         policy.save(out / "final")
-        results["q1"] = q1_analysis([json.loads(x) for x in (out / "generations_test.jsonl").read_text().splitlines()],
+        results["q1"] = q1_analysis(common.read_generations(out / "generations_test.jsonl"),
                                     json.loads((out / "difficulty.json").read_text())["classes"])
         (out / "q1.json").write_text(json.dumps(results["q1"], indent=2))
         results.update(scheduler=args.scheduler, steps=int(ends[-1]), examples_seen=int(ends[-1]) * per_step)
@@ -777,14 +831,24 @@ def main(argv=None):
     if len(schedulers) == 1:
         train(args)
     else:  # same budget and seed, one run folder each, and the comparison side by side
-        table, cache = {}, str(feature_cache(args))  # the features are shared
+        is_main = os.environ.get("RANK", "0") == "0"
+        table, cache, root = {}, str(feature_cache(args)), Path(args.out)  # the features are shared
         for s in schedulers:
-            r = train(dataclasses.replace(args, scheduler=s, out=str(Path(args.out) / s), feature_cache=cache))
+            sub = root / s
+            if args.resume and (sub / "eval.json").is_file():  # finished before the interruption
+                r = json.loads((sub / "eval.json").read_text()) if is_main else {}
+            else:
+                first = root / schedulers[0] / "difficulty.json"  # measured once: reused while its key matches
+                if is_main and s != schedulers[0] and first.is_file() and not (sub / "difficulty.json").is_file():
+                    sub.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(first, sub / "difficulty.json")
+                r = train(dataclasses.replace(args, scheduler=s, out=str(sub), feature_cache=cache,
+                                              resume=args.resume and (sub / "config.json").is_file()))
             if r.get("test"):
                 table[s] = {"test_nlg": r["test"]["nlg"], "test_ce": r["test"]["ce"],
                             "steps": r["steps"], "examples_seen": r["examples_seen"]}
         if table:
-            (Path(args.out) / "compare.json").write_text(json.dumps(table, indent=2))
+            (root / "compare.json").write_text(json.dumps(table, indent=2))
             for s, r in table.items():
                 print(f"{s:10s} BLEU-4 {r['test_nlg']['BLEU-4']:.4f}  ROUGE-L {r['test_nlg']['ROUGE-L']:.4f}  "
                       f"CE micro F1 {r['test_ce']['micro_f1']:.4f}  ({r['steps']} steps)")

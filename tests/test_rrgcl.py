@@ -1,10 +1,13 @@
 """RRGCL: Eq. 10-13 and Algorithm 1 worked out by hand, the Table 2 schedulers' shapes, VNS-Gap in row
 blocks against the naive N x N formula, MINE on Gaussians with a known mutual information, and
-end-to-end runs (resume, Q1 command, feature cache, torchrun, the Hugging Face path).
+end-to-end runs (resume, compare-mode resume, Q1 command, cache keys, difficulty reuse, torchrun against one
+process, the Hugging Face path).
     python -m pytest -q tests/test_rrgcl.py -m slow -s      # VNS-Gap benchmarks: 20,000 x 512 on CPU, 270,000 on a GPU"""
 import json
 import math
+import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -93,11 +96,8 @@ def test_gamma_spans_1_to_c_plus_1(c):
 
 # Algorithm 1 -------------------------------------------------------------------------------------------
 def plan_for(dif, labels, unlabelled="class"):
-    names, members, outside = class_members(labels, unlabelled)
-    _, norm = class_difficulty(dif, members)
-    gamma, lambda0 = scheduling_exponents(norm)
-    m = {"dif": dif, "members": members, "outside": outside, "gamma": gamma, "lambda0": lambda0}
-    return rrgcl.curriculum_plan(m), names
+    plan = rrgcl.curriculum_plan(dif, labels, unlabelled)
+    return plan, plan["classes"]
 
 
 def test_algorithm1_by_hand():
@@ -185,6 +185,12 @@ def naive_vns_gap(v, t):
     return (Sv - St).abs().sum(1)  # Eq. 3-4
 
 
+def naive_rows(v, t, rows):
+    """Eq. 1-4 for some rows only, in float64: sum_j |cos(v_i, v_j) - cos(t_i, t_j)|."""
+    v, t = torch.nn.functional.normalize(v.double(), dim=1), torch.nn.functional.normalize(t.double(), dim=1)
+    return (v[rows] @ v.T - t[rows] @ t.T).abs().sum(1)
+
+
 @pytest.mark.parametrize("block", [1, 8, 37, 100])
 def test_vns_gap_blocked_equals_naive(block):
     g = torch.Generator().manual_seed(0)
@@ -212,10 +218,10 @@ def test_vns_gap_benchmark_20000_x_512():
     start = time.perf_counter()
     dif1 = vns_gap(v, t, block=2048)
     wall = time.perf_counter() - start
-    check = naive_vns_gap(v[:1000].double(), t[:1000].double())  # a corner, against the naive formula
     print(f"\nVNS-Gap N = 20,000 x 512 on CPU ({torch.get_num_threads()} threads): {wall:.1f} s")
     assert dif1.shape == (20_000,) and torch.isfinite(dif1).all()
-    torch.testing.assert_close(vns_gap(v[:1000], t[:1000]), check, rtol=1e-5, atol=1e-4)
+    rows = [0, 2047, 2048, 4095, 4096, 19_999]  # both sides of block boundaries, the first and the last row
+    torch.testing.assert_close(dif1[rows], naive_rows(v, t, rows), rtol=1e-5, atol=1e-3)
     assert wall < 30
 
 
@@ -233,8 +239,8 @@ def test_vns_gap_benchmark_mimic_size_on_gpu():
     wall = time.perf_counter() - start
     print(f"\nVNS-Gap N = 270,000 (2048 + 768 dims) on {torch.cuda.get_device_name()}: {wall:.1f} s, "
           f"peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
-    check = naive_vns_gap(v[:2000].double().cpu(), t[:2000].double().cpu())
-    torch.testing.assert_close(vns_gap(v[:2000], t[:2000], device="cuda"), check, rtol=1e-5, atol=1e-3)
+    rows = [0, 4095, 4096, 269_999]
+    torch.testing.assert_close(dif1[rows], naive_rows(v, t, rows).cpu(), rtol=1e-5, atol=1e-2)
     assert dif1.shape == (270_000,) and torch.isfinite(dif1).all() and wall < 60
 
 
@@ -242,6 +248,13 @@ def test_vns_gap_benchmark_mimic_size_on_gpu():
 def test_dv_bound_by_hand():
     # E[T_joint] = 1.5; log E[e^T_marg] = log((1 + 3) / 2) = log 2
     assert dv_bound(torch.tensor([1.0, 2.0]), torch.tensor([0.0, math.log(3.0)])).item() == pytest.approx(1.5 - math.log(2))
+
+
+def mine_estimate(T, image, text, seed=0):
+    """The DV bound over a whole held-out set: an honest lower bound on the mutual information."""
+    with torch.no_grad():
+        j = torch.randperm(len(image), generator=torch.Generator().manual_seed(seed))
+        return dv_bound(T(image, text), T(image, text[j])).item()
 
 
 def gaussian_pairs(n, d, rho, seed):
@@ -259,7 +272,7 @@ def test_mine_approaches_known_mutual_information_from_below(ma_rate):
     estimates = []
     for steps in (15, 200):
         T, history = rrgcl.train_mine(x, y, steps, batch_size=128, lr=1e-3, ma_rate=ma_rate, seed=0)
-        estimates.append(rrgcl.mine_estimate(T, x_test, y_test))
+        estimates.append(mine_estimate(T, x_test, y_test))
     assert estimates[0] < estimates[1] <= true_mi + 0.03  # rises towards the true value, not past it
     assert estimates[1] > 0.85 * true_mi
     dif2 = rrgcl.itas(T, x_test[:100], y_test[:100])  # Eq. 9 on aligned pairs vs shuffled ones
@@ -326,6 +339,84 @@ def test_bad_flags_name_the_flag():
         rrgcl.check_args(rrgcl.Args(visual_encoder="resnet101"))
 
 
+def test_the_measurer_reads_findings_and_impression():
+    r = common.Record("s1", [], "The heart is enlarged.", "train", meta={"impression": " Cardiomegaly. "})
+    assert rrgcl.measure_text(r) == "The heart is enlarged. Cardiomegaly."  # Sec. 4.1: the two sections stitched
+    assert rrgcl.measure_text(dataclasses.replace(r, meta={})) == "The heart is enlarged."
+    assert rrgcl.measure_text(dataclasses.replace(r, meta={"impression": ""})) == "The heart is enlarged."
+
+
+@pytest.fixture
+def private_data(tmp_path, small_synthetic):
+    """A copy of the small synthetic set whose files a test may touch."""
+    shutil.copytree(small_synthetic.parent, tmp_path / "data")
+    return tmp_path / "data" / "annotation.json"
+
+
+def test_caches_recompute_when_a_key_changes_and_only_needed_features(tmp_path, private_data, monkeypatch):
+    records = common.load_data(str(private_data))["train"]
+    labels = rrgcl.record_labels(records, common.RuleLabeler())
+    trained = []  # the small encoders trained (a cache hit trains none)
+    train_label_encoder = rrgcl.train_label_encoder
+    monkeypatch.setattr(rrgcl, "train_label_encoder", lambda model, dataset, x, *a, **kw:
+                        trained.append(x) or train_label_encoder(model, dataset, x, *a, **kw))
+
+    def features(**flags):
+        trained.clear()
+        args = rrgcl.Args(feature_cache=str(tmp_path / "cache"), **{"encoder_epochs": 1, **flags})
+        return rrgcl.extract_features(args, records, labels, rrgcl.data_key(args, records), "cpu")
+    first = features(measure="vns")
+    assert set(first) == {"vns_image", "text"} and trained == ["images", "ids"]
+    again = features(measure="vns")
+    assert trained == [] and all(torch.equal(first[k], again[k]) for k in first)  # served from the cache
+    st = os.stat(records[5].image_paths[0])
+    os.utime(records[5].image_paths[0], ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # an image rewritten
+    features(measure="vns")
+    assert trained == ["images", "ids"]
+    features(measure="vns", encoder_epochs=2)
+    assert trained == ["images", "ids"]
+    monkeypatch.setattr(rrgcl, "RECIPE", "another recipe")  # the measurer's code changed
+    features(measure="vns")
+    assert trained == ["images", "ids"]
+
+    # only what --measure needs: ITAS never runs ResNet-101, VNS-Gap with ResNet-101 needs no small CNN
+    monkeypatch.setattr(rrgcl, "resnet101_encoder", lambda path: rrgcl.ViewMean(
+        torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten())))  # (B, 3, 256, 256) -> (B, 12)
+    f = features(measure="itas", visual_encoder="resnet101", resnet101_weights=str(tmp_path / "absent.pth"))
+    assert set(f) == {"itas_image", "text"} and f["itas_image"].shape[1] == 128
+    f = features(measure="vns", visual_encoder="resnet101", resnet101_weights=str(tmp_path / "absent.pth"))
+    assert set(f) == {"vns_image", "text"} and f["vns_image"].shape == (40, 12) and "images" not in trained
+
+    # labels: the labeler reads the training reports once per data key (studies + labeler)
+    bare = [dataclasses.replace(r, labels=None) for r in records]
+    reads = []
+    rule = common.RuleLabeler()
+    labeler = lambda texts: reads.append(len(texts)) or rule(texts)
+    args = rrgcl.Args(feature_cache=str(tmp_path / "cache"), encoder_epochs=1, measure="vns")
+    for _ in range(2):
+        m = rrgcl.measure_difficulty(args, bare, labeler, rrgcl.data_key(args, bare), "cpu")
+    assert reads == [40] and m["dif2"] is None and m["dif1"].shape == (40,)
+    np.testing.assert_array_equal(m["labels"], rule([r.report for r in records]))
+    args.labeler = "chexbert"  # another labeler: other labels (the fake one here reads as the rule one)
+    rrgcl.measure_difficulty(args, bare, labeler, rrgcl.data_key(args, bare), "cpu")
+    assert reads == [40, 40]
+
+
+def test_val_loss_is_the_token_mean_over_all_val_reports(small_synthetic):
+    records = common.load_data(str(small_synthetic))["val"][:5]
+    common.seed_everything(0)
+    policy = common.make_policy("tiny", [r.report for r in records], "cpu")
+    got = rrgcl.val_loss(policy, records, rrgcl.Args(batch_size=2), common.Dist())  # chunks of 2, 2, 1
+    nll = tokens = 0.0
+    with torch.no_grad():
+        for r in records:  # one report at a time: its token sum and count
+            n = policy.encode_targets([r.report])[1].sum().item()
+            images = [[common.load_image(p) for p in r.image_paths]]
+            nll += policy.sft_loss(policy.prompt_batch(images, rrgcl.PROMPT), [r.report]).item() * n
+            tokens += n
+    assert got == pytest.approx(nll / tokens, rel=1e-5)
+
+
 # End to end -----------------------------------------------------------------------------------------------
 SMALL = ["--epochs", "3", "--batch-size", "8", "--encoder-epochs", "1", "--mine-steps", "40", "--n-eval", "4",
          "--max-new-tokens", "16", "--log-every", "1"]
@@ -354,14 +445,17 @@ def test_end_to_end_resume_and_q1(tmp_path, small_synthetic, monkeypatch, capsys
     results = json.loads((out / "eval.json").read_text())
     assert results["steps"] == 15 and "BLEU-4" in results["test"]["nlg"] and "per_class" in results["q1"]
 
-    # the Q1 command on the run folder
+    # the Q1 command on the run folder, and on another model's generations without labels (the labeler
+    # reads the references), written beside them: the run's own q1.json stays
     (out / "q1.json").unlink()
     rrgcl.main(["q1", "--run", str(out)])
     assert json.loads((out / "q1.json").read_text()) == results["q1"]
-    bare = tmp_path / "bare.jsonl"  # another model's generations without labels: the labeler reads the references
+    bare = tmp_path / "bare.jsonl"
     bare.write_text("".join(json.dumps({k: g[k] for k in ("id", "reference", "generated")}) + "\n" for g in gens))
+    (out / "q1.json").write_text("{}")
     rrgcl.main(["q1", "--run", str(out), "--generations", str(bare)])
-    assert json.loads((out / "q1.json").read_text()) == results["q1"]  # rule labels = synthetic ground truth
+    assert json.loads((tmp_path / "bare.q1.json").read_text()) == results["q1"]  # rule labels = synthetic ground truth
+    assert (out / "q1.json").read_text() == "{}"
 
     # a stopped run resumed from its checkpoint ends with the weights of the uninterrupted one
     straight = torch.load(out / "last.pt", weights_only=True)["model"]
@@ -378,37 +472,89 @@ def test_end_to_end_resume_and_q1(tmp_path, small_synthetic, monkeypatch, capsys
              "--save-every", "7"] + SMALL
     with pytest.raises(KeyboardInterrupt):
         rrgcl.main(args2)
-    assert "features: small_image from" in capsys.readouterr().out  # extraction skipped: cached
+    assert "cache: small_image from" in capsys.readouterr().out  # extraction skipped: cached
     monkeypatch.setattr(common, "save_checkpoint", save)
+    for changed in (["--lr", "0.01"], ["--epochs", "4"], ["--alpha", "0.5"]):  # T is in Eq. 11; alpha in Eq. 10
+        with pytest.raises(ValueError, match=changed[0]):
+            rrgcl.main(args2 + ["--resume"] + changed)
     rrgcl.main(args2 + ["--resume"])
+    assert "difficulty: reusing" in capsys.readouterr().out  # not measured again
     resumed = torch.load(out2 / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert [x["step"] for x in read_jsonl(out2 / "metrics.jsonl") if "loss" in x] == list(range(1, 16))
 
+    # another measuring flag: measured again; the same flags after --measure-only: reused
+    rrgcl.main(args2 + ["--mine-steps", "41", "--measure-only"])
+    assert "measuring again" in capsys.readouterr().out
+    rrgcl.main(args2 + ["--mine-steps", "41", "--measure-only"])
+    assert "difficulty: reusing" in capsys.readouterr().out
 
-def test_compare_and_ablations_same_budget(tmp_path, small_synthetic):
+
+def test_compare_and_ablations_same_budget_and_resume(tmp_path, small_synthetic, capsys):
     out = tmp_path / "cmp"
-    rrgcl.main(["--data", str(small_synthetic), "--out", str(out), "--scheduler", "none,one_pass", "--measure", "vns",
-                "--buckets", "3", "--epoch-steps", "2"] + SMALL)
+    args = ["--data", str(small_synthetic), "--out", str(out), "--scheduler", "none,one_pass", "--measure", "vns",
+            "--buckets", "3", "--epoch-steps", "2"] + SMALL
+    rrgcl.main(args)
+    assert "difficulty: reusing" in capsys.readouterr().out  # one_pass reuses what none measured
     table = json.loads((out / "compare.json").read_text())
     assert list(table) == ["none", "one_pass"] and table["none"]["steps"] == table["one_pass"]["steps"] == 6
     subsets = [x["subset"] for x in read_jsonl(out / "one_pass" / "metrics.jsonl") if "epoch" in x]
     assert sum(subsets) == 40 and len(set(subsets)) <= 2  # three disjoint buckets of 13-14
     assert json.loads((out / "one_pass" / "difficulty.json").read_text())["samples"]["dif2"] is None  # VNS-Gap only
 
+    # interrupted in one_pass before its first checkpoint: --resume skips none, restarts one_pass
+    none_metrics = (out / "none" / "metrics.jsonl").read_text()
+    for name in ("last.pt", "eval.json", "compare.json"):
+        (out / ("" if name == "compare.json" else "one_pass") / name).unlink()
+    rrgcl.main(args + ["--resume"])
+    assert (out / "none" / "metrics.jsonl").read_text() == none_metrics  # not trained again
+    assert [x["step"] for x in read_jsonl(out / "one_pass" / "metrics.jsonl") if "loss" in x] == list(range(1, 7))
+    assert json.loads((out / "compare.json").read_text()) == table  # the same runs, the same numbers
 
-def test_torchrun_two_processes(tmp_path, small_synthetic):
+
+def test_budget_subset_is_one_pass_over_each_subset(tmp_path, small_synthetic):
+    out = tmp_path / "subset"
+    rrgcl.main(["--data", str(small_synthetic), "--out", str(out), "--budget", "subset", "--measure", "vns"] + SMALL)
+    sizes = json.loads((out / "schedule.json").read_text())["subset_sizes"]["rrgcl"]
+    epochs = [x for x in read_jsonl(out / "metrics.jsonl") if "epoch" in x]
+    assert [x["subset"] for x in epochs] == sizes and sizes[0] < sizes[-1] == 40
+    assert [x["step"] for x in epochs] == np.cumsum([max(1, s // 8) for s in sizes]).tolist()  # fewer steps while the subset is small
+
+
+# A torchrun entry point that also saves every rank's final weights, so the test can compare them
+DUMP_WEIGHTS = """import os, sys, torch
+import common, rrgcl
+save = common.save_checkpoint
+def save_and_dump(path, model, *args, **kwargs):
+    save(path, model, *args, **kwargs)
+    torch.save(model.state_dict(), os.path.join(os.path.dirname(path), f"weights_rank{os.environ.get('RANK', '0')}.pt"))
+common.save_checkpoint = save_and_dump
+rrgcl.main(sys.argv[1:])
+"""
+
+
+def test_torchrun_two_processes_equal_one_process_of_the_combined_batch(tmp_path, small_synthetic):
     root = os.path.dirname(common.__file__)
-    out = tmp_path / "ddp"
+    (tmp_path / "dump.py").write_text(DUMP_WEIGHTS)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    flags = ["--data", str(small_synthetic), "--device", "cpu", "--epochs", "2", "--encoder-epochs", "1", "--mine-steps",
+             "40", "--n-eval", "1", "--log-every", "1"]  # 1 val study: rank 1's shard is empty; reports of unequal length
+    # 2 ranks x 2 micro-batches of 2 studies against 1 process x 8 studies: the same studies every step
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           os.path.join(root, "rrgcl.py"), "--data", str(small_synthetic), "--device", "cpu",
-                           "--out", str(out)] + SMALL[:-2] + ["--batch-size", "4", "--epochs", "2", "--log-every", "1"],
-                          env=env, capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "dump.py"), "--out", str(tmp_path / "ddp"), "--batch-size", "4",
+                           "--grad-accum", "2"] + flags, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = read_jsonl(out / "metrics.jsonl")
-    assert [x["step"] for x in lines if "loss" in x] == list(range(1, 11))  # 40 // (4 x 2 ranks) per epoch; rank 0 writes
-    gens = read_jsonl(out / "generations_test.jsonl")
+    rrgcl.main(["--out", str(tmp_path / "one"), "--batch-size", "8"] + flags)
+    ddp, one = read_jsonl(tmp_path / "ddp" / "metrics.jsonl"), read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    assert [x["step"] for x in ddp if "loss" in x] == list(range(1, 11))  # 40 // (4 x 2 ranks) per epoch; rank 0 writes
+    for key in ("loss", "train_loss", "val_loss"):  # token means over the whole step / all val reports
+        np.testing.assert_allclose([x[key] for x in ddp if key in x], [x[key] for x in one if key in x], rtol=1e-5)
+    rank0, rank1 = (torch.load(tmp_path / "ddp" / f"weights_rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)  # the ranks stay in step
+    single = torch.load(tmp_path / "one" / "last.pt", weights_only=True)["model"]
+    for k in rank0:  # float noise (Adam magnifies it to ~1e-5); averaging per-micro-batch means gives ~1e-2
+        torch.testing.assert_close(rank0[k], single[k], rtol=0, atol=1e-4)
+    gens = read_jsonl(tmp_path / "ddp" / "generations_test.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
 
 
@@ -420,3 +566,5 @@ def test_end_to_end_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir):
     lines = [x for x in read_jsonl(out / "metrics.jsonl") if "loss" in x]
     assert [x["step"] for x in lines] == [1, 2] and all(math.isfinite(x["loss"]) for x in lines)
     assert (out / "final" / "config.json").is_file()
+    ckpt = torch.load(out / "last.pt", weights_only=True)  # LoRA: the adapters only, not the frozen model
+    assert ckpt["trainable_only"] and ckpt["model"] and all("lora" in k for k in ckpt["model"])
