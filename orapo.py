@@ -10,7 +10,7 @@ loss that prefers the ground-truth report over each of the G failed samples, wei
 lambda = lambda_min + (lambda_max - lambda_min) * ZRR^p. `--no-dpo` is vanilla GRPO with the
 same reward and bookkeeping: the Fig. 2 baseline.
 
-    python orapo.py                                   # synthetic set, tiny model, ~4 minutes on CPU
+    python orapo.py                                   # synthetic set, tiny model, 2-4 minutes on CPU
     python orapo.py --no-dpo --out runs/orapo_grpo    # vanilla GRPO, same seed and budget (Fig. 2)
     python orapo.py --facts hf:Qwen/Qwen2.5-1.5B-Instruct  # facts extracted by a local instruction-tuned LM
     torchrun --nproc_per_node=4 orapo.py --data /data/chexpert_plus/annotation.json \\
@@ -20,7 +20,9 @@ The equations and Table 6 (hyper-parameters) were lost when the paper was turned
 we follow the reconstruction in ../shared/PAPER_NOTES.md, and every value the paper does not
 give is marked "ours" below.
 
-One policy update per rollout (pi_old = pi_theta, TRL's default), so Eq. 3's ratio is 1.
+One policy update per rollout (pi_old = pi_theta, TRL's default), so Eq. 3's ratio is 1. The
+KL term of Eq. 4 is on (--beta 0.04): the paper's Sec. 3.2 says a zero-reward group's update "is
+dominated by the KL regularizer", which holds only with beta > 0 (`--beta 0` drops it).
 
 Equations, and where they are implemented:
     Eq. 1-2  group advantages (Dr. GRPO: mean only)          train() -> common.group_advantages
@@ -75,7 +77,7 @@ class Args:
     dpo_beta: float = 0.1  # Eq. 5 temperature beta (ours: TRL's DPO default; not in Table 6)
     ln_dpo: bool = True  # LN-DPO, length-normalised log-probs (paper App. A); --no-ln-dpo sums them (plain DPO)
     grpo_loss: str = "dr_grpo"  # dr_grpo (paper App. A: no std division, constant normaliser) or grpo
-    beta: float = 0.0  # Eq. 4 KL weight (no value given): 0, as TRL's GRPOTrainer and Dr. GRPO; DeepSeekMath used 0.04
+    beta: float = 0.04  # Eq. 4 KL weight, > 0 by Sec. 3.2 ("dominated by the KL regularizer"); DeepSeekMath 0.04 (ours)
     clip_eps: float = 0.2  # Eq. 4 clip epsilon (not given: PPO's and TRL's 0.2)
     # FactS (paper Sec. 3.3)
     facts: str = "sentences"  # Eq. 13 extractor: "sentences" (offline) or "hf:<instruction-tuned LM id/path>"
@@ -449,7 +451,8 @@ def train(args: Args) -> dict:
     data = common.load_data(args.data)
     labeler = common.make_labeler(args.labeler, args.chexbert_weights, dist.device)
     pool = drop_missing_sections(data["train"], args.sections)
-    pool_labels = labeler([r.report for r in pool])  # (N, 14)
+    # (N, 14), labelled on rank 0 alone and broadcast: every rank must draw the same subset
+    pool_labels = common.broadcast_object(labeler([r.report for r in pool]) if dist.is_main else None)
     keep = balanced_subset(pool_labels, args.train_size, args.seed)
     train_records = [pool[i] for i in keep]
     gt = {pool[i].id: pool_labels[i] for i in keep}
@@ -462,11 +465,18 @@ def train(args: Args) -> dict:
     common.broadcast_parameters(policy.model)
     if args.sft_steps > 0 and not args.resume:
         # Not in the paper (RL only): the random tiny model needs words before it earns any reward
+        common.fp32_trainable(policy.model)  # bf16 HF weights: SFT's AdamW steps need fp32 master weights
         common.supervised_finetune(policy, train_records, args.sft_steps, batch_size=sft_per_rank, lr=args.sft_lr,
                                    prompt=PROMPT, seed=args.seed, rank=dist.rank, world_size=world)
+        if not tiny:  # back to the run's dtype, as out/sft reloads on --resume (the reference is a copy of it)
+            for p in policy.model.parameters():
+                p.data = p.data.to(common.resolve_dtype(args.dtype, dist.device))
         if dist.is_main:
             policy.save(out / "sft")  # RL's starting point and reference, kept for --resume
-    need_ref = args.dpo or args.beta > 0  # DPO (Eq. 5-7) and the KL term (Eq. 4) score against it
+    # DPO (Eq. 5-7) and the KL term (Eq. 4) score against the reference. Eq. 4's beta is on by
+    # default: Sec. 3.2 says zero-reward groups leave "the update dominated by the KL regularizer"
+    # (so beta > 0); the value is lost with Table 6, ours is DeepSeekMath's 0.04 (--beta 0: no KL)
+    need_ref = args.dpo or args.beta > 0
     if args.lora_r > 0:  # the reference is the policy with LoRA off; the vision tower stays frozen
         common.apply_lora(policy.model, args.lora_targets.split(","), args.lora_r, args.lora_alpha,
                           args.lora_dropout, exclude=policy.vision_and_language()[0])
@@ -482,7 +492,8 @@ def train(args: Args) -> dict:
     # trains with TRL's GRPOTrainer and names no optimiser settings but the lr)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    total = args.steps if args.steps is not None else int(args.epochs * len(train_records) / args.prompts_per_step)
+    total = args.steps if args.steps is not None else \
+        max(1, int(args.epochs * len(train_records) / args.prompts_per_step))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(1, total))  # lr x (1 - s / total)
     zrr = ZeroRewardRate(args.zrr_momentum, args.zrr_scope, args.zrr_init)
     common.seed_everything(args.seed, dist.rank)  # ranks sample differently from here on
@@ -520,7 +531,7 @@ def train(args: Args) -> dict:
                 reward_fn = lambda texts, owners: facts_reward(texts, y[owners], extractor, cache, args.facts_beta)[0]
                 with common.autocast(dist.device, args.dtype):
                     roll = common.rollout(policy, images, PROMPT, G, reward_fn, args.max_new_tokens, args.temperature,
-                                          ref=ref)
+                                          ref=ref if need_ref else "none")
                     z = zero_reward_indicator(roll.rewards, G)  # Eq. 8, (b,)
                     zrr_q = zrr.update(ids, z)  # Eq. 9, (b,) the same state on every rank
                     lam = mixing_weight(zrr_q, args.lambda_min, args.lambda_max, args.zrr_power) if args.dpo \

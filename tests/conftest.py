@@ -110,3 +110,25 @@ def crash_after_checkpoint(monkeypatch):
                 raise Crash(f"stopped after the step-{step} checkpoint")
         monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
     return arm
+
+
+def labels(**values):
+    """One (1, 14) label row: labels(Cardiomegaly=1, Edema=0) (names with spaces via _)."""
+    import numpy as np
+    import common
+    row = np.full((1, len(common.CHEXPERT_LABELS)), np.nan)
+    for k, v in values.items():
+        row[0, common.LABEL_INDEX[k.replace("_", " ")]] = v
+    return row
+
+
+def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300):
+    """Run ROOT/script under `python -m torch.distributed.run --nproc_per_node=nproc --standalone`
+    on CPU (gloo), one thread per process; fails the test with the end of stderr if it fails."""
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                           str(ROOT / script), "--device", "cpu", *flags],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc

@@ -8,20 +8,12 @@ import pytest
 import torch
 
 import common
-from conftest import Crash
+from conftest import Crash, labels, torchrun
 import mrg_r1
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
 N = np.nan
 L = {name: i for i, name in enumerate(common.CHEXPERT_LABELS)}
-
-
-def labels(**values):
-    """One (1, 14) label row: labels(Cardiomegaly=1, Edema=0) (names with spaces via _)."""
-    row = np.full((1, 14), np.nan)
-    for k, v in values.items():
-        row[0, L[k.replace("_", " ")]] = v
-    return row
 
 
 def test_signed_vectors_eq3_drop_no_finding():
@@ -309,19 +301,11 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, monkeypa
 
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(common.__file__)
     out = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
     # --prompts-per-step is global: 4 studies = 2 per rank, 16 completions; one epoch of 40 x 0.2 = 2 steps
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           os.path.join(root, "mrg_r1.py"), "--data", str(small_synthetic), "--device", "cpu",
-                           "--epochs", "0.2", "--sft-steps", "2", "--sft-batch-size", "4", "--prompts-per-step", "4",
-                           "--max-new-tokens", "12", "--n-eval", "4", "--log-every", "1", "--no-meteor", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("mrg_r1.py", "--data", str(small_synthetic), "--epochs", "0.2", "--sft-steps", "2", "--sft-batch-size", "4",
+             "--prompts-per-step", "4", "--max-new-tokens", "12", "--n-eval", "4", "--log-every", "1", "--no-meteor",
+             "--out", str(out))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]  # rank 0 alone writes
     assert [x["completions"] for x in lines] == [16, 16]  # 2 studies x G 4 on each of 2 ranks

@@ -2,10 +2,7 @@
 ends, a DPO step on the tiny policy, FactS (Eq. 13-15) on hand-written reports, the balanced
 subset, and end-to-end runs (one process, exact resume with the ZRR state, torchrun)."""
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,18 +10,11 @@ import torch
 
 import common
 import orapo
+from conftest import labels, torchrun
 from orapo import (SentenceFacts, ZeroRewardRate, balanced_subset, facts_reward, mixing_weight, orapo_loss,
                    zero_reward_indicator)
 
 L = common.LABEL_INDEX
-
-
-def labels(**values):
-    """One (1, 14) label row: labels(Cardiomegaly=1, Edema=0) (names with spaces via _)."""
-    row = np.full((1, 14), np.nan)
-    for k, v in values.items():
-        row[0, L[k.replace("_", " ")]] = v
-    return row
 
 
 # --------------------------------------------------------------------------- Eq. 8-10
@@ -264,6 +254,9 @@ def test_end_to_end_and_exact_resume_with_zrr_state(tmp_path, small_synthetic, m
     assert [x["step"] for x in train_lines] == [1, 2, 3, 4]
     assert {"zero_group_ratio", "zrr", "lambda", "grpo_loss", "dpo_loss", "reward", "kl", "loss"} <= set(lines[0])
     assert all(0.05 <= x["lambda"] <= 0.5 and np.isfinite(x["loss"]) for x in train_lines)
+    # Eq. 4's KL is on by default (beta 0.04): 0 while the policy is the reference, then > 0
+    assert json.loads((out / "config.json").read_text())["beta"] == 0.04
+    assert train_lines[0]["kl"] == pytest.approx(0, abs=1e-6) and train_lines[-1]["kl"] > 0
     assert any("val_macro_f1" in x for x in lines)
     results = json.loads((out / "eval.json").read_text())
     assert set(results) == {"val_before", "test_before", "val_after", "test_after"}
@@ -286,26 +279,22 @@ def test_end_to_end_and_exact_resume_with_zrr_state(tmp_path, small_synthetic, m
 def test_vanilla_grpo_flag(tmp_path, small_synthetic):
     out = tmp_path / "grpo"
     orapo.main(["--data", str(small_synthetic), *RUN, "--steps", "2", "--no-dpo", "--grpo-loss", "grpo",
-                "--out", str(out)])
+                "--beta", "0", "--out", str(out)])
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "reward" in x]
     assert all(x["lambda"] == 0 and x["dpo_loss"] == 0 for x in lines)
+    assert all(x["kl"] == 0 for x in lines)  # no DPO, no KL: no reference scored at all
     assert "zero_group_ratio" in lines[0]  # still tracked: the Fig. 2 baseline
     with pytest.raises(ValueError, match="grpo-loss"):
         orapo.main(["--data", str(small_synthetic), "--grpo-loss", "dapo", "--out", str(out)])
+    with pytest.raises(ValueError, match="fp16"):  # no loss scaling here: refused, not silently wrong
+        orapo.main(["--data", str(small_synthetic), "--dtype", "fp16", "--out", str(out)])
 
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):
-    root = os.path.dirname(common.__file__)
     out = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           os.path.join(root, "orapo.py"), "--data", str(small_synthetic), "--device", "cpu",
-                           "--steps", "2", "--sft-steps", "2", "--sft-batch-size", "4", "--prompts-per-step", "4",
-                           "--group-size", "4", "--max-new-tokens", "12", "--n-eval", "4", "--log-every", "1",
-                           "--no-meteor",
-                           "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("orapo.py", "--data", str(small_synthetic), "--steps", "2", "--sft-steps", "2", "--sft-batch-size", "4",
+             "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12", "--n-eval", "4",
+             "--log-every", "1", "--no-meteor", "--out", str(out))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]  # rank 0 alone writes
     zrr = torch.load(out / "last.pt", weights_only=True)["extra"]["zrr"]
@@ -314,23 +303,23 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shards, in order
 
 
-@pytest.mark.parametrize("lora", ["0", "4"])
-def test_hugging_face_policy_full_and_lora(tmp_path, small_synthetic, tiny_qwen_dir, lora):
-    """The HF branch on a tiny random Qwen2.5-VL: full fine-tuning against a frozen copy, and LoRA
-    against the policy with its adapters off."""
+@pytest.mark.parametrize("lora, extra", [("0", []), ("4", []), ("0", ["--sft-steps", "2", "--dtype", "bf16"])])
+def test_hugging_face_policy_full_and_lora(tmp_path, small_synthetic, tiny_qwen_dir, lora, extra):
+    """The HF branch on a tiny random Qwen2.5-VL: full fine-tuning against a frozen copy, LoRA
+    against the policy with its adapters off, and a bf16 run with a warm start."""
     out = tmp_path / f"hf{lora}"
     orapo.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--lora-r", lora, "--steps", "2",
                 "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "2",
-                "--log-every", "1", "--lr", "1e-3", "--no-meteor", "--out", str(out)])
+                "--log-every", "1", "--lr", "1e-3", "--no-meteor", "--out", str(out), *extra])
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and all(np.isfinite(x["dpo_loss"]) for x in lines)
-    assert (out / "final" / "config.json").is_file()
+    assert (out / "final" / "config.json").is_file() and (out / "sft").is_dir() == bool(extra)
 
 
 @pytest.mark.slow
 def test_fig2_orapo_lowers_zero_reward_ratio_default_runs(tmp_path):
     """The README's Fig. 2 comparison: the default synthetic run as OraPO and as vanilla GRPO
-    (same seed, data and budget; about 4 minutes each on 2 cores)."""
+    (same seed, data and budget; 2-4 minutes each on 2 cores)."""
     runs = {}
     for name, extra in (("orapo", []), ("grpo", ["--no-dpo"])):
         orapo.main(["--out", str(tmp_path / name), "--no-meteor", *extra])
