@@ -1940,6 +1940,74 @@ def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
     return ids.to(device), mask.to(device)
 
 
+# Image and text encoders ----------------------------------------------------------------------
+# The encoder-side pieces of DCRRG and RRGCL (neither uses the policy interface for them): a
+# study's views averaged, a small offline CNN, torchvision ResNets, mean-pooled BERT features.
+class ViewMean(torch.nn.Module):
+    """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d) (IU X-Ray has
+    2 views). `head` (optional) is a classifier the caller applies itself; `dim` is d."""
+
+    def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None, dim: int | None = None):
+        super().__init__()
+        self.body, self.head, self.dim = body, head, dim or getattr(body, "dim", None)
+
+    def forward(self, x):
+        return self.body(x.flatten(0, 1)).view(x.shape[0], x.shape[1], -1).mean(1)  # (B, d)
+
+
+class SmallCNN(torch.nn.Module):
+    """Offline image encoder: conv blocks (3 x 3 conv, GroupNorm: no batch statistics, ReLU) with
+    the given widths and strides, average-pooled to a grid x grid map and flattened (grid > 1 keeps
+    where a sign lies), then Linear + ReLU to `dim` when dim is given. (B, 1, S, S) -> (B, dim)."""
+
+    def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
+        super().__init__()
+        c = [1, *widths]
+        blocks = [m for i, o, s in zip(c, c[1:], strides)
+                  for m in (torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU())]
+        blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
+        if dim is not None:
+            blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*blocks)
+        self.dim = dim or c[-1] * grid * grid
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--pretrained") -> ViewMean:
+    """torchvision ResNet-`depth` without its classifier, as a ViewMean (B, V, 3, H, W) -> (B, 2048
+    for 50/101/152). weights: None (random), "imagenet" (torchvision's default weights, downloaded
+    once when asked) or a state-dict file; training checkpoints ({"state_dict": ...}, "module." or
+    "model." prefixes) are accepted, the fc head is dropped, and anything else that does not fit is
+    an error naming `flag`."""
+    import torchvision
+    name = f"resnet{depth}"
+    imagenet = torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
+    net = torchvision.models.get_model(name, weights=imagenet)
+    dim, net.fc = net.fc.in_features, torch.nn.Identity()  # v is the pooled feature
+    if weights not in (None, "imagenet"):
+        path = Path(weights)
+        if not path.is_file():
+            raise FileNotFoundError(f"{flag} {path}: no such file (a torchvision ResNet-{depth} state dict)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("module.").removeprefix("model."): v for k, v in state.get("state_dict", state).items()}
+        try:
+            net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
+        except RuntimeError as e:
+            raise ValueError(f"{flag} {path}: not a torchvision ResNet-{depth} state dict ({str(e)[:300]})") from None
+    return ViewMean(net, dim=dim)
+
+
+def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_length: int = 512) -> torch.Tensor:
+    """Mean of a BERT-like model's last hidden states over each text's word pieces -> (B, H). No
+    torch.no_grad here: a caller that trains the encoder gets gradients."""
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    h = model(**enc).last_hidden_state  # (B, L, H)
+    m = enc["attention_mask"][..., None].to(h.dtype)  # (B, L, 1)
+    return (h * m).sum(1) / m.sum(1)
+
+
 # LoRA ------------------------------------------------------------------------------------------
 # LoRA (Hu et al. 2021, https://arxiv.org/abs/2106.09685), written by hand as PEFT's
 # LoraLayer: h = W0 x + (alpha / r) * B A dropout(x), with W0 frozen, A (r, in) drawn
@@ -2484,11 +2552,34 @@ def exact_div(a: int, b: int, what: str) -> int:
 
 
 def save_config(out_dir, args) -> Path:
-    """out_dir/config.json: the full configuration of the run (call it on the master only)."""
+    """out_dir/config.json: the full configuration of the run (call it on the master only).
+    Written to a temporary file and renamed, so a reader never sees half a file."""
     path = Path(out_dir) / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config_dict(args), indent=2) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config_dict(args), indent=2) + "\n")
+    os.replace(tmp, path)
     return path
+
+
+def barrier():
+    """Wait for every rank (nothing to wait for in one process)."""
+    if _distributed():
+        torch.distributed.barrier()
+
+
+def start_run(out_dir, args, dist, may_change=None) -> Path:
+    """The run's folder with its config.json. Under --resume every rank first compares the flags
+    with the saved config.json (check_resume_config, `may_change` as there); once all have read
+    it, rank 0 writes the new one."""
+    out = Path(out_dir)
+    if getattr(args, "resume", False):
+        check_resume_config(out, args, **({} if may_change is None else {"may_change": may_change}))
+    barrier()
+    if dist.is_main:
+        save_config(out, args)
+    barrier()
+    return out
 
 
 # Checkpoints. One file, `out/last.pt`, overwritten atomically (torch.save to a temporary file

@@ -18,18 +18,19 @@ v2), so the decoder writes the full report; `--step4 fft` fine-tunes image encod
     torchrun --nproc_per_node=4 dcrrg.py all --data /data/mimic_cxr/annotation.json --model paper \\
         --pretrained imagenet --text-encoder emilyalsentzer/Bio_ClinicalBERT --labeler chexbert \\
         --step1-steps 20000 --step2-steps 10000 --step3-steps 20000 --step4-steps 20000
+(batch sizes are global: each of N processes takes 1/N; Step 2 contrasts the whole global batch)
 
 Equations, and where they are implemented:
     Eq. 1a, 2a  v = E_img(x_img), t = E_txt(x_txt)              DCRRG.embed_images, DCRRG.embed_texts
     Eq. 1b, 2b  v_p = f_v(concat(v, e_prompt)), same for t     ProjectionHead
-    Sec. 3.1    per-prompt label CE, unmentioned = negative,   observation_targets, draw_pairs,
-                uncertain left out, per-observation balance     run_step("step1")
+    Sec. 3.1    per-prompt label CE, unmentioned = negative,   observation_targets, pair_pools,
+                uncertain left out, per-observation balance     draw_pairs, pair_weights, step1
     Eq. 3-5     soft targets s, calibrated y^{v->t}, y^{t->v}  soft_targets
-    Eq. 6-9     calibrated semantic matching loss, tau 0.07    csm_loss
+    Eq. 6-9     calibrated semantic matching loss, tau 0.07    csm_loss (global batch: gather_batch), step2
     Eq. 10-12   post-LN decoder layer (MMHA, CA, FFN)          DecoderLayer
-    Eq. 13-14   autoregressive decoder, token cross-entropy   Decoder, lm_loss
+    Eq. 13-14   autoregressive decoder, token cross-entropy   Decoder, lm_loss, step3
     Sec. 3.3    observation descriptions from sentences       split_sentences, assign_sentences
-    Sec. 3.4    P-Tuning v2 prefixes + fresh output head      Prefix, run_step("step4")
+    Sec. 3.4    P-Tuning v2 prefixes + fresh output head      Prefix, step4
     App. A      beam search of width 3                        beam_search
     Sec. 4.3    P@K retrieval on 5 x N, AUROC probes          retrieval_set, precision_at_k, probes
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -69,17 +71,17 @@ class Args:
     init: str | None = None  # folder whose model.pt one step starts from (default: previous step in --out); "scratch"
     seed: int = 0
     device: str = "auto"
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 | auto
-    resume: bool = False  # continue a stopped step from its last.pt; finished steps are kept
+    dtype: str = "fp32"  # fp32 | bf16 | auto (fp16 is refused: no loss scaling here)
+    resume: bool = False  # continue a stopped step from its last.pt and keep finished ones, if their flags and init match
     # Steps 1-2, DCCLIP (paper App. A: AdamW, lr 1e-4, weight decay 1e-6, batch 32)
     lr: float | None = None  # every step; None: 1e-4 (paper App. A), with --model tiny see learning_rate()
     weight_decay: float = 1e-6  # paper App. A
-    batch_size: int = 32  # Step 1: (sample, observation) pairs per modality; Step 2: image-text pairs (paper)
+    batch_size: int = 32  # over all ranks. Step 1: (sample, observation) pairs per modality; Step 2: image-text pairs (paper)
     balance: str = "reweight"  # Step 1, per observation: "resample" (paper), "reweight" (its expected loss), "none"
     step1_steps: int = 500  # the paper gives no schedule: our budget for the synthetic set
     step2_steps: int = 300  # our budget
     # Steps 3-4, decoder (paper App. A: AdamW, lr 1e-4, batch 16)
-    decoder_batch_size: int = 16  # paper App. A
+    decoder_batch_size: int = 16  # over all ranks (paper App. A)
     step3_steps: int = 1200  # our budget
     step4_steps: int = 800  # our budget
     step4: str = "pt"  # "pt": P-Tuning v2 (paper); "fft": full fine-tuning of image encoder and decoder (Table 4)
@@ -88,6 +90,7 @@ class Args:
     text_view: bool = True  # Step 3 also learns from text representations (Sec. 3.3's second view)
     positions: str = "none"  # decoder input: "none" = token embeddings only (Sec. 3.3), or "sinusoidal"
     dropout: float = 0.1  # decoder dropout (paper silent: Vaswani et al.'s)
+    text_dropout: float = 0.1  # text encoder's hidden and attention dropout (paper silent: BERT's)
     max_text_tokens: int = 256  # word pieces the text encoder reads
     max_description_tokens: int = 48  # Step 3 targets
     max_report_tokens: int = 128  # Step 4 targets and generation
@@ -113,6 +116,7 @@ NO_FINDING = common.LABEL_INDEX["No Finding"]
 # CheXpert 5x200's classes, the five competition tasks (Sec. 4.1 names four of them: Consolidation is missing)
 FIVE = ["Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion"]
 STAGES = ("step1", "step2", "step3", "step4")
+MODALITIES = ("image", "text")
 
 
 # Sec. 3.1: observation labels -------------------------------------------------------------------
@@ -124,17 +128,26 @@ def observation_targets(labels: np.ndarray) -> np.ndarray:
     return targets
 
 
-def draw_pairs(targets: np.ndarray, n: int, rng: np.random.Generator):
+def pair_pools(targets: np.ndarray):
+    """What Step 1's re-sampling draws from, computed once: the observations with labels, and per
+    observation the rows of each class (0, 1); an observation with one class only gets that class's
+    rows for both. -> (usable observations, {observation: (negative rows, positive rows)})."""
+    usable = np.flatnonzero((~np.isnan(targets)).any(0))
+    pools = {}
+    for k in usable:
+        neg, pos = np.flatnonzero(targets[:, k] == 0), np.flatnonzero(targets[:, k] == 1)
+        pools[k] = (neg if len(neg) else pos, pos if len(pos) else neg)
+    return usable, pools
+
+
+def draw_pairs(pools, n: int, rng: np.random.Generator):
     """Step 1 re-sampling, literally: n (sample, observation) pairs, each drawn as an observation
     (uniformly among those with labels), then positive or negative with equal chance, then a sample
     with that label; so one observation is balanced without touching the others (the paper's
-    point). Uncertain pairs are never drawn. -> rows (n,), observations (n,)."""
-    usable = np.flatnonzero((~np.isnan(targets)).any(0))
+    point). Uncertain pairs are never drawn. pools: pair_pools(targets). -> rows (n,), observations (n,)."""
+    usable, by_class = pools
     obs, cls = rng.choice(usable, size=n), rng.integers(2, size=n)
-    rows = np.empty(n, dtype=np.int64)
-    for m, (k, c) in enumerate(zip(obs, cls)):
-        pool = np.flatnonzero(targets[:, k] == c)
-        rows[m] = rng.choice(pool if len(pool) else np.flatnonzero(targets[:, k] == 1 - c))  # one class only
+    rows = np.array([by_class[k][c][rng.integers(len(by_class[k][c]))] for k, c in zip(obs, cls)], dtype=np.int64)
     return rows, obs
 
 
@@ -154,75 +167,57 @@ def pair_weights(targets: np.ndarray, balance: bool) -> np.ndarray:
 
 
 # Sec. 3.3: a report as observation descriptions -------------------------------------------------
+HEADER = re.compile(r"\b(?:[A-Z][A-Z ]*[A-Z]|(?i:findings|impression|comparison|indication|history|technique|"
+                    r"examination|conclusions?))\s*:")  # "FINDINGS:", "Impression:"
+LIST_MARKER = re.compile(r"^(?:\d{1,2}[.)]|[-*\u2022])\s+")  # "1. ", "2) ", "- "
+
+
 def split_sentences(report: str) -> list[str]:
-    """Sentences end at . ! ? followed by white space, or at a line break ("1.5 cm" stays whole)."""
-    return [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", report) if s.strip()]
+    """Section headers become breaks; sentences end at . ! ? followed by white space, or at a line
+    break ("1.5 cm" stays whole); list markers are stripped and fragments with no letter ("1.",
+    "___") dropped."""
+    parts = re.split(r"(?<=[.!?])\s+|\n+", HEADER.sub("\n", report))
+    return [s for s in (LIST_MARKER.sub("", p.strip()).strip() for p in parts) if re.search("[A-Za-z]", s)]
 
 
-def assign_sentences(sentences: list[str], labels: np.ndarray) -> dict[int, str]:
+def assign_sentences(sentences: list[str], labels: np.ndarray, no_finding: bool) -> dict[int, str]:
     """Each sentence goes to every one of the 13 findings the labeler finds in it (positive,
-    negative or uncertain); a sentence naming none of them ("No acute cardiopulmonary process.")
-    goes to No Finding (the paper does not say; the No Finding rule would tag every negative
-    sentence). -> {observation index: its sentences in report order}."""
+    negative or uncertain). A sentence naming none of them ("No acute cardiopulmonary process.")
+    goes to No Finding when the study's No Finding label is 1 (no_finding), else it is dropped: it
+    describes no observation of an abnormal study. (The paper does not say; CheXpert's No Finding
+    rule per sentence would tag every negative sentence.) -> {observation: its sentences in order}."""
     out: dict[int, list[str]] = {}
     for sentence, row in zip(sentences, labels):
-        for k in [k for k in range(K) if k != NO_FINDING and not np.isnan(row[k])] or [NO_FINDING]:
+        found = [k for k in range(K) if k != NO_FINDING and not np.isnan(row[k])]
+        for k in found or ([NO_FINDING] if no_finding else []):
             out.setdefault(k, []).append(sentence)
     return {k: " ".join(v) for k, v in out.items()}
 
 
-def observation_descriptions(reports: list[str], labeler) -> list[dict[int, str]]:
-    """Per report {observation: description}; all sentences are labelled in one labeler call."""
+def observation_descriptions(reports: list[str], labeler, no_finding: list[bool]) -> list[dict[int, str]]:
+    """Per report {observation: description}; all sentences are labelled in one labeler call.
+    no_finding: per report, whether its study's No Finding label is 1."""
     sentences = [split_sentences(r) for r in reports]
     labels = labeler([s for ss in sentences for s in ss])  # (sum of sentences, 14)
     out, start = [], 0
-    for ss in sentences:
-        out.append(assign_sentences(ss, labels[start:start + len(ss)]))
+    for ss, nf in zip(sentences, no_finding):
+        out.append(assign_sentences(ss, labels[start:start + len(ss)], nf))
         start += len(ss)
     return out
 
 
 # Encoders (Eq. 1-2) -----------------------------------------------------------------------------
-class SmallCNN(nn.Module):
-    """Offline image encoder: stride-2 conv blocks (GroupNorm: no batch statistics) down to an 8 x 8
-    grid, flattened, so where a sign lies (left, right, base) survives, then a linear layer.
-    (B, 1, S, S) -> (B, dim)."""
-
-    def __init__(self, width: int = 16, dim: int = 256):
-        super().__init__()
-        c = [1, width, 2 * width, 4 * width, 4 * width]
-        blocks = [m for i, o, stride in zip(c, c[1:], (2, 2, 2, 1))
-                  for m in (nn.Conv2d(i, o, 3, stride, 1), nn.GroupNorm(8, o), nn.ReLU())]
-        self.net = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(c[-1] * 64, dim), nn.ReLU())
-        self.dim = dim
-
-    def forward(self, x):
-        return self.net(x)
-
-
-def image_backbone(name: str, pretrained: str | None) -> tuple[nn.Module, int]:
+def build_image_encoder(name: str, pretrained: str | None) -> common.ViewMean:
+    """Eq. 1a's E_img over a study's views: (B, V, C, H, W) -> v (B, D), the views averaged (IU X-Ray
+    has two). "cnn": common.SmallCNN (an 8 x 8 grid flattened, so where a sign lies survives);
+    "resnet50": the paper's, v its pooled 2048-d feature."""
     if name == "cnn":
         if pretrained:
             raise ValueError("--pretrained is for --image-encoder resnet50")
-        net = SmallCNN()
-        return net, net.dim
+        return common.ViewMean(common.SmallCNN())
     if name != "resnet50":
         raise ValueError(f"--image-encoder must be 'cnn' or 'resnet50', got {name!r}")
-    import torchvision
-    weights = torchvision.models.ResNet50_Weights.IMAGENET1K_V2 if pretrained == "imagenet" else None
-    net = torchvision.models.resnet50(weights=weights)  # "imagenet": torchvision downloads once, when asked
-    net.fc = nn.Identity()  # v is the pooled 2048-d feature
-    if pretrained not in (None, "imagenet"):
-        path = Path(pretrained)
-        if not path.is_file():
-            raise FileNotFoundError(f"--pretrained {path}: no such file (a ResNet-50 state_dict, or 'imagenet')")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        state = {k.removeprefix("module."): v for k, v in state.get("state_dict", state).items() if not k.startswith("fc.")}
-        try:
-            net.load_state_dict(state)
-        except RuntimeError as e:
-            raise ValueError(f"--pretrained {path}: not a torchvision ResNet-50 state_dict ({str(e)[:200]})") from None
-    return net, 2048
+    return common.resnet_encoder(50, pretrained, "--pretrained")  # "imagenet": torchvision downloads once, when asked
 
 
 def build_tokenizer(args: Args, reports: list[str], out: Path, dist):
@@ -382,17 +377,18 @@ class DCRRG(nn.Module):
         super().__init__()
         size = SIZES[args.model]
         self.tokenizer, self.max_text_tokens = tokenizer, args.max_text_tokens
-        self.image_encoder, D = image_backbone(args.image_encoder or size["image"], args.pretrained)
+        self.image_encoder = build_image_encoder(args.image_encoder or size["image"], args.pretrained)
+        dropout = dict(hidden_dropout_prob=args.text_dropout, attention_probs_dropout_prob=args.text_dropout)
         if args.text_encoder:
             from transformers import AutoModel
-            self.text_encoder = AutoModel.from_pretrained(args.text_encoder)
+            self.text_encoder = AutoModel.from_pretrained(args.text_encoder, **dropout)
         else:
             from transformers import BertConfig, BertModel
             self.text_encoder = BertModel(BertConfig(
                 vocab_size=len(tokenizer), hidden_size=size["hidden"], num_attention_heads=size["heads"],
-                num_hidden_layers=size["layers"], intermediate_size=4 * size["hidden"], pad_token_id=tokenizer.pad_token_id),
-                add_pooling_layer=False)
-        M, P = self.text_encoder.config.hidden_size, size["width"]
+                num_hidden_layers=size["layers"], intermediate_size=4 * size["hidden"], pad_token_id=tokenizer.pad_token_id,
+                **dropout), add_pooling_layer=False)
+        D, M, P = self.image_encoder.dim, self.text_encoder.config.hidden_size, size["width"]
         self.f_v, self.f_t = ProjectionHead(D, P), ProjectionHead(M, P)  # Eq. 1b, 2b
         self.cls_v, self.cls_t = nn.Linear(P, 2), nn.Linear(P, 2)  # Step 1: negative/positive under each prompt
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # Eq. 7: 1 / tau, tau = 0.07 at first
@@ -401,16 +397,23 @@ class DCRRG(nn.Module):
         self.prompt_head = nn.Linear(P, len(tokenizer))  # Step 4's "randomly-initialized classification head"
 
     def embed_images(self, images):
-        return encode_views(self.image_encoder, images)  # Eq. 1a: (B, V, C, H, W) -> v (B, D)
+        return self.image_encoder(images)  # Eq. 1a: (B, V, C, H, W) -> v (B, D)
 
     def embed_texts(self, texts: list[str]):
         """Eq. 2a: reports -> t (B, M), the mean of the last hidden states over the word pieces
         (the paper does not say how; mean pooling learns faster from scratch than [CLS])."""
-        device = self.logit_scale.device
-        enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_text_tokens, return_tensors="pt")
-        mask = enc["attention_mask"].to(device)
-        hidden = self.text_encoder(input_ids=enc["input_ids"].to(device), attention_mask=mask).last_hidden_state
-        return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)  # (B, M)
+        return common.mean_pooled_bert_features(self.text_encoder, self.tokenizer, texts, self.logit_scale.device,
+                                                self.max_text_tokens)
+
+    def embed_records(self, records, modality: str, transform):
+        """Eq. 1a / 2a of records: their images or their reports -> (B, D) or (B, M)."""
+        if modality == "image":
+            return self.embed_images(load_images(records, transform).to(self.logit_scale.device))
+        return self.embed_texts([r.report for r in records])
+
+    def heads(self, modality: str):
+        """Eq. 1b / 2b's projection and Step 1's classifier of a modality."""
+        return (self.f_v, self.cls_v) if modality == "image" else (self.f_t, self.cls_t)
 
 
 def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
@@ -460,6 +463,21 @@ def csm_loss(v_p, t_p, v, t, l_img, l_txt, logit_scale):
     return loss, {"tau": 1 / logit_scale.exp().item(), "kl": (loss - entropy / 2).item()}  # kl: loss above its floor
 
 
+def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """(B, ...) on each rank -> (world_size * B, ...), ranks in order, the same on every rank, so
+    Eq. 7's softmax runs over the whole global batch of candidates. The gradient flows into this
+    rank's part only, times world_size: every rank computes the same global loss, and averaging
+    their gradients (all_reduce_gradients) then gives each encoder weight exactly the
+    single-process gradient, while tau, used after the gather, gets its own unscaled (CLIP's
+    gather, made exact)."""
+    if world_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    torch.distributed.all_gather(parts, x.detach().contiguous())
+    parts[torch.distributed.get_rank()] = x + (x - x.detach()) * (world_size - 1)  # value x, gradient x world_size
+    return torch.cat(parts)
+
+
 # Decoding: Eq. 14 loss and beam search ---------------------------------------------------------
 def lm_loss(decoder, f_I, texts: list[str], tokenizer, max_len: int, prefix=None, head=None, obs=None):
     """Eq. 14: -sum_t log p(y_t | y_<t, I), over the batch's target tokens ([SEP] ends each
@@ -477,10 +495,12 @@ def lm_loss(decoder, f_I, texts: list[str], tokenizer, max_len: int, prefix=None
 
 
 @torch.no_grad()
-def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: int, prefix=None, head=None, obs=None):
+def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: int, prefix=None, head=None, obs=None,
+                banned=()):
     """Width-`beam` search (App. A) -> one token list per row of f_I (B, S, P), without BOS/EOS.
     Beams compete on summed log-probs; a finished beam keeps its score (it may only add padding at
-    no cost); the answer is the beam with the best log-prob per token (paper silent on length)."""
+    no cost); the answer is the beam with the best log-prob per token (paper silent on length).
+    Tokens in `banned` (the special tokens other than EOS) are never emitted."""
     B, dev = f_I.shape[0], f_I.device
     f_I = f_I.repeat_interleave(beam, 0)  # (B*k, S, P)
     obs = None if obs is None else obs.repeat_interleave(beam, 0)
@@ -494,6 +514,7 @@ def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: 
     for _ in range(max_len):
         logp = F.log_softmax(decoder(step_in, f_I, prefix, head, cache, obs)[:, -1].float(), -1)  # (B*k, V)
         V = logp.shape[1]
+        logp[:, list(banned)] = -math.inf
         logp[done] = -math.inf
         logp[done, pad] = 0.0
         scores, idx = (scores.view(-1, 1) + logp).view(B, beam * V).topk(beam, dim=1)  # (B, k)
@@ -539,25 +560,25 @@ def retrieval_set(labels: np.ndarray, per_class: int) -> tuple[np.ndarray, np.nd
 
 def precision_at_k(sim: torch.Tensor, query_cls, cand_cls, ks=(1, 2, 5, 10)) -> dict:
     """sim (Q, C) -> Precision@K: per query, the share of its K most similar candidates whose class
-    is the query's, averaged over queries (ties: the lower candidate index first)."""
+    is the query's, averaged over queries (ties: the lower candidate index first). A K above the
+    C candidates has no Precision@K: it is left out, with a warning, and listed under "skipped"."""
     order = torch.argsort(sim, dim=1, descending=True, stable=True)  # (Q, C)
     hit = torch.as_tensor(cand_cls)[order] == torch.as_tensor(query_cls)[:, None]
-    return {f"P@{k}": hit[:, :k].float().mean().item() for k in ks}
+    out = {f"P@{k}": hit[:, :k].float().mean().item() for k in ks if k <= sim.shape[1]}
+    skipped = [f"P@{k}" for k in ks if k > sim.shape[1]]
+    if skipped:
+        common.log.warning("retrieval: %s skipped, only %d candidates", ", ".join(skipped), sim.shape[1])
+        out["skipped"] = skipped
+    return out
 
 
 def load_images(records, transform) -> torch.Tensor:
     return torch.stack([common.ReportDataset([r], transform)[0]["images"] for r in records])  # (B, V, C, H, W)
 
 
-def encode_views(encoder: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """Eq. 1a: (B, V, C, H, W) -> v (B, D); the views of a study (IU X-Ray has two) are averaged."""
-    B, V = images.shape[:2]
-    return encoder(images.flatten(0, 1)).view(B, V, -1).mean(1)
-
-
 @torch.no_grad()
-def embed_records(fn, records, batch: int = 64) -> torch.Tensor:
-    """fn(list of records) -> (B, D), over all records in chunks."""
+def in_chunks(fn, records, batch: int = 64) -> torch.Tensor:
+    """fn(list of records) -> (B, D), over all records in chunks, without gradients."""
     return torch.cat([fn(records[b:b + batch]) for b in range(0, len(records), batch)])
 
 
@@ -568,8 +589,8 @@ def probes(encoder: nn.Module, train, test, transform, args: Args, device) -> di
     binary cross-entropy. One run each (the paper averages five)."""
     y_train = torch.tensor(observation_targets(np.stack([r.labels for r in train])), dtype=torch.float32)
     y_test = observation_targets(np.stack([r.labels for r in test]))
-    image_fn = lambda enc: lambda rs: encode_views(enc, load_images(rs, transform).to(device))
-    features = lambda enc, recs: embed_records(image_fn(enc), recs).float()  # (N, D)
+    image_fn = lambda enc: lambda rs: enc(load_images(rs, transform).to(device))
+    features = lambda enc, recs: in_chunks(image_fn(enc), recs).float()  # (N, D)
     encoder = encoder.eval()
     feats_train, feats_test = features(encoder, train), features(encoder, test)  # (N, D)
     out, rng = {}, np.random.default_rng(args.seed)
@@ -584,7 +605,7 @@ def probes(encoder: nn.Module, train, test, transform, args: Args, device) -> di
             for _ in range(args.probe_steps):
                 if enc:  # mini-batches through the encoder
                     rows = rng.choice(subset, size=min(args.batch_size, len(subset)), replace=False)
-                    x = encode_views(enc, load_images([train[i] for i in rows], transform).to(device))
+                    x = enc(load_images([train[i] for i in rows], transform).to(device))
                 else:  # full batch of frozen features
                     rows, x = subset, feats_train[subset]
                 y = y_train[rows].to(device)
@@ -600,7 +621,7 @@ def probes(encoder: nn.Module, train, test, transform, args: Args, device) -> di
 
 
 @torch.no_grad()
-def retrieval(model: DCRRG, records, encode, per_class: int) -> dict:
+def retrieval(model: DCRRG, records, transform, per_class: int) -> dict:
     """Image-to-text retrieval on the 5 x N set: every image queries all 5N reports. Similarity:
     the mean over the 14 prompts of cos(v_p^k, t_p^k) (the query's class is unknown, and Step 2
     aligned every prompt)."""
@@ -609,8 +630,8 @@ def retrieval(model: DCRRG, records, encode, per_class: int) -> dict:
         common.log.warning("retrieval skipped: some of the five classes has no test study positive for it alone")
         return {"n_per_class": 0}
     subset = [records[i] for i in rows]
-    v_p = F.normalize(model.f_v(embed_records(encode["image"], subset)), dim=-1)  # (5N, 14, P)
-    t_p = F.normalize(model.f_t(embed_records(encode["text"], subset)), dim=-1)
+    v_p, t_p = (F.normalize(model.heads(m)[0](in_chunks(lambda rs: model.embed_records(rs, m, transform), subset)), dim=-1)
+                for m in MODALITIES)  # (5N, 14, P) each
     sim = torch.einsum("ikp,jkp->ij", v_p, t_p) / K  # (5N, 5N)
     return {"n_per_class": len(rows) // len(FIVE), **precision_at_k(sim, classes, classes)}
 
@@ -621,9 +642,10 @@ def generate(model: DCRRG, inputs_fn, records, args: Args, dist, max_len: int, *
     shard and all get the full list. inputs_fn(records) -> {"f_I": (B, S, P)[, "obs": (B,)]}."""
     from tqdm.auto import tqdm
     tok, mine, texts = model.tokenizer, records[dist.rank::dist.world_size], []
+    banned = [i for i in tok.all_special_ids if i != tok.sep_token_id]
     for b in tqdm(range(0, len(mine), 32), desc="beam search", disable=not dist.is_main):
         ids = beam_search(model.decoder, bos=tok.cls_token_id, eos=tok.sep_token_id, pad=tok.pad_token_id,
-                          beam=args.beam, max_len=max_len, **inputs_fn(mine[b:b + 32]), **decoder_kw)
+                          beam=args.beam, max_len=max_len, banned=banned, **inputs_fn(mine[b:b + 32]), **decoder_kw)
         # BERT's pre-tokenizer splits "plate-like" into three pieces that decode as "plate - like"
         texts += [re.sub(r"\s*-\s*", "-", t) for t in tok.batch_decode(ids, skip_special_tokens=True)]
     if dist.world_size == 1:
@@ -640,7 +662,8 @@ def description_records(records, labeler) -> list[common.Record]:
     """Step 3's examples: one Record per (study, observation its report mentions) whose report is
     that observation's description; meta keeps the observation and the study's full report."""
     out = []
-    for r, desc in zip(records, observation_descriptions([r.report for r in records], labeler)):
+    no_finding = [r.labels[NO_FINDING] == 1 for r in records]
+    for r, desc in zip(records, observation_descriptions([r.report for r in records], labeler, no_finding)):
         out += [dataclasses.replace(r, id=f"{r.id}#{k}", report=d, meta={"obs": k, "study_report": r.report})
                 for k, d in sorted(desc.items())]
     return out
@@ -657,8 +680,12 @@ def parameter_counts(model: DCRRG) -> dict:
 # The steps ---------------------------------------------------------------------------------------
 def prepare(args: Args, dist, out: Path) -> dict:
     """What every step reads: the splits with the labeler's labels (the paper labels reports with
-    the CheXpert labeler; stored labels are kept only for --extra-data records), the tokenizer
-    and the image transform."""
+    the CheXpert labeler; stored labels are kept only for --extra-data records), the tokenizer,
+    the image transform and each rank's share of the (global) batch sizes."""
+    world = dist.world_size
+    per_rank = {"batch_size": common.exact_div(args.batch_size, world, f"--batch-size over {world} processes"),
+                "decoder_batch_size": common.exact_div(args.decoder_batch_size, world,
+                                                       f"--decoder-batch-size over {world} processes")}
     labeler = common.make_labeler(args.labeler, args.chexbert_weights, dist.device)
     relabel = lambda recs: [dataclasses.replace(r, labels=l) for r, l in zip(recs, labeler([r.report for r in recs]))]
     data = {split: relabel(recs) for split, recs in common.load_data(args.data).items()}
@@ -672,22 +699,36 @@ def prepare(args: Args, dist, out: Path) -> dict:
     # No augmentation: R2Gen's random flip swaps left and right, which the reports name.
     transform = common.default_transform(size["image_size"], train=False, channels=channels)
     tokenizer = build_tokenizer(args, [r.report for r in data["train"] + extra], out, dist)
-    return dict(data, extra=extra, labeler=labeler, transform=transform, tokenizer=tokenizer, dist=dist)
+    return dict(data, extra=extra, labeler=labeler, transform=transform, tokenizer=tokenizer, dist=dist, **per_rank)
 
 
-def fit(model: DCRRG, names, batches, loss_fn, total: int, folder: Path, args: Args, dist, desc: str, lr: float):
+def weights_sha256(state: dict) -> str:
+    """sha256 of a state dict's names and bytes: the same weights give the same digest."""
+    h = hashlib.sha256()
+    for k, v in state.items():
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def fit(model: DCRRG, names, batches, loss_fn, total: int, folder: Path, args: Args, dist, desc: str, lr: float,
+        resuming: bool) -> list[str]:
     """The loop every step shares: AdamW (App. A; constant lr, the paper names no schedule) on
     the named parts, gradients averaged over ranks, a log line every log_every steps, last.pt every
-    ckpt_every steps (exact resume: batches(start) depends only on the step), model.pt at the end."""
+    ckpt_every steps (exact resume: batches(start) depends only on the step), model.pt at the end.
+    Returns every rank's sha256 of its final weights (they must agree)."""
     params = set_trainable(model, names)
+    # BatchNorm statistics of the trained parts (the decoder's memory_norm, a ResNet under FFT) see
+    # each rank's batch: averaged after every step, so all ranks hold the same model
+    buffers = [b for n in names if n != "logit_scale" for b in getattr(model, n).buffers() if b.is_floating_point()]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
     start = 0
-    if args.resume and (folder / "last.pt").is_file():
+    if resuming and (folder / "last.pt").is_file():
         start, _ = common.load_checkpoint(folder / "last.pt", model, optimizer)
-    elif dist.is_main:
-        (folder / "metrics.jsonl").unlink(missing_ok=True)  # a fresh start: no old log lines
+        if start > total:
+            raise ValueError(f"--resume: {folder / 'last.pt'} is at step {start}, past the {total} steps asked for")
     data = batches(start)
-    with common.RunLog(folder, total, dist.is_main, start, desc=desc) as runlog:
+    with common.RunLog(folder, total, dist.is_main, start, desc=f"DCRRG {desc}") as runlog:
         for step in range(start, total):
             with common.autocast(dist.device, args.dtype):
                 loss, stats = loss_fn(next(data))
@@ -695,12 +736,21 @@ def fit(model: DCRRG, names, batches, loss_fn, total: int, folder: Path, args: A
             loss.backward()
             common.all_reduce_gradients(params, dist.world_size)
             optimizer.step()
+            for b in buffers if dist.world_size > 1 else []:
+                torch.distributed.all_reduce(b)
+                b /= dist.world_size
             if (step + 1) % args.log_every == 0 or step + 1 == total:
                 runlog.log(step + 1, **common.all_reduce_mean({"loss": loss.item(), **stats}))
             if (step + 1) % args.ckpt_every == 0 or step + 1 == total:
                 common.save_checkpoint(folder / "last.pt", model, optimizer, step=step + 1, config=args)
     if dist.is_main:
         torch.save(model.state_dict(), folder / "model.pt")
+    digests = [weights_sha256(model.state_dict())] * dist.world_size
+    if dist.world_size > 1:
+        torch.distributed.all_gather_object(digests, digests[0])  # filled in place, rank by rank
+    if len(set(digests)) > 1:
+        common.log.warning("%s: the ranks ended with different weights (sha256 %s)", desc, digests)
+    return digests
 
 
 def learning_rate(args: Args, stage: str) -> float:
@@ -716,171 +766,220 @@ def learning_rate(args: Args, stage: str) -> float:
     return 5e-3 if pt else 1e-3
 
 
-def run_step(stage: str, args: Args, env: dict, folder: Path, init: Path | None) -> dict:
-    """Train one step into `folder`, starting from init/model.pt (None: random), then evaluate
-    what the step made. Returns (and writes to folder/eval.json) the results."""
-    dist, tok, transform = env["dist"], env["tokenizer"], env["transform"]
-    train_set, val, test, device = env["train"], env["val"], env["test"], dist.device
-    total = getattr(args, f"{stage}_steps")
-    if args.resume and (folder / "eval.json").is_file():
-        done = json.loads((folder / "eval.json").read_text())
-        if done["steps"] == total:
-            return done  # finished before
+def study_stream(records, per_rank: int, args: Args, env: dict):
+    """batches(start) for fit: this rank's shard of the shuffled studies from step `start` on."""
+    dist = env["dist"]
+    return lambda start: (b for _, b in common.study_batches(records, per_rank, args.seed, dist.rank, dist.world_size,
+                                                              start, env["transform"]))
+
+
+def step1(model: DCRRG, args: Args, env: dict, train_parts) -> dict:
+    """Sec. 3.1: each encoder learns alone on its modality's (sample, observation) pairs; then
+    Table 6: AUROC of each observation's prediction on the test split."""
+    dist, device, transform = env["dist"], env["dist"].device, env["transform"]
+    pools = {m: env["train"] + [r for r in env["extra"] if args.extra_modality in ("both", m)] for m in MODALITIES}
+    targets = {m: observation_targets(np.stack([r.labels for r in pools[m]])) for m in MODALITIES}
+    weights = {m: pair_weights(targets[m], args.balance != "none") for m in MODALITIES}
+    by_class = {m: pair_pools(targets[m]) for m in MODALITIES}
+    mine = slice(dist.rank * env["batch_size"], (dist.rank + 1) * env["batch_size"])
+
+    def batches(start):  # the global batch depends only on (seed, step), so a resumed run draws the same; ranks slice it
+        for step in range(start, sys.maxsize):
+            rng = np.random.default_rng([args.seed, step])
+            if args.balance == "resample":  # B re-sampled (sample, observation) pairs
+                yield {m: tuple(a[mine] for a in draw_pairs(by_class[m], args.batch_size, rng)) for m in MODALITIES}
+            else:  # B samples, every prompt
+                yield {m: (rng.integers(len(pools[m]), size=args.batch_size)[mine], None) for m in MODALITIES}
+
+    def loss_fn(batch):
+        loss, stats = 0.0, {}
+        for m in MODALITIES:
+            (f, cls), (rows, obs) = model.heads(m), batch[m]
+            x = model.embed_records([pools[m][i] for i in rows], m, transform)  # Eq. 1a / 2a: (B, D)
+            if obs is not None:  # Eq. 1b / 2b under each pair's prompt -> logits (B, 2)
+                logits, y, w = cls(f(x, torch.as_tensor(obs, device=device))), targets[m][rows, obs], np.ones(len(rows))
+            else:  # Eq. 1b / 2b under all 14 prompts -> logits (B, 14, 2)
+                logits, y, w = cls(f(x)), targets[m][rows], weights[m][rows]
+            y_t = torch.as_tensor(np.nan_to_num(y), device=device).long()
+            ce = F.cross_entropy(logits.float().flatten(0, -2), y_t.flatten(), reduction="none").view(y_t.shape)
+            loss_m = (torch.as_tensor(w, device=device, dtype=torch.float32) * ce).sum() / len(rows)
+            loss = loss + loss_m
+            hit = (logits.argmax(-1) == y_t).cpu().numpy()[~np.isnan(y)]
+            stats[f"{m}_loss"], stats[f"{m}_acc"] = loss_m.item(), float(hit.mean())
+        return loss, stats
+
+    train_parts(["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"], batches, loss_fn)
+    results = {}
     if dist.is_main:
-        common.save_config(folder, args)
+        model.eval()
+        y = observation_targets(np.stack([r.labels for r in env["test"]]))
+        for m in MODALITIES:
+            f, cls = model.heads(m)
+            with torch.no_grad():
+                x = in_chunks(lambda rs: model.embed_records(rs, m, transform), env["test"])
+                p = torch.softmax(cls(f(x)).float(), -1)[..., 1]  # (N, 14)
+            results[f"auroc_{m}"] = auroc_per_observation(p.cpu().numpy(), y)
+    return results
+
+
+def step2(model: DCRRG, args: Args, env: dict, train_parts) -> dict:
+    """Eq. 3-9: align the encoders on image-report pairs (DCCLIP); then retrieval P@K and the probes."""
+    dist, device = env["dist"], env["dist"].device
+
+    def loss_fn(batch):
+        v, t = model.embed_images(batch["images"].to(device)), model.embed_texts(batch["report"])
+        v_p, t_p = model.f_v(v), model.f_t(t)  # (B, 14, P): under every prompt
+        l = label_vectors(batch["labels"]).to(device)  # paired data: l_img = l_txt
+        # every rank scores the whole global batch: the same candidates as one process with that batch
+        v_p, t_p, v, t, l = (gather_batch(x, dist.world_size) for x in (v_p, t_p, v, t, l))
+        # The paper does not say which prompt feeds Eq. 6: we average the loss over all 14, so
+        # every prompt's space is aligned (Steps 3-4 read them all).
+        per_prompt = [csm_loss(v_p[:, k], t_p[:, k], v, t, l, l, model.logit_scale) for k in range(K)]
+        loss = torch.stack([loss for loss, _ in per_prompt]).mean()
+        return loss, {"tau": per_prompt[0][1]["tau"], "kl": float(np.mean([s["kl"] for _, s in per_prompt]))}
+
+    train_parts(["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
+                study_stream(env["train"], env["batch_size"], args, env), loss_fn)
+    results = {}
+    if dist.is_main:
+        model.eval()
+        results["retrieval"] = retrieval(model, env["test"], env["transform"], args.retrieval_per_class)
+        if args.probes:  # DCCLIP's image encoder against the one Step 1 starts from (random or ImageNet)
+            common.seed_everything(args.seed)
+            start_encoder = build_image_encoder(args.image_encoder or SIZES[args.model]["image"], args.pretrained)
+            results["probes"] = {name: probes(enc.to(device), env["train"], env["test"], env["transform"], args, device)
+                                 for name, enc in (("dcclip", model.image_encoder), ("initial", start_encoder))}
+    return results
+
+
+def step3_inputs(model: DCRRG, images, rows, text_view: bool) -> dict:
+    """Sec. 3.3: the study under all 14 prompts, v_p, and with the text view also t_p of its report
+    (a second view of the image), with the observation each example describes. The encoders are
+    frozen: the decoder learns from "given" representations. -> {"f_I": (B or 2B, 14, P), "obs": (B or 2B,)}"""
+    device = model.logit_scale.device
+    obs = torch.tensor([r.meta["obs"] for r in rows], device=device)
+    with torch.no_grad():
+        f_I = [model.f_v(model.embed_images(images.to(device)))]
+        if text_view:
+            f_I.append(model.f_t(model.embed_texts([r.meta["study_report"] for r in rows])))
+    return {"f_I": torch.cat(f_I), "obs": obs.repeat(len(f_I))}
+
+
+def step3(model: DCRRG, args: Args, env: dict, train_parts) -> dict:
+    """Eq. 10-14: the decoder learns to write one observation's description; then the held-out
+    description loss from each view, and Table 7-style example descriptions."""
+    dist, tok, transform = env["dist"], env["tokenizer"], env["transform"]
+    examples = description_records(env["train"], env["labeler"])
+    by_id = {r.id: r for r in examples}
+
+    def loss_fn(batch):
+        inputs = step3_inputs(model, batch["images"], [by_id[i] for i in batch["id"]], args.text_view)
+        texts = batch["report"] * (len(inputs["obs"]) // len(batch["id"]))
+        return lm_loss(model.decoder, texts=texts, tokenizer=tok, max_len=args.max_description_tokens, **inputs), {}
+
+    train_parts(["decoder"], study_stream(examples, env["decoder_batch_size"], args, env), loss_fn)
+    results = {}
+    if dist.is_main:
+        model.eval()
+        val_examples = description_records(env["val"], env["labeler"])
+        for v, view in enumerate(MODALITIES):
+            losses = []
+            for b in range(0, len(val_examples), 64):
+                chunk = val_examples[b:b + 64]
+                inputs = step3_inputs(model, load_images(chunk, transform), chunk, True)
+                half = slice(v * len(chunk), (v + 1) * len(chunk))  # image rows, then text rows
+                with torch.no_grad():
+                    losses.append(lm_loss(model.decoder, inputs["f_I"][half], [r.report for r in chunk], tok,
+                                          args.max_description_tokens, obs=inputs["obs"][half]).item())
+            results[f"val_loss_{view}_view"] = float(np.mean(losses))
+        shown = val_examples[:24]
+        texts = generate(model, lambda rs: step3_inputs(model, load_images(rs, transform), rs, False), shown,
+                         args, dataclasses.replace(dist, rank=0, world_size=1), args.max_description_tokens)
+        with open(env["folder"] / "descriptions_val.jsonl", "w") as f:
+            f.writelines(json.dumps({"id": r.id, "observation": common.CHEXPERT_LABELS[r.meta["obs"]],
+                                     "reference": r.report, "generated": g}) + "\n" for r, g in zip(shown, texts))
+    return results
+
+
+def step4(model: DCRRG, args: Args, env: dict, train_parts) -> dict:
+    """Sec. 3.4: P-Tuning v2 (or --step4 fft) to write the full report; then NLG and CE metrics of
+    the beam-searched test reports."""
+    dist, tok, transform = env["dist"], env["tokenizer"], env["transform"]
+    pt = args.step4 == "pt"
+    decoder_kw = lambda: dict(prefix=model.prefix(), head=model.prompt_head) if pt else {}
+    # f_I as in Step 3: the image under all 14 prompts; no observation prompt: the prefixes ask
+    # for the full report
+    f_I_fn = lambda images: model.f_v(model.embed_images(images.to(dist.device)))  # (B, 14, P)
+    loss_fn = lambda batch: (lm_loss(model.decoder, f_I_fn(batch["images"]), batch["report"], tok,
+                                     args.max_report_tokens, **decoder_kw()), {})
+    # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
+    train_parts(["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
+                study_stream(env["train"], env["decoder_batch_size"], args, env), loss_fn)
+    model.eval()
+    records = env["test"][:args.n_test] if args.n_test else env["test"]
+    texts = generate(model, lambda rs: {"f_I": f_I_fn(load_images(rs, transform))}, records, args, dist,
+                     args.max_report_tokens, **decoder_kw())
+    results = {"trainable_parameters": parameter_counts(model), "step4": args.step4}
+    if dist.is_main:
+        rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
+        with open(env["folder"] / "generations_test.jsonl", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        results.update(common.evaluate_generations(rows, env["labeler"], meteor="auto" if args.meteor else False))
+    return results
+
+
+STEPS = {"step1": step1, "step2": step2, "step3": step3, "step4": step4}
+# flags a resumed step may change: its budget and logging, not what it trains (the init is checked by hash)
+RESUMABLE = ("resume", "init", "out", "device", "log_every", "ckpt_every") + tuple(f"{s}_steps" for s in STAGES)
+STEP_FILES = ("eval.json", "model.pt", "last.pt", "metrics.jsonl", "descriptions_val.jsonl", "generations_test.jsonl")
+
+
+def run_step(stage: str, args: Args, env: dict, folder: Path, init: Path | None) -> dict:
+    """Train one step into `folder` from init/model.pt (None: random weights), then evaluate what
+    it made; returns (and writes to folder/eval.json) the results. With --resume a step continues
+    its last.pt, or returns its finished eval.json, only if its config.json holds the same flags
+    (budget and logging may change) and the same init weights (by sha256); a fresh start first
+    removes the folder's old results, so nothing in it comes from another run."""
+    dist, total = env["dist"], getattr(args, f"{stage}_steps")
+    if init is not None and not (init / "model.pt").is_file():
+        raise FileNotFoundError(f"{init / 'model.pt'} not found: run the step before {stage} first, "
+                                f"or pass --init FOLDER (or --init scratch)")
+    state = torch.load(init / "model.pt", map_location=dist.device, weights_only=True) if init else None
+    config = {**common.config_dict(args), "stage": stage, "init": str(init) if init else "scratch",
+              "init_sha256": weights_sha256(state) if init else None}
+    resuming = args.resume and (folder / "config.json").is_file()
+    if resuming:
+        saved = json.loads((folder / "config.json").read_text())
+        if saved.get("init_sha256") != config["init_sha256"]:
+            raise ValueError(f"--resume: {folder} started from {saved.get('init')}/model.pt with sha256 "
+                             f"{saved.get('init_sha256')}, but {config['init']}/model.pt now has {config['init_sha256']} "
+                             f"(the step before was trained again): run {stage} without --resume")
+        common.check_resume_config(folder, config, may_change=RESUMABLE)
+        if (folder / "eval.json").is_file():
+            done = json.loads((folder / "eval.json").read_text())
+            if done["steps"] == total:
+                return done  # finished before
+    elif dist.is_main:
+        for name in STEP_FILES:
+            (folder / name).unlink(missing_ok=True)
+    if dist.is_main:
+        common.save_config(folder, config)
     common.seed_everything(args.seed)  # same initial weights on every rank
-    model = DCRRG(args, tok).to(device)
-    if init is not None:
-        if not (init / "model.pt").is_file():
-            raise FileNotFoundError(f"{init / 'model.pt'} not found: run the step before {stage} first, "
-                                    f"or pass --init FOLDER (or --init scratch)")
-        state = torch.load(init / "model.pt", map_location=device, weights_only=True)
+    model = DCRRG(args, env["tokenizer"]).to(dist.device)
+    if state is not None:
         if stage == "step4":  # P-Tuning's prefixes and head start fresh (and may have another --prefix-len)
             state.update({k: v for k, v in model.state_dict().items() if k.startswith(("prefix.", "prompt_head."))})
         model.load_state_dict(state)
     common.broadcast_parameters(model)
     common.seed_everything(args.seed, dist.rank)  # ranks draw differently from here on
-    encode = {"image": lambda rs: model.embed_images(load_images(rs, transform).to(device)),
-              "text": lambda rs: model.embed_texts([r.report for r in rs])}
-    heads = {"image": (model.f_v, model.cls_v), "text": (model.f_t, model.cls_t)}
     lr = learning_rate(args, stage)
-    results = {"init": str(init) if init else "scratch", "steps": total, "lr": lr}
+    results = {"init": config["init"], "init_sha256": config["init_sha256"], "steps": total, "lr": lr}
 
-    if stage == "step1":
-        # Sec. 3.1: each encoder learns alone, on its modality's (sample, observation) pairs
-        pools = {m: train_set + [r for r in env["extra"] if args.extra_modality in ("both", m)] for m in heads}
-        targets = {m: observation_targets(np.stack([r.labels for r in pools[m]])) for m in heads}
+    def train_parts(names, batches, loss_fn):
+        results["weights_sha256_per_rank"] = fit(model, names, batches, loss_fn, total, folder, args, dist,
+                                                 stage + (f" ({args.step4})" if stage == "step4" else ""), lr, resuming)
 
-        weights = {m: pair_weights(targets[m], args.balance != "none") for m in heads}
-
-        def batches(start):  # draws depend only on (seed, step, rank): a resumed run draws the same
-            for step in range(start, sys.maxsize):
-                rng = np.random.default_rng([args.seed, step, dist.rank])
-                if args.balance == "resample":  # B re-sampled (sample, observation) pairs
-                    yield {m: draw_pairs(targets[m], args.batch_size, rng) for m in heads}
-                else:  # B samples, every prompt
-                    yield {m: (rng.integers(len(pools[m]), size=args.batch_size), None) for m in heads}
-
-        def loss_fn(batch):
-            loss, stats = 0.0, {}
-            for m, (f, cls) in heads.items():
-                rows, obs = batch[m]
-                x = encode[m]([pools[m][i] for i in rows])  # Eq. 1a / 2a: (B, D)
-                if obs is not None:  # Eq. 1b / 2b under each pair's prompt -> logits (B, 2)
-                    logits, y, w = cls(f(x, torch.as_tensor(obs, device=device))), targets[m][rows, obs], np.ones(len(rows))
-                else:  # Eq. 1b / 2b under all 14 prompts -> logits (B, 14, 2)
-                    logits, y, w = cls(f(x)), targets[m][rows], weights[m][rows]
-                y_t = torch.as_tensor(np.nan_to_num(y), device=device).long()
-                ce = F.cross_entropy(logits.float().flatten(0, -2), y_t.flatten(), reduction="none").view(y_t.shape)
-                loss_m = (torch.as_tensor(w, device=device, dtype=torch.float32) * ce).sum() / len(rows)
-                loss = loss + loss_m
-                hit = (logits.argmax(-1) == y_t).cpu().numpy()[~np.isnan(y)]
-                stats[f"{m}_loss"], stats[f"{m}_acc"] = loss_m.item(), float(hit.mean())
-            return loss, stats
-
-        fit(model, ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"], batches, loss_fn,
-            total, folder, args, dist, "DCRRG step 1", lr)
-        if dist.is_main:  # Table 6: AUROC of each observation's prediction on the test split
-            model.eval()
-            y = observation_targets(np.stack([r.labels for r in test]))
-            for m, (f, cls) in heads.items():
-                with torch.no_grad():
-                    p = torch.softmax(cls(f(embed_records(encode[m], test))).float(), -1)[..., 1]  # (N, 14)
-                results[f"auroc_{m}"] = auroc_per_observation(p.cpu().numpy(), y)
-
-    elif stage == "step2":
-        batches = lambda start: (b for _, b in common.study_batches(
-            train_set, args.batch_size, args.seed, dist.rank, dist.world_size, start, transform))
-
-        def loss_fn(batch):
-            v, t = model.embed_images(batch["images"].to(device)), model.embed_texts(batch["report"])
-            v_p, t_p = model.f_v(v), model.f_t(t)  # (B, 14, P): under every prompt
-            l = label_vectors(batch["labels"]).to(device)  # paired data: l_img = l_txt
-            # The paper does not say which prompt feeds Eq. 6: we average the loss over all 14, so
-            # every prompt's space is aligned (Steps 3-4 read them all).
-            per_prompt = [csm_loss(v_p[:, k], t_p[:, k], v, t, l, l, model.logit_scale) for k in range(K)]
-            loss = torch.stack([loss for loss, _ in per_prompt]).mean()
-            return loss, {"tau": per_prompt[0][1]["tau"], "kl": float(np.mean([s["kl"] for _, s in per_prompt]))}
-
-        fit(model, ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"], batches, loss_fn,
-            total, folder, args, dist, "DCRRG step 2", lr)
-        if dist.is_main:
-            model.eval()
-            results["retrieval"] = retrieval(model, test, encode, args.retrieval_per_class)
-            if args.probes:  # DCCLIP's image encoder against the one Step 1 starts from (random or ImageNet)
-                common.seed_everything(args.seed)
-                start_encoder = image_backbone(args.image_encoder or SIZES[args.model]["image"], args.pretrained)[0]
-                results["probes"] = {name: probes(enc.to(device), train_set, test, transform, args, device)
-                                     for name, enc in (("dcclip", model.image_encoder), ("initial", start_encoder))}
-
-    elif stage == "step3":
-        examples = description_records(train_set, env["labeler"])
-        batches = lambda start: (b for _, b in common.study_batches(
-            examples, args.decoder_batch_size, args.seed, dist.rank, dist.world_size, start, transform))
-        by_id = {r.id: r for r in examples}
-
-        def step3_inputs(images, rows, text_view: bool) -> dict:
-            """Sec. 3.3: the study under all 14 prompts, v_p, and with the text view also t_p of its
-            report (a second view of the image), with the observation each example describes. The
-            encoders are frozen: the decoder learns from "given" representations.
-            -> {"f_I": (B or 2B, 14, P), "obs": (B or 2B,)}"""
-            obs = torch.tensor([r.meta["obs"] for r in rows], device=device)
-            with torch.no_grad():
-                f_I = [model.f_v(model.embed_images(images.to(device)))]
-                if text_view:
-                    f_I.append(model.f_t(model.embed_texts([r.meta["study_report"] for r in rows])))
-            return {"f_I": torch.cat(f_I), "obs": obs.repeat(len(f_I))}
-
-        def loss_fn(batch):
-            inputs = step3_inputs(batch["images"], [by_id[i] for i in batch["id"]], args.text_view)
-            texts = batch["report"] * (len(inputs["obs"]) // len(batch["id"]))
-            return lm_loss(model.decoder, texts=texts, tokenizer=tok, max_len=args.max_description_tokens, **inputs), {}
-
-        fit(model, ["decoder"], batches, loss_fn, total, folder, args, dist, "DCRRG step 3", lr)
-        if dist.is_main:  # held-out description loss from each view, and Table 7-style examples
-            model.eval()
-            val_examples = description_records(val, env["labeler"])
-            for v, view in enumerate(("image", "text")):
-                losses = []
-                for b in range(0, len(val_examples), 64):
-                    chunk = val_examples[b:b + 64]
-                    inputs = step3_inputs(load_images(chunk, transform), chunk, True)
-                    half = slice(v * len(chunk), (v + 1) * len(chunk))  # image rows, then text rows
-                    with torch.no_grad():
-                        losses.append(lm_loss(model.decoder, inputs["f_I"][half], [r.report for r in chunk], tok,
-                                              args.max_description_tokens, obs=inputs["obs"][half]).item())
-                results[f"val_loss_{view}_view"] = float(np.mean(losses))
-            shown = val_examples[:24]
-            texts = generate(model, lambda rs: step3_inputs(load_images(rs, transform), rs, False), shown,
-                             args, dataclasses.replace(dist, rank=0, world_size=1), args.max_description_tokens)
-            with open(folder / "descriptions_val.jsonl", "w") as f:
-                f.writelines(json.dumps({"id": r.id, "observation": common.CHEXPERT_LABELS[r.meta["obs"]],
-                                         "reference": r.report, "generated": g}) + "\n" for r, g in zip(shown, texts))
-
-    else:  # step 4
-        pt = args.step4 == "pt"
-        decoder_kw = lambda: dict(prefix=model.prefix(), head=model.prompt_head) if pt else {}
-        # f_I as in Step 3: the image under all 14 prompts; no observation prompt: the prefixes ask
-        # for the full report
-        f_I_fn = lambda images: model.f_v(model.embed_images(images.to(device)))  # (B, 14, P)
-        batches = lambda start: (b for _, b in common.study_batches(
-            train_set, args.decoder_batch_size, args.seed, dist.rank, dist.world_size, start, transform))
-        loss_fn = lambda batch: (lm_loss(model.decoder, f_I_fn(batch["images"]), batch["report"], tok,
-                                         args.max_report_tokens, **decoder_kw()), {})
-        # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
-        fit(model, ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"], batches, loss_fn,
-            total, folder, args, dist, f"DCRRG step 4 ({args.step4})", lr)
-        model.eval()
-        records = test[:args.n_test] if args.n_test else test
-        texts = generate(model, lambda rs: {"f_I": f_I_fn(load_images(rs, transform))}, records, args, dist,
-                         args.max_report_tokens, **decoder_kw())
-        results["trainable_parameters"] = parameter_counts(model)
-        results["step4"] = args.step4
-        if dist.is_main:
-            rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
-            with open(folder / "generations_test.jsonl", "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
-            results.update(common.evaluate_generations(rows, env["labeler"], meteor="auto" if args.meteor else False))
+    results.update(STEPS[stage](model, args, dict(env, folder=folder), train_parts))
     if dist.is_main:
         (folder / "eval.json").write_text(json.dumps(results, indent=2))
     return common.broadcast_object(results)
@@ -926,14 +1025,15 @@ def ablation(args: Args, env: dict) -> dict:
 
 
 def train(args: Args, stage: str = "all") -> dict:
-    if args.model not in SIZES:
-        raise ValueError(f"--model must be one of {sorted(SIZES)}, got {args.model!r}")
-    if args.step4 not in ("pt", "fft"):
-        raise ValueError(f"--step4 must be 'pt' or 'fft', got {args.step4!r}")
-    if args.balance not in ("resample", "reweight", "none"):
-        raise ValueError(f"--balance must be resample, reweight or none, got {args.balance!r}")
-    if args.extra_modality not in ("both", "image", "text"):
-        raise ValueError(f"--extra-modality must be both, image or text, got {args.extra_modality!r}")
+    choices = {"model": (args.model, tuple(SIZES)), "step4": (args.step4, ("pt", "fft")),
+               "balance": (args.balance, ("resample", "reweight", "none")),
+               "extra-modality": (args.extra_modality, ("both", "image", "text"))}
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"--{flag} must be one of {', '.join(allowed)}, got {value!r}")
+    if args.dtype == "fp16":
+        raise ValueError("--dtype fp16 cannot train here: fp16 gradients need loss scaling (a GradScaler), which "
+                         "dcrrg.py does not have; use --dtype bf16 or fp32")
     if args.init is not None and stage not in STAGES:
         raise ValueError("--init is for a single step (dcrrg.py step2 --init FOLDER)")
     dist = common.setup_distributed(args.device)

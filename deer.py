@@ -327,15 +327,13 @@ def open_stage(out: Path, args: Args, dist, stage: str, total: int | None = None
         if (out / "eval.json").is_file() and json.loads((out / "eval.json").read_text()).get("step") == total:
             return "done"
     state = "resume" if resume and (stage == "ddsampling" or (out / "last.pt").is_file()) else "fresh"
-    if dist.world_size > 1:
-        torch.distributed.barrier()  # everyone has read config.json before it is rewritten
+    common.barrier()  # everyone has read config.json before it is rewritten
     if dist.is_main:
         old = ("metrics.jsonl", "eval.json", "last.pt", "scores.*.jsonl", "selection.json") if state == "fresh" else ()
         for f in [f for pattern in old for f in out.glob(pattern)]:
             f.unlink()
         common.save_config(out, args)
-    if dist.world_size > 1:
-        torch.distributed.barrier()
+    common.barrier()
     return state
 
 
@@ -452,8 +450,7 @@ def ddsampling(args: Args, dist, data, labeler) -> dict:
             D = score_chunk(policy, chunks[c], labeler, args)
             f.writelines(json.dumps({"id": r.id, "D": float(d)}) + "\n" for r, d in zip(chunks[c], D))
             f.flush()
-    if dist.world_size > 1:
-        torch.distributed.barrier()
+    common.barrier()
     summary = None
     if dist.is_main:
         scores = read_scores(out)

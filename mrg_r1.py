@@ -350,12 +350,7 @@ def train(args: Args) -> dict:
     micro = common.exact_div(per_rank, args.grad_accum, "--prompts-per-step per process / --grad-accum")
     sft_per_rank = common.exact_div(args.sft_batch_size, world, f"--sft-batch-size over {world} processes") \
         if args.sft_steps else 0
-    out = Path(args.out)
-    if args.resume:
-        common.check_resume_config(out, args)  # before save_config overwrites it
-    if dist.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        common.save_config(out, args)
+    out = common.start_run(args.out, args, dist)  # --resume: the flags must be the run's
     data = common.load_data(args.data)
     if args.split_views:
         data = {split: split_views(records) for split, records in data.items()}

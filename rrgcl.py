@@ -141,24 +141,10 @@ def check_args(args: Args):
 # "a pre-trained 5-layer ResNet" (Liao et al. 2021). Offline we train two small encoders for a few
 # epochs on the 14 observation labels; SmallImageEncoder (5 conv blocks) also stands in for the
 # 5-layer ResNet of ITAS, whichever phi is used for VNS-Gap.
-class ViewMean(torch.nn.Module):
-    """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d) (IU X-Ray has 2 views)."""
-
-    def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None):
-        super().__init__()
-        self.body, self.head = body, head
-
-    def forward(self, x):
-        return self.body(x.flatten(0, 1)).view(x.shape[0], x.shape[1], -1).mean(1)  # (B, d)
-
-
-def small_image_encoder(width: int = 32, n_labels: int = 14) -> ViewMean:
+def small_image_encoder(width: int = 32, n_labels: int = 14) -> common.ViewMean:
     """5 strided conv blocks (conv, GroupNorm, ReLU), global average pool: (B, V, 1, S, S) -> (B, 4 width)."""
-    chans, layers = [1, width, width, 2 * width, 2 * width, 4 * width], []
-    for i, o in zip(chans, chans[1:]):
-        layers += [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
-    body = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
-    return ViewMean(body, torch.nn.Linear(4 * width, n_labels))
+    body = common.SmallCNN((width, width, 2 * width, 2 * width, 4 * width), strides=(2,) * 5, grid=1, dim=None)
+    return common.ViewMean(body, torch.nn.Linear(4 * width, n_labels))
 
 
 class SmallTextEncoder(torch.nn.Module):
@@ -199,19 +185,8 @@ def extract(model, dataset, x: str, device, num_workers: int = 0) -> torch.Tenso
 
 
 def resnet101_encoder(path: str) -> torch.nn.Module:
-    """torchvision ResNet-101 with the given weights and no classifier: (B, V, 3, H, W) -> (B, 2048).
-    Accepts plain state dicts and training checkpoints ({"state_dict": ...}, "module." prefixes); the
-    classification head (fc) is dropped, any other missing, unexpected or misshapen tensor is an error."""
-    import torchvision
-    net = torchvision.models.resnet101(weights=None)
-    net.fc = torch.nn.Identity()  # the CheXpert classifier is not used
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    state = {k.removeprefix("module.").removeprefix("model."): v for k, v in state.get("state_dict", state).items()}
-    try:
-        net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
-    except RuntimeError as e:
-        raise ValueError(f"--resnet101-weights {path}: not a torchvision ResNet-101 state dict ({str(e)[:300]})") from None
-    return ViewMean(net).eval()
+    """torchvision ResNet-101 with the given weights and no classifier: (B, V, 3, H, W) -> (B, 2048)."""
+    return common.resnet_encoder(101, path, "--resnet101-weights").eval()
 
 
 @torch.no_grad()
@@ -220,13 +195,8 @@ def bert_features(name: str, reports: list[str], device, batch_size: int = 64) -
     Clinical BERT's tokens are pooled; the mean is the usual sentence embedding). (N, H)"""
     from transformers import AutoModel, AutoTokenizer
     tok, model = AutoTokenizer.from_pretrained(name), AutoModel.from_pretrained(name).to(device).eval()
-    out = []
-    for i in range(0, len(reports), batch_size):
-        enc = tok(reports[i:i + batch_size], padding=True, truncation=True, max_length=512, return_tensors="pt").to(device)
-        h = model(**enc).last_hidden_state  # (B, L, H)
-        m = enc["attention_mask"][..., None].to(h.dtype)  # (B, L, 1)
-        out.append(((h * m).sum(1) / m.sum(1)).float().cpu())
-    return torch.cat(out)
+    return torch.cat([common.mean_pooled_bert_features(model, tok, reports[i:i + batch_size], device).float().cpu()
+                      for i in range(0, len(reports), batch_size)])
 
 
 def measure_text(r: common.Record) -> str:
@@ -721,12 +691,7 @@ def train(args: Args) -> dict:
     lora = not tiny and args.lora_r > 0
     args.lr = args.lr or (1e-3 if tiny else 1e-4)
     args.max_new_tokens = args.max_new_tokens or (96 if tiny else 256)
-    out = Path(args.out)
-    if args.resume:  # before save_config overwrites config.json
-        common.check_resume_config(out, args, may_change=RESUMABLE)
-    if dist.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        common.save_config(out, args)
+    out = common.start_run(args.out, args, dist, may_change=RESUMABLE)  # --resume: the run's flags
     data = common.load_data(args.data)
     train_records, val_records, test_records = data["train"], data["val"][:args.n_eval], data["test"]
     labeler = common.make_labeler(args.labeler, args.chexbert_weights, dist.device)

@@ -380,7 +380,7 @@ def test_caches_recompute_when_a_key_changes_and_only_needed_features(tmp_path, 
     assert trained == ["images", "ids"]
 
     # only what --measure needs: ITAS never runs ResNet-101, VNS-Gap with ResNet-101 needs no small CNN
-    monkeypatch.setattr(rrgcl, "resnet101_encoder", lambda path: rrgcl.ViewMean(
+    monkeypatch.setattr(rrgcl, "resnet101_encoder", lambda path: common.ViewMean(
         torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten())))  # (B, 3, 256, 256) -> (B, 12)
     f = features(measure="itas", visual_encoder="resnet101", resnet101_weights=str(tmp_path / "absent.pth"))
     assert set(f) == {"itas_image", "text"} and f["itas_image"].shape[1] == 128
