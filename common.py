@@ -1619,7 +1619,8 @@ class TinyPolicy:
     def save(self, path):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        torch.save({"hparams": self.model.hparams, "state_dict": self.model.state_dict(), "vocab": self.tokenizer.vocab,
+        state = lora_merged_state_dict(self.model)  # LoRA folded in: loads into a plain TinyVLM
+        torch.save({"hparams": self.model.hparams, "state_dict": state, "vocab": self.tokenizer.vocab,
                     "image_size": self.image_size}, path / "tiny_policy.pt")
 
     @classmethod
@@ -2306,8 +2307,13 @@ def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temper
         if need_old_logp:
             old_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
         if ref == "lora":
+            if not any(isinstance(m, LoRALinear) for m in policy.model.modules()):
+                raise ValueError('rollout(ref="lora"): the policy has no LoRA layers, so its "LoRA off" '
+                                 "reference would be the policy itself (KL 0); pass a frozen copy instead")
             with lora_disabled(policy.model):
                 ref_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
+        elif isinstance(ref, str) and ref != "none":
+            raise ValueError(f'rollout: ref must be "none", "lora" or a policy, got {ref!r}')
         elif ref != "none":
             ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
     return Rollout(prompts, ids, mask, texts, rewards, old_logp, ref_logp)

@@ -540,7 +540,8 @@ def ditpo(args: Args, dist, data, labeler) -> dict | None:
                     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, args.temperature)
                     # one update per rollout: pi_old = pi_theta (detached), ratio 1 (PITFALLS.md)
                     loss, s = common.grpo_loss(logp, None, roll.ref_logp, A_t, roll.completion_mask, args.clip_eps,
-                                               args.clip_eps, args.kl_beta, loss_type=args.loss_type)
+                                               args.clip_eps, args.kl_beta, loss_type=args.loss_type,
+                                               max_completion_length=args.max_new_tokens)  # dr_grpo: a fixed L
                 (loss / args.grad_accum).backward()
                 m = roll.completion_mask.bool()
                 r = roll.rewards.view(-1, G)

@@ -240,6 +240,30 @@ def test_rollout_reference_is_the_policy_with_lora_off(policy):
     assert not torch.allclose(r.ref_logp, r.old_logp)
 
 
+def test_lora_policy_saves_merged_and_reloads_without_lora(policy, tmp_path):
+    common.apply_lora(policy.model.decoder, ["c_attn"], r=4, alpha=8)
+    with torch.no_grad():
+        for m in policy.model.modules():  # adapters away from their zero start
+            if isinstance(m, common.LoRALinear):
+                m.lora_B.normal_()
+    prompts = policy.prompt_batch(images(2))
+    ids, mask = policy.encode_targets(REPORTS[:2])
+    policy.save(tmp_path / "ck")
+    again = TinyPolicy.load(tmp_path / "ck")  # a plain model: the update is folded into the weights
+    assert not any(isinstance(m, common.LoRALinear) for m in again.model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(again.completion_logprobs(prompts, ids, mask),
+                                   policy.completion_logprobs(prompts, ids, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_rollout_reference_errors(policy):
+    reward = lambda t, o: [0.0] * len(t)
+    with pytest.raises(ValueError, match="no LoRA layers"):
+        rollout(policy, images(1), "", G=2, reward_fn=reward, max_new_tokens=4, ref="lora")
+    with pytest.raises(ValueError, match="ref must be"):
+        rollout(policy, images(1), "", G=2, reward_fn=reward, max_new_tokens=4, ref="LoRA")
+
+
 def _grpo_run(records, out, steps, resume=False):
     """A miniature GRPO training run with checkpoints, as the method scripts write theirs."""
     common.seed_everything(0)
