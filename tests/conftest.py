@@ -18,8 +18,10 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
-    # `--data synthetic` caches under $RRG_CACHE: keep tests out of the user's cache.
+    # `--data synthetic` caches under $RRG_CACHE: keep tests out of the user's cache. METEOR starts a JVM
+    # (seconds) in every process: off unless a test asks for it (tests/test_metrics.py).
     os.environ["RRG_CACHE"] = str(tmp_path_factory.mktemp("rrg_cache"))
+    os.environ["RRG_METEOR"] = "0"
 
 
 @pytest.fixture(scope="session")
@@ -94,21 +96,21 @@ class Crash(Exception):
 
 @pytest.fixture
 def crash_after_checkpoint(monkeypatch):
-    """arm(k): from now on common.save_checkpoint writes its checkpoint and then raises Crash
-    when it saved step k; arm(None) puts the real one back."""
+    """arm(k): from now on Run.checkpoint writes its checkpoint and then raises Crash when it saved
+    step k; arm(None) puts the real one back."""
     import common
-    real = common.save_checkpoint
+    real = common.Run.checkpoint
 
     def arm(crash_step):
         if crash_step is None:
-            monkeypatch.setattr(common, "save_checkpoint", real)
+            monkeypatch.setattr(common.Run, "checkpoint", real)
             return
 
-        def save_then_crash(path, model, optimizer=None, scheduler=None, step=0, **kw):
-            real(path, model, optimizer, scheduler, step, **kw)
+        def save_then_crash(self, step):
+            real(self, step)
             if step == crash_step:
                 raise Crash(f"stopped after the step-{step} checkpoint")
-        monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+        monkeypatch.setattr(common.Run, "checkpoint", save_then_crash)
     return arm
 
 
@@ -126,9 +128,9 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300):
     """Run ROOT/script under `python -m torch.distributed.run --nproc_per_node=nproc --standalone`
     on CPU (gloo), one thread per process; fails the test with the end of stderr if it fails."""
     import subprocess
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-                           str(ROOT / script), "--device", "cpu", *flags],
+                           str(ROOT / script), *flags],
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc

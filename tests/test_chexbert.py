@@ -1,6 +1,6 @@
 """CheXbertLabeler offline: a tiny random BERT in CheXbert's shape (f1chexbert's class) with a
 locally built word-piece vocabulary. Batched labels equal one-at-a-time labels, CheXbert's
-class mapping and truncation, strict checkpoint loading, and input-embedding saliency."""
+class mapping and truncation, strict checkpoint loading. (DEER's input-embedding saliency: tests/test_deer.py.)"""
 import string
 import time
 
@@ -65,15 +65,13 @@ def reports(n=30, seed=0):
 
 def test_batched_equals_one_by_one(labeler):
     r = reports()
-    batched, single = labeler(r), labeler.label_one_by_one(r)
+    batched, single = labeler(r), np.concatenate([labeler([x]) for x in r])
     np.testing.assert_array_equal(batched, single)
     assert batched.shape == (30, 14) and batched.dtype == np.float64
     assert set(np.unique(batched[~np.isnan(batched)])) <= {1.0, 0.0, -1.0}
     assert np.isnan(batched[3]).all() and np.isnan(batched[7]).all()
     filled = [i for i in range(30) if i not in (3, 7)]
     assert len({tuple(np.nan_to_num(batched[i], nan=9)) for i in filled}) > 10  # the labels differ across reports
-    with pytest.raises(TypeError, match="list of reports"):
-        labeler("No pneumothorax.")
 
 
 def test_truncation_to_512_pieces_as_chexbert(labeler):
@@ -154,43 +152,12 @@ def test_strict_loading(labeler, vocab_file, tmp_path):
 
     del state["module.linear_heads.13.bias"]
     torch.save({"model_state_dict": state}, tmp_path / "broken.pth")
-    with pytest.raises(ValueError, match=r"missing \['linear_heads.13.bias'\]"):
+    with pytest.raises(ValueError, match=r"(?s)broken.pth: does not match CheXbert's model .*Missing key.*linear_heads.13.bias"):
         load_chexbert_weights(chexbert_model(tiny_config(tok.vocab_size)), tmp_path / "broken.pth")
     with pytest.raises(ValueError, match="does not match"):  # same names, other shapes
         load_chexbert_weights(chexbert_model(tiny_config(tok.vocab_size + 1)), path)
     with pytest.raises(FileNotFoundError, match="--chexbert-weights"):
         CheXbertLabeler(weights=tmp_path / "nope.pth", tokenizer=tok)
-
-
-def test_saliency_tokens_offsets_and_values(labeler):
-    r = ["There is a small  left\npleural effusion.", "", "Zzqx edema."]
-    out = labeler.saliency(r, ["Pleural Effusion", "Edema"])
-    assert len(out) == 3
-    for report, s in zip(r, out):
-        assert len(s["tokens"]) == len(s["offsets"]) == len(s["saliency"])
-        for tok, (a, b) in zip(s["tokens"], s["offsets"]):
-            assert report[a:b].lower() == tok.removeprefix("##")
-        assert (s["saliency"] >= 0).all()
-    assert out[1]["tokens"] == [] and out[1]["saliency"].shape == (0,)
-    assert out[0]["tokens"][:4] == ["there", "is", "a", "small"]
-
-    # the same gradient recomputed by hand for report 0
-    m = labeler.model
-    ids = torch.tensor([labeler.encode(r[0])])
-    emb = m.bert.embeddings.word_embeddings(ids).detach().requires_grad_(True)
-    cls = m.bert(inputs_embeds=emb, attention_mask=torch.ones_like(ids))[0][:, 0]
-    lg = [h(cls) for h in m.linear_heads]
-    i, j = CHEXPERT_LABELS.index("Pleural Effusion"), CHEXPERT_LABELS.index("Edema")
-    (lg[i][0, 1] + lg[i][0, 3] + lg[j][0, 1] + lg[j][0, 3]).backward()
-    np.testing.assert_allclose(out[0]["saliency"], emb.grad[0, 1:-1].norm(dim=-1).numpy(), rtol=1e-5, atol=1e-7)
-    # batching must not change saliency
-    alone = labeler.saliency(r[:1], ["Pleural Effusion", "Edema"])[0]["saliency"]
-    np.testing.assert_allclose(alone, out[0]["saliency"], rtol=1e-4, atol=1e-7)
-
-
-def test_saliency_bad_input(labeler, vocab_file):
-    with pytest.raises(ValueError, match="unknown labels \\['Pneumonitis'\\]"):
-        labeler.saliency(["No pneumothorax."], ["Pneumonitis"])
 
 
 @pytest.mark.slow
@@ -210,22 +177,17 @@ def test_batched_speedup_bert_base_size(tmp_path):
     t0 = time.time()
     batched = lab(r)
     t1 = time.time()
-    single = lab.label_one_by_one(r)
+    single = np.concatenate([lab([x]) for x in r])
     t2 = time.time()
     n_words = np.mean([len(x.split()) for x in r])
     print(f"\nCheXbert (bert-base size, random), {len(r)} reports of {n_words:.0f} words: batched {len(r) / (t1 - t0):.1f} "
           f"reports/s, one by one {len(r) / (t2 - t1):.1f} reports/s, speed-up {(t2 - t1) / (t1 - t0):.2f}x")
-    np.testing.assert_array_equal(batched, single)
-    assert t2 - t1 > t1 - t0
+    np.testing.assert_array_equal(batched, single)  # the speed-up is reported, not asserted (a shared machine)
 
 
-def test_labels_and_saliency_ignore_the_callers_autocast(labeler):
+def test_labels_ignore_the_callers_autocast(labeler):
     # rewards are computed inside the policy's bf16 autocast; the labels must be the fp32 ones
     texts = reports(40, seed=3)
     plain = labeler(texts)
-    sal = labeler.saliency(texts[:4], ["Cardiomegaly", "Edema"])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         np.testing.assert_array_equal(labeler(texts), plain)
-        again = labeler.saliency(texts[:4], ["Cardiomegaly", "Edema"])
-    for a, b in zip(sal, again):
-        np.testing.assert_allclose(a["saliency"], b["saliency"], rtol=1e-5, atol=1e-7)

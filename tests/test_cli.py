@@ -31,8 +31,10 @@ def test_evaluate_writes_the_same_numbers_as_the_functions(tmp_path):
     gen.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
     proc = run_common("evaluate", "--generations", str(gen), "--no-meteor")
     assert proc.returncode == 0, proc.stderr
-    assert "5-label micro F1" in proc.stdout
-    result = json.loads((tmp_path / "eval.json").read_text())
+    assert '"5label_micro_f1": 0.8' in proc.stdout
+    # its own name beside the generations, never a run's eval.json
+    assert not (tmp_path / "eval.json").exists()
+    result = json.loads((tmp_path / "generations.scores.json").read_text())
     assert result["n"] == 3 and result["n_empty_generations"] == 1
     hyps = [common.clean_report(r["generated"]) if r["generated"] else "" for r in ROWS]
     refs = [common.clean_report(r["reference"]) for r in ROWS]

@@ -40,8 +40,6 @@ def test_prompt_batch_left_padded_and_whole(policy, studies):
     # left padding: every row ends with the assistant turn, the shorter ones start with pads
     assert (p["attention_mask"][:, -1] == 1).all()
     assert p["attention_mask"][0, 0] == 0 and p["attention_mask"][1].all()
-    with pytest.raises(ValueError, match="3 studies but 2 instructions"):
-        policy.prompt_batch(views, [PROMPT, PROMPT])
 
 
 def test_repeat_copies_each_study_with_its_own_images(policy, studies):
@@ -67,7 +65,8 @@ def test_recorded_logprobs_equal_forward_then_other_batch_size(policy, studies, 
     with torch.no_grad():
         scored = policy.completion_logprobs(prompts, ids, mask, temperature)
     assert (recorded - scored).abs().max() < 1e-4
-    # generate() caches rope_deltas for 6 rows; a forward on 3 rows must not reuse them (PITFALLS.md)
+    # generate() caches rope_deltas for 6 rows; a forward on 3 rows must not use them (stale positions
+    # or "Sizes of tensors must match" in older transformers)
     one_each = policy.prompt_batch(views, PROMPT)
     with torch.no_grad():
         sub = policy.completion_logprobs(one_each, ids[::2], mask[::2], temperature)
@@ -101,10 +100,11 @@ def test_sft_steps_lower_the_loss(tiny_qwen_dir, studies):
     assert losses[-1] < 0.8 * losses[0]
 
 
-def test_freeze_language_trains_only_the_vision_tower(tiny_qwen_dir, studies):
+def test_frozen_language_model_trains_only_the_vision_tower(tiny_qwen_dir, studies):
     views, reports = studies
-    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu", freeze_language=True)
+    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu")
     vision, language = pol.vision_and_language()
+    language.requires_grad_(False)  # DEER's cold start: the vision tower and its merger train
     trainable = {id(p) for p in pol.model.parameters() if p.requires_grad}
     assert trainable == {id(p) for p in vision.parameters()} and trainable
     before = {n: p.detach().clone() for n, p in pol.model.named_parameters()}
@@ -238,7 +238,7 @@ def test_bf16_weights_with_fp32_trainable_parts(tiny_qwen_dir, studies):
     vision, language = pol.vision_and_language()
     for p in language.parameters():
         p.requires_grad_(False)
-    assert common.fp32_trainable(pol.model) > 0
+    common.fp32_trainable(pol.model)
     assert all(p.dtype == torch.float32 for p in vision.parameters())
     assert all(p.dtype == torch.bfloat16 for p in language.parameters())
     prompts = pol.prompt_batch(views, PROMPT)

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 import common
-from common import TinyPolicy, WordTokenizer, completion_mask, group_advantages, grpo_loss, rollout
+from common import TinyPolicy, TinyVLM, WordTokenizer, completion_mask, group_advantages, grpo_loss, rollout
 
 REPORTS = ["The heart is not enlarged. No pleural effusion.",
            "There is a small left pleural effusion. Plate-like atelectasis at the right base.",
@@ -19,10 +19,16 @@ def images(n, size=64, seed=0):
     return [[Image.fromarray(rng.integers(0, 255, (size, size), dtype=np.uint8))] for _ in range(n)]
 
 
+def tiny_policy(n_views=1, n_layer=2, max_len=24):
+    tok = WordTokenizer.build(REPORTS)
+    return TinyPolicy(TinyVLM(len(tok.vocab), n_views, n_embd=32, n_layer=n_layer, n_head=2, channels=8, max_len=max_len),
+                      tok, image_size=32)
+
+
 @pytest.fixture
 def policy():
     torch.manual_seed(0)
-    return TinyPolicy.build(REPORTS, image_size=32, n_embd=32, n_layer=2, n_head=2, channels=8, max_len=24)
+    return tiny_policy()
 
 
 def test_word_tokenizer_round_trip_and_unknown_words():
@@ -102,11 +108,9 @@ def test_save_and_load_round_trip(policy, tmp_path):
     prompts = policy.prompt_batch(images(2))
     ids, mask = policy.encode_targets(REPORTS[:2])
     policy.save(tmp_path / "ck")
-    again = TinyPolicy.load(tmp_path / "ck")
+    again = common.load_policy(tmp_path / "ck")
     torch.testing.assert_close(again.completion_logprobs(prompts, ids, mask), policy.completion_logprobs(prompts, ids, mask))
     assert again.tokenizer.vocab == policy.tokenizer.vocab
-    with pytest.raises(FileNotFoundError, match="no tiny policy"):
-        TinyPolicy.load(tmp_path / "missing")
 
 
 def test_rollout_records_rewards_owners_and_logprobs(policy):
@@ -118,12 +122,13 @@ def test_rollout_records_rewards_owners_and_logprobs(policy):
         return [float(len(t)) for t in texts]
 
     ref = copy.deepcopy(policy)
-    r = rollout(policy, images(2), "", G=3, reward_fn=reward_fn, max_new_tokens=8, ref=ref, need_old_logp=True)
+    r = rollout(policy, images(2), "", G=3, reward_fn=reward_fn, max_new_tokens=8, ref=ref)
     assert seen["owners"] == [0, 0, 0, 1, 1, 1]
     assert r.rewards.tolist() == [float(len(t)) for t in r.texts]
-    torch.testing.assert_close(r.old_logp, r.ref_logp)  # the frozen copy equals the policy before updates
-    with pytest.raises(ValueError, match="reward_fn returned shape"):
-        rollout(policy, images(1), "", G=2, reward_fn=lambda t, o: [1.0], max_new_tokens=4)
+    assert r.texts == policy.decode(r.completion_ids, r.completion_mask)
+    with torch.no_grad():  # the frozen copy equals the policy before any update
+        torch.testing.assert_close(r.ref_logp, policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask))
+    assert rollout(policy, images(1), "", G=2, reward_fn=reward_fn, max_new_tokens=4).ref_logp is None
 
 
 def test_grpo_steps_raise_the_reward(policy):
@@ -141,7 +146,7 @@ def test_grpo_steps_raise_the_reward(policy):
         r = rollout(policy, imgs, "", G=4, reward_fn=reward_fn, max_new_tokens=6)
         A = group_advantages(r.rewards, 4)
         logp = policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
-        loss, _ = grpo_loss(logp, None, None, A, r.completion_mask)
+        loss, _ = grpo_loss(logp, None, None, A, r.completion_mask)  # one update per rollout
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -161,14 +166,21 @@ def test_tiny_sft_beats_the_most_common_report():
     torch.manual_seed(0)
     data = common.load_data("synthetic")
     train, test = data["train"], data["test"]
-    policy = TinyPolicy.build([r.report for r in train])
-    t0 = time.time()
-    losses = common.supervised_finetune(policy, train, steps=1200, batch_size=32, lr=1e-3)
+    policy = common.make_policy("tiny", [r.report for r in train], "cpu")
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
+    batches, losses, t0 = common.study_batches(train, 32), [], time.time()
+    for _ in range(1200):
+        batch = next(batches)[1]
+        loss = policy.sft_loss(policy.prompt_batch(batch["images"]), batch["report"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
     t_sft = time.time() - t0
     generated = []
     for i in range(0, len(test), 100):
         chunk = test[i:i + 100]
-        prompts = policy.prompt_batch([[common.load_image(p) for p in r.image_paths] for r in chunk])
+        prompts = policy.prompt_batch([[common.load_image(p, r.id) for p in r.image_paths] for r in chunk])
         generated += policy.decode(*policy.generate(prompts, 96, do_sample=False))
     labeler = common.RuleLabeler()
     refs = labeler([r.report for r in test])
@@ -188,7 +200,7 @@ def test_tiny_grpo_step_timing():
     import time
     torch.set_num_threads(2)
     data = common.load_data("synthetic")
-    policy = TinyPolicy.build([r.report for r in data["train"]])
+    policy = common.make_policy("tiny", [r.report for r in data["train"]], "cpu")
     ref = copy.deepcopy(policy)
     batch = next(common.study_batches(data["train"], 8))[1]
     labeler = common.RuleLabeler()
@@ -215,111 +227,13 @@ def test_tiny_grpo_step_timing():
             times[k].append(v)
     med = {k: float(np.median(v)) for k, v in times.items()}
     print(f"\ntiny GRPO step, 8 x 8, T = {ids.shape[1]}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in med.items())
-          + f", total {sum(med.values()) * 1000:.0f} ms")
-    assert sum(med.values()) < 30
+          + f", total {sum(med.values()) * 1000:.0f} ms")  # reported, not asserted: a shared machine
 
-
-def test_rollout_reference_is_the_policy_with_lora_off(policy):
-    common.apply_lora(policy.model.decoder, ["c_attn", "c_fc"], r=4, alpha=8)
-    prompts = policy.prompt_batch(images(2))
-    ids, mask = policy.encode_targets(REPORTS[:2])
-    with torch.no_grad():
-        base = policy.completion_logprobs(prompts, ids, mask)
-        for m in policy.model.modules():  # move the adapters away from their zero start
-            if isinstance(m, common.LoRALinear):
-                m.lora_B.normal_()
-    r = rollout(policy, images(2), "", G=2, reward_fn=lambda t, o: [0.0] * len(t), max_new_tokens=6, ref="lora",
-                need_old_logp=True)
-    with torch.no_grad():
-        with common.lora_disabled(policy.model):
-            ref_again = policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
-        assert not torch.allclose(policy.completion_logprobs(prompts, ids, mask), base)  # LoRA changed the policy
-        with common.lora_disabled(policy.model):
-            torch.testing.assert_close(policy.completion_logprobs(prompts, ids, mask), base)  # off = the base
-    torch.testing.assert_close(r.ref_logp, ref_again)
-    assert not torch.allclose(r.ref_logp, r.old_logp)
-
-
-def test_lora_policy_saves_merged_and_reloads_without_lora(policy, tmp_path):
-    common.apply_lora(policy.model.decoder, ["c_attn"], r=4, alpha=8)
-    with torch.no_grad():
-        for m in policy.model.modules():  # adapters away from their zero start
-            if isinstance(m, common.LoRALinear):
-                m.lora_B.normal_()
-    prompts = policy.prompt_batch(images(2))
-    ids, mask = policy.encode_targets(REPORTS[:2])
-    policy.save(tmp_path / "ck")
-    again = TinyPolicy.load(tmp_path / "ck")  # a plain model: the update is folded into the weights
-    assert not any(isinstance(m, common.LoRALinear) for m in again.model.modules())
-    with torch.no_grad():
-        torch.testing.assert_close(again.completion_logprobs(prompts, ids, mask),
-                                   policy.completion_logprobs(prompts, ids, mask), atol=1e-5, rtol=1e-5)
-
-
-def test_rollout_reference_errors(policy):
-    reward = lambda t, o: [0.0] * len(t)
-    with pytest.raises(ValueError, match="no LoRA layers"):
-        rollout(policy, images(1), "", G=2, reward_fn=reward, max_new_tokens=4, ref="lora")
-    with pytest.raises(ValueError, match="ref must be"):
-        rollout(policy, images(1), "", G=2, reward_fn=reward, max_new_tokens=4, ref="LoRA")
-
-
-def _grpo_run(records, out, steps, resume=False):
-    """A miniature GRPO training run with checkpoints, as the method scripts write theirs."""
-    common.seed_everything(0)
-    policy = TinyPolicy.build([r.report for r in records], image_size=32, n_embd=32, n_layer=1, n_head=2,
-                              channels=8, max_len=12)
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
-    start = 0
-    if resume:
-        start, extra = common.load_checkpoint(out / "last.pt", policy.model, opt, sched)
-        assert set(extra) == {"reward_sum"}
-    reward_sum = 0.0 if not resume else extra["reward_sum"]
-    batches = common.study_batches(records, 2, seed=0, start_step=start)
-    for step in range(start, steps):
-        _, batch = next(batches)
-        refs = batch["report"]
-        r = rollout(policy, batch["images"], "", G=2, max_new_tokens=8,
-                    reward_fn=lambda texts, owners: [float(len(set(t.split()) & set(refs[o].lower().split())))
-                                                     for t, o in zip(texts, owners)])
-        logp = policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
-        loss, _ = grpo_loss(logp, None, None, group_advantages(r.rewards, 2, scale="none"), r.completion_mask)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        reward_sum += r.rewards.sum().item()
-        common.save_checkpoint(out / "last.pt", policy.model, opt, sched, step + 1, extra={"reward_sum": reward_sum})
-    return policy, reward_sum
-
-
-def test_stopped_and_resumed_grpo_run_equals_uninterrupted(small_synthetic, tmp_path):
-    records = common.load_annotation(small_synthetic)["train"][:8]  # 4 steps per epoch: resume crosses an epoch
-    full, full_sum = _grpo_run(records, tmp_path / "a", steps=6)
-    _grpo_run(records, tmp_path / "b", steps=3)
-    resumed, resumed_sum = _grpo_run(records, tmp_path / "b", steps=6, resume=True)
-    assert resumed_sum == full_sum
-    for (n, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
-
-
-def test_nucleus_probs_keeps_the_smallest_set_reaching_top_p():
-    logp = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25]]))
-    # sorted 0.5, 0.25, 0.15, 0.1: 0.5 + 0.25 = 0.75 >= 0.7, so two tokens stay
-    torch.testing.assert_close(common.nucleus_probs(logp, 0.7), torch.tensor([[0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75]]))
-    torch.testing.assert_close(common.nucleus_probs(logp, 0.5), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
-    torch.testing.assert_close(common.nucleus_probs(logp, 1.0), logp.exp())
-    with pytest.raises(ValueError, match="top_p"):
-        common.nucleus_probs(logp, 0.0)
 
 
 def test_view_counts_are_checked():
-    two = TinyPolicy.build(REPORTS, n_views=2, image_size=32, n_embd=32, n_layer=1, n_head=2, channels=8, max_len=8)
+    two = tiny_policy(n_views=2, n_layer=1, max_len=8)
     ids, mask = two.generate(two.prompt_batch([v * 2 for v in images(2)]), 4)
     assert ids.shape[0] == 2
-    one = TinyPolicy.build(REPORTS, image_size=32, n_embd=32, n_layer=1, n_head=2, channels=8, max_len=8)
-    with pytest.raises(ValueError, match="n_views=2"):
-        one.generate(one.prompt_batch([v * 2 for v in images(1)]), 4)
     with pytest.raises(ValueError, match="same number of views"):
         two.prompt_batch([images(1)[0] * 2, images(1)[0]])
