@@ -666,8 +666,11 @@ def load_chexbert_weights(model, path=None):
     if not Path(path).is_file():
         raise FileNotFoundError(f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
                                 f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
+    except (RuntimeError, OSError, EOFError, AttributeError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path}: not a CheXbert checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
     if "bert.embeddings.position_ids" not in model.state_dict():  # a buffer once, rebuilt today
         state.pop("bert.embeddings.position_ids", None)
     try:
@@ -941,6 +944,8 @@ class TinyVLM(torch.nn.Module):
     def prefix(self, pixel_values, bos_id: int):
         """(N, V, 1, S, S) -> (N, V*g*g + 1, D): projected image features, then BOS's embedding."""
         N, V = pixel_values.shape[:2]
+        if V > self.hparams["n_views"]:
+            raise ValueError(f"a study with {V} views, but the tiny model was built for {self.hparams['n_views']} (the most in train)")
         feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
         feats = self.project(feats.flatten(2).transpose(1, 2))  # (N*V, g*g, D)
         feats = (feats.view(N, V, -1, feats.shape[-1]) + self.view_embedding[:V]).flatten(1, 2)  # (N, V*g*g, D)
@@ -1019,10 +1024,15 @@ class HFPolicy:
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
         self.name, self.device, self.dtype, self.max_target_tokens = str(name_or_path), torch.device(device), dtype, max_target_tokens
         size = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)} if max_pixels else None
-        self.processor = AutoProcessor.from_pretrained(name_or_path, **({"size": size} if size else {}))
+        try:
+            self.processor = AutoProcessor.from_pretrained(name_or_path, **({"size": size} if size else {}))
+        except OSError as e:  # no such folder, hub id or cached download
+            raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
         self.tokenizer = self.processor.tokenizer
         self.tokenizer.padding_side = "left"  # prompts end where generation starts
         self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype).to(self.device)
+        if not hasattr(getattr(self.model, "model", None), "visual"):
+            raise ValueError(f"--model {name_or_path}: a {type(self.model).__name__}; HFPolicy takes the Qwen2-VL family")
         gen, cfg = self.model.generation_config, self.model.config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
@@ -1038,7 +1048,8 @@ class HFPolicy:
             bos_token_id=gen.bos_token_id, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, suppress_tokens=self.suppressed or None)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable({"use_reentrant": False})  # works with frozen inputs (LoRA)
+            enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
             self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
         # from_pretrained returns eval mode, where gradient checkpointing and LoRA dropout are off;
         # the policy trains, and generate() switches to eval and back itself
@@ -1343,6 +1354,8 @@ def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if bad:
         raise ValueError(f"the reward function returned NaN or inf at completions {bad}")
+    if group_size < 2:  # one completion per prompt: every advantage is 0 and nothing would be learned
+        raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
     r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
     A = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if scale == "std":
@@ -1381,7 +1394,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
         # (unbiased, always positive: http://joschu.net/blog/kl-approx.html)
         log_r = ref_logp - logp  # (N, T)
         kl = torch.exp(log_r) - log_r - 1  # (N, T)
-        per_token = per_token + beta * kl  # (N, T)
+        per_token = per_token + beta * kl if beta else per_token  # (N, T)
     n_tokens = mask.sum().clamp(min=1)  # ()
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # ()
@@ -1642,9 +1655,9 @@ class Run:
         if self.resuming and (self.out / "last.pt").is_file():
             self.start, extra = load_checkpoint(self.out / "last.pt", model, optimizer, scheduler)
             (state if state is not None else {}).update(extra)
-            if self.is_main and (self.out / "metrics.jsonl").is_file():
-                rows = (self.out / "metrics.jsonl").read_text().splitlines(keepends=True)
-                self.write("metrics.jsonl", "".join(r for r in rows if json.loads(r)["step"] <= self.start))
+        if self.resuming and self.is_main and (self.out / "metrics.jsonl").is_file():  # drop lines after the checkpoint
+            rows = (self.out / "metrics.jsonl").read_text().splitlines(keepends=True)
+            self.write("metrics.jsonl", "".join(r for r in rows if json.loads(r)["step"] <= self.start))
         return self.start
 
     def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size"):
@@ -1853,7 +1866,7 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
     def factor(step):
         if step < w:
             return (step + 1) / w
-        return {"linear": 1 - step / max(1, total), "constant": 1.0,
+        return {"linear": (total - step) / max(1, total - w), "constant": 1.0,
                 "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))}[schedule]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
