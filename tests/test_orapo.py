@@ -1,8 +1,9 @@
-"""OraPO: ZRR (Eq. 8-9) and lambda (Eq. 10) by hand, the combined loss (Eq. 11-12) at its two
-ends, a DPO step on the tiny policy, FactS (Eq. 13-15) on hand-written reports, the balanced
-subset, and end-to-end runs (one process, exact resume with the ZRR state, torchrun)."""
+"""OraPO: ZRR (Eq. 8-9) on a hand-made z sequence and lambda (Eq. 10) by hand, the mixed loss (Eq. 11-12) at its
+two ends and in between, a DPO step on the tiny policy, FactS (Eq. 13-15) on hand-written reports, the balanced
+subset, what one training step feeds the losses, and end-to-end runs (one process, torchrun, resume, Qwen)."""
+import copy
 import json
-import shutil
+import math
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import common
 import orapo
-from conftest import labels, torchrun
+from conftest import Crash, labels, torchrun
 from orapo import (SentenceFacts, ZeroRewardRate, balanced_subset, facts_reward, mixing_weight, orapo_loss,
                    zero_reward_indicator)
 
@@ -23,22 +24,29 @@ def test_zero_reward_indicator_eq8():
     np.testing.assert_array_equal(zero_reward_indicator(r, 4), [0.0, 1.0, 0.0])
 
 
-def test_zrr_ema_eq9_by_hand():
-    zrr = ZeroRewardRate(momentum=0.9)  # starts at a study's first z
-    np.testing.assert_allclose(zrr.update(["a", "b"], np.array([1.0, 0.0])), [1.0, 0.0])
-    # a: 0.9 * 1 + 0.1 * 0 = 0.9 ; c is new: its first z = 1
-    np.testing.assert_allclose(zrr.update(["a", "c"], np.array([0.0, 1.0])), [0.9, 1.0])
-    # a: 0.9 * 0.9 + 0.1 * 0 = 0.81 ; b: 0.9 * 0 + 0.1 * 1 = 0.1
-    np.testing.assert_allclose(zrr.update(["a", "b"], np.array([0.0, 1.0])), [0.81, 0.1])
-    assert zrr.values == pytest.approx({"a": 0.81, "b": 0.1, "c": 1.0})
-    zero = ZeroRewardRate(momentum=0.9, init=0.0)  # an EMA started at 0
-    np.testing.assert_allclose(zero.update(["a"], np.array([1.0])), [0.1])
-    np.testing.assert_allclose(zero.update(["a"], np.array([1.0])), [0.19])
-    batch = ZeroRewardRate(momentum=0.5, scope="batch")  # one EMA of the minibatch's zero-group rate
-    np.testing.assert_allclose(batch.update(["a", "b", "c", "d"], np.array([1.0, 1.0, 1.0, 0.0])), [0.75] * 4)
-    np.testing.assert_allclose(batch.update(["e", "f"], np.array([0.0, 1.0])), [0.625] * 2)  # 0.5*0.75 + 0.5*0.5
-    with pytest.raises(ValueError, match="zrr-scope"):
-        ZeroRewardRate(0.9, scope="epoch")
+def test_zrr_reacts_to_persistent_failure_and_falls_back():
+    """App. A: the rate "reacts quickly" to persistent failures and lambda "quickly falls back toward lambda_min"
+    once a reward appears. Study "a" fails 3 times, then succeeds; m 0.5, ZRR from 0, lambda 0.05 + 0.45 ZRR^2."""
+    zrr, seq = ZeroRewardRate(0.5), []
+    for z in (1, 1, 1, 0, 0):
+        seq.append(zrr.update(["a"], np.array([float(z)]))[0])
+    np.testing.assert_allclose(seq, [0.5, 0.75, 0.875, 0.4375, 0.21875])
+    lam = mixing_weight(np.array(seq), 0.05, 0.5, 2.0)
+    np.testing.assert_allclose(lam, [0.05 + 0.45 * 0.25, 0.05 + 0.45 * 0.5625, 0.05 + 0.45 * 0.765625,
+                                     0.05 + 0.45 * 0.19140625, 0.05 + 0.45 * 0.0478515625])
+    assert lam[2] > 0.38 and lam[3] < 0.14 and lam[4] < 0.075  # up within 3 failures, back near 0.05 within 2 successes
+
+
+def test_zrr_first_visit_starts_from_the_minibatch_rate():
+    zrr = ZeroRewardRate(0.5)
+    # step 1: the minibatch rate is still 0, so a new study's ZRR is 0.5 z; the rate becomes 0.5 * 0.75
+    np.testing.assert_allclose(zrr.update(["a", "b", "c", "d"], np.array([1.0, 1.0, 1.0, 0.0])), [0.5, 0.5, 0.5, 0.0])
+    assert zrr.values["minibatch"] == pytest.approx(0.375)
+    # step 2: new study e starts at 0.375 -> 0.5 * 0.375 + 0.5 * 1; a comes back -> 0.5 * 0.5 + 0
+    np.testing.assert_allclose(zrr.update(["e", "a"], np.array([1.0, 0.0])), [0.6875, 0.25])
+    assert zrr.values["minibatch"] == pytest.approx(0.5 * 0.375 + 0.5 * 0.5)
+    with pytest.raises(ValueError, match="zrr-momentum"):
+        ZeroRewardRate(1.0)
 
 
 def test_mixing_weight_eq10_by_hand():
@@ -65,83 +73,76 @@ def _batch(B=3, G=4, T=5, Tc=6, seed=0):
 
 
 @pytest.mark.parametrize("loss_type, scale", [("dr_grpo", "none"), ("grpo", "std")])
-def test_combined_loss_is_pure_grpo_at_lambda_0(loss_type, scale):
+def test_mixed_loss_is_pure_grpo_at_lambda_0(loss_type, scale):
     B, G, T = 3, 4, 5
     logp, ref, mask, chosen, ref_chosen, c_mask, rewards = _batch(B, G, T)
     A = common.group_advantages(rewards, G, scale=scale)
-    loss, stats = orapo_loss(logp, ref, A, mask, np.zeros(B), G, chosen, ref_chosen, c_mask, beta=0.04,
-                             loss_type=loss_type, max_len=8)
+    loss, _ = orapo_loss(logp, ref, A, mask, np.zeros(B), G, chosen, ref_chosen, c_mask, beta=0.04,
+                         loss_type=loss_type, max_len=8)
     pure, _ = common.grpo_loss(logp, None, ref, A, mask, 0.2, 0.2, 0.04, loss_type, max_completion_length=8)
     torch.testing.assert_close(loss, pure)
     g1, g_chosen = torch.autograd.grad(loss, (logp, chosen))
-    g2, = torch.autograd.grad(pure, logp)
-    torch.testing.assert_close(g1, g2)
+    torch.testing.assert_close(g1, torch.autograd.grad(pure, logp)[0])
     assert not g_chosen.any()  # lambda 0: the ground-truth report gets no gradient
-    assert np.isfinite(stats["grpo_loss"]) and np.isfinite(stats["dpo_loss"])
 
 
-@pytest.mark.parametrize("ln", [True, False])
-def test_combined_loss_is_pure_dpo_at_lambda_1(ln):
+def test_mixed_loss_is_ln_dpo_at_lambda_1_written_out():
     B, G = 3, 4
     logp, ref, mask, chosen, ref_chosen, c_mask, rewards = _batch(B, G)
     A = common.group_advantages(rewards, G, scale="none")
-    loss, _ = orapo_loss(logp, ref, A, mask, np.ones(B), G, chosen, ref_chosen, c_mask, dpo_beta=0.1, ln_dpo=ln)
-    # Eq. 12 written out: the ground truth of prompt q against each of its G completions
-    rep = lambda x: x.repeat_interleave(G, dim=0)  # (B*G, Tc)
-    pure, _ = common.dpo_loss(rep(chosen), logp, rep(ref_chosen), ref, 0.1, ln, rep(c_mask), mask)
-    torch.testing.assert_close(loss, pure)
-    for x in (logp, chosen):
-        torch.testing.assert_close(torch.autograd.grad(loss, x, retain_graph=True)[0],
-                                   torch.autograd.grad(pure, x, retain_graph=True)[0])
+    loss, _ = orapo_loss(logp, ref, A, mask, np.ones(B), G, chosen, ref_chosen, c_mask, dpo_beta=2.0, max_len=8)
+    # Eq. 5-7 and 12 by hand: mean per-token log-ratio of the ground truth minus that of each completion
+    mean = lambda x, m: (x * m).sum(1) / m.sum(1)  # noqa: E731
+    c = (mean(chosen, c_mask) - mean(ref_chosen, c_mask)).repeat_interleave(G)  # (B*G,)
+    h = 2.0 * (c - (mean(logp, mask) - mean(ref, mask)))
+    torch.testing.assert_close(loss, -torch.nn.functional.logsigmoid(h).mean())
 
 
-def test_combined_loss_mixes_per_prompt_and_zero_groups_stay_finite():
+def test_mixed_loss_mixes_per_prompt():
     B, G = 3, 4
     logp, ref, mask, chosen, ref_chosen, c_mask, rewards = _batch(B, G)
     A = common.group_advantages(rewards, G, scale="std")
     assert (A[:G] == 0).all()  # the zero-reward group: no advantage, no NaN
     lam = np.array([0.5, 0.05, 0.2])
-    loss, _ = orapo_loss(logp, ref, A, mask, lam, G, chosen, ref_chosen, c_mask, beta=0.0, loss_type="grpo")
+    loss, _ = orapo_loss(logp, ref, A, mask, lam, G, chosen, ref_chosen, c_mask, loss_type="grpo")
     parts = []
     for q in range(B):
         g, c = slice(q * G, (q + 1) * G), slice(q, q + 1)
         lg, _ = common.grpo_loss(logp[g], None, ref[g], A[g], mask[g], loss_type="grpo")
-        ld, _ = common.dpo_loss(chosen[c].expand(G, -1), logp[g], ref_chosen[c].expand(G, -1), ref[g], 0.1, True,
+        ld, _ = common.dpo_loss(chosen[c].expand(G, -1), logp[g], ref_chosen[c].expand(G, -1), ref[g], 2.0, True,
                                 c_mask[c].expand(G, -1), mask[g])
         parts.append((1 - lam[q]) * lg + lam[q] * ld)
     torch.testing.assert_close(loss, torch.stack(parts).mean())
-    assert parts[0].item() == pytest.approx(0.5 * np.log(2), abs=0.2)  # GRPO part 0, DPO part near log 2
     with pytest.raises(ValueError, match="chosen_logp"):
         orapo_loss(logp, ref, A, mask, lam, G)
 
 
-def test_dpo_step_raises_chosen_logprob(small_synthetic):
+def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
     torch.manual_seed(0)
     records = common.load_data(str(small_synthetic))["train"][:2]
-    policy = common.TinyPolicy.build([r.report for r in records], max_len=24)
-    ref = orapo.copy.deepcopy(policy)
-    images = [[common.load_image(p) for p in r.image_paths] for r in records]
-    prompts = policy.prompt_batch(images)
+    policy = common.make_policy("tiny", [r.report for r in records], "cpu", max_new_tokens=24)
+    ref = copy.deepcopy(policy)
+    prompts = policy.prompt_batch([[common.load_image(p) for p in r.image_paths] for r in records])
     G = 4
     rep = policy.repeat(prompts, G)
     ids, mask = policy.generate(rep, 24)  # the rejected samples
     c_ids, c_mask = policy.encode_targets([r.report for r in records])
-    with torch.no_grad():
-        ref_logp = ref.completion_logprobs(rep, ids, mask)
-        ref_c = ref.completion_logprobs(prompts, c_ids, c_mask)
-    opt = torch.optim.SGD(policy.model.parameters(), lr=0.5)
-    before = (ref_c * c_mask).sum(1) / c_mask.sum(1)
-    for _ in range(3):
+    ref_logp, ref_c = orapo.ref_logprobs(policy, ref, rep, ids, mask), orapo.ref_logprobs(policy, ref, prompts, c_ids, c_mask)
+    opt = torch.optim.SGD(policy.model.parameters(), lr=0.05)
+    mean = lambda x, m: (x * m).sum(1) / m.sum(1)  # noqa: E731  per-token mean log-prob (LN-DPO)
+    for k in range(4):
         loss, s = orapo_loss(policy.completion_logprobs(rep, ids, mask), ref_logp, torch.zeros(2 * G), mask,
-                             np.ones(2), G, policy.completion_logprobs(prompts, c_ids, c_mask), ref_c, c_mask)
+                             np.ones(2), G, policy.completion_logprobs(prompts, c_ids, c_mask), ref_c, c_mask, max_len=24)
+        if k == 0:  # the policy is its reference: margin 0, L_DPO = log 2
+            assert loss.item() == pytest.approx(math.log(2), abs=1e-6) and s["dpo_margin"] == 0
         opt.zero_grad()
         loss.backward()
         opt.step()
+    assert s["dpo_accuracy"] == 1.0 and s["dpo_margin"] > 0 and loss.item() < math.log(2)  # before the 4th step
     with torch.no_grad():
-        after = (policy.completion_logprobs(prompts, c_ids, c_mask) * c_mask).sum(1) / c_mask.sum(1)
-        rejected = (policy.completion_logprobs(rep, ids, mask) * mask).sum() - (ref_logp * mask).sum()
-    assert (after > before + 0.05).all(), (before, after)
-    assert rejected < 0  # the sampled reports lost probability
+        up = mean(policy.completion_logprobs(prompts, c_ids, c_mask), c_mask) - mean(ref_c, c_mask)  # (2,)
+        down = (mean(policy.completion_logprobs(rep, ids, mask), mask) - mean(ref_logp, mask)).view(2, G)  # (2, G)
+    assert (up[:, None] > down).all() and down.mean() < 0  # the ground truth gained on every sample; samples lost
 
 
 # --------------------------------------------------------------------------- Eq. 13-15
@@ -166,9 +167,8 @@ GT = labels(Cardiomegaly=1, Edema=1, Pleural_Effusion=0)  # two findings present
     ("", 0.0, 0.0),  # empty: nothing claimed
 ])
 def test_facts_reward_by_hand(report, p, r):
-    beta = 2.0
-    f = (1 + beta ** 2) * p * r / (beta ** 2 * p + r) if p + r else 0.0
-    reward, stats = facts_reward([report], GT, SentenceFacts(), common.RuleLabeler(), beta)
+    f = (1 + 4) * p * r / (4 * p + r) if p + r else 0.0  # Eq. 15 with beta 2
+    reward, stats = facts_reward([report], GT, SentenceFacts(), common.RuleLabeler(), 2.0)
     assert reward[0] == pytest.approx(f, abs=1e-6)
     assert (stats["facts_precision"], stats["facts_recall"]) == pytest.approx((p, r))
 
@@ -176,17 +176,15 @@ def test_facts_reward_by_hand(report, p, r):
 def test_facts_reward_recall_weighting_and_no_finding():
     lab, ex = common.RuleLabeler(), SentenceFacts()
     # P = 1, R = 1/2: F2 = 5 * 0.5 / (4 * 1 + 0.5) = 0.556 < F1 = 2 * 0.5 / 1.5 = 0.667 (beta 2 punishes the miss)
-    r2, _ = facts_reward(["Mild cardiomegaly."], GT, ex, lab, beta=2.0)
-    r1, _ = facts_reward(["Mild cardiomegaly."], GT, ex, lab, beta=1.0)
-    assert r2[0] == pytest.approx(2.5 / 4.5, abs=1e-6) and r1[0] == pytest.approx(2 / 3, abs=1e-6)
-    # a normal study: No Finding is the one positive label; a normal report matches it exactly
-    normal = labels(Pleural_Effusion=0, No_Finding=1)
+    assert facts_reward(["Mild cardiomegaly."], GT, ex, lab, beta=2.0)[0][0] == pytest.approx(2.5 / 4.5, abs=1e-6)
+    assert facts_reward(["Mild cardiomegaly."], GT, ex, lab, beta=1.0)[0][0] == pytest.approx(2 / 3, abs=1e-6)
+    normal = labels(Pleural_Effusion=0, No_Finding=1)  # a normal study: No Finding is its one positive label
     rewards, _ = facts_reward(["The lungs are clear. No pleural effusion.", "Small left pleural effusion.", ""],
                               np.repeat(normal, 3, 0), ex, lab)
     np.testing.assert_allclose(rewards, [1.0, 0.0, 0.0], atol=1e-6)
 
 
-def test_llm_fact_extractor_with_a_local_model():
+def test_llm_fact_extractor_with_a_local_model(monkeypatch):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
     words = ["<pad>", "<eos>", "<unk>", "no", "pleural", "effusion", "mild", "cardiomegaly", "report", "list", "the"]
@@ -196,14 +194,12 @@ def test_llm_fact_extractor_with_a_local_model():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(words), n_embd=16, n_layer=1, n_head=2, n_positions=256,
                                        eos_token_id=1, bos_token_id=1))
-    ex = orapo.LLMFacts(model=model, tokenizer=tok, max_new_tokens=6, batch_size=2)
-    out = ex(["Mild cardiomegaly.", "", "No pleural effusion.", "Mild cardiomegaly."])
-    assert out[1] == [] and out[0] == out[3]  # empty report not asked; greedy, batch-independent
-    assert all(isinstance(f, str) and f for fs in out for f in fs)
-    assert orapo.parse_fact_lines("- mild cardiomegaly\n2. no pleural effusion\n\n* \n") == \
-        ["mild cardiomegaly", "no pleural effusion"]
-    with pytest.raises(ValueError, match="--facts"):
-        orapo.make_fact_extractor("gpt-4.1")
+    monkeypatch.setattr(orapo, "FACT_TOKENS", 6)
+    out = orapo.LLMFacts(model=model, tokenizer=tok)(["Mild cardiomegaly.", "", "No pleural effusion."])
+    assert out[1] == [] and all(isinstance(f, str) and f for fs in out for f in fs)  # an empty report has no facts
+    # the answer's lines, list markers removed: a model that answers with a fixed text
+    monkeypatch.setattr(tok, "batch_decode", lambda *a, **k: ["- mild cardiomegaly\n2. no pleural effusion\n\n* \n"])
+    assert orapo.LLMFacts(model=model, tokenizer=tok)(["Mild cardiomegaly."]) == [["mild cardiomegaly", "no pleural effusion"]]
 
 
 # --------------------------------------------------------------------------- data (Sec. 4.1)
@@ -216,116 +212,194 @@ def test_balanced_subset_takes_rare_labels_first():
     lab[rare, L["Fracture"]] = 1.0  # ... 6 with a fracture
     lab[rare[:2], L["Edema"]] = -1.0  # 2 of them with uncertain edema
     keep = balanced_subset(lab, 20, seed=0)
-    assert len(keep) == 20 and set(rare) <= set(keep)  # every rare study is in
-    assert (np.diff(keep) > 0).all()
+    assert len(keep) == 20 and set(rare) <= set(keep) and (np.diff(keep) > 0).all()  # every rare study is in
     np.testing.assert_array_equal(keep, balanced_subset(lab, 20, seed=0))  # deterministic
     assert len(balanced_subset(lab, 0, 0)) == 200 and len(balanced_subset(lab, 500, 0)) == 200
 
 
 def test_drop_missing_sections():
-    R = lambda i, **meta: common.Record(str(i), ["x.png"], "report", "train", None, meta)
+    R = lambda i, **meta: common.Record(str(i), ["x.png"], "report", "train", None, meta)  # noqa: E731
     records = [R(0, section_findings="Clear.", section_impression="Normal."), R(1, section_findings="Clear."),
                R(2, section_findings="", section_impression="Normal."), R(3, findings={"Edema": {}})]
-    assert [r.id for r in orapo.drop_missing_sections(records, "findings,impression")] == ["0"]
-    assert len(orapo.drop_missing_sections(records, "")) == 4
+    assert [r.id for r in orapo.drop_missing_sections(records)] == ["0"]
+    assert len(orapo.drop_missing_sections(records, ())) == 4
     plain = [R(0), R(1, findings={"Edema": {}})]  # no section held as text (synthetic, R2Gen): none checked
-    assert len(orapo.drop_missing_sections(plain, "findings,impression")) == 2
+    assert len(orapo.drop_missing_sections(plain)) == 2
 
 
-# --------------------------------------------------------------------------- end to end
-RUN = ["--steps", "4", "--sft-steps", "3", "--sft-batch-size", "8", "--prompts-per-step", "2", "--group-size", "4",
-       "--max-new-tokens", "16", "--n-eval", "4", "--eval-every", "2", "--log-every", "1", "--no-meteor"]
+# --------------------------------------------------------------------------- one step, end to end
+@pytest.fixture
+def fast(monkeypatch):
+    """Small budgets for end-to-end runs on the small synthetic set."""
+    monkeypatch.setattr(orapo, "WARM_START", dict(steps_tiny=40, lr=3e-3, batch_size=8))
+    monkeypatch.setattr(orapo, "N_EVAL", 4)
+    return ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "16"]
 
 
-def test_end_to_end_and_exact_resume_with_zrr_state(tmp_path, small_synthetic, monkeypatch):
+def independent_facts(texts, gt):
+    """Eq. 13-15 written again: sentences, each labelled; present = positive or uncertain in any sentence, absent =
+    negative in any; TP, FP (unsupported claims and contradicted ground truth), FN; F2. gt (N, 14)."""
+    lab, out = common.RuleLabeler(), []
+    for text, y in zip(texts, gt):
+        sents = [s for s in text.replace(";", ".").split(". ") if any(ch.isalpha() for ch in s)]
+        f = lab(sents) if sents else np.empty((0, 14))
+        present = np.isin(f, (1.0, -1.0)).any(0)
+        absent = (f == 0.0).any(0)
+        present[13] = bool(sents) and not present[:12].any()  # No Finding: nothing but Support Devices claimed
+        truth = np.isin(y, (1.0, -1.0))
+        tp, fn = (present & truth).sum(), (truth & ~present).sum()
+        fp = ((present & ~truth) | (absent & truth)).sum()
+        p, r = (tp / (tp + fp) if tp + fp else 0.0), (tp / (tp + fn) if tp + fn else 0.0)
+        out.append(5 * p * r / (4 * p + r) if p + r else 0.0)
+    return np.array(out)
+
+
+def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_synthetic, fast, monkeypatch):
+    """One training step: the rewards reaching the loss equal FactS written here; Eq. 1-2's dr_grpo advantages;
+    the reference's log-probs equal the policy's (step 1); DPO gets the study's reference report (the findings the
+    prompt asks for) against the G samples, beta 2, per-token means; and the loss equals Eq. 11 worked by hand:
+    at step 1 every log-ratio is 0, so L_DPO = log 2 and L_GRPO(q) = -sum_i A_i |o_i| / (G max_new_tokens), with
+    lambda_q = 0.05 + 0.45 (0.5 z_q)^2 (ZRR from 0, m 0.5)."""
+    seen, rolls, steps = {"grpo": [], "dpo": []}, [], []
+    real = {"grpo": common.grpo_loss, "dpo": common.dpo_loss, "rollout": common.rollout, "step": orapo.orapo_step}
+    monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen["grpo"].append((a, k)) or real["grpo"](*a, **k))
+    monkeypatch.setattr(common, "dpo_loss", lambda *a, **k: seen["dpo"].append((a, k)) or real["dpo"](*a, **k))
+    monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real["rollout"](*a, **k)) or rolls[-1])
+    monkeypatch.setattr(orapo, "orapo_step", lambda *a, **k: steps.append((a, real["step"](*a, **k))) or steps[-1][1])
+    monkeypatch.setattr(common.Run, "evaluate", lambda *a, **k: {"facts_reward": 0.0, "ce": {k: 0.0 for k in
+                        ("macro_precision", "macro_recall", "macro_f1")}})  # not under test
+    orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "run"), "--steps", "1"] + fast)
+    roll, ((policy, ref, _, batch, *_), (loss, stats)) = rolls[0], steps[0]
+    G, B, T = 4, 2, 16
+    gt = common.RuleLabeler()(batch["report"])
+    expected = independent_facts(roll.texts, gt[np.arange(B * G) // G])
+    np.testing.assert_allclose(roll.rewards.numpy(), expected, atol=1e-6)
+    r = roll.rewards.view(B, G)
+    A = (r - r.mean(1, keepdim=True)).flatten()  # Dr. GRPO: no std division
+    for q, ((logp, old, ref_logp, A_q, mask), kw) in enumerate(seen["grpo"]):
+        torch.testing.assert_close(A_q, A[q * G:(q + 1) * G])
+        assert old is None and kw["beta"] == 0.04 and kw["loss_type"] == "dr_grpo" and kw["max_completion_length"] == T
+        torch.testing.assert_close(ref_logp, logp.detach(), atol=1e-5, rtol=0)  # step 1: the policy is its reference
+    for q, ((chosen, rejected, ref_chosen, ref_rejected, beta), kw) in enumerate(seen["dpo"]):
+        assert beta == 2.0 and kw["length_normalize"]
+        assert policy.decode(policy.encode_targets([batch["report"][q]])[0], kw["chosen_mask"][:1])[0] == \
+            policy.decode(*policy.encode_targets([batch["report"][q]]))[0]
+        torch.testing.assert_close(kw["rejected_mask"], roll.completion_mask[q * G:(q + 1) * G])
+        torch.testing.assert_close(ref_chosen, chosen.detach(), atol=1e-5, rtol=0)
+    z = (r == 0).all(1).float().numpy()
+    lam = 0.05 + 0.45 * (0.5 * z) ** 2
+    lengths = roll.completion_mask.sum(1)
+    l_grpo = -(A * lengths).view(B, G).sum(1) / (G * T)
+    assert loss.item() == pytest.approx(float(((1 - lam) * l_grpo.numpy() + lam * math.log(2)).mean()), abs=1e-5)
+    assert stats["lambda"] == pytest.approx(lam.mean()) and stats["zero_group_ratio"] == z.mean()
+
+
+def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
+    """A short run: the files a user plots, Fig. 2's columns in metrics.jsonl, the val checks of Fig. 2 (right),
+    the ZRR state in the checkpoint; --lambda-max 0 is vanilla GRPO; --steps 0 evaluates only."""
+    monkeypatch.setattr(orapo, "EVAL_EVERY", 2)
     out = tmp_path / "run"
-    saved = {}
-    real_save = common.save_checkpoint
-
-    def save_and_keep(path, *a, **kw):  # keep a copy of the step-2 checkpoint: a run stopped there
-        real_save(path, *a, **kw)
-        saved.setdefault(a[3], tmp_path / f"step{a[3]}.pt")
-        shutil.copy(path, saved[a[3]])
-
-    monkeypatch.setattr(common, "save_checkpoint", save_and_keep)
-    orapo.main(["--data", str(small_synthetic), *RUN, "--out", str(out)])
+    orapo.main(["--data", str(small_synthetic), "--out", str(out), "--steps", "4", "--uncertain-as", "0"] + fast)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [x for x in lines if "reward" in x]
-    assert [x["step"] for x in train_lines] == [1, 2, 3, 4]
-    assert {"zero_group_ratio", "zrr", "lambda", "grpo_loss", "dpo_loss", "reward", "kl", "loss"} <= set(lines[0])
-    assert all(0.05 <= x["lambda"] <= 0.5 and np.isfinite(x["loss"]) for x in train_lines)
-    # Eq. 4's KL is on by default (beta 0.04): 0 while the policy is the reference, then > 0
-    assert json.loads((out / "config.json").read_text())["beta"] == 0.04
-    assert train_lines[0]["kl"] == pytest.approx(0, abs=1e-6) and train_lines[-1]["kl"] > 0
-    assert any("val_macro_f1" in x for x in lines)
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert {"zero_group_ratio", "zrr", "lambda", "grpo_loss", "dpo_loss", "dpo_accuracy", "dpo_accuracy_x_zero",
+            "reward", "kl", "loss", "lr", "grad_norm"} <= set(lines[0])
+    assert all(0.05 <= x["lambda"] <= 0.5 and math.isfinite(x["loss"]) for x in lines)
+    assert lines[0]["kl"] == pytest.approx(0, abs=1e-6) and lines[-1]["kl"] > 0  # Eq. 4's KL on by default
+    assert "val_f1_pneumonia" in lines[1] and "val_f1_fracture" in lines[1]
     results = json.loads((out / "eval.json").read_text())
-    assert set(results) == {"val_before", "test_before", "val_after", "test_after"}
-    after = results["test_after"]
-    assert 0 <= after["ce"]["macro_f1"] <= 1 and 0 <= after["facts_reward"] <= 1 and "METEOR" not in after["nlg"]
+    assert set(results) == {"test_before", "test_after"} and results["test_after"]["uncertain_as"] == 0
+    assert 0 <= results["test_after"]["ce"]["macro_f1"] <= 1 and 0 <= results["test_after"]["facts_reward"] <= 1
     gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
     assert len(gens) == 12 and {"id", "reference", "generated", "facts_reward"} <= set(gens[0])
-    final = torch.load(out / "last.pt", weights_only=True)
-    assert len(final["extra"]["zrr"]) == 8  # 4 steps x 2 studies, all different in 40
-
-    # the same run stopped after step 2 and resumed: same ZRR state and weights at step 4
-    shutil.copy(saved[2], out / "last.pt")
-    orapo.main(["--data", str(small_synthetic), *RUN, "--out", str(out), "--resume"])
-    again = torch.load(out / "last.pt", weights_only=True)
-    assert again["step"] == 4 and again["extra"]["zrr"] == final["extra"]["zrr"]
-    for k, v in final["model"].items():
-        torch.testing.assert_close(again["model"][k], v)
-
-
-def test_vanilla_grpo_flag(tmp_path, small_synthetic):
-    out = tmp_path / "grpo"
-    orapo.main(["--data", str(small_synthetic), *RUN, "--steps", "2", "--no-dpo", "--grpo-loss", "grpo",
-                "--beta", "0", "--out", str(out)])
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "reward" in x]
-    assert all(x["lambda"] == 0 and x["dpo_loss"] == 0 for x in lines)
-    assert all(x["kl"] == 0 for x in lines)  # no DPO, no KL: no reference scored at all
+    zrr = torch.load(out / "last.pt", weights_only=True)["extra"]
+    assert len(zrr) == 4 * 2 + 1  # 4 steps x 2 studies, all different in 40, and the minibatch rate
+    grpo = tmp_path / "grpo"
+    orapo.main(["--data", str(small_synthetic), "--out", str(grpo), "--steps", "2", "--lambda-min", "0", "--lambda-max",
+                "0", "--beta", "0", "--loss-type", "grpo"] + fast)
+    lines = [json.loads(x) for x in (grpo / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["lambda"] == 0 and x["dpo_loss"] == 0 and x["kl"] == 0 for x in lines)  # no reference at all
     assert "zero_group_ratio" in lines[0]  # still tracked: the Fig. 2 baseline
-    with pytest.raises(ValueError, match="grpo-loss"):
-        orapo.main(["--data", str(small_synthetic), "--grpo-loss", "dapo", "--out", str(out)])
-    with pytest.raises(ValueError, match="fp16"):  # no loss scaling here: refused, not silently wrong
-        orapo.main(["--data", str(small_synthetic), "--dtype", "fp16", "--out", str(out)])
+    orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "zero"), "--steps", "0"] + fast)
+    assert set(json.loads((tmp_path / "zero" / "eval.json").read_text())) == {"test_before"}
+
+
+def test_bad_input_is_one_line(tmp_path, small_synthetic):
+    for flags, message in ((["--lambda-min", "0.6"], "--lambda-min <= --lambda-max"),
+                           (["--facts", "gpt-4.1"], "--facts must be"), (["--zrr-momentum", "1"], "--zrr-momentum")):
+        with pytest.raises(SystemExit, match=f"^error: .*{message}"):
+            orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "a"), "--steps", "1"] + flags)
+    with pytest.raises(SystemExit):  # argparse: only 0 or 1
+        orapo.main(["--uncertain-as", "2"])
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, monkeypatch, crash_after_checkpoint):
+    """Stopped after the step-2 checkpoint and resumed, a run ends with the weights, ZRR state and metrics of one
+    never stopped."""
+    monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
+    flags = ["--data", str(small_synthetic), "--steps", "4"] + fast
+    orapo.main(flags + ["--out", str(tmp_path / "full")])
+    crash_after_checkpoint(2)
+    with pytest.raises(Crash):
+        orapo.main(flags + ["--out", str(tmp_path / "part")])
+    crash_after_checkpoint(None)
+    with pytest.raises(SystemExit, match="--dpo-beta 2.0 in the run, 0.1 now"):
+        orapo.main(flags + ["--out", str(tmp_path / "part"), "--resume", "--dpo-beta", "0.1"])
+    orapo.main(flags + ["--out", str(tmp_path / "part"), "--resume"])
+    full, part = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in ("full", "part"))
+    assert full["extra"] == part["extra"] and len(full["extra"]) == 9
+    assert all(torch.equal(full["model"][k], part["model"][k]) for k in full["model"])
+    rows = lambda d: [{k: v for k, v in json.loads(x).items() if k != "time"}  # noqa: E731
+                      for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    assert rows("full") == rows("part")
 
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):
-    out = tmp_path / "ddp"
-    torchrun("orapo.py", "--data", str(small_synthetic), "--steps", "2", "--sft-steps", "2", "--sft-batch-size", "4",
-             "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12", "--n-eval", "4",
-             "--log-every", "1", "--no-meteor", "--out", str(out))
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2]  # rank 0 alone writes
-    zrr = torch.load(out / "last.pt", weights_only=True)["extra"]["zrr"]
-    assert len(zrr) == 8  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
+    out, script = tmp_path / "ddp", tmp_path / "short_warm_start.py"  # the warm start shortened, as in `fast`
+    script.write_text("import orapo\norapo.WARM_START = dict(steps_tiny=2, lr=3e-3, batch_size=4)\norapo.main()\n")
+    torchrun(str(script), "--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
+             "--max-new-tokens", "12", "--out", str(out))
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    zrr = torch.load(out / "last.pt", weights_only=True)["extra"]
+    assert len(zrr) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
     gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
-    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shards, in order
+    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
 
 
-@pytest.mark.parametrize("lora, extra", [("0", []), ("4", []), ("0", ["--sft-steps", "2", "--dtype", "bf16"])])
-def test_hugging_face_policy_full_and_lora(tmp_path, small_synthetic, tiny_qwen_dir, lora, extra):
-    """The HF branch on a tiny random Qwen2.5-VL: full fine-tuning against a frozen copy, LoRA
-    against the policy with its adapters off, and a bf16 run with a warm start."""
-    out = tmp_path / f"hf{lora}"
-    orapo.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--lora-r", lora, "--steps", "2",
-                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "2",
-                "--log-every", "1", "--lr", "1e-3", "--no-meteor", "--out", str(out), *extra])
+@pytest.mark.parametrize("lora", [None, dict(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"])])
+def test_hugging_face_policy_full_and_lora(tmp_path, small_synthetic, tiny_qwen_dir, lora, monkeypatch):
+    """The HF branch on a tiny random Qwen2.5-VL: full fine-tuning against a frozen copy (the paper's), and LoRA
+    against the policy with its adapters off; the reference scores the ground-truth report too (KL and DPO 0 at
+    step 1: L_DPO = log 2)."""
+    monkeypatch.setattr(orapo, "LORA", lora)
+    out = tmp_path / "hf"
+    orapo.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--steps", "2", "--prompts-per-step",
+                "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--max-pixels", str(56 * 56),
+                "--out", str(out)])
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2] and all(np.isfinite(x["dpo_loss"]) for x in lines)
-    assert (out / "final" / "config.json").is_file() and (out / "sft").is_dir() == bool(extra)
+    assert [x["step"] for x in lines] == [1, 2] and all(math.isfinite(x["loss"]) for x in lines)
+    assert lines[0]["kl"] == 0.0 and lines[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert (out / "final" / "config.json").is_file()
+    assert torch.load(out / "last.pt", weights_only=True)["partial"] == bool(lora)
 
 
 @pytest.mark.slow
-def test_fig2_orapo_lowers_zero_reward_ratio_default_runs(tmp_path):
-    """The README's Fig. 2 comparison: the default synthetic run as OraPO and as vanilla GRPO
-    (same seed, data and budget; 2-4 minutes each on 2 cores)."""
-    runs = {}
-    for name, extra in (("orapo", []), ("grpo", ["--no-dpo"])):
-        orapo.main(["--out", str(tmp_path / name), "--no-meteor", *extra])
-        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        eval_ = json.loads((tmp_path / name / "eval.json").read_text())
-        runs[name] = (np.mean([x["zero_group_ratio"] for x in lines if "zero_group_ratio" in x]),
-                      eval_["test_after"]["ce"]["macro_f1"])
-        print(name, "mean zero-reward group ratio %.3f, test macro F1 %.3f" % runs[name])
-    assert runs["orapo"][0] < runs["grpo"][0] and runs["orapo"][1] > runs["grpo"][1]
+def test_fig2_paired_seeds(tmp_path, monkeypatch):
+    """Fig. 2 over 5 paired seeds (OraPO vs vanilla GRPO, same seed, data and budget), in a short setting where
+    zero-reward groups are common: prints the mean paired difference of the zero-reward group ratio and of test
+    macro F1 with their standard errors. Asserts nothing about the sign: 5 seeds of a sandbox are not a test."""
+    monkeypatch.setattr(orapo, "WARM_START", dict(orapo.WARM_START, steps_tiny=100))
+    diffs = []
+    for seed in range(5):
+        runs = {}
+        for name, extra in (("orapo", []), ("grpo", ["--lambda-min", "0", "--lambda-max", "0"])):
+            out = tmp_path / f"{name}{seed}"
+            orapo.main(["--out", str(out), "--seed", str(seed), "--steps", "100", "--train-size", "200", *extra])
+            lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            runs[name] = (np.mean([x["zero_group_ratio"] for x in lines]),
+                          json.loads((out / "eval.json").read_text())["test_after"]["ce"]["macro_f1"])
+        diffs.append(np.subtract(runs["orapo"], runs["grpo"]))
+    d = np.array(diffs)
+    for k, name in enumerate(("zero-reward group ratio", "test macro F1")):
+        print(f"OraPO - GRPO, {name}: {d[:, k].mean():+.4f} +- {d[:, k].std(ddof=1) / np.sqrt(len(d)):.4f} (SE, 5 seeds)")
+    assert np.isfinite(d).all()
