@@ -7,7 +7,7 @@ reference report, plus a small reward for a "<think>...</think> <report>...</rep
 GRPO turns each group's rewards into advantages and updates the policy (LoRA) under a KL penalty
 to the frozen starting model. With the tagged prompt only the text inside <report> is scored.
 
-    python mrg_r1.py                                    # synthetic set, tiny model: ~4 minutes on a CPU
+    python mrg_r1.py                                    # synthetic set, tiny model: 2.5 CPU minutes
     python mrg_r1.py --reward ce_f1+format              # a Table II row (also mccs, format, nlg, ...)
     python mrg_r1.py --data /data/iu_xray --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL \\
         --labeler chexbert --dtype bf16 --grad-accum 4   # one GPU
