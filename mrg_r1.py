@@ -7,7 +7,7 @@ reference report, plus a small reward for a "<think>...</think> <report>...</rep
 GRPO turns each group's rewards into advantages and updates the policy (LoRA) under a KL penalty
 to the frozen starting model. With the tagged prompt only the text inside <report> is scored.
 
-    python mrg_r1.py                                    # synthetic set, tiny model: ~4 minutes on a CPU
+    python mrg_r1.py                                    # synthetic set, tiny model: 2.5 CPU minutes
     python mrg_r1.py --reward ce_f1+format              # a Table II row (also mccs, format, nlg, ...)
     python mrg_r1.py --data /data/iu_xray --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL \\
         --labeler chexbert --dtype bf16 --grad-accum 4   # one GPU
@@ -155,9 +155,11 @@ def grpo_step(policy, roll: common.Rollout, args: Args, max_new_tokens: int):
     pi(o_i|q) / pi_old(o_i|q); with one update per rollout pi_old = pi_theta (detached), so the
     ratio is 1 and its clipping never acts: no --clip-eps. The gradient is then
     -sum_i A_i grad log pi(o_i|q) + beta grad KL, which dr_grpo (token sum / (N * max_new_tokens))
-    gives up to the constant 1 / max_new_tokens. LoRA dropout is off while sampling (generate is in
-    eval mode) and on here: the ratio is still exactly 1 (old = this same forward, detached); the
-    dropout only regularises the gradient, as the paper's LoRA dropout intends."""
+    gives up to the constant 1 / max_new_tokens. LoRA dropout (HF models) is off while sampling
+    (generate runs in eval mode) and on here, as in TRL (disable_dropout=False): the ratio stays exactly 1
+    (old = this same forward, detached), while the gradient and the KL's policy side come from the
+    dropout-perturbed policy (the reference, LoRA off, has none). We keep it: the paper trains with
+    LoRA dropout 0.05, which has no effect in eval mode, and the tiny model has no dropout at all."""
     A = grpo_advantages(roll.rewards, args.group_size)  # (N,) Eq. 2
     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (N, T)
     loss, stats = common.grpo_loss(logp, None, roll.ref_logp, A, roll.completion_mask, beta=args.beta,

@@ -2,6 +2,7 @@
 what one training step feeds Eq. 1's loss, and end-to-end runs (tiny model, torchrun, resume, Qwen)."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -114,28 +115,42 @@ def fast(monkeypatch):
 
 
 def test_one_step_feeds_eq1_the_paper_quantities(tmp_path, small_synthetic, fast, monkeypatch):
-    """What reaches common.grpo_loss in a training step, against values computed here from the sampled texts:
-    each completion's reward (0.75 MCCS + 0.25 format, Eq. 3-6 written out), Eq. 2's advantages, the
-    reference's log-probs (equal to the policy's at step 1), dr_grpo with the max_new_tokens normaliser."""
+    """What reaches common.grpo_loss in a training step, against values computed here from the completions' texts:
+    each completion's reward (0.75 MCCS with --margin 0.25 + 0.25 format, Eq. 3-6 and Sec. III-B1 written out),
+    Eq. 2's advantages, the reference's log-probs (equal to the policy's at step 1), dr_grpo's max_new_tokens.
+    A 40-step warm start rarely writes a labelled report, so the reward reads texts where every other one is
+    a tagged report: the study's own reference, or another training report (MCCS between 0 and 1, not only 0)."""
     seen, rolls, micro = [], [], []
+    pool = [r.report for r in common.load_data(str(small_synthetic))["train"]]
+    answers = lambda n: micro[-1]["report"][n // 4] if n % 4 == 1 else pool[n]  # noqa: E731
+    real_decode = common.TinyPolicy.decode
+    monkeypatch.setattr(common.TinyPolicy, "decode", lambda self, *a: [
+        f"<think> x </think> <report> {answers(n)} </report>" if n % 2 else t for n, t in enumerate(real_decode(self, *a))])
     real_loss, real_rollout, real_split = common.grpo_loss, common.rollout, common.split_batch
     monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen.append((a, k)) or real_loss(*a, **k))
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
     monkeypatch.setattr(common, "split_batch", lambda *a: micro.extend(real_split(*a)) or micro[-len(real_split(*a)):])
     monkeypatch.setattr(common.Run, "evaluate", lambda *a, **k: {"reward": 0.0, "ce": {"micro_f1": 0.0}})  # not under test
     mrg_r1.main(["--data", str(small_synthetic), "--out", str(tmp_path / "run"), "--steps", "1", "--sft-steps", "40",
-                 "--margin", "0"] + fast)
+                 "--margin", "0.25"] + fast)
     (logp, old, ref_logp, A, mask), kw = seen[0]
     roll, G = rolls[0], 4
     references = [micro[0]["report"][n // G] for n in range(len(roll.texts))]  # completion n answers study n // G
     lab = common.RuleLabeler()
     keep = [i for i, name in enumerate(common.CHEXPERT_LABELS) if name != "No Finding"]
+    inside = [m.group(1).strip() if (m := re.search("<report>(.*?)</report>", t, re.S)) else "" for t in roll.texts]
     z, zr = (np.select([x == 1, x == -1, x == 0], [1.0, 1.0, -1.0], 0.0)
-             for x in (lab([extract_report(t) for t in roll.texts])[:, keep], lab(references)[:, keep]))
+             for x in (lab(inside)[:, keep], lab(references)[:, keep]))
     cos = (z * zr).sum(1) / ((np.linalg.norm(z, axis=1) + 1e-8) * (np.linalg.norm(zr, axis=1) + 1e-8))
-    expected = 0.75 * np.maximum(cos, 0) + 0.25 * np.array([format_reward(t) for t in roll.texts])
-    np.testing.assert_allclose(roll.rewards.numpy(), expected, atol=1e-6)
-    assert roll.rewards.std() > 0  # a reward that varies reached the loss
+
+    def fmt(t):  # Sec. III-B1 written out: each tag once, in order; 0.5 for text outside / between or an empty think
+        m = re.fullmatch(r"(.*)<think>(.*)</think>(.*)<report>(.*)</report>(.*)", t, re.S)
+        if not m or any(t.count(tag) != 1 for tag in mrg_r1.TAGS) or not m.group(4).strip():
+            return 0.0
+        return 1.0 if m.group(2).strip() and not (m.group(1) + m.group(3) + m.group(5)).strip() else 0.5
+    mccs = np.maximum((cos - 0.25) / 0.75, 0)
+    np.testing.assert_allclose(roll.rewards.numpy(), 0.75 * mccs + 0.25 * np.array([fmt(t) for t in roll.texts]), atol=1e-6)
+    assert mccs.max() > 0 and roll.rewards.std() > 0  # a clinical reward that varies reached the loss
     c = roll.rewards.view(-1, G) - roll.rewards.view(-1, G).mean(1, keepdim=True)
     torch.testing.assert_close(A, (c / torch.sqrt(c.pow(2).mean(1, keepdim=True) + 1e-6)).flatten())
     assert old is None and kw["loss_type"] == "dr_grpo" and kw["max_completion_length"] == 24 and kw["beta"] == 0.04
@@ -192,6 +207,16 @@ def test_end_to_end_tiny_run_learns_the_format(tmp_path, small_synthetic, fast):
     assert set(json.loads((zero / "eval.json").read_text())) == {"test_before"}
 
 
+def test_lr_zero_is_zero(tmp_path, small_synthetic, fast):
+    """--lr 0 is a learning rate of 0 (not "the default"): the policy ends as it started, the warm-started one."""
+    flags = ["--data", str(small_synthetic), "--sft-steps", "10"] + fast
+    mrg_r1.main(flags + ["--out", str(tmp_path / "base"), "--steps", "0"])
+    mrg_r1.main(flags + ["--out", str(tmp_path / "lr0"), "--steps", "2", "--lr", "0"])
+    assert all(json.loads(x)["lr"] == 0 for x in (tmp_path / "lr0" / "metrics.jsonl").read_text().splitlines())
+    base, lr0 = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("base", "lr0"))
+    assert all(torch.equal(base[k], lr0[k]) for k in base)
+
+
 def test_bad_input_is_one_line(tmp_path, small_synthetic, capsys):
     with pytest.raises(SystemExit, match="^error: .*studies per process / --grad-accum: 2 is not divisible by 3"):
         mrg_r1.main(["--data", str(small_synthetic), "--out", str(tmp_path / "a"), "--prompts-per-step", "2",
@@ -233,9 +258,12 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, fast, monke
     """The real path on a tiny random Qwen2.5-VL: a warm start folded into the weights, fresh LoRA on the language
     model, the LoRA-off warm-started model as the reference (KL 0 at step 1), LoRA-only checkpoints, merged save."""
     monkeypatch.setattr(mrg_r1, "LORA", dict(mrg_r1.LORA, r=4, alpha=8))
-    out = tmp_path / "hf"
+    rolls, real_rollout = [], common.rollout
+    monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
+    out = tmp_path / "hf"  # 64 x 64 views: 4 x 4 patches of 14 px at the default, 2 x 2 under --max-pixels 28 x 28
     mrg_r1.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--steps", "2", "--sft-steps", "2",
-                 "--max-new-tokens", "8", "--prompts-per-step", "2", "--out", str(out)])
+                 "--max-new-tokens", "8", "--prompts-per-step", "2", "--max-pixels", "784", "--out", str(out)])
+    assert (rolls[0].prompts["image_grid_thw"].prod(-1) == 4).all()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["kl"] == 0.0 and all(math.isfinite(x["loss"]) for x in lines)
     ck = torch.load(out / "last.pt", weights_only=True)
