@@ -186,16 +186,11 @@ class DCRRG(nn.Module):
         # sign lies survives) or ResNet-50's pooled 2048-d feature (App. A)
         self.image_encoder = common.ViewMean(common.SmallCNN()) if size["image"] == "cnn" else \
             common.resnet_encoder(50, args.pretrained, "--pretrained")
+        from transformers import AutoModel, BertConfig, BertModel
         dropout = dict(hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT)
-        if args.text_encoder:
-            from transformers import AutoModel
-            self.text_encoder = AutoModel.from_pretrained(args.text_encoder, **dropout)
-        else:
-            from transformers import BertConfig, BertModel
-            self.text_encoder = BertModel(BertConfig(
-                vocab_size=len(tokenizer), hidden_size=size["hidden"], num_attention_heads=size["heads"],
-                num_hidden_layers=size["layers"], intermediate_size=4 * size["hidden"], pad_token_id=tokenizer.pad_token_id,
-                **dropout), add_pooling_layer=False)
+        self.text_encoder = AutoModel.from_pretrained(args.text_encoder, **dropout) if args.text_encoder else BertModel(
+            BertConfig(vocab_size=len(tokenizer), hidden_size=size["hidden"], num_attention_heads=size["heads"],
+                       num_hidden_layers=size["layers"], intermediate_size=4 * size["hidden"], **dropout), add_pooling_layer=False)
         D, M, P = self.image_encoder.dim, self.text_encoder.config.hidden_size, size["width"]
         self.f_v, self.f_t = ProjectionHead(D, P), ProjectionHead(M, P)  # Eq. 1b, 2b
         self.cls_v, self.cls_t = nn.Linear(P, 2), nn.Linear(P, 2)  # Step 1: negative/positive under any prompt
@@ -214,13 +209,11 @@ class DCRRG(nn.Module):
         return common.mean_pooled_bert_features(self.text_encoder, self.tokenizer, texts, self.logit_scale.device,
                                                 MAX_TEXT_TOKENS)
 
-    def embed(self, records, modality: str, transform):
-        """Eq. 1a / 2a of records: their images or their reports -> (B, D) or (B, M)."""
+    def embed(self, records, modality: str, transform):  # Eq. 1a / 2a of records -> (B, D) or (B, M)
         return self.embed_images(load_images(records, transform)) if modality == "image" else \
             self.embed_texts([r.report for r in records])
 
-    def heads(self, modality: str):
-        """Eq. 1b / 2b's projection and Step 1's classifier of a modality."""
+    def heads(self, modality: str):  # Eq. 1b / 2b's projection and Step 1's classifier
         return (self.f_v, self.cls_v) if modality == "image" else (self.f_t, self.cls_t)
 
 
@@ -288,11 +281,6 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
 
 # Step 2: calibrated semantic matching loss (Eq. 3-9) and its loop ---------------------------------
-def label_vectors(labels: torch.Tensor) -> torch.Tensor:
-    """(B, 14) 1/0/-1/NaN -> Eq. 3's label vectors: 1 for positive and uncertain, else 0 (paper silent)."""
-    return ((labels == 1) | (labels == -1)).float()
-
-
 def soft_targets(l_anchor, l_cand, x_cand):
     """Eq. 3-5: anchors i against candidates j; x_cand (N, D) the candidates' raw embeddings (t for Eq. 4, v for
     Eq. 5). -> (N, N), row i a distribution over j, no gradient."""
@@ -316,22 +304,19 @@ def csm_loss(v_p, t_p, v, t, l_img, l_txt, logit_scale):
     # Eq. 8: L^{v->l} = -1/N sum_i sum_j y_ij log y^_ij, and L^{l->v} on the transpose
     loss_vl = -(y_vt * F.log_softmax(logits, dim=1)).sum(1).mean()
     loss_lv = -(y_tv * F.log_softmax(logits.T, dim=1)).sum(1).mean()
-    loss = (loss_vl + loss_lv) / 2  # Eq. 9
-    entropy = -(y_vt * y_vt.clamp_min(1e-12).log()).sum(1).mean() - (y_tv * y_tv.clamp_min(1e-12).log()).sum(1).mean()
-    return loss, {"tau": 1 / logit_scale.exp().item(), "kl": (loss - entropy / 2).item()}  # kl: the loss above its floor
+    return (loss_vl + loss_lv) / 2, {"tau": 1 / logit_scale.exp().item()}  # Eq. 9
 
 
 def step2_loss(model: DCRRG, batch, world_size: int):
     """Eq. 1-2 then Eq. 3-9 on the global batch of image-report pairs (every rank gathers all candidates)."""
     v, t = model.embed_images(batch["images"]), model.embed_texts(batch["report"])  # Eq. 1a, 2a
     v_p, t_p = model.f_v(v), model.f_t(t)  # Eq. 1b, 2b: (B, 14, P), under every prompt
-    l = label_vectors(batch["labels"]).to(v.device)  # paired data: l_img = l_txt
+    l = ((batch["labels"] == 1) | (batch["labels"] == -1)).float().to(v.device)  # Eq. 3's l: positive, uncertain (paper silent); l_img = l_txt
     v_p, t_p, v, t, l = (common.gather_batch(x, world_size) for x in (v_p, t_p, v, t, l))
     # The paper does not say which prompt feeds Eq. 6: the loss is averaged over all 14, so every prompt's
     # space is aligned (Steps 3-4 read them all)
     per_prompt = [csm_loss(v_p[:, k], t_p[:, k], v, t, l, l, model.logit_scale) for k in range(K)]
-    return torch.stack([loss for loss, _ in per_prompt]).mean(), {
-        "tau": per_prompt[0][1]["tau"], "kl": float(np.mean([s["kl"] for _, s in per_prompt]))}
+    return torch.stack([loss for loss, _ in per_prompt]).mean(), per_prompt[0][1]
 
 
 def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
@@ -408,8 +393,7 @@ class Decoder(nn.Module):
     def __init__(self, vocab: int, d: int, heads: int, dropout: float, layers: int = 2):
         super().__init__()
         self.embed, self.prompts = nn.Embedding(vocab, d), nn.Embedding(K, d)  # prompts: Step 3, one per observation
-        self.register_buffer("memory_mean", torch.zeros(K, d))
-        self.register_buffer("memory_std", torch.ones(K, d))
+        self.register_buffer("memory_mean", torch.zeros(K, d)), self.register_buffer("memory_std", torch.ones(K, d))
         self.slots = nn.Parameter(torch.randn(K, d))  # (14, d)
         self.layers = nn.ModuleList(DecoderLayer(d, heads, dropout) for _ in range(layers))
         self.head = nn.Linear(d, vocab)
@@ -690,16 +674,13 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, part
     common.seed_everything(args.seed)  # the same fresh weights on every rank
     model = DCRRG(args, env["tokenizer"]).to(run.device)
     if init is not None:
-        path = run.out / init / "model.pt"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: run {init} first")
-        state = torch.load(path, map_location=run.device, weights_only=True)
-        if kind == "step4":  # P-Tuning's prefixes and head start fresh (and may have another --prefix-len)
-            state.update({k: v for k, v in model.state_dict().items() if k.startswith(("prefix", "prompt_head."))})
-        model.load_state_dict(state)
+        if not (run.out / init / "model.pt").is_file():
+            raise FileNotFoundError(f"{run.out / init / 'model.pt'} not found: run {init} first")
+        state = torch.load(run.out / init / "model.pt", map_location=run.device, weights_only=True)
+        fresh = ("prefix", "prompt_head.") if kind == "step4" else ()  # Step 4's prefixes and head start fresh
+        model.load_state_dict({**state, **{k: v for k, v in model.state_dict().items() if k.startswith(fresh) and fresh}})
     params = set_trainable(model, parts)
-    if setup is not None:
-        setup(model)
+    setup(model) if setup else None
     common.broadcast_parameters(model)
     lr, total = learning_rate(args, kind), getattr(args, f"{kind}_steps")
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
@@ -744,8 +725,6 @@ def ablation(run, args: Args, env: dict) -> dict:
                       "CE P": ce["micro_precision"], "CE R": ce["micro_recall"], "CE F1": ce["micro_f1"],
                       "trainable": done[folder]["trainable_parameters"][done[folder]["step4"]]}
     run.write("ablation/ablation.json", json.dumps(table, indent=2))
-    for row, values in table.items() if run.is_main else ():
-        print(f"{row:28s}", "  ".join(f"{k} {v:.4g}" for k, v in values.items()))
     return table
 
 
@@ -767,11 +746,8 @@ def train(command: str, args: Args) -> dict:
     env = prepare(run, args)
     if command == "ablation":
         return ablation(run, args, env)
-    names = list(STEPS) if command == "all" else [command]
-    results = {}
-    for name in names:  # Steps 1-4, each from the one before
-        previous = list(STEPS)[list(STEPS).index(name) - 1] if name != "step1" else None
-        results[name] = STEPS[name](run, args, env, name, previous)
+    results = {name: step(run, args, env, name, previous)  # Steps 1-4, each from the one before
+               for name, step, previous in zip(STEPS, STEPS.values(), [None, *STEPS]) if command in ("all", name)}
     if command == "all":
         run.write("eval.json", json.dumps(results, indent=2))
     return results
