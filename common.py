@@ -1587,15 +1587,6 @@ def gather_strided(mine: list, world_size: int) -> list:
     return [shards[k % world_size][k // world_size] for k in range(sum(map(len, shards)))]
 
 
-@torch.no_grad()
-def average_buffers(module: torch.nn.Module, world_size: int):
-    """Average float buffers (BatchNorm statistics) over ranks after a step: every rank then holds one model."""
-    for b in module.buffers() if world_size > 1 else []:
-        if b.is_floating_point():
-            torch.distributed.all_reduce(b)
-            b /= world_size
-
-
 def seed_everything(seed: int, rank: int = 0):
     """Seed python, numpy and torch (every CUDA device too) with seed + rank (nanoGPT's offset)."""
     random.seed(seed + rank)
@@ -1691,10 +1682,10 @@ class Run:
             self.write("metrics.jsonl", "".join(r for r in rows if json.loads(r)["step"] <= self.start))
         return self.start
 
-    def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size"):
-        """batches(start) for steps(): this rank's share of shuffled global batches of studies."""
+    def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size", transform="pil"):
+        """batches(start) for steps(): this rank's share of shuffled global batches of studies (images: `transform`)."""
         n = self.per_rank(batch_size, flag)
-        return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start))
+        return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform))
 
     def steps(self, total: int, batches, desc: str = ""):
         """(step, batch) for step = start .. total - 1, with a bar; after each step a metrics.jsonl line (means of

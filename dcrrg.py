@@ -1,16 +1,14 @@
 """DCRRG: divide-and-conquer radiology report generation, in four steps.
 
 Paper: "Divide and Conquer Radiology Report Generation via Observation Level Fine-grained Pretraining
-and Prompt Tuning" (Yuanpin Zhou, Huogen Wang; EMNLP 2024; no arXiv version). A report is read as
-descriptions of the 14 CheXpert observations. Step 1 trains an image and a text encoder, each on its own
-modality, to predict one observation's label from the embedding concatenated with that observation's
-one-hot prompt, so each observation can be balanced alone. Step 2 aligns them with a contrastive loss
-whose soft targets are label similarities calibrated by uni-modal similarity (Steps 1-2: "DCCLIP").
-Step 3 trains a two-layer decoder to write one observation's description from the image or the text
-representation under that observation's prompt. Step 4 freezes it all and learns prefix keys/values in
-every decoder attention and a fresh output head (P-Tuning v2), so the decoder writes the full report.
+and Prompt Tuning" (Yuanpin Zhou, Huogen Wang; EMNLP 2024; no arXiv version). A report is read as descriptions
+of the 14 CheXpert observations. Step 1 trains an image and a text encoder, each alone, to predict one observation's
+label under that observation's one-hot prompt, so each observation is balanced alone. Step 2 aligns them with a
+contrastive loss whose soft targets are label similarities calibrated by uni-modal similarity ("DCCLIP"). Step 3
+trains a decoder to write one observation's description; Step 4 freezes it all and learns P-Tuning v2 prefixes
+and a fresh head to write the full report.
 
-    python dcrrg.py                  # = dcrrg.py all: synthetic set, tiny sizes, 4 steps + evaluation (~4 min CPU)
+    python dcrrg.py                  # = dcrrg.py all: synthetic set, tiny sizes, 4 steps + evaluation
     python dcrrg.py step3 --resume   # one step, from out/step2/model.pt
     python dcrrg.py ablation         # Table 4's Models 1-7 -> out/ablation/ablation.json (one --seed per run)
     python dcrrg.py --data /data/mimic_cxr --model paper --pretrained imagenet \\
@@ -29,7 +27,7 @@ Equations, and where they are implemented:
     Sec. 3.3    observation descriptions from sentences        split_sentences, assign_sentences
     Eq. 10-12   post-LN decoder layer (MMHA, CA, FFN)          DecoderLayer
     Eq. 13-14   autoregressive decoder, token cross-entropy    Decoder, lm_loss
-    Sec. 3.4    P-Tuning v2 prefixes + fresh output head       Prefix, step4
+    Sec. 3.4    P-Tuning v2 prefixes + fresh output head       DCRRG.prefix, step4
     App. A      beam search of width 3                         beam_search
     Sec. 4.4    P@K retrieval on 5 x N, AUROC probes           retrieval, probes; Table 4: ablation()
 """
@@ -58,8 +56,8 @@ class Args(common.RunArgs):
     model: Literal["tiny", "paper"] = "tiny"  # tiny: small CNN, BERT-Tiny shape, width 128 (CPU); paper: ResNet-50, BERT 512/8 heads (App. A)
     pretrained: str | None = None  # --model paper: the ResNet-50's start, "imagenet" (App. A) or a state-dict file
     text_encoder: str | None = None  # HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT); None: a random BERT
-    extra_data: str | None = None  # annotation.json whose train records join Step 1 only (Table 5: CheXpert)
-    lr: float | None = None  # AdamW lr of every step; None: 1e-4 (App. A); --model tiny: see learning_rate()
+    extra_data: str | None = None  # annotation.json whose train records join Step 1 only (Tables 1 and 5: CheXpert)
+    lr: float | None = None  # AdamW lr of every step; None: 1e-4 (App. A); --model tiny: see fit()
     batch_size: int = 32  # Steps 1-2, over all ranks (App. A)
     decoder_batch_size: int = 16  # Steps 3-4, over all ranks (App. A)
     balance: Literal["resample", "reweight", "none"] | None = None  # Step 1 (Sec. 3.1); None: resample (paper) with --model paper, reweight (same expected loss) with tiny
@@ -87,16 +85,14 @@ DROPOUT = 0.1  # decoder and text encoder (paper silent: Vaswani et al.'s and BE
 MAX_TEXT_TOKENS, MAX_DESCRIPTION_TOKENS, MAX_REPORT_TOKENS = 256, 48, 128  # word pieces read / Step 3 / Step 4 (ours)
 VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become characters (ours)
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
-PROBE = dict(finetune_epochs=5, lr=1e-3, l2=1e-4, lbfgs_iters=500)  # Sec. 4.4.3 gives no settings: ours
+PROBE = dict(finetune_epochs=5, lr=1e-3, lbfgs_iters=500)  # Sec. 4.4.3 gives no settings: ours
 
 
 # Sec. 3.1 and 3.3: targets ----------------------------------------------------------------------
 def observation_targets(labels: np.ndarray) -> np.ndarray:
     """(N, 14) labels 1/0/-1/NaN -> 1 positive, 0 negative or unmentioned ("treat unmentioned labels as
     negative"), NaN uncertain ("exclude data with uncertain labels")."""
-    targets = np.where(labels == 1, 1.0, 0.0)
-    targets[labels == -1] = np.nan
-    return targets
+    return np.where(labels == 1, 1.0, np.where(labels == -1, np.nan, 0.0))
 
 
 def draw_pairs(targets: np.ndarray, n: int, rng: np.random.Generator):
@@ -137,12 +133,12 @@ def assign_sentences(sentences: list[str], labels: np.ndarray, no_finding: bool)
     """Sec. 3.3 (paper silent on how): a sentence goes to each of the 13 findings the labeler finds in it (1, 0,
     -1); one naming none to No Finding if the study's No Finding is 1, else it is dropped (CheXpert's rule
     per sentence would tag every negative sentence). -> {observation: description}."""
-    out: dict[int, list[str]] = {}
+    out: dict[int, str] = {}
     for sentence, row in zip(sentences, labels):
         found = [k for k in range(K) if k != NO_FINDING and not np.isnan(row[k])]
         for k in found or ([NO_FINDING] if no_finding else []):
-            out.setdefault(k, []).append(sentence)
-    return {k: " ".join(v) for k, v in out.items()}
+            out[k] = f"{out[k]} {sentence}" if k in out else sentence
+    return out
 
 
 def description_records(records, labeler) -> list[common.Record]:
@@ -169,8 +165,7 @@ class ProjectionHead(nn.Module):
         with torch.no_grad():
             self.fc1.weight[:, dim:].normal_()
 
-    def forward(self, x):
-        """x (B, D) -> (B, 14, P): under every prompt."""
+    def forward(self, x):  # x (B, D) -> (B, 14, P): under every prompt
         e = torch.eye(K, dtype=x.dtype, device=x.device).expand(len(x), K, K)  # (B, 14, 14) one-hot prompts
         return self.fc2(F.gelu(self.fc1(torch.cat([self.norm(x)[:, None].expand(-1, K, -1), e], -1))))  # (B, 14, P)
 
@@ -201,13 +196,11 @@ class DCRRG(nn.Module):
         self.prefix = nn.Parameter(torch.randn(len(self.decoder.layers), 2, 2, args.prefix_len, P) * 0.02)  # (layer, self/cross, k/v, L_p, P)
         self.prompt_head = nn.Linear(P, len(tokenizer))
 
-    def embed_images(self, images):
-        return self.image_encoder(images.to(self.logit_scale.device))  # Eq. 1a: (B, V, C, H, W) -> v (B, D)
+    def embed_images(self, images):  # Eq. 1a: (B, V, C, H, W) -> v (B, D)
+        return self.image_encoder(images.to(self.logit_scale.device))
 
-    def embed_texts(self, texts: list[str]):
-        """Eq. 2a: t (B, M), the mean of the last hidden states (paper silent; learns faster than [CLS])."""
-        return common.mean_pooled_bert_features(self.text_encoder, self.tokenizer, texts, self.logit_scale.device,
-                                                MAX_TEXT_TOKENS)
+    def embed_texts(self, texts: list[str]):  # Eq. 2a: t (B, M), mean of the last hidden states (paper silent)
+        return common.mean_pooled_bert_features(self.text_encoder, self.tokenizer, texts, self.logit_scale.device, MAX_TEXT_TOKENS)
 
     def embed(self, records, modality: str, transform):  # Eq. 1a / 2a of records -> (B, D) or (B, M)
         return self.embed_images(load_images(records, transform)) if modality == "image" else \
@@ -216,6 +209,9 @@ class DCRRG(nn.Module):
     def heads(self, modality: str):  # Eq. 1b / 2b's projection and Step 1's classifier
         return (self.f_v, self.cls_v) if modality == "image" else (self.f_t, self.cls_t)
 
+    def project(self, records, modality: str, transform):  # Eq. 1 / 2 in chunks, no gradient -> (N, 14, P)
+        return in_chunks(lambda rs: self.heads(modality)[0](self.embed(rs, modality, transform)), records)
+
 
 def build_tokenizer(args: Args, reports: list[str], run):
     """--text-encoder's tokenizer, else out/tokenizer/vocab.txt: the most frequent words of the training reports
@@ -223,15 +219,13 @@ def build_tokenizer(args: Args, reports: list[str], run):
     from transformers import AutoTokenizer, BertTokenizerFast
     if args.text_encoder:
         return AutoTokenizer.from_pretrained(args.text_encoder)
-    folder = run.out / "tokenizer"
-    if run.is_main and not (folder / "vocab.txt").is_file():
+    if run.is_main and not (run.out / "tokenizer" / "vocab.txt").is_file():
         counts = Counter(w for r in reports for w in re.findall(r"\w+|[^\w\s]", r.lower()))
-        words = sorted(counts, key=lambda w: (-counts[w], w))[:VOCAB_SIZE]
-        chars = sorted({c for w in counts for c in w})
+        words, chars = sorted(counts, key=lambda w: (-counts[w], w))[:VOCAB_SIZE], sorted({c for w in counts for c in w})
         vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words
         run.write("tokenizer/vocab.txt", "\n".join(dict.fromkeys(vocab)) + "\n")
     common.barrier()  # the other ranks read it once it is there
-    return BertTokenizerFast.from_pretrained(str(folder))
+    return BertTokenizerFast.from_pretrained(str(run.out / "tokenizer"))
 
 
 def step1_loss(model: DCRRG, batch, records, targets, weights, transform):
@@ -240,8 +234,7 @@ def step1_loss(model: DCRRG, batch, records, targets, weights, transform):
     loss, stats, device = 0.0, {}, model.logit_scale.device
     for m in MODALITIES:
         (f, cls), (rows, obs) = model.heads(m), batch[m]
-        x = model.embed([records[i] for i in rows], m, transform)  # Eq. 1a / 2a: (B, D)
-        logits = cls(f(x))  # Eq. 1b / 2b: (B, 14, 2) under every prompt
+        logits = cls(f(model.embed([records[i] for i in rows], m, transform)))  # Eq. 1-2: (B, 14, 2), every prompt
         if obs is not None:  # each pair's own prompt -> (B, 2)
             logits, y, w = logits[torch.arange(len(rows)), torch.as_tensor(obs)], targets[rows, obs], np.ones(len(rows))
         else:
@@ -268,14 +261,10 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
             yield {m: tuple(a[mine] for a in draw_pairs(targets, args.batch_size, rng)) if balance == "resample"
                    else (rng.integers(len(records), size=args.batch_size)[mine], None) for m in MODALITIES}
 
-    def evaluate(model, st):
-        y = observation_targets(np.stack([r.labels for r in env["test"]]))
-        out = {"balance": balance}
-        for m in MODALITIES:
-            f, cls = model.heads(m)
-            p = torch.softmax(cls(f(in_chunks(lambda rs: model.embed(rs, m, env["transform"]), env["test"]))).float(), -1)
-            out[f"auroc_{m}"] = auroc_per_observation(p[..., 1].cpu().numpy(), y)  # (N, 14) positive probability
-        return out
+    def evaluate(model, st):  # AUROC of the (N, 14) positive probabilities
+        y, p = observation_targets(np.stack([r.labels for r in env["test"]])), lambda m: torch.softmax(
+            model.heads(m)[1](model.project(env["test"], m, env["transform"])).float(), -1)[..., 1].cpu().numpy()
+        return {"balance": balance, **{f"auroc_{m}": auroc_per_observation(p(m), y) for m in MODALITIES}}
     return fit(run, args, env, name, init, "step1", ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
                batches, lambda model, batch: step1_loss(model, batch, records, targets, weights, env["transform"]), evaluate)
 
@@ -330,35 +319,27 @@ def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
                              for k, enc in (("dcclip", model.image_encoder), ("initial", start))}
         return out
     return fit(run, args, env, name, init, "step2", ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
-               tensor_batches(run, env["train"], args.batch_size, "--batch-size", env["transform"], args.seed),
+               run.study_batches(env["train"], args.batch_size, "--batch-size", env["transform"]),
                lambda model, batch: step2_loss(model, batch, run.world_size), evaluate)
 
 
 # The decoder (Eq. 10-14) --------------------------------------------------------------------------
 class Attention(nn.Module):
-    """Multi-head attention; keys/values may start with prefixes (P-Tuning v2) and cached earlier tokens."""
+    """Multi-head attention; keys/values may start with prefixes (P-Tuning v2)."""
 
     def __init__(self, d: int, heads: int, dropout: float):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
         self.heads, self.dropout = heads, dropout
 
-    def forward(self, x, source, causal: bool, prefix=None, cache: dict | None = None):
+    def forward(self, x, source, causal: bool, prefix=None):
         B, T, d = x.shape
         split = lambda z: z.reshape(B, -1, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731  (B, H, L, d/H)
         q, k, v = split(self.q(x)), split(self.k(source)), split(self.v(source))
-        if cache is not None:  # generation: prepend the keys/values of the tokens before
-            if "k" in cache:
-                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
-            cache["k"], cache["v"] = k, v
-        mask = None
-        if causal:  # query i (after the cached tokens) sees keys 0 .. past + i
-            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if causal else None  # query i sees keys <= i
         if prefix is not None:  # prefix (2, L_p, d): keys and values every position sees
-            k = torch.cat([split(prefix[0].expand(B, -1, -1)), k], 2)
-            v = torch.cat([split(prefix[1].expand(B, -1, -1)), v], 2)
-            if mask is not None:
-                mask = torch.cat([mask.new_ones(T, prefix.shape[1]), mask], 1)
+            k, v = (torch.cat([split(prefix[i].expand(B, -1, -1)), z], 2) for i, z in ((0, k), (1, v)))
+            mask = None if mask is None else torch.cat([mask.new_ones(T, prefix.shape[1]), mask], 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.o(out.transpose(1, 2).reshape(B, T, d))
 
@@ -371,10 +352,9 @@ class DecoderLayer(nn.Module):
         self.ln1, self.ln2, self.ln3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, y, f_I, prefix=None, cache=None):
-        """prefix (2, 2, L_p, d): this layer's self- and cross-attention key/value prefixes, or None."""
+    def forward(self, y, f_I, prefix=None):  # prefix (2, 2, L_p, d): self- and cross-attention keys/values, or None
         # Eq. 12: e_attn = LN(MMHA(y) + y)
-        e_attn = self.ln1(y + self.drop(self.self_attn(y, y, True, None if prefix is None else prefix[0], cache)))
+        e_attn = self.ln1(y + self.drop(self.self_attn(y, y, True, None if prefix is None else prefix[0])))
         # Eq. 11: e_ca = LN(CA(e_attn, f_I) + e_attn), Q from e_attn, K and V from f_I
         e_ca = self.ln2(e_attn + self.drop(self.cross_attn(e_attn, f_I, False, None if prefix is None else prefix[1])))
         return self.ln3(e_ca + self.drop(self.ffn(e_ca)))  # Eq. 10: f_d(y) = LN(FFN(e_ca) + e_ca)
@@ -382,13 +362,11 @@ class DecoderLayer(nn.Module):
 
 class Decoder(nn.Module):
     """Two post-LN layers over token embeddings only (Sec. 3.3), cross-attending to f_I (N, 14, P), then a linear
-    head (Eq. 13: p(T|I) = prod_t p(y_t | y_<t, I); the log-softmax is in the loss). Paper silent on the rest:
-    - Step 3's prompt: f_I is the study under all 14 prompts (Eq. 1b), a slot each, and the prompt embedding
-      of the observation to describe is added to the first input. (With one slot, v_p^k alone, softmax over
-      one key is 1: cross-attention never learns, and a frozen decoder cannot read a study in Step 4.)
-    - Step 2 at tau 0.07 pulls all studies' projections together (cosine ~0.9), so f_I is standardised per
-      slot and feature with fixed statistics of the training images (standardise_memory; a BatchNorm's
-      would differ between Step 3's image + text batches and Step 4's image ones), plus a slot embedding."""
+    head (Eq. 13: p(T|I) = prod_t p(y_t | y_<t, I)). Paper silent: f_I is the study under all 14 prompts, a slot
+    each, and Step 3 adds the observation's prompt embedding to the first input (with v_p^k alone, softmax over one
+    key is 1: cross-attention never learns). Step 2 pulls all projections together (cosine ~0.9), so f_I is
+    standardised per slot and feature by fixed training-image statistics (standardise_memory; not BatchNorm, whose
+    statistics would differ between Step 3's image + text batches and Step 4's image ones)."""
 
     def __init__(self, vocab: int, d: int, heads: int, dropout: float, layers: int = 2):
         super().__init__()
@@ -398,21 +376,21 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(d, heads, dropout) for _ in range(layers))
         self.head = nn.Linear(d, vocab)
 
-    def forward(self, tokens, f_I, prefix=None, head=None, cache: list | None = None, obs=None):
+    def forward(self, tokens, f_I, prefix=None, head=None, obs=None):
         """tokens (N, T), f_I (N, 14, P), obs (N,) observations to describe or None -> logits (N, T, V)."""
         y = self.embed(tokens)  # (N, T, d)
-        if obs is not None and not (cache and "k" in cache[0]):
+        if obs is not None:
             y = torch.cat([y[:, :1] + self.prompts(obs)[:, None], y[:, 1:]], 1)  # the prompt on the first input
         f_I = (f_I - self.memory_mean) / self.memory_std + self.slots  # (N, 14, P)
         for i, layer in enumerate(self.layers):
-            y = layer(y, f_I, None if prefix is None else prefix[i], None if cache is None else cache[i])
+            y = layer(y, f_I, None if prefix is None else prefix[i])
         return (head or self.head)(y)  # (N, T, V)
 
 
 @torch.no_grad()
 def standardise_memory(model: DCRRG, records, transform):
     """The decoder's fixed f_I mean and std per slot and feature, from the first 512 training images."""
-    f = in_chunks(lambda rs: model.f_v(model.embed_images(load_images(rs, transform))), records[:512])  # (N, 14, P)
+    f = model.project(records[:512], "image", transform)  # (N, 14, P)
     model.decoder.memory_mean.copy_(f.mean(0))
     model.decoder.memory_std.copy_(f.std(0) + 1e-5)
 
@@ -420,25 +398,22 @@ def standardise_memory(model: DCRRG, records, transform):
 def lm_loss(decoder, f_I, texts: list[str], tokenizer, max_len: int, prefix=None, head=None, obs=None):
     """Eq. 14: -sum_t log p(y_t | y_<t, I) over the batch's tokens ([SEP] ends each text) / their number."""
     pieces = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 1)["input_ids"]
-    seqs = [[tokenizer.cls_token_id] + p + [tokenizer.sep_token_id] for p in pieces]
-    ids = torch.full((len(seqs), max(map(len, seqs))), tokenizer.pad_token_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-    ids = ids.to(f_I.device)
+    ids = nn.utils.rnn.pad_sequence([torch.tensor([tokenizer.cls_token_id, *p, tokenizer.sep_token_id]) for p in pieces],
+                                    batch_first=True, padding_value=tokenizer.pad_token_id).to(f_I.device)  # (N, T)
     labels = ids[:, 1:].masked_fill(ids[:, 1:] == tokenizer.pad_token_id, -100)  # (N, T-1)
     logits = decoder(ids[:, :-1], f_I, prefix, head, obs=obs)  # (N, T-1, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
 
 # Step 3: observation descriptions ----------------------------------------------------------------
+@torch.no_grad()
 def step3_inputs(model: DCRRG, images, rows, text_view: bool = True) -> dict:
-    """Sec. 3.3: v_p of the study under all 14 prompts and t_p of its report (the text view, "an augmented
-    view"), frozen, with the observation to describe. -> {"f_I": (B or 2B, 14, P), "obs": (B or 2B,)}"""
+    """Sec. 3.3: frozen v_p of the study under all 14 prompts and t_p of its report (the text view, "an augmented
+    view"), with the observation to describe. -> {"f_I": (B or 2B, 14, P), "obs": (B or 2B,)}"""
+    f_I = [model.f_v(model.embed_images(images))]
+    if text_view:
+        f_I.append(model.f_t(model.embed_texts([r.meta["study_report"] for r in rows])))
     obs = torch.tensor([r.meta["obs"] for r in rows], device=model.logit_scale.device)
-    with torch.no_grad():
-        f_I = [model.f_v(model.embed_images(images))]
-        if text_view:
-            f_I.append(model.f_t(model.embed_texts([r.meta["study_report"] for r in rows])))
     return {"f_I": torch.cat(f_I), "obs": obs.repeat(len(f_I))}
 
 
@@ -459,14 +434,13 @@ def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         out = {f"val_loss_{view}_view": lm_loss(model.decoder, inputs["f_I"][v * n:(v + 1) * n], [r.report for r in val],
                                                 tok, MAX_DESCRIPTION_TOKENS, obs=inputs["obs"][v * n:(v + 1) * n]).item()
                for v, view in enumerate(MODALITIES)}
-        shown = val[:24]
-        texts = generate(model, lambda rs: step3_inputs(model, load_images(rs, transform), rs, False), shown, st,
+        texts = generate(model, lambda rs: step3_inputs(model, load_images(rs, transform), rs, False), val[:24], st,
                          MAX_DESCRIPTION_TOKENS)
         st.write("descriptions_val.jsonl", "".join(json.dumps({"id": r.id, "observation": common.CHEXPERT_LABELS[
-            r.meta["obs"]], "reference": r.report, "generated": g}) + "\n" for r, g in zip(shown, texts)))
+            r.meta["obs"]], "reference": r.report, "generated": g}) + "\n" for r, g in zip(val, texts)))
         return out
     return fit(run, args, env, name, init, "step3", ["decoder"],
-               tensor_batches(run, examples, args.decoder_batch_size, "--decoder-batch-size", transform, args.seed),
+               run.study_batches(examples, args.decoder_batch_size, "--decoder-batch-size", transform),
                loss_fn, evaluate, setup=lambda model: standardise_memory(model, env["train"], transform))
 
 
@@ -474,20 +448,17 @@ def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 @torch.no_grad()
 def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: int, prefix=None, head=None, obs=None,
                 banned=()):
-    """Width-`beam` search (App. A) -> a token list per row of f_I, without BOS/EOS. Beams compete on summed
-    log-probs, finished ones pad at no cost; the answer has the best log-prob per token (paper silent)."""
+    """Width-`beam` search (App. A) -> a token list per row of f_I, without BOS/EOS. Beams compete on summed log-probs,
+    finished ones pad at no cost; the answer has the best log-prob per token (paper silent). No key/value cache."""
     B, dev = f_I.shape[0], f_I.device
     f_I = f_I.repeat_interleave(beam, 0)  # (B*k, S, P)
     obs = None if obs is None else obs.repeat_interleave(beam, 0)
     tokens = torch.full((B * beam, 1), bos, dtype=torch.long, device=dev)
     scores = torch.full((B, beam), -math.inf, device=dev)
     scores[:, 0] = 0  # all beams start equal: expand the first only
-    done = torch.zeros(B * beam, dtype=torch.bool, device=dev)
-    length = torch.zeros(B * beam, device=dev)
-    cache = [{} for _ in decoder.layers]
-    step_in = tokens
+    done, length = torch.zeros(B * beam, dtype=torch.bool, device=dev), torch.zeros(B * beam, device=dev)
     for _ in range(max_len):
-        logp = F.log_softmax(decoder(step_in, f_I, prefix, head, cache, obs)[:, -1].float(), -1)  # (B*k, V)
+        logp = F.log_softmax(decoder(tokens, f_I, prefix, head, obs)[:, -1].float(), -1)  # (B*k, V)
         V = logp.shape[1]
         logp[:, list(banned)] = -math.inf
         logp[done] = -math.inf
@@ -498,9 +469,6 @@ def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: 
         tokens = torch.cat([tokens[origin], tok[:, None]], 1)
         length = length[origin] + (~done[origin]).float()  # tokens up to and including EOS
         done = done[origin] | (tok == eos)
-        for c in cache:
-            c["k"], c["v"] = c["k"][origin], c["v"][origin]
-        step_in = tok[:, None]
         if done.all():
             break
     best = (scores / length.view(B, beam)).argmax(1)  # (B,)
@@ -532,9 +500,7 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         records = env["test"][:args.n_test] if args.n_test else env["test"]
         texts = generate(model, lambda rs: {"f_I": f_I(model, load_images(rs, transform))}, records, st,
                          MAX_REPORT_TOKENS, **decoder_kw(model))
-        count = lambda *parts: sum(p.numel() for part in parts for p in part.parameters())  # noqa: E731
-        out = {"step4": args.step4, "trainable_parameters": {  # Table 4's caption: FFT tunes image encoder and decoder
-            "pt": model.prefix.numel() + count(model.prompt_head), "fft": count(model.image_encoder, model.f_v, model.decoder)}}
+        out = {"step4": args.step4}
         if st.is_main:
             rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
             st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
@@ -546,7 +512,7 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
             standardise_memory(model, env["train"], transform)
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
     return fit(run, args, env, name, init, "step4", ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
-               tensor_batches(run, env["train"], args.decoder_batch_size, "--decoder-batch-size", transform, args.seed),
+               run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
                lambda model, batch: (lm_loss(model.decoder, f_I(model, batch["images"]), batch["report"], tok,
                                              MAX_REPORT_TOKENS, **decoder_kw(model)), {}), evaluate, setup)
 
@@ -568,8 +534,7 @@ def auroc_per_observation(scores: np.ndarray, targets: np.ndarray) -> dict:
 def retrieval_set(labels: np.ndarray, per_class: int) -> tuple[np.ndarray, np.ndarray]:
     """CheXpert 5x200's way: the first N studies positive for one class alone, N = min(per_class, the rarest)."""
     positive = labels[:, [common.LABEL_INDEX[c] for c in FIVE]] == 1  # (N, 5)
-    only = positive.sum(1) == 1
-    pools = [np.flatnonzero(only & positive[:, c]) for c in range(len(FIVE))]
+    pools = [np.flatnonzero((positive.sum(1) == 1) & positive[:, c]) for c in range(len(FIVE))]
     n = min([per_class] + [len(p) for p in pools])
     return np.concatenate([p[:n] for p in pools]), np.repeat(np.arange(len(FIVE)), n)
 
@@ -588,33 +553,30 @@ def retrieval(model: DCRRG, records, transform) -> dict:
     rows, classes = retrieval_set(np.stack([r.labels for r in records]), RETRIEVAL_PER_CLASS)
     if len(rows) == 0:
         return {"n_per_class": 0}  # some class has no test study positive for it alone
-    subset = [records[i] for i in rows]
-    v_p, t_p = (F.normalize(model.heads(m)[0](in_chunks(lambda rs: model.embed(rs, m, transform), subset)), dim=-1)
-                for m in MODALITIES)  # (5N, 14, P) each
+    v_p, t_p = (F.normalize(model.project([records[i] for i in rows], m, transform), dim=-1) for m in MODALITIES)  # (5N, 14, P)
     return {"n_per_class": len(rows) // len(FIVE), **precision_at_k(torch.einsum("ikp,jkp->ij", v_p, t_p) / K, classes, classes)}
 
 
 def probes(encoder: nn.Module, train, test, transform, seed: int) -> dict:
-    """Sec. 4.4.3: test AUROC of a linear probe on frozen features (L2 logistic regression per observation,
-    scikit-learn's L-BFGS run to convergence, checked) and of encoder + linear head fine-tuned (AdamW, masked
-    BCE, PROBE["finetune_epochs"] epochs of the labelled subset), with 1, 10 and 100 % of the training labels;
-    Step 1's targets. One run each (the paper averages five)."""
+    """Sec. 4.4.3: test AUROC of a linear probe on frozen standardised features (logistic regression per
+    observation, scikit-learn's L2 with C = 1, L-BFGS run to convergence, checked) and of encoder + linear head
+    fine-tuned (AdamW, masked BCE, PROBE["finetune_epochs"] epochs of the labelled subset), with 1, 10 and 100 %
+    of the training labels; Step 1's targets. One run each (the paper averages five)."""
     from sklearn.linear_model import LogisticRegression
-    device = next(encoder.parameters()).device
+    device, out, rng = next(encoder.parameters()).device, {}, np.random.default_rng(seed)
     y_train, y_test = (observation_targets(np.stack([r.labels for r in rs])) for rs in (train, test))
     features = lambda enc, recs: in_chunks(lambda rs: enc(load_images(rs, transform)), recs).float().cpu().numpy()  # noqa: E731
     x_train, x_test = features(encoder.eval(), train), features(encoder, test)  # (N, D)
-    mu, sd = x_train.mean(0), x_train.std(0) + 1e-6  # standardised features
-    out, rng = {}, np.random.default_rng(seed)
+    z_train, z_test = ((x - x_train.mean(0)) / (x_train.std(0) + 1e-6) for x in (x_train, x_test))
     for frac in (0.01, 0.1, 1.0):
         subset, pct = rng.permutation(len(train))[:max(2, round(frac * len(train)))], f"{round(frac * 100)}%"
-        scores, iters = np.zeros((len(test), K)), []
+        scores, iters = np.zeros((len(test), K)), [0]
         for k in range(K):
             m = subset[~np.isnan(y_train[subset, k])]
             if len(np.unique(y_train[m, k])) == 2:
-                clf = LogisticRegression(max_iter=PROBE["lbfgs_iters"]).fit((x_train[m] - mu) / sd, y_train[m, k])
-                scores[:, k], iters = clf.decision_function((x_test - mu) / sd), iters + [int(clf.n_iter_[0])]
-        out[f"linear_{pct}"] = {**auroc_per_observation(scores, y_test), "converged": max(iters, default=0) < PROBE["lbfgs_iters"]}
+                clf = LogisticRegression(max_iter=PROBE["lbfgs_iters"]).fit(z_train[m], y_train[m, k])
+                scores[:, k], iters = clf.decision_function(z_test), iters + [int(clf.n_iter_[0])]
+        out[f"linear_{pct}"] = {**auroc_per_observation(scores, y_test), "converged": max(iters) < PROBE["lbfgs_iters"]}
         torch.manual_seed(seed)
         enc, head = copy.deepcopy(encoder).train(), nn.Linear(x_train.shape[1], K).to(device)
         opt = torch.optim.AdamW([*enc.parameters(), *head.parameters()], lr=PROBE["lr"], weight_decay=WEIGHT_DECAY)
@@ -633,34 +595,18 @@ def load_images(records, transform) -> torch.Tensor:
 
 
 @torch.no_grad()
-def in_chunks(fn, records, batch: int = 64) -> torch.Tensor:
-    """fn(list of records) -> (B, ...), over all records in chunks, without gradients."""
+def in_chunks(fn, records, batch: int = 64) -> torch.Tensor:  # fn(list of records) -> (B, ...) over all records
     return torch.cat([fn(records[b:b + batch]) for b in range(0, len(records), batch)])
 
 
 # Running the steps -----------------------------------------------------------------------------------
-def learning_rate(args: Args, kind: str) -> float:
-    """--lr, else App. A's 1e-4; --model tiny: 1e-3 (Steps 1, 3, 4 FFT), 5e-3 (P-Tuning v2's range), 1e-4 for
-    Step 2 (at 1e-3 it undid much of Step 1: retrieval P@1 0.46 against 0.80 on the synthetic set)."""
-    if args.lr or args.model != "tiny" or kind == "step2":
-        return args.lr or 1e-4
-    return 5e-3 if kind == "step4" and args.step4 == "pt" else 1e-3
-
-
 def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
     """Train the named parts only; the others are frozen, in eval mode (BatchNorm statistics untouched)."""
     for name, part in model.named_children():
-        part.requires_grad_(name in names)
-        part.train(name in names)
+        part.requires_grad_(name in names).train(name in names)
     for name, p in model.named_parameters(recurse=False):  # logit_scale, prefix
         p.requires_grad_(name in names)
     return [p for p in model.parameters() if p.requires_grad]
-
-
-def tensor_batches(run, records, batch_size: int, flag: str, transform, seed: int):
-    """batches(start) for Run.steps: this rank's share of shuffled global batches, images as tensors."""
-    n = run.per_rank(batch_size, flag)
-    return lambda start: (b for _, b in common.study_batches(records, n, seed, run.rank, run.world_size, start, transform))
 
 
 def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, parts: list[str], batches, loss_fn,
@@ -682,7 +628,10 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, part
     params = set_trainable(model, parts)
     setup(model) if setup else None
     common.broadcast_parameters(model)
-    lr, total = learning_rate(args, kind), getattr(args, f"{kind}_steps")
+    # --lr, else App. A's 1e-4; --model tiny: 1e-3 (Steps 1, 3, 4 FFT), 5e-3 (P-Tuning v2's range), 1e-4 for Step 2
+    # (at 1e-3 it undid much of Step 1: retrieval P@1 0.46 against 0.80 on the synthetic set)
+    tiny = 1e-4 if kind == "step2" else 5e-3 if kind == "step4" and args.step4 == "pt" else 1e-3
+    lr, total = args.lr or (tiny if args.model == "tiny" else 1e-4), getattr(args, f"{kind}_steps")
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
     st.restore(model, optimizer)
     for _, batch in st.steps(total, batches, f"DCRRG {name}"):
@@ -690,8 +639,8 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, part
             loss, stats = loss_fn(model, batch)
         loss.backward()
         st.optimizer_step(params, optimizer)
-        common.average_buffers(model, st.world_size)  # BatchNorm statistics (a ResNet-50 that trains) equal on all ranks
         st.log(loss=loss.item(), **stats)
+    common.broadcast_parameters(model)  # rank 0's BatchNorm statistics (a ResNet-50 that trained) on every rank
     model.eval()
     with torch.no_grad(), st.autocast():
         results = {"init": init, "steps": total, "lr": lr, **evaluate(model, st)}
@@ -702,12 +651,11 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, part
 
 STEPS = {"step1": step1, "step2": step2, "step3": step3, "step4": step4}
 # Table 4: (folder under out/ablation, step, the folder it starts from, Step 4 mode); shared steps train once
-ABLATION = [("step1", "step1", None, None), ("step2", "step2", "step1", None), ("step3", "step3", "step2", None),
-            ("m6_pt", "step4", "step3", "pt"), ("m7_fft", "step4", "step3", "fft"), ("m5_fft", "step4", "step2", "fft"),
-            ("m1_fft", "step4", "step1", "fft"), ("step3_no_step2", "step3", "step1", None),
-            ("m4_pt", "step4", "step3_no_step2", "pt"), ("step2_no_step1", "step2", None, None),
-            ("m2_fft", "step4", "step2_no_step1", "fft"), ("step3_no_step1", "step3", "step2_no_step1", None),
-            ("m3_pt", "step4", "step3_no_step1", "pt")]
+ABLATION = [tuple(None if w == "-" else w for w in x.split()) for x in (
+    "step1 step1 - -", "step2 step2 step1 -", "step3 step3 step2 -", "m6_pt step4 step3 pt", "m7_fft step4 step3 fft",
+    "m5_fft step4 step2 fft", "m1_fft step4 step1 fft", "step3_no_step2 step3 step1 -", "m4_pt step4 step3_no_step2 pt",
+    "step2_no_step1 step2 - -", "m2_fft step4 step2_no_step1 fft", "step3_no_step1 step3 step2_no_step1 -",
+    "m3_pt step4 step3_no_step1 pt")]
 TABLE4 = {"1 (Step 1, FFT)": "m1_fft", "2 (Step 2, FFT)": "m2_fft", "3 (Steps 2+3, PT)": "m3_pt",
           "4 (Steps 1+3, PT)": "m4_pt", "5 (Steps 1+2, FFT)": "m5_fft", "6 (Steps 1+2+3, PT: DCRRG)": "m6_pt",
           "7 (Steps 1+2+3, FFT)": "m7_fft"}
@@ -722,8 +670,7 @@ def ablation(run, args: Args, env: dict) -> dict:
     for row, folder in TABLE4.items():
         nlg, ce = done[folder]["nlg"], done[folder]["ce"]
         table[row] = {**{k: nlg[k] for k in ("BLEU-4", "METEOR", "ROUGE-L", "CIDEr") if k in nlg},
-                      "CE P": ce["micro_precision"], "CE R": ce["micro_recall"], "CE F1": ce["micro_f1"],
-                      "trainable": done[folder]["trainable_parameters"][done[folder]["step4"]]}
+                      "CE P": ce["micro_precision"], "CE R": ce["micro_recall"], "CE F1": ce["micro_f1"]}
     run.write("ablation/ablation.json", json.dumps(table, indent=2))
     return table
 

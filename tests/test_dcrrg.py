@@ -1,5 +1,5 @@
 """DCRRG: Eq. 3-5 soft targets and the Eq. 6-9 loss by hand, Step 1 targets / re-sampling / importance
-weights, observation descriptions from sentences, the decoder (causal, cached, prefixed, batch-independent)
+weights, observation descriptions from sentences, the decoder (causal, prefixed, batch-independent)
 and beam search, retrieval P@K, AUROC; then the steps end to end on the synthetic set: what one Step 2 step
 feeds Eq. 3-9 (wiring), P-Tuning leaves every frozen weight bit-identical, exact resume, torchrun against
 one process, Table 4's plan."""
@@ -195,7 +195,7 @@ def decoder():
     return dec
 
 
-def test_decoder_causal_cached_prefixed_and_batch_independent(decoder):
+def test_decoder_causal_prefixed_and_batch_independent(decoder):
     prefix = torch.randn(2, 2, 2, 3, 16)
     tokens, f_I, obs = torch.randint(0, 30, (2, 7)), torch.randn(2, 14, 16), torch.tensor([3, 9])
     with torch.no_grad():
@@ -203,9 +203,8 @@ def test_decoder_causal_cached_prefixed_and_batch_independent(decoder):
         changed = tokens.clone()
         changed[:, 5:] = 0
         torch.testing.assert_close(decoder(changed, f_I, prefix, obs=obs)[:, :5], full[:, :5])  # no peeking ahead
-        cache = [{} for _ in decoder.layers]
-        steps = [decoder(tokens[:, t:t + 1], f_I, prefix, cache=cache, obs=obs) for t in range(7)]
-        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+        steps = [decoder(tokens[:, :t + 1], f_I, prefix, obs=obs)[:, -1] for t in range(7)]  # as beam search reads it
+        torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(decoder(tokens, f_I, prefix, obs=obs.flip(0)), full)  # the prompt matters
         assert not torch.allclose(decoder(tokens, f_I, None, obs=obs), full)  # so does the prefix
         # a row's output does not depend on the other rows of its batch, in training mode too (no BatchNorm):
@@ -235,16 +234,12 @@ def test_beam_of_one_is_greedy(decoder):
 
 
 class Markov:
-    """A stand-in decoder whose next-token probabilities depend on the last token only (table P),
-    keeping its history in the cache as beam_search expects. Tokens: 0 pad, 1 bos, 2 eos, 3 a, 4 b."""
-    layers = [None]
+    """A stand-in decoder whose next-token probabilities depend on the last token only (table P).
+    Tokens: 0 pad, 1 bos, 2 eos, 3 a, 4 b."""
     P = torch.tensor([[.2, .2, .2, .2, .2], [0, 0, .1, .5, .4], [.2, .2, .2, .2, .2],
                       [0, 0, .3, .36, .34], [0, 0, .95, .025, .025]]).clamp_min(1e-9)
 
-    def __call__(self, tokens, f_I, prefix=None, head=None, cache=None, obs=None):
-        seen = tokens[:, None, :, None].float()
-        cache[0]["k"] = seen if "k" not in cache[0] else torch.cat([cache[0]["k"], seen], 2)
-        cache[0]["v"] = cache[0]["k"]
+    def __call__(self, tokens, f_I, prefix=None, head=None, obs=None):
         return self.P[tokens].log()  # (N, T, V)
 
 
