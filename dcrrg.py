@@ -1,12 +1,10 @@
 """DCRRG: divide-and-conquer radiology report generation, in four steps.
 
 Paper: "Divide and Conquer Radiology Report Generation via Observation Level Fine-grained Pretraining
-and Prompt Tuning" (Yuanpin Zhou, Huogen Wang; EMNLP 2024; no arXiv version). A report is read as descriptions
-of the 14 CheXpert observations. Step 1 trains an image and a text encoder, each alone, to predict one observation's
-label under that observation's one-hot prompt, so each observation is balanced alone. Step 2 aligns them with a
-contrastive loss whose soft targets are label similarities calibrated by uni-modal similarity ("DCCLIP"). Step 3
-trains a decoder to write one observation's description; Step 4 freezes it all and learns P-Tuning v2 prefixes
-and a fresh head to write the full report.
+and Prompt Tuning" (Yuanpin Zhou, Huogen Wang; EMNLP 2024; no arXiv version). Step 1 trains an image and a text
+encoder, each alone, to predict one of the 14 CheXpert observations' label under its one-hot prompt (so each is
+balanced alone); Step 2 aligns them contrastively with calibrated soft targets ("DCCLIP"); Step 3 trains a decoder
+to write one observation's description; Step 4 learns P-Tuning v2 prefixes and a fresh head to write the report.
 
     python dcrrg.py                  # = dcrrg.py all: synthetic set, tiny sizes, 4 steps + evaluation
     python dcrrg.py step3 --resume   # one step, from out/step2/model.pt
@@ -73,8 +71,7 @@ class Args(common.RunArgs):
 
 SIZES = {  # --model: image encoder and size, text BERT (hidden, heads, layers), width P of projections and decoder
     "tiny": dict(image="cnn", image_size=64, hidden=128, heads=2, layers=2, width=128, dec_heads=4),  # BERT-Tiny's shape
-    # App. A: 8 heads, hidden 512; layers not given: 8, as Google's BERT-Medium of that width
-    "paper": dict(image="resnet50", image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8),
+    "paper": dict(image="resnet50", image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8),  # App. A; 8 layers: ours
 }
 K = len(common.CHEXPERT_LABELS)  # 14 observations = 14 prompts
 NO_FINDING = common.LABEL_INDEX["No Finding"]
@@ -105,9 +102,8 @@ def draw_pairs(targets: np.ndarray, n: int, rng: np.random.Generator):
 
 
 def pair_weights(targets: np.ndarray, balance: bool) -> np.ndarray:
-    """(N, 14) pair weights for B uniform samples under all 14 prompts, loss sum(weight * CE) / B. Balanced:
-    N / (2 K' n_kc) for class c (n_kc samples of it, K' labelled observations): draw_pairs' expected loss, 14
-    pairs per image forward. Else 1 / (labelled pairs per sample): the plain mean. Uncertain: 0."""
+    """(N, 14) weights for B uniform samples under all 14 prompts, loss sum(weight * CE) / B. Balanced: N / (2 K' n_kc)
+    for class c of k (n_kc samples, K' labelled observations), draw_pairs' expected loss; else the plain mean."""
     labelled = ~np.isnan(targets)
     if not balance:
         return labelled / labelled.sum(1).mean()
@@ -123,16 +119,14 @@ LIST_MARKER = re.compile(r"^(?:\d{1,2}[.)]|[-*\u2022])\s+")  # "1. ", "2) ", "- 
 
 
 def split_sentences(report: str) -> list[str]:
-    """Sentences end at . ! ? before a space, at a line break or a header ("1.5 cm" stays whole); list markers
-    are stripped, fragments without a letter dropped."""
+    """Sentences end at . ! ? before a space, a line break or a header; list markers and letterless parts go."""
     parts = re.split(r"(?<=[.!?])\s+|\n+", HEADER.sub("\n", report))
     return [s for s in (LIST_MARKER.sub("", p.strip()).strip() for p in parts) if re.search("[A-Za-z]", s)]
 
 
 def assign_sentences(sentences: list[str], labels: np.ndarray, no_finding: bool) -> dict[int, str]:
-    """Sec. 3.3 (paper silent on how): a sentence goes to each of the 13 findings the labeler finds in it (1, 0,
-    -1); one naming none to No Finding if the study's No Finding is 1, else it is dropped (CheXpert's rule
-    per sentence would tag every negative sentence). -> {observation: description}."""
+    """Sec. 3.3 (paper silent on how): a sentence goes to each of the 13 findings the labeler finds in it; one naming
+    none to No Finding if the study's No Finding is 1, else it is dropped. -> {observation: description}."""
     out: dict[int, str] = {}
     for sentence, row in zip(sentences, labels):
         found = [k for k in range(K) if k != NO_FINDING and not np.isnan(row[k])]
@@ -144,20 +138,16 @@ def assign_sentences(sentences: list[str], labels: np.ndarray, no_finding: bool)
 def description_records(records, labeler) -> list[common.Record]:
     """Step 3's examples: a Record per (study, observation described), report = the description."""
     sentences = [split_sentences(r.report) for r in records]
-    labels, out, start = labeler([s for ss in sentences for s in ss]), [], 0
-    for r, ss in zip(records, sentences):
-        desc = assign_sentences(ss, labels[start:start + len(ss)], r.labels[NO_FINDING] == 1)
-        start += len(ss)
-        out += [dataclasses.replace(r, id=f"{r.id}#{k}", report=d, meta={"obs": k, "study_report": r.report})
-                for k, d in sorted(desc.items())]
-    return out
+    labels, ends = labeler([s for ss in sentences for s in ss]), np.cumsum([len(ss) for ss in sentences])  # all at once
+    return [dataclasses.replace(r, id=f"{r.id}#{k}", report=d, meta={"obs": k, "study_report": r.report})
+            for r, ss, end in zip(records, sentences, ends)
+            for k, d in sorted(assign_sentences(ss, labels[end - len(ss):end], r.labels[NO_FINDING] == 1).items())]
 
 
 # Step 1: encoders with prompts (Eq. 1-2), per-observation classification ---------------------------
 class ProjectionHead(nn.Module):
-    """Eq. 1b / 2b: f(concat(x, e_prompt)). f is not given: a linear f makes the prompt a constant shift the
-    shared classifier cannot use, so LayerNorm, Linear to 4P, GELU, Linear to P; the prompt's input weights
-    start at unit scale (a one-hot is otherwise ~sqrt(D) times weaker than x)."""
+    """Eq. 1b / 2b: f(concat(x, e_prompt)), f not given: LayerNorm, Linear to 4P, GELU, Linear to P (a linear f makes
+    the prompt a shift the classifier cannot use); prompt weights start at unit scale (else ~sqrt(D) times weaker)."""
 
     def __init__(self, dim: int, width: int):
         super().__init__()
@@ -170,15 +160,11 @@ class ProjectionHead(nn.Module):
         return self.fc2(F.gelu(self.fc1(torch.cat([self.norm(x)[:, None].expand(-1, K, -1), e], -1))))  # (B, 14, P)
 
 
-class DCRRG(nn.Module):
-    """All the parts; each step trains some (set_trainable) and saves all."""
-
+class DCRRG(nn.Module):  # all the parts: each step trains some (set_trainable) and saves all
     def __init__(self, args: Args, tokenizer):
         super().__init__()
-        size = SIZES[args.model]
-        self.tokenizer = tokenizer
-        # Eq. 1a's E_img over a study's views (averaged): a small CNN (an 8 x 8 grid flattened, so where a
-        # sign lies survives) or ResNet-50's pooled 2048-d feature (App. A)
+        size, self.tokenizer = SIZES[args.model], tokenizer
+        # Eq. 1a's E_img, averaged over a study's views: a small CNN or ResNet-50's pooled 2048-d feature (App. A)
         self.image_encoder = common.ViewMean(common.SmallCNN()) if size["image"] == "cnn" else \
             common.resnet_encoder(50, args.pretrained, "--pretrained")
         from transformers import AutoModel, BertConfig, BertModel
@@ -189,6 +175,7 @@ class DCRRG(nn.Module):
         D, M, P = self.image_encoder.dim, self.text_encoder.config.hidden_size, size["width"]
         self.f_v, self.f_t = ProjectionHead(D, P), ProjectionHead(M, P)  # Eq. 1b, 2b
         self.cls_v, self.cls_t = nn.Linear(P, 2), nn.Linear(P, 2)  # Step 1: negative/positive under any prompt
+        self.heads = {"image": (self.f_v, self.cls_v), "text": (self.f_t, self.cls_t)}  # per modality: projection, classifier
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # Eq. 7: 1 / tau, tau = 0.07 at first
         self.decoder = Decoder(len(tokenizer), P, size["dec_heads"], DROPOUT)
         # Step 4, P-Tuning v2 (Liu et al. 2022, arXiv:2110.07602): in every layer, L_p trainable keys and values
@@ -206,11 +193,9 @@ class DCRRG(nn.Module):
         return self.embed_images(load_images(records, transform)) if modality == "image" else \
             self.embed_texts([r.report for r in records])
 
-    def heads(self, modality: str):  # Eq. 1b / 2b's projection and Step 1's classifier
-        return (self.f_v, self.cls_v) if modality == "image" else (self.f_t, self.cls_t)
-
-    def project(self, records, modality: str, transform):  # Eq. 1 / 2 in chunks, no gradient -> (N, 14, P)
-        return in_chunks(lambda rs: self.heads(modality)[0](self.embed(rs, modality, transform)), records)
+    @torch.no_grad()
+    def project(self, records, modality: str, transform):  # Eq. 1 / 2 of records, 64 at a time -> (N, 14, P)
+        return torch.cat([self.heads[modality][0](self.embed(records[b:b + 64], modality, transform)) for b in range(0, len(records), 64)])
 
 
 def build_tokenizer(args: Args, reports: list[str], run):
@@ -233,12 +218,10 @@ def step1_loss(model: DCRRG, batch, records, targets, weights, transform):
     (rows, observations) of re-sampled pairs, or (rows, None): samples under all 14 prompts, pair_weights."""
     loss, stats, device = 0.0, {}, model.logit_scale.device
     for m in MODALITIES:
-        (f, cls), (rows, obs) = model.heads(m), batch[m]
+        (f, cls), (rows, obs) = model.heads[m], batch[m]
         logits = cls(f(model.embed([records[i] for i in rows], m, transform)))  # Eq. 1-2: (B, 14, 2), every prompt
-        if obs is not None:  # each pair's own prompt -> (B, 2)
-            logits, y, w = logits[torch.arange(len(rows)), torch.as_tensor(obs)], targets[rows, obs], np.ones(len(rows))
-        else:
-            y, w = targets[rows], weights[rows]
+        y, w = (targets[rows], weights[rows]) if obs is None else (targets[rows, obs], np.ones(len(rows)))
+        logits = logits if obs is None else logits[torch.arange(len(rows)), torch.as_tensor(obs)]  # own prompt: (B, 2)
         y_t = torch.as_tensor(np.nan_to_num(y), device=device).long()
         ce = F.cross_entropy(logits.float().flatten(0, -2), y_t.flatten(), reduction="none").view(y_t.shape)
         loss_m = (torch.as_tensor(w, device=device, dtype=torch.float32) * ce).sum() / len(rows)
@@ -263,7 +246,7 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
     def evaluate(model, st):  # AUROC of the (N, 14) positive probabilities
         y, p = observation_targets(np.stack([r.labels for r in env["test"]])), lambda m: torch.softmax(
-            model.heads(m)[1](model.project(env["test"], m, env["transform"])).float(), -1)[..., 1].cpu().numpy()
+            model.heads[m][1](model.project(env["test"], m, env["transform"])).float(), -1)[..., 1].cpu().numpy()
         return {"balance": balance, **{f"auroc_{m}": auroc_per_observation(p(m), y) for m in MODALITIES}}
     return fit(run, args, env, name, init, "step1", ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
                batches, lambda model, batch: step1_loss(model, batch, records, targets, weights, env["transform"]), evaluate)
@@ -302,8 +285,7 @@ def step2_loss(model: DCRRG, batch, world_size: int):
     v_p, t_p = model.f_v(v), model.f_t(t)  # Eq. 1b, 2b: (B, 14, P), under every prompt
     l = ((batch["labels"] == 1) | (batch["labels"] == -1)).float().to(v.device)  # Eq. 3's l: positive, uncertain (paper silent); l_img = l_txt
     v_p, t_p, v, t, l = (common.gather_batch(x, world_size) for x in (v_p, t_p, v, t, l))
-    # The paper does not say which prompt feeds Eq. 6: the loss is averaged over all 14, so every prompt's
-    # space is aligned (Steps 3-4 read them all)
+    # Which prompt feeds Eq. 6 is not said: the loss is averaged over all 14, so each is aligned (Steps 3-4 read all)
     per_prompt = [csm_loss(v_p[:, k], t_p[:, k], v, t, l, l, model.logit_scale) for k in range(K)]
     return torch.stack([loss for loss, _ in per_prompt]).mean(), per_prompt[0][1]
 
@@ -324,9 +306,7 @@ def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
 
 # The decoder (Eq. 10-14) --------------------------------------------------------------------------
-class Attention(nn.Module):
-    """Multi-head attention; keys/values may start with prefixes (P-Tuning v2)."""
-
+class Attention(nn.Module):  # multi-head; keys and values may start with P-Tuning v2 prefixes
     def __init__(self, d: int, heads: int, dropout: float):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
@@ -336,10 +316,9 @@ class Attention(nn.Module):
         B, T, d = x.shape
         split = lambda z: z.reshape(B, -1, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731  (B, H, L, d/H)
         q, k, v = split(self.q(x)), split(self.k(source)), split(self.v(source))
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if causal else None  # query i sees keys <= i
         if prefix is not None:  # prefix (2, L_p, d): keys and values every position sees
             k, v = (torch.cat([split(prefix[i].expand(B, -1, -1)), z], 2) for i, z in ((0, k), (1, v)))
-            mask = None if mask is None else torch.cat([mask.new_ones(T, prefix.shape[1]), mask], 1)
+        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T) if causal else None  # i: keys <= i
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.o(out.transpose(1, 2).reshape(B, T, d))
 
@@ -361,12 +340,11 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Two post-LN layers over token embeddings only (Sec. 3.3), cross-attending to f_I (N, 14, P), then a linear
-    head (Eq. 13: p(T|I) = prod_t p(y_t | y_<t, I)). Paper silent: f_I is the study under all 14 prompts, a slot
-    each, and Step 3 adds the observation's prompt embedding to the first input (with v_p^k alone, softmax over one
-    key is 1: cross-attention never learns). Step 2 pulls all projections together (cosine ~0.9), so f_I is
-    standardised per slot and feature by fixed training-image statistics (standardise_memory; not BatchNorm, whose
-    statistics would differ between Step 3's image + text batches and Step 4's image ones)."""
+    """Two post-LN layers over token embeddings (Sec. 3.3), cross-attending to f_I (N, 14, P), then a linear head (Eq. 13:
+    p(T|I) = prod_t p(y_t | y_<t, I)). Paper silent: f_I is the study under all 14 prompts, a slot each (with v_p^k
+    alone, softmax over one key is 1: cross-attention never learns); Step 3 adds the observation's prompt embedding to
+    the first input. Step 2 pulls all projections together (cosine ~0.9), so f_I is standardised per slot and feature
+    by fixed training-image statistics (fit(); BatchNorm's would differ in Step 3's image + text batches)."""
 
     def __init__(self, vocab: int, d: int, heads: int, dropout: float, layers: int = 2):
         super().__init__()
@@ -385,14 +363,6 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             y = layer(y, f_I, None if prefix is None else prefix[i])
         return (head or self.head)(y)  # (N, T, V)
-
-
-@torch.no_grad()
-def standardise_memory(model: DCRRG, records, transform):
-    """The decoder's fixed f_I mean and std per slot and feature, from the first 512 training images."""
-    f = model.project(records[:512], "image", transform)  # (N, 14, P)
-    model.decoder.memory_mean.copy_(f.mean(0))
-    model.decoder.memory_std.copy_(f.std(0) + 1e-5)
 
 
 def lm_loss(decoder, f_I, texts: list[str], tokenizer, max_len: int, prefix=None, head=None, obs=None):
@@ -418,10 +388,8 @@ def step3_inputs(model: DCRRG, images, rows, text_view: bool = True) -> dict:
 
 
 def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
-    """Eq. 10-14: the decoder writes one observation's description from either view; then the held-out loss
-    of each view and example descriptions (Table 7)."""
-    tok, transform = env["tokenizer"], env["transform"]
-    examples = description_records(env["train"], env["labeler"])
+    """Eq. 10-14: the decoder writes one observation's description from either view; then held-out ones (Table 7)."""
+    tok, transform, examples = env["tokenizer"], env["transform"], description_records(env["train"], env["labeler"])
     by_id = {r.id: r for r in examples}
 
     def loss_fn(model, batch):
@@ -430,18 +398,16 @@ def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
     def evaluate(model, st):  # held-out descriptions of the first 64 validation studies
         val = description_records(env["val"][:64], env["labeler"])
-        inputs, n = step3_inputs(model, load_images(val, transform), val), len(val)  # image rows, then text rows
-        out = {f"val_loss_{view}_view": lm_loss(model.decoder, inputs["f_I"][v * n:(v + 1) * n], [r.report for r in val],
-                                                tok, MAX_DESCRIPTION_TOKENS, obs=inputs["obs"][v * n:(v + 1) * n]).item()
-               for v, view in enumerate(MODALITIES)}
-        texts = generate(model, lambda rs: step3_inputs(model, load_images(rs, transform), rs, False), val[:24], st,
-                         MAX_DESCRIPTION_TOKENS)
+        inputs = step3_inputs(model, load_images(val, transform), val)  # image rows, then text rows
+        out = {f"val_loss_{m}_view": lm_loss(model.decoder, f, [r.report for r in val], tok, MAX_DESCRIPTION_TOKENS, obs=o).item()
+               for m, f, o in zip(MODALITIES, inputs["f_I"].chunk(2), inputs["obs"].chunk(2))}
+        texts = generate(model, lambda rs: step3_inputs(model, load_images(rs, transform), rs, False), val[:24], st, MAX_DESCRIPTION_TOKENS)
         st.write("descriptions_val.jsonl", "".join(json.dumps({"id": r.id, "observation": common.CHEXPERT_LABELS[
             r.meta["obs"]], "reference": r.report, "generated": g}) + "\n" for r, g in zip(val, texts)))
         return out
     return fit(run, args, env, name, init, "step3", ["decoder"],
                run.study_batches(examples, args.decoder_batch_size, "--decoder-batch-size", transform),
-               loss_fn, evaluate, setup=lambda model: standardise_memory(model, env["train"], transform))
+               loss_fn, evaluate)
 
 
 # Step 4: prefixes (P-Tuning v2) and beam search ------------------------------------------------------
@@ -454,18 +420,15 @@ def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: 
     f_I = f_I.repeat_interleave(beam, 0)  # (B*k, S, P)
     obs = None if obs is None else obs.repeat_interleave(beam, 0)
     tokens = torch.full((B * beam, 1), bos, dtype=torch.long, device=dev)
-    scores = torch.full((B, beam), -math.inf, device=dev)
-    scores[:, 0] = 0  # all beams start equal: expand the first only
+    scores = torch.tensor([0.0] + [-math.inf] * (beam - 1), device=dev).repeat(B, 1)  # (B, k): all equal, expand the first
     done, length = torch.zeros(B * beam, dtype=torch.bool, device=dev), torch.zeros(B * beam, device=dev)
     for _ in range(max_len):
         logp = F.log_softmax(decoder(tokens, f_I, prefix, head, obs)[:, -1].float(), -1)  # (B*k, V)
         V = logp.shape[1]
         logp[:, list(banned)] = -math.inf
-        logp[done] = -math.inf
-        logp[done, pad] = 0.0
+        logp[done] = torch.where(torch.arange(V, device=dev) == pad, 0.0, -math.inf)  # finished: pad at no cost
         scores, idx = (scores.view(-1, 1) + logp).view(B, beam * V).topk(beam, dim=1)  # (B, k)
-        origin = (idx // V + torch.arange(B, device=dev)[:, None] * beam).flatten()  # (B*k,) the beam continued
-        tok = (idx % V).flatten()
+        origin, tok = (idx // V + torch.arange(B, device=dev)[:, None] * beam).flatten(), (idx % V).flatten()  # (B*k,) each
         tokens = torch.cat([tokens[origin], tok[:, None]], 1)
         length = length[origin] + (~done[origin]).float()  # tokens up to and including EOS
         done = done[origin] | (tok == eos)
@@ -497,38 +460,28 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     f_I = lambda model, images: model.f_v(model.embed_images(images))  # noqa: E731  (B, 14, P)
 
     def evaluate(model, st):
-        records = env["test"][:args.n_test] if args.n_test else env["test"]
+        records = env["test"][:args.n_test]  # None: all
         texts = generate(model, lambda rs: {"f_I": f_I(model, load_images(rs, transform))}, records, st,
                          MAX_REPORT_TOKENS, **decoder_kw(model))
-        out = {"step4": args.step4}
-        if st.is_main:
-            rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
-            st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-            out.update(common.evaluate_generations(rows, env["labeler"]))
-        return out
-
-    def setup(model):  # a decoder Step 3 never trained (Table 4's FFT rows without it) is standardised here
-        if bool((model.decoder.memory_std == 1).all()):
-            standardise_memory(model, env["train"], transform)
+        rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
+        st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
+        return {"step4": args.step4, **(common.evaluate_generations(rows, env["labeler"]) if st.is_main else {})}
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
     return fit(run, args, env, name, init, "step4", ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
                run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
                lambda model, batch: (lm_loss(model.decoder, f_I(model, batch["images"]), batch["report"], tok,
-                                             MAX_REPORT_TOKENS, **decoder_kw(model)), {}), evaluate, setup)
+                                             MAX_REPORT_TOKENS, **decoder_kw(model)), {}), evaluate)
 
 
 # Evaluation: AUROC, retrieval, probes -------------------------------------------------------------
 def auroc_per_observation(scores: np.ndarray, targets: np.ndarray) -> dict:
     """AUROC per observation (NaN rows out, one-class ones skipped), their mean, "mean_5" over the five tasks."""
     from sklearn.metrics import roc_auc_score
-    out = {}
-    for k, name in enumerate(common.CHEXPERT_LABELS):
-        m = ~np.isnan(targets[:, k])
-        if 0 < targets[m, k].sum() < m.sum():
-            out[name] = float(roc_auc_score(targets[m, k], scores[m, k]))
-    five = [out[c] for c in FIVE if c in out]
-    return {**out, "mean": float(np.mean(list(out.values()))) if out else math.nan,
-            "mean_5": float(np.mean(five)) if five else math.nan}
+    masks = [~np.isnan(targets[:, k]) for k in range(K)]
+    out = {name: float(roc_auc_score(targets[m, k], scores[m, k])) for k, (name, m) in enumerate(zip(common.CHEXPERT_LABELS, masks))
+           if 0 < targets[m, k].sum() < m.sum()}
+    mean = lambda xs: float(np.mean(xs)) if xs else math.nan  # noqa: E731
+    return {**out, "mean": mean(list(out.values())), "mean_5": mean([out[c] for c in FIVE if c in out])}
 
 
 def retrieval_set(labels: np.ndarray, per_class: int) -> tuple[np.ndarray, np.ndarray]:
@@ -540,12 +493,10 @@ def retrieval_set(labels: np.ndarray, per_class: int) -> tuple[np.ndarray, np.nd
 
 
 def precision_at_k(sim: torch.Tensor, query_cls, cand_cls, ks=(1, 2, 5, 10)) -> dict:
-    """sim (Q, C) -> mean share of each query's top K of its class (ties: lower index); K > C "skipped"."""
+    """sim (Q, C) -> mean share of each query's top K of its class (ties: lower index); none for K > C."""
     order = torch.argsort(sim, dim=1, descending=True, stable=True)  # (Q, C)
     hit = torch.as_tensor(cand_cls)[order] == torch.as_tensor(query_cls)[:, None]
-    out = {f"P@{k}": hit[:, :k].float().mean().item() for k in ks if k <= sim.shape[1]}
-    skipped = [f"P@{k}" for k in ks if k > sim.shape[1]]
-    return {**out, "skipped": skipped} if skipped else out
+    return {f"P@{k}": hit[:, :k].float().mean().item() for k in ks if k <= sim.shape[1]}
 
 
 def retrieval(model: DCRRG, records, transform) -> dict:
@@ -558,14 +509,13 @@ def retrieval(model: DCRRG, records, transform) -> dict:
 
 
 def probes(encoder: nn.Module, train, test, transform, seed: int) -> dict:
-    """Sec. 4.4.3: test AUROC of a linear probe on frozen standardised features (logistic regression per
-    observation, scikit-learn's L2 with C = 1, L-BFGS run to convergence, checked) and of encoder + linear head
-    fine-tuned (AdamW, masked BCE, PROBE["finetune_epochs"] epochs of the labelled subset), with 1, 10 and 100 %
-    of the training labels; Step 1's targets. One run each (the paper averages five)."""
+    """Sec. 4.4.3: test AUROC with 1, 10, 100 % of the training labels (Step 1's targets) of a linear probe on frozen
+    standardised features (scikit-learn's L2 logistic regression, C = 1, L-BFGS, convergence checked) and of encoder +
+    linear head fine-tuned (AdamW, masked BCE, PROBE epochs of the subset). One run each (the paper averages five)."""
     from sklearn.linear_model import LogisticRegression
     device, out, rng = next(encoder.parameters()).device, {}, np.random.default_rng(seed)
     y_train, y_test = (observation_targets(np.stack([r.labels for r in rs])) for rs in (train, test))
-    features = lambda enc, recs: in_chunks(lambda rs: enc(load_images(rs, transform)), recs).float().cpu().numpy()  # noqa: E731
+    features = lambda enc, rs: torch.cat([enc(load_images(rs[b:b + 64], transform)) for b in range(0, len(rs), 64)]).float().cpu().numpy()
     x_train, x_test = features(encoder.eval(), train), features(encoder, test)  # (N, D)
     z_train, z_test = ((x - x_train.mean(0)) / (x_train.std(0) + 1e-6) for x in (x_train, x_test))
     for frac in (0.01, 0.1, 1.0):
@@ -594,11 +544,6 @@ def load_images(records, transform) -> torch.Tensor:
     return torch.stack([common.ReportDataset([r], transform)[0]["images"] for r in records])  # (B, V, C, H, W)
 
 
-@torch.no_grad()
-def in_chunks(fn, records, batch: int = 64) -> torch.Tensor:  # fn(list of records) -> (B, ...) over all records
-    return torch.cat([fn(records[b:b + batch]) for b in range(0, len(records), batch)])
-
-
 # Running the steps -----------------------------------------------------------------------------------
 def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
     """Train the named parts only; the others are frozen, in eval mode (BatchNorm statistics untouched)."""
@@ -610,26 +555,27 @@ def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
 
 
 def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, parts: list[str], batches, loss_fn,
-        evaluate, setup=None) -> dict:
-    """One step in out/<name> from out/<init>/model.pt (None: fresh): AdamW on `parts` (App. A; constant lr, no
+        evaluate) -> dict:
+    """One step in out/<name> from out/<init>/model.pt (None: fresh; Step 4's prefixes and head: fresh): AdamW on `parts` (App. A; constant lr, no
     schedule given), evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their results."""
-    others = {f"{s}_steps" for s in STEPS if s != kind}
-    st = run.stage(name, [f.name for f in dataclasses.fields(args) if f.name not in {"resume", "out"} | others])
+    others = {"resume", "out"} | {f"{s}_steps" for s in STEPS if s != kind}  # --resume checks this step's flags only
+    st = run.stage(name, [f.name for f in dataclasses.fields(args) if f.name not in others])
     if st.done is not None:
         return st.done
     common.seed_everything(args.seed)  # the same fresh weights on every rank
     model = DCRRG(args, env["tokenizer"]).to(run.device)
     if init is not None:
-        if not (run.out / init / "model.pt").is_file():
-            raise FileNotFoundError(f"{run.out / init / 'model.pt'} not found: run {init} first")
-        state = torch.load(run.out / init / "model.pt", map_location=run.device, weights_only=True)
-        fresh = ("prefix", "prompt_head.") if kind == "step4" else ()  # Step 4's prefixes and head start fresh
-        model.load_state_dict({**state, **{k: v for k, v in model.state_dict().items() if k.startswith(fresh) and fresh}})
+        if not (path := run.out / init / "model.pt").is_file():
+            raise FileNotFoundError(f"{path} not found: run {init} first")
+        fresh = {k: v for k, v in model.state_dict().items() if kind == "step4" and k.startswith(("prefix", "prompt_head."))}
+        model.load_state_dict({**torch.load(path, map_location=run.device, weights_only=True), **fresh})
     params = set_trainable(model, parts)
-    setup(model) if setup else None
+    if kind in ("step3", "step4") and bool((model.decoder.memory_std == 1).all()):  # Step 3, or Step 4 without it
+        with torch.no_grad():  # the decoder's fixed f_I mean and std per slot and feature: 512 training images
+            f = model.project(env["train"][:512], "image", env["transform"])  # (N, 14, P)
+            model.decoder.memory_mean.copy_(f.mean(0)), model.decoder.memory_std.copy_(f.std(0) + 1e-5)
     common.broadcast_parameters(model)
-    # --lr, else App. A's 1e-4; --model tiny: 1e-3 (Steps 1, 3, 4 FFT), 5e-3 (P-Tuning v2's range), 1e-4 for Step 2
-    # (at 1e-3 it undid much of Step 1: retrieval P@1 0.46 against 0.80 on the synthetic set)
+    # --lr, else App. A's 1e-4; --model tiny: 1e-3, 5e-3 for P-Tuning v2 (its range), 1e-4 for Step 2 (1e-3 undid Step 1)
     tiny = 1e-4 if kind == "step2" else 5e-3 if kind == "step4" and args.step4 == "pt" else 1e-3
     lr, total = args.lr or (tiny if args.model == "tiny" else 1e-4), getattr(args, f"{kind}_steps")
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
@@ -654,8 +600,7 @@ STEPS = {"step1": step1, "step2": step2, "step3": step3, "step4": step4}
 ABLATION = [tuple(None if w == "-" else w for w in x.split()) for x in (
     "step1 step1 - -", "step2 step2 step1 -", "step3 step3 step2 -", "m6_pt step4 step3 pt", "m7_fft step4 step3 fft",
     "m5_fft step4 step2 fft", "m1_fft step4 step1 fft", "step3_no_step2 step3 step1 -", "m4_pt step4 step3_no_step2 pt",
-    "step2_no_step1 step2 - -", "m2_fft step4 step2_no_step1 fft", "step3_no_step1 step3 step2_no_step1 -",
-    "m3_pt step4 step3_no_step1 pt")]
+    "step2_no_step1 step2 - -", "m2_fft step4 step2_no_step1 fft", "step3_no_step1 step3 step2_no_step1 -", "m3_pt step4 step3_no_step1 pt")]
 TABLE4 = {"1 (Step 1, FFT)": "m1_fft", "2 (Step 2, FFT)": "m2_fft", "3 (Steps 2+3, PT)": "m3_pt",
           "4 (Steps 1+3, PT)": "m4_pt", "5 (Steps 1+2, FFT)": "m5_fft", "6 (Steps 1+2+3, PT: DCRRG)": "m6_pt",
           "7 (Steps 1+2+3, FFT)": "m7_fft"}
@@ -666,18 +611,15 @@ def ablation(run, args: Args, env: dict) -> dict:
     args = dataclasses.replace(args, probes=False)
     done = {folder: STEPS[step](run, dataclasses.replace(args, step4=mode or args.step4), env, f"ablation/{folder}",
                                 f"ablation/{init}" if init else None) for folder, step, init, mode in ABLATION}
-    table = {}
-    for row, folder in TABLE4.items():
-        nlg, ce = done[folder]["nlg"], done[folder]["ce"]
-        table[row] = {**{k: nlg[k] for k in ("BLEU-4", "METEOR", "ROUGE-L", "CIDEr") if k in nlg},
-                      "CE P": ce["micro_precision"], "CE R": ce["micro_recall"], "CE F1": ce["micro_f1"]}
+    ce = {"CE P": "micro_precision", "CE R": "micro_recall", "CE F1": "micro_f1"}
+    table = {row: {**{k: done[f]["nlg"][k] for k in ("BLEU-4", "METEOR", "ROUGE-L", "CIDEr") if k in done[f]["nlg"]},
+                   **{k: done[f]["ce"][v] for k, v in ce.items()}} for row, f in TABLE4.items()}
     run.write("ablation/ablation.json", json.dumps(table, indent=2))
     return table
 
 
 def prepare(run, args: Args) -> dict:
-    """The splits labelled by --labeler (the paper's CheXpert labeler; --extra-data keeps stored labels), the
-    tokenizer and the image transform."""
+    """The splits labelled by --labeler (--extra-data keeps stored labels), the tokenizer and the image transform."""
     relabel = lambda recs: [dataclasses.replace(r, labels=l) for r, l in zip(recs, run.labeler([r.report for r in recs]))]  # noqa: E731
     data = {split: relabel(recs) for split, recs in run.data.items()}
     extra = common.load_annotation(args.extra_data, ("train",), args.drop_invalid)["train"] if args.extra_data else []

@@ -272,7 +272,7 @@ def test_precision_at_k_by_hand():
     tie = precision_at_k(torch.zeros(1, 4), [1], [0, 0, 1, 1], ks=(1, 2))  # ties: lower index first
     assert tie == {"P@1": 0.0, "P@2": 0.0}
     # K above the candidate count: flagged, not a wrong P@K
-    assert precision_at_k(sim, [0, 1], [0, 0, 1, 1], ks=(1, 5)) == {"P@1": 0.5, "skipped": ["P@5"]}
+    assert precision_at_k(sim, [0, 1], [0, 0, 1, 1], ks=(1, 5)) == {"P@1": 0.5}
 
 
 def test_retrieval_set_one_class_each_and_balanced():
