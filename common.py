@@ -1565,6 +1565,28 @@ def all_reduce_gradients(params, world_size: int):
         p.grad /= world_size
 
 
+def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """(B, ...) on each rank -> (world_size * B, ...) in rank order, the same on every rank, for a loss over the
+    global batch (a contrastive softmax). The gradient reaches this rank's part only, times world_size: each
+    rank computes the same global loss, so averaging the gradients (all_reduce_gradients) gives the single-process
+    gradient exactly."""
+    if world_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    torch.distributed.all_gather(parts, x.detach().contiguous())
+    parts[torch.distributed.get_rank()] = x + (x - x.detach()) * (world_size - 1)  # value x, gradient x world_size
+    return torch.cat(parts)
+
+
+def gather_strided(mine: list, world_size: int) -> list:
+    """Each rank's strided share of a list (records[rank::world_size]) -> the whole list in order, on every rank."""
+    if world_size == 1:
+        return mine
+    shards = [None] * world_size
+    torch.distributed.all_gather_object(shards, mine)
+    return [shards[k % world_size][k // world_size] for k in range(sum(map(len, shards)))]
+
+
 def seed_everything(seed: int, rank: int = 0):
     """Seed python, numpy and torch (every CUDA device too) with seed + rank (nanoGPT's offset)."""
     random.seed(seed + rank)
@@ -1626,7 +1648,7 @@ class Run:
     def write(self, name: str, text: str):
         """Rank 0 writes out/<name> atomically (a reader never sees half a file)."""
         if self.is_main:
-            tmp = self.out / f".{name}.tmp"
+            tmp = (self.out / name).with_name(f".{Path(name).name}.tmp")  # name may hold a folder: "ablation/x.json"
             tmp.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(text)
             os.replace(tmp, self.out / name)
@@ -1660,10 +1682,10 @@ class Run:
             self.write("metrics.jsonl", "".join(r for r in rows if json.loads(r)["step"] <= self.start))
         return self.start
 
-    def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size"):
-        """batches(start) for steps(): this rank's share of shuffled global batches of studies."""
+    def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size", transform="pil"):
+        """batches(start) for steps(): this rank's share of shuffled global batches of studies (images: `transform`)."""
         n = self.per_rank(batch_size, flag)
-        return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start))
+        return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform))
 
     def steps(self, total: int, batches, desc: str = ""):
         """(step, batch) for step = start .. total - 1, with a bar; after each step a metrics.jsonl line (means of
@@ -1751,10 +1773,7 @@ class Run:
             prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in mine[b:b + 32]], prompt)
             with torch.no_grad(), self.autocast():
                 completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
-        if self.world_size > 1:
-            shards = [None] * self.world_size
-            torch.distributed.all_gather_object(shards, completions)
-            completions = [shards[k % self.world_size][k // self.world_size] for k in range(len(records))]
+        completions = gather_strided(completions, self.world_size)
         results = None
         if self.is_main:
             rows = [{"id": r.id, "reference": r.report, "generated": report(c) if report else c}
