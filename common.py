@@ -89,21 +89,16 @@ class Record:
 R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: see above
 
 
-def _replace_repeatedly(text: str, old: str, new: str, times: int) -> str:
-    # R2Gen collapses runs ("__", "  ", "..") with a fixed number of replace passes
-    for _ in range(times):
-        text = text.replace(old, new)
-    return text
-
-
 def clean_report(report: str, style: str = "mimic_cxr") -> str:
     """Clean a report as R2Gen's clean_report_mimic_cxr ("mimic_cxr") or clean_report_iu_xray ("iu_xray")."""
+    def collapse(t, old, new, times):  # R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes
+        for _ in range(times):
+            t = t.replace(old, new)
+        return t
     t = report
     if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
-        t = t.replace("\n", " ")
-        t = _replace_repeatedly(t, "__", "_", 7)
-        t = _replace_repeatedly(t, "  ", " ", 6)
-    t = _replace_repeatedly(t, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
+        t = collapse(collapse(t.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
+    t = collapse(t, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
     for k in "2345":
         t = t.replace(f". {k}. ", ". ")
     for k in "2345":
@@ -1594,14 +1589,6 @@ def seed_everything(seed: int, rank: int = 0):
     torch.manual_seed(seed + rank)
 
 
-def resolve_dtype(flag: str, device) -> torch.dtype:
-    """`--dtype fp32|bf16|auto` (auto: bf16 on a GPU that has it). No fp16: its gradients need
-    loss scaling, which no script does."""
-    if flag == "auto":
-        flag = "bf16" if torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[flag]
-
-
 def exact_div(a: int, b: int, what: str) -> int:
     """a / b for batch arithmetic that must come out whole (lm-human-preference-details)."""
     if b <= 0 or a % b:
@@ -1616,7 +1603,9 @@ class Run:
     def __init__(self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True):
         self.args, self.out, self.data, self.labeler = args, Path(args.out), data, labeler
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
-        self.dtype = resolve_dtype(args.dtype, device)
+        # --dtype auto: bf16 on a GPU that has it. No fp16: its gradients need loss scaling, which no script does
+        bf16 = args.dtype == "bf16" or args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
         self.start, self.done, self._saved, self._stats = 0, None, None, defaultdict(list)
         problem = self._check_folder() if check and self.is_main else None
