@@ -170,7 +170,10 @@ def _launch(tmp_path, *torchrun_flags):
 
 def test_torchrun_gradient_equals_single_process(tmp_path):
     proc = _launch(tmp_path, "--nproc_per_node=2", "--standalone")
-    _, err = proc.communicate(timeout=180)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
     assert proc.returncode == 0, err[-4000:]
     r0, r1 = _check_two_ranks(tmp_path)
     assert r0["env"] == [0, 2, 0, "cpu"] and r1["env"] == [1, 2, 1, "cpu"]
@@ -184,9 +187,13 @@ def test_two_nodes_through_the_c10d_rendezvous_equal_one_process(tmp_path):
     flags = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
              "--rdzv-id=rrg-test"]
     nodes = [_launch(tmp_path, *flags, f"--node-rank={k}") for k in (0, 1)]
-    for proc in nodes:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-4000:]
+    try:
+        for proc in nodes:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-4000:]
+    finally:  # a node left waiting at the rendezvous must not outlive the test
+        for proc in nodes:
+            proc.kill()
     r0, r1 = _check_two_ranks(tmp_path)
     # global ranks 0 and 1, each the first (LOCAL_RANK 0) process of its node
     assert sorted([r0["env"], r1["env"]]) == [[0, 2, 0, "cpu"], [1, 2, 0, "cpu"]]
