@@ -73,13 +73,13 @@ def test_tfidf_weights_hand_example():
     docs = [[5, 6, 7, eos], [5, 6, eos], [5, 8, 8]] + [[5, 6, eos]] * 3  # two groups of G = 3; row 2 truncated
     ids, mask = common.pad_completions(docs, pad)
     w = tfidf_weights(ids, mask, 3, alpha=4.0, special={eos})
-    # df: 5 -> 3, 6 -> 2, 7 -> 1, 8 -> 1; TF = count / length, IDF = ln(3 / df); EOS (df 2 of 3) stays 1
-    expected = torch.tensor([[1, 1 + 4 * 0.25 * math.log(1.5), 1 + 4 * 0.25 * math.log(3), 1],
-                             [1, 1 + 4 / 3 * math.log(1.5), 1, 1],  # last column is padding
-                             [1, 1 + 4 * 2 / 3 * math.log(3), 1 + 4 * 2 / 3 * math.log(3), 1]])
+    # df: 5 -> 3, 6 -> 2, 7 -> 1, 8 -> 1; TF = 1 (present), IDF = ln(3 / df); EOS (df 2 of 3) stays 1
+    expected = torch.tensor([[1, 1 + 4 * math.log(1.5), 1 + 4 * math.log(3), 1],
+                             [1, 1 + 4 * math.log(1.5), 1, 1],  # last column is padding
+                             [1, 1 + 4 * math.log(3), 1 + 4 * math.log(3), 1]])
     torch.testing.assert_close(w[:3], expected.float())
     assert (w[3:] == 1).all()  # a group of identical reports: every token in every report
-    assert tfidf_weights(ids, mask, 3, 4.0)[0, 3] == pytest.approx(1 + 4 * 0.25 * math.log(1.5))  # EOS, were it a word
+    assert tfidf_weights(ids, mask, 3, 4.0)[0, 3] == pytest.approx(1 + 4 * math.log(1.5))  # EOS, were it a word
 
 
 # Eq. 9-12 ----------------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
         for k, d in enumerate(docs):
             for t, tok in enumerate(d):
                 df = sum(tok in other for other in docs)
-                w[g + k, t] = 1 if tok == eos else 1 + 4.0 * d.count(tok) / len(d) * math.log(G / df)
+                w[g + k, t] = 1 if tok == eos else 1 + 4.0 * math.log(G / df)  # TF = 1: the token is there
     assert (w[mask.bool()] > 1).any() and A.abs().sum() > 0  # weights and advantages that matter
     torch.testing.assert_close(A_t, A[:, None] * w)
     torch.testing.assert_close(mask, roll.completion_mask)
