@@ -1135,7 +1135,7 @@ def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
     """A policy saved by policy.save(path): TinyPolicy (tiny_policy.pt) or HFPolicy."""
     f = Path(path) / "tiny_policy.pt"
     if not f.is_file():
-        return HFPolicy(str(path), device, dtype, **hf_kwargs)
+        return HFPolicy(str(path), device, dtype, **{"gradient_checkpointing": True, **hf_kwargs})  # as make_policy
     ck = torch.load(f, map_location="cpu", weights_only=True)
     model = TinyVLM(**ck["hparams"])
     model.load_state_dict(ck["state_dict"])
