@@ -378,6 +378,32 @@ def test_decoder_layer_memory():
     assert 20_000 < m["vision_block_act_per_patch"] < 200_000
 
 
-if __name__ == "__main__":  # print the measurements (JSON) for realarch.README.md
+def memory_table(m, prompt=380, views_tokens=320):
+    """README's table (GB = 1e9 B) from the measurements m: per GPU, each rank holding every weight (DDP):
+    states + n (P + T) [L c + a] + n T V 6 + n 4 I D (D_c + v), checkpointing on (the scripts' default; off: c = a,
+    D_c = v), n the completions (studies for SFT) per rank per micro-batch, I the image tokens per view."""
+    V, L, D, pix = 151936, 36, 32, 4 * views_tokens
+    P3, (lm3, vis3) = QWEN3B_PARAMS, qwen_vl_params(QWEN3B_TEXT, QWEN3B_VISION)
+    P7, A7 = sum(qwen_vl_params(QWEN7B_TEXT, QWEN7B_VISION)), 28 * 128 * (2 * 7168 + 2 * 4096 + 3 * 22528)
+    full, lora, v = m["full"], m["lora"], m["vision_block_act_per_patch"]
+    a7 = lora["act_per_token"] * (3584 + 18944) / (2048 + 11008)  # 7B: scaled by d + ff (not measured)
+    rows = {  # name: (states bytes, tokens/completion, completion tokens, completions per step, L, a, c, vision trains)
+        "mrg_r1 7B LoRA r128 (paper)": (P7 * 2 + A7 * 18, prompt + 256, 256, 16, 28, a7, 2 * 3584, False),
+        "mrg_r1 on 3B, LoRA r128": (P3 * 2 + 36 * lora["train_params"] * 18, prompt + 256, 256, 16, L, lora["act_per_token"], 4096, False),
+        "orapo 3B full FT, G 8 x 4": (P3 * (16 + 2 + 2), prompt + 256, 256, 32, L, full["act_per_token"], 8192, True),
+        "deer SFT, vision tower, 64": (vis3 * 18 + lm3 * 2, prompt + 128, 128, 64, L, lora["act_per_token"], 4096, True),
+        "deer RL 3B full FT, 64 x 8": (P3 * (16 + 2), prompt + 256, 256, 512, L, full["act_per_token"], 8192, True)}
+    out = {}
+    for name, (states, tok, T, N, layers, a, c, vis) in rows.items():
+        act = lambda n, ckpt=True: n * (tok * (layers * (c if ckpt else a) + (a if ckpt else 0)) + T * V * 6  # noqa: E731
+                                        + (pix * (D * (5120 if ckpt else v) + (v if ckpt else 0)) if vis else 0))
+        out[name] = dict(states=states / 1e9, act_per_completion=act(1) / 1e9, act_per_completion_no_ckpt=act(1, False) / 1e9,
+                         one_gpu=(states + act(N)) / 1e9, one_gpu_no_ckpt=(states + act(N, False)) / 1e9, completions=N)
+    return out
+
+
+if __name__ == "__main__":  # print the measurements (JSON) and the estimates of realarch.README.md's table
     torch.set_num_threads(1)
-    print(json.dumps(measure_layer_memory(), indent=1))
+    m = measure_layer_memory()
+    print(json.dumps(m, indent=1))
+    print(json.dumps(memory_table(m), indent=1))
