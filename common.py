@@ -1170,8 +1170,9 @@ def generate_completions(policy, model, inputs: dict, prompt_len: int, max_new_t
 
 
 def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
-    """log softmax(logits / temperature) at ids: (N, T, V), (N, T) -> (N, T) float32, a sequence at a time
-    (a float32 (N, T, V) copy of a 150k vocabulary would be the step's largest tensor); `suppressed`: 0."""
+    """log softmax(logits / temperature) at ids: (N, T, V), (N, T) -> (N, T) float32, a sequence at a time. Without
+    grad this avoids an fp32 (N, T, V) copy of a 150k vocabulary; with grad each row's copy is saved for backward
+    (608 KB per token at 151,936 words: README, memory table). `suppressed` ids get probability 0."""
     rows = []
     for lg, tok in zip(logits, ids):  # (T, V), (T,)
         lg = lg.float() / temperature
