@@ -694,17 +694,12 @@ class CheXbertLabeler:
         ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
         return ids if len(ids) <= CHEXBERT_MAX_PIECES else ids[:CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
 
-    def _pad(self, seqs: list[list[int]]):
-        """Right-pad to the longest -> ids (B, L), attention mask (B, L) on the device."""
-        ids, mask = pad_completions(seqs, self.tokenizer.pad_token_id, self.device)
-        return ids, mask.long()
-
     @torch.inference_mode()
     def _label_encoded(self, seqs: list[list[int]]) -> np.ndarray:
-        ids, mask = self._pad(seqs)
+        ids, mask = pad_completions(seqs, self.tokenizer.pad_token_id, self.device)  # (B, L) each, right-padded
         # the reward runs inside the policy's bf16 autocast: labels must not depend on it
         with torch.autocast(ids.device.type, enabled=False):
-            logits = self.model(ids, mask)  # f1chexbert's forward: 14 tensors (B, C)
+            logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
         classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14)
         return np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]  # 0 blank, 1 pos, 2 neg, 3 unc
 
