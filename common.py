@@ -46,6 +46,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from PIL import Image, UnidentifiedImageError  # noqa: E402
+from tqdm.auto import tqdm, trange  # noqa: E402
 
 log = logging.getLogger("rrg")
 
@@ -157,7 +159,6 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
 
 def load_image(path: str, record_id: str = "?"):
     """Open an image as 8-bit grey-scale PIL; a clear error names the file and the record."""
-    from PIL import Image, UnidentifiedImageError
     try:
         with Image.open(path) as im:
             return im.convert("L")
@@ -468,7 +469,6 @@ def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int =
                    seed: int = 0) -> Path:
     """Write a synthetic set in R2Gen's layout, out_dir/images/<id>.png and out_dir/annotation.json
     (records with "labels" and the drawn "findings"), deterministic from `seed`. Returns out_dir."""
-    from PIL import Image
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
     rng, annotation = np.random.default_rng(seed), {}
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
@@ -718,10 +718,8 @@ class CheXbertLabeler:
 
 
 # ==== 4. Metrics: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D) and CE (label precision/recall/F1) =========
-# BLEU, ROUGE-L and CIDEr-D are written here and equal pycocoevalcap 1.2 (bleu_scorer.py, rouge.py,
-# cider_scorer.py), corpus and per report (tests/test_metrics.py): RL rewards score thousands of pairs a
-# step, and pycocoevalcap's pure-Python LCS is slow. One reference per report, as in every RRG data set.
-# METEOR is the Java 1.5 jar through pycocoevalcap: no Python port matches it.
+# BLEU, ROUGE-L and CIDEr-D equal pycocoevalcap 1.2 (tests/test_metrics.py), written here because rewards score
+# thousands of pairs a step; one reference per report. METEOR is pycocoevalcap's Java jar: no port matches it.
 NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
 
 
@@ -1053,10 +1051,7 @@ class HFPolicy:
         """(the vision tower with its merger, the language model with its LM head) as modules."""
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
 
-    def _forward_context(self):
-        # Qwen2-VL caches rope_deltas in generate(); transformers >= 4.56 recomputes positions in any forward
-        # without a KV cache, so the training forward after it is safe (tests/test_hf_policy.py checks it).
-        # bf16 weights with fp32 parts (fp32_trainable, LoRA) need autocast to mix them
+    def _forward_context(self):  # bf16 weights with fp32 parts (fp32_trainable, LoRA) need autocast to mix them
         return contextlib.nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, dtype=self.dtype)
 
     def prompt_batch(self, images, text) -> dict:
@@ -1097,6 +1092,7 @@ class HFPolicy:
         inputs["attention_mask"] = torch.cat([prompts["attention_mask"], completion_mask.to(prompts["attention_mask"].dtype)], 1)
         if "mm_token_type_ids" in prompts:  # completions are text (type 0)
             inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
+        # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
         with self._forward_context():
             logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V) predicts token t
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
@@ -1210,9 +1206,8 @@ class ViewMean(torch.nn.Module):
 
 
 class SmallCNN(torch.nn.Module):
-    """Offline image encoder: 3 x 3 conv blocks (GroupNorm: no batch statistics) with the given
-    widths and strides, average-pooled to grid x grid (where a sign lies stays visible) and
-    flattened, then Linear + ReLU to `dim` when given. (B, 1, S, S) -> (B, dim)."""
+    """Offline image encoder (B, 1, S, S) -> (B, dim): 3 x 3 conv blocks (GroupNorm: no batch statistics),
+    average-pooled to grid x grid (where a sign lies stays visible), flattened, then Linear + ReLU to `dim`."""
 
     def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
         super().__init__()
@@ -1617,8 +1612,7 @@ class Run:
             self.write("config.json", json.dumps(asdict(args), indent=2))
 
     def _check_folder(self) -> str | None:
-        """A fresh run needs an empty folder (two runs' files must not mix); a resumed one, the run's
-        own flags. A finished run (eval.json) sets .done to its results."""
+        """A fresh run needs an empty folder, a resumed one the run's flags; a finished one sets .done (eval.json)."""
         config = self.out / "config.json"
         if not self.args.resume:
             if self.out.is_dir() and any(p.name != "config.json" for p in self.out.iterdir()):
@@ -1643,8 +1637,7 @@ class Run:
             os.replace(tmp, self.out / name)
 
     def stage(self, name: str, flags) -> "Run":
-        """A run in out/<name> (its own config, log and checkpoint) with this one's processes, data and
-        labeler. Under --resume only `flags` must match; a finished stage has .done set to its results."""
+        """A run in out/<name> (config, log, checkpoint) sharing processes, data and labeler; --resume checks `flags`."""
         return Run(dataclasses.replace(self.args, out=str(self.out / name)), self.rank, self.world_size, self.device,
                    self.data, self.labeler, resume_flags=tuple(flags))
 
@@ -1681,7 +1674,6 @@ class Run:
         log() over the step and ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C (or
         SIGTERM) saves after the step and stops."""
         import signal
-        from tqdm.auto import tqdm
         stop = []
         old = {s: signal.signal(s, lambda *_: stop.append(1)) for s in (signal.SIGINT, signal.SIGTERM)} \
             if threading.current_thread() is threading.main_thread() else {}
@@ -1756,7 +1748,6 @@ class Run:
         path = self.out / f"eval_{name}.json"
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
-        from tqdm.auto import tqdm
         mine, completions = records[self.rank::self.world_size], []  # each rank a strided share, greedy
         for b in tqdm(range(0, len(mine), 32), desc=name, disable=not self.is_main):
             prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in mine[b:b + 32]], prompt)
@@ -1835,7 +1826,6 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
     if lora:
         add_lora()
     if warm_start and warm_start["steps"] > 0:  # teacher-forced likelihood of targets(batch), AdamW, constant lr
-        from tqdm.auto import trange
         fp32_trainable(policy.model)
         params = [p for p in policy.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=warm_start["lr"])
@@ -1908,8 +1898,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
     elif rank == 0:
-        log.warning("%s was saved by %d processes, not %d: RNG states not restored, so the resumed run will not "
-                    "draw the same samples as an uninterrupted one", path, len(ckpt["rng"]), world)
+        log.warning("%s: saved by %d processes, not %d: RNG states not restored", path, len(ckpt["rng"]), world)
     return ckpt["step"], ckpt["extra"]
 
 
