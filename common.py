@@ -484,8 +484,7 @@ def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int =
 
 
 def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128, seed: int = 0) -> Path:
-    """The synthetic set's annotation.json, made once in $RRG_CACHE (default ~/.cache/rrg-from-scratch),
-    in a temporary folder renamed into place (torchrun's processes may ask at once)."""
+    """The synthetic set, made once in $RRG_CACHE (~/.cache/rrg-from-scratch): built aside, renamed into place."""
     cache = Path(os.environ.get("RRG_CACHE", Path.home() / ".cache" / "rrg-from-scratch"))
     final = cache / f"synthetic-v3-{n_train}-{n_val}-{n_test}-{size}px-seed{seed}"
     if not (final / "annotation.json").is_file():
@@ -517,17 +516,15 @@ _NORMAL = r"(?:normal|within normal limits|unremarkable)"
 
 
 class RuleLabeler:
-    """CheXpert-style rule labeler (Irvin et al. 2019): mention phrases per observation, negation and
-    uncertainty cues scoped to the clause, CheXpert's aggregation and No Finding rule. The offline
-    default: fast and deterministic, but only as good as its phrase lists (papers report CheXbert).
+    """CheXpert-style rule labeler (Irvin et al. 2019): mention phrases, negation and uncertainty cues scoped to the
+    clause, CheXpert's aggregation and No Finding rule. Offline and fast, but only as good as its phrase lists.
 
     A mention is, in CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude")
     in reach, else negative with a negation cue, else uncertain with an uncertainty cue, else positive.
     A report: 1 if any mention is positive, else -1 if any is uncertain, else 0 if any, else blank."""
 
-    # Mention phrases. Organ words only count with their qualifier ("heart ... enlarged",
-    # "heart size is normal"): the span covers both, so a cue between them ("the heart is not
-    # enlarged", "is likely enlarged") applies.
+    # Mention phrases. Organ words only count with their qualifier ("heart ... enlarged", "heart size is normal"):
+    # the span covers both, so a cue between them ("the heart is not enlarged", "is likely enlarged") applies.
     MENTIONS = {
         "Enlarged Cardiomediastinum": [
             _words("mediastinal widening", r"widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum",
@@ -789,9 +786,8 @@ _METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tab
 
 
 def _meteor(hyps: list[str], refs: list[str]):
-    """Corpus METEOR (the jar's own aggregate, not the mean per report) and per-report scores.
-    One line per text: a newline ends a command of the jar's stdin protocol, and "|||" separates
-    fields (pycocoevalcap cleans it from the hypothesis only)."""
+    """Corpus METEOR (the jar's own aggregate, not the mean per report) and per-report scores. One line per text:
+    a newline ends a jar command and "|||" separates fields (pycocoevalcap cleans the hypothesis only)."""
     global _METEOR_SCORER
     if _METEOR_SCORER is None:
         from pycocoevalcap.meteor.meteor import Meteor
@@ -887,8 +883,7 @@ _WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
 
 
 class WordTokenizer:
-    """The tiny model's tokenizer, built from the training reports: lower-cased words, numbers
-    and single punctuation marks; tags such as <think> stay whole."""
+    """The tiny model's tokenizer from the training reports: lower-cased words, numbers, punctuation; <think> whole."""
     PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
     def __init__(self, vocab: list[str]):
@@ -911,8 +906,7 @@ class WordTokenizer:
 
 
 class TinyVLM(torch.nn.Module):
-    """A small CNN turns each view (1, S, S) into g x g prefix embeddings, which a GPT-2-configured
-    decoder (random init) reads before BOS."""
+    """A small CNN turns each view (1, S, S) into g x g prefix embeddings read before BOS by a random GPT-2 decoder."""
 
     def __init__(self, vocab_size: int, n_views: int = 1, grid: int = 4, n_embd: int = 128, n_layer: int = 2,
                  n_head: int = 4, max_len: int = 96, channels: int = 32):
@@ -1004,10 +998,9 @@ class TinyPolicy:
 
 class HFPolicy:
     """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL) through AutoProcessor and
-    AutoModelForImageTextToText. The prompt is the chat template with one image per view, left-padded;
-    completions are right-padded. The hub's sampling defaults (top_k, top_p, repetition penalty) give way
-    to plain temperature sampling, so sampled and scored log-probs agree. Weights load in `dtype`;
-    max_pixels bounds the image tokens per view (one per 28 x 28 pixels)."""
+    AutoModelForImageTextToText: the chat template with one image per view, left-padded; completions right-padded.
+    The hub's top_k / top_p / repetition penalty give way to plain temperature sampling (sampled log-probs equal
+    scored ones). Weights load in `dtype`; max_pixels bounds the image tokens per view (one per 28 x 28 pixels)."""
 
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
@@ -1546,9 +1539,8 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 
 
 def all_reduce_gradients(params, world_size: int):
-    """Average the gradients over ranks, as DDP does. Called after backward instead of wrapping the
-    model in DDP: the policies run sub-modules and generate(), which DDP's forward hook never sees. A
-    parameter without a gradient this step sends zeros, so every rank makes the same calls."""
+    """Average the gradients over ranks after backward, as DDP does (the policies call generate(), which DDP's hook
+    never sees). A parameter without a gradient this step sends zeros, so every rank makes the same calls."""
     for p in params if world_size > 1 else []:
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         torch.distributed.all_reduce(p.grad)
@@ -1556,10 +1548,9 @@ def all_reduce_gradients(params, world_size: int):
 
 
 def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """(B, ...) on each rank -> (world_size * B, ...) in rank order, the same on every rank, for a loss over the
-    global batch (a contrastive softmax). The gradient reaches this rank's part only, times world_size: each
-    rank computes the same global loss, so averaging the gradients (all_reduce_gradients) gives the single-process
-    gradient exactly."""
+    """(B, ...) on each rank -> (world_size * B, ...) in rank order on every rank, for a loss over the global batch
+    (a contrastive softmax). The gradient reaches this rank's part only, times world_size: every rank computes the
+    same loss, so all_reduce_gradients gives the single-process gradient exactly."""
     if world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world_size)]
@@ -1651,9 +1642,8 @@ class Run:
 
     # Steps and checkpoints ---------------------------------------------------------------------
     def restore(self, model, optimizer=None, scheduler=None, state: dict | None = None) -> int:
-        """Name what checkpoints hold: the model (what trains and the buffers, when part is frozen), optimiser,
-        schedule, the method's `state` (updated in place). Ranks sample apart from here (seed + rank). Under
-        --resume, load out/last.pt, RNG states too, drop later metrics lines. Returns the start step."""
+        """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's `state`);
+        ranks sample apart from here (seed + rank). --resume loads out/last.pt, RNG too. Returns the start step."""
         self._saved = (model, optimizer, scheduler, state)
         seed_everything(self.args.seed, self.rank)
         if self.resuming and (self.out / "last.pt").is_file():
@@ -1670,9 +1660,8 @@ class Run:
         return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform))
 
     def steps(self, total: int, batches, desc: str = ""):
-        """(step, batch) for step = start .. total - 1, with a bar; after each step a metrics.jsonl line (means of
-        log() over the step and ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C (or
-        SIGTERM) saves after the step and stops."""
+        """(step, batch) for step = start .. total - 1, with a bar; after each a metrics.jsonl line (log()'s means over
+        the step and ranks), last.pt every CHECKPOINT_EVERY steps and at the end; Ctrl-C or SIGTERM saves and stops."""
         import signal
         stop = []
         old = {s: signal.signal(s, lambda *_: stop.append(1)) for s in (signal.SIGINT, signal.SIGTERM)} \
@@ -1765,8 +1754,7 @@ class Run:
         return broadcast_object(results)
 
     def finish(self, results: dict, policy=None) -> dict:
-        """The trained policy to out/final/, the results to out/eval.json (by which --resume knows the
-        run, or the stage, is done)."""
+        """The trained policy to out/final/, the results to out/eval.json (--resume's sign that the run is done)."""
         if self.is_main and policy is not None:
             policy.save(self.out / "final")
         self.write("eval.json", json.dumps(results, indent=2))
@@ -1796,7 +1784,7 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         return train(command, args) if commands else train(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # bad input (a file, a record, a flag): one line, no traceback
         raise SystemExit(f"error: {e}") from None
     except KeyboardInterrupt as e:
         raise SystemExit(f"interrupted{': ' + str(e) if str(e) else ''}") from None
@@ -1808,8 +1796,7 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
 def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | None = None, reference: bool = True,
                  warm_start: dict | None = None, init=None, extra_tokens=(), max_pixels: int | None = 512 * 512):
     """(policy, reference): `init` (a saved policy) or --model, equal on every rank. `lora` ({r, alpha, dropout,
-    targets}) trains adapters on the language model, the reference being the policy with them off; else
-    the reference is a frozen copy ("none" with reference=False).
+    targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none": reference=False).
     `warm_start` ({steps, lr, batch_size, prompt, targets=fn(batch)}) first fine-tunes on the reports (a
     random model never earns a reward; LoRA is folded in after), saved to out/warm_start/ for --resume."""
     saved = run.out / "warm_start"
