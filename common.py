@@ -87,11 +87,10 @@ class Record:
     meta: dict = field(default_factory=dict)  # any other fields of the record, kept as is
 
 
-# Report cleaning as R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py), as in the papers' NLG
-# numbers: lower-case, split sentences on ". ", delete punctuation, join with " . ". Its quirks stay, for
-# comparable numbers: it deletes every "1. " (list markers, but also in "11. " and "1.5"), its punctuation
-# class holds the range ":-\[" (0x3A-0x5B), which also deletes ";<=>?@" while "-" stays, and empty
-# sentences stay (". .").
+# Report cleaning as R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py), as in the papers' NLG numbers:
+# lower-case, split sentences on ". ", delete punctuation, join with " . ". Its quirks stay, for comparable numbers:
+# it deletes every "1. " (list markers, but also in "11. " and "1.5"), its punctuation class holds the range ":-\["
+# (0x3A-0x5B), which also deletes ";<=>?@" while "-" stays, and empty sentences stay (". .").
 R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: see above
 
 
@@ -227,9 +226,8 @@ def study_batches(records: list[Record], batch_size: int, seed: int = 0, rank: i
         epoch, skip = epoch + 1, 0
 
 
-# Synthetic chest X-ray set: a sandbox, not a benchmark. Each finding has a visible sign in the image
-# (draw_synthetic_cxr) and templated sentences in the report, with varied wording, negations and hedges;
-# the ground-truth labels are stored with every record. Prevalences roughly as on MIMIC-CXR.
+# Synthetic chest X-ray set: a sandbox, not a benchmark. Each finding has a visible sign in the image and templated
+# sentences (varied wording, negations, hedges); labels stored with every record; prevalences roughly MIMIC-CXR's.
 SYNTHETIC_PREVALENCE = {"Support Devices": 0.29, "Pleural Effusion": 0.23, "Lung Opacity": 0.22, "Atelectasis": 0.20,
                         "Cardiomegaly": 0.19, "Edema": 0.12, "Pneumonia": 0.07, "Consolidation": 0.05, "Pneumothorax": 0.045,
                         "Enlarged Cardiomediastinum": 0.035, "Lung Lesion": 0.03, "Fracture": 0.02, "Pleural Other": 0.015}
@@ -243,9 +241,8 @@ SIDED = {"Lung Opacity", "Lung Lesion", "Consolidation", "Pneumonia", "Atelectas
 BILATERAL_OK = {"Lung Opacity", "Atelectasis", "Pleural Effusion"}
 GRADED = {"Pleural Effusion", "Pneumothorax", "Cardiomegaly"}
 DEVICE_KINDS = ["endotracheal tube", "central venous catheter", "nasogastric tube", "pacemaker"]
-# Sentence templates, variants separated by " | ". Fields: {side} left/right/bilateral, {sev} small/moderate/
-# large, {deg} mild/moderate/severe, {degly} mildly/...; capitalised ({Side}) at a sentence start. One finding
-# per sentence, so the labels follow from the sentences; negations also come as lists ("No A, B, or C.").
+# Sentence templates, variants separated by " | ". Fields: {side} left/right/bilateral, {sev} small/moderate/large,
+# {deg} mild/..., {degly} mildly/...; {Side} at a sentence start. One finding per sentence: labels follow from them.
 POSITIVE_TEMPLATES = {
     "Enlarged Cardiomediastinum": "The mediastinum is widened. | There is widening of the mediastinum. | "
                                   "The cardiomediastinal silhouette is enlarged. | Mediastinal widening is present.",
@@ -350,8 +347,7 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
     return " ".join(s[0].upper() + s[1:] for s in sentences)
 
 
-# Drawing the synthetic radiograph: one visible sign per finding, numpy only. Coordinates run 0..1
-# over the image; x is the column, y the row; the patient's right is on the image's left.
+# Drawing the synthetic radiograph, numpy only. Coordinates 0..1: x the column, y the row; patient's right on the left.
 def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128) -> np.ndarray:
     """A (size, size) uint8 frontal radiograph with one visible sign per finding ({label: attrs}), hedged ones
     fainter. The per-image variation is drawn from `rng` first: adding a finding changes only its region."""
@@ -625,9 +621,8 @@ class RuleLabeler:
         return np.stack([self.label_one(r) for r in reports]) if reports else np.zeros((0, len(CHEXPERT_LABELS)))
 
 
-# CheXbert (Smit et al. 2020, https://arxiv.org/abs/2004.09167): BERT-base with one linear head
-# per observation over the [CLS] state; 13 heads of 4 classes (0 blank, 1 positive, 2 negative,
-# 3 uncertain) and a No Finding head of 2 (0 blank, 1 positive). Mapped as CheXbert's label.py:
+# CheXbert (Smit et al. 2020, arXiv:2004.09167): BERT-base, one linear head per observation over [CLS]; 13 heads of
+# 4 classes (0 blank, 1 positive, 2 negative, 3 uncertain), No Finding's of 2 (0 blank, 1 positive). As label.py:
 CHEXBERT_CLASS_VALUES = (np.nan, POSITIVE, NEGATIVE, UNCERTAIN)
 CHEXBERT_MAX_PIECES = 512  # including [CLS] and [SEP]: longer reports keep their first 510 pieces
 CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
@@ -877,8 +872,7 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 #   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
 #   encode_targets(texts) -> ids, mask;  decode(ids, mask) -> texts;  sft_loss(prompts, texts)
 #   save(dir); load_policy(dir)
-# Sampling is plain temperature sampling: top-k / top-p would make the recorded log-probs differ
-# from the policy's and bias the GRPO ratio.
+# Sampling is plain temperature sampling: top-k / top-p would make the recorded log-probs differ from the policy's.
 _WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
 
 
@@ -1022,8 +1016,7 @@ class HFPolicy:
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
         self.eos_token_ids = list(dict.fromkeys(([eos] if isinstance(eos, int) else list(eos)) + [self.eos_token_id]))
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
+        self.pad_token_id = self.eos_token_ids[0] if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
         # A vision placeholder (<|image_pad|> ...) sampled into a completion would be taken for an image
         # slot by the next forward ("Image features and image tokens do not match"): a trained model never
         # writes one, a random one can. They are never sampled, and scored at probability 0 to match.
@@ -1329,8 +1322,8 @@ def lora_disabled(model: torch.nn.Module):
 
 
 # ==== 6. RL core: group advantages, the GRPO clipped loss (three normalisations), DPO, rollouts ====
-# By hand, against TRL's GRPOTrainer._compute_loss and DPOTrainer. N sequences (B prompts x G samples,
-# each group contiguous), T completion tokens, A advantages. The losses are pure: tensors in, (loss, stats) out.
+# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer. N = B prompts x G samples (groups contiguous),
+# T completion tokens. The losses are pure: tensors in, (loss, stats) out.
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
     std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
@@ -1457,8 +1450,7 @@ def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temper
 #     for step, batch in run.steps(total, run.study_batches(records, batch_size)):
 #         ...the paper's update...; run.optimizer_step(params, optimizer, scheduler); run.log(...)
 #     run.finish(results, policy)
-# A script runs under `python` and under `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK set, as in nanoGPT);
-# rank 0 alone shows the bar and writes files.
+# A script runs under `python` and `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK set); rank 0 alone shows bars, writes files.
 @dataclass
 class RunArgs:
     """The flags every script shares; a script's Args adds its paper's hyper-parameters."""
@@ -1502,12 +1494,20 @@ def barrier():
         torch.distributed.barrier()
 
 
-def cleanup_distributed():
-    """Leave the process group, after the others: a rank that tears gloo down while another still
-    works can abort at exit ("terminate called without an active exception"), failing a finished run."""
+def end_process(message: str | None = None):
+    """The end of a script (`message`: an error, exit 1). A torchrun process leaves its group after the others, then
+    skips the interpreter's teardown (os._exit): there gloo's threads aborted 1 finished run in ~70 here, with no
+    Python frame left ("terminate called without an active exception", exit -6)."""
+    if not _distributed():
+        if message:
+            raise SystemExit(message)
+        return
     barrier()
-    if _distributed():
-        torch.distributed.destroy_process_group()
+    torch.distributed.destroy_process_group()
+    sys.stderr.write(f"{message}\n" if message else "")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if message else 0)
 
 
 def all_reduce_mean(x):
@@ -1782,14 +1782,14 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
         raise SystemExit(f"error: unknown command {command!r}; use one of {', '.join(commands)}")
     args = parse_args(args_class, argv, doc)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        return train(command, args) if commands else train(args)
+    try:  # any other exception is a bug: its traceback propagates
+        results = train(command, args) if commands else train(args)
     except (OSError, ValueError) as e:  # bad input (a file, a record, a flag): one line, no traceback
-        raise SystemExit(f"error: {e}") from None
+        end_process(f"error: {e}")
     except KeyboardInterrupt as e:
-        raise SystemExit(f"interrupted{': ' + str(e) if str(e) else ''}") from None
-    finally:
-        cleanup_distributed()
+        end_process(f"interrupted{': ' + str(e) if str(e) else ''}")
+    end_process()
+    return results
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------

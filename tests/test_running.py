@@ -137,7 +137,7 @@ torch.save({{"env": [rank, world, int(os.environ["LOCAL_RANK"]), str(device)], "
             "mean": common.all_reduce_mean(float(rank)), "dict_mean": common.all_reduce_mean({{"a": rank, "b": 2}}),
             "bcast": common.broadcast_object({{"from": rank}}), "draws": draws, "redraws": redraws,
             "step": step, "extra": extra, "files": sorted(p.name for p in run.out.iterdir())}}, out + f"/rank{{rank}}.pt")
-common.cleanup_distributed()
+common.end_process()
 """
 
 
