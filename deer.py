@@ -278,8 +278,8 @@ def score_chunk(policy, records, labeler, max_new: int) -> np.ndarray:
 
 
 def ddsampling(run: common.Run, args: Args, s: dict) -> dict:
-    """D(I) of every training study, a chunk per rank and step, chunk c seeded by c (the same samples under any ranks or
-    a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
+    """D(I) of every study of the pool (s["pool"]), a chunk per rank and step, chunk c seeded by c (the same samples
+    under any ranks or a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
     if run.done:
         return run.done
     pool, scores, W, policy = run.data["train"][:s["pool"]], {}, run.world_size, sft_policy(run, args)
