@@ -57,8 +57,8 @@ class Args(common.RunArgs):
     prompts_per_step: int | None = None  # RL studies per step over all ranks; None: 64 (Sec. 4.1) for HF models, 8 tiny
     grad_accum: int = 1  # micro-batches per step on each rank, SFT and RL: a memory knob (ours)
     lr: float | None = None  # RL lr; None: 1e-6 (Sec. 4.1) for HF models, 1e-4 tiny (ours)
-    steps: int | None = None  # RL steps; None: one epoch of the subset for HF models (the paper gives none), 150 tiny
-    sft_steps: int | None = None  # SFT steps; None: one epoch for HF models (the paper gives none), 600 tiny
+    steps: int | None = None  # RL steps; None: one epoch of the subset for HF models (the paper gives none), 120 tiny
+    sft_steps: int | None = None  # SFT steps; None: one epoch for HF models (the paper gives none), 500 tiny
     subset: Literal["ddsampling", "random", "all"] = "ddsampling"  # RL data: Stage 2's draw, a random --fraction, or 100 %
     fraction: float = 0.2  # share of the training set kept for RL (Sec. 4.1: 20 %)
     max_new_tokens: int | None = None  # None: 256 for HF models, 96 tiny (ours)
@@ -278,11 +278,11 @@ def score_chunk(policy, records, labeler, max_new: int) -> np.ndarray:
 
 
 def ddsampling(run: common.Run, args: Args, s: dict) -> dict:
-    """D(I) of every training study, a chunk per rank and step, chunk c seeded by c (the same samples under any ranks or
-    a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
+    """D(I) of every study of the pool (s["pool"]), a chunk per rank and step, chunk c seeded by c (the same samples
+    under any ranks or a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
     if run.done:
         return run.done
-    pool, scores, W, policy = run.data["train"], {}, run.world_size, sft_policy(run, args)
+    pool, scores, W, policy = run.data["train"][:s["pool"]], {}, run.world_size, sft_policy(run, args)
     chunks = [pool[c:c + DD_CHUNK] for c in range(0, len(pool), DD_CHUNK)]
     run.restore(torch.nn.Module(), state=scores)  # no weights to save: the checkpoint holds the scores
     for step, _ in run.steps(math.ceil(len(chunks) / W), lambda start: iter(range(start, len(chunks))), "DDSampling"):
@@ -303,12 +303,12 @@ def ddsampling(run: common.Run, args: Args, s: dict) -> dict:
 
 
 # Stage 3: DiTPO ----------------------------------------------------------------------------------
-def rl_records(args: Args, train: list, subset: str) -> list:
-    """The RL data: ddsampling (Stage 2's selection), random (a random --fraction) or all."""
+def rl_records(args: Args, train: list, subset: str, pool: int | None) -> list:
+    """The RL data: ddsampling (Stage 2's selection), random (a random --fraction of the first `pool`) or all."""
     if subset == "all":
         return train
     if subset == "random":
-        rng = np.random.default_rng(args.seed)
+        rng, train = np.random.default_rng(args.seed), train[:pool]
         return [train[i] for i in sorted(rng.choice(len(train), max(1, round(args.fraction * len(train))), replace=False))]
     path = Path(args.out) / "ddsampling" / "selection.json"
     if not path.is_file():
@@ -323,7 +323,7 @@ def ditpo(run: common.Run, args: Args, s: dict) -> dict:
     """Per step: G rollouts per study, Eq. 1 in its phase, token weights (Eq. 7-8 or 9-12), Eq. 2 -> 6, one update."""
     if run.done:
         return run.done
-    records, G = rl_records(args, run.data["train"], args.subset), args.group_size
+    records, G = rl_records(args, run.data["train"], args.subset, s["pool"]), args.group_size
     total = s["steps"] if s["steps"] is not None else len(records) // s["prompts"]  # one epoch
     policy, _ = common.build_policy(run, records, s["max_new"], reference=False, init=Path(args.out) / "sft" / "final",
                                     max_pixels=args.max_pixels)  # the SFT model, all of it trainable
@@ -414,7 +414,7 @@ def tables(command: str, run: common.Run, args: Args, s: dict) -> dict:
     rng, results = np.random.default_rng(args.seed), {"G": args.group_size, "mask_frac": MASK_FRAC}
     if command == "table7":
         for name, subset in (("random_100", "all"), ("ddsampling", "ddsampling")):
-            groups = sample_groups(run, args, s, rl_records(args, run.data["train"], subset), rng)
+            groups = sample_groups(run, args, s, rl_records(args, run.data["train"], subset, s["pool"]), rng)
             r = [reward(g["texts"], g["refs"], g["ref_labels"], run.labeler, 0.0)[0] for _, g in groups]  # phase 1: F1
             results[name] = reward_diversity(np.concatenate(r).reshape(-1, args.group_size))
     else:
@@ -440,9 +440,11 @@ def settings(args: Args) -> dict:
     tiny = args.model == "tiny"
     pick = lambda value, t, hf: value if value is not None else (t if tiny else hf)  # noqa: E731
     return dict(tiny=tiny, max_new=pick(args.max_new_tokens, 96, 256), lr=pick(args.lr, 1e-4, 1e-6),
-                prompts=pick(args.prompts_per_step, 8, 64), steps=pick(args.steps, 150, None),
+                prompts=pick(args.prompts_per_step, 8, 64), steps=pick(args.steps, 120, None),
                 sft_lr=SFT["lr_tiny" if tiny else "lr_hf"], sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
-                sft_steps=pick(args.sft_steps, 600, None))
+                sft_steps=pick(args.sft_steps, 500, None), pool=1000 if tiny else None)
+    # The tiny default fits 5 CPU-minutes (~300 s): 500 SFT steps, and DDSampling scores the first 1000 training studies
+    # (K = 10 samples each, the costliest stage) of which --fraction (200) are drawn, 120 RL steps over them. HF: all.
 
 
 def train(command: str, args: Args) -> dict:

@@ -67,6 +67,17 @@ def test_select_subset_ranks_and_draws_without_replacement():
     assert len(select_subset(ids, D, 1.0, seed=1)["ids"]) == 10
 
 
+def test_rl_records_random_draws_fraction_of_pool_and_tiny_defaults():
+    train = list(range(50))
+    args = deer.Args(fraction=0.2)
+    drawn = deer.rl_records(args, train, "random", 20)  # the tiny default's pool: the first `pool` studies
+    assert len(drawn) == 4 == len(set(drawn)) and all(x < 20 for x in drawn)
+    assert len(deer.rl_records(args, train, "random", None)) == 10 and deer.rl_records(args, train, "all", 20) == train
+    s = deer.settings(deer.Args())
+    assert (s["sft_steps"], s["steps"], s["pool"]) == (500, 120, 1000)  # the 5-CPU-minute default
+    assert deer.settings(deer.Args(model="Qwen/Qwen2.5-VL-3B-Instruct"))["pool"] is None  # HF: every training study
+
+
 # Eq. 7-8 -----------------------------------------------------------------------------------------
 def test_tfidf_weights_hand_example():
     eos, pad = 2, 0
