@@ -161,10 +161,11 @@ def chexbert_saliency(chexbert, reports: list[str], targets: list[str]) -> list[
     rows = [i for i, p in enumerate(pieces) if p]
     for b in range(0, len(rows), chexbert.batch_size):
         chunk = rows[b:b + chexbert.batch_size]
-        ids, att = chexbert._pad([[tok.cls_token_id] + pieces[i] + [tok.sep_token_id] for i in chunk])  # (B, L)
+        ids, att = common.pad_completions([[tok.cls_token_id] + pieces[i] + [tok.sep_token_id] for i in chunk],
+                                          tok.pad_token_id, chexbert.device)  # (B, L) each, right-padded
         with torch.enable_grad(), torch.autocast(ids.device.type, enabled=False):
             E = model.bert.embeddings.word_embeddings(ids).detach().requires_grad_(True)  # (B, L, H)
-            cls = model.bert(inputs_embeds=E, attention_mask=att)[0][:, 0]  # (B, H) the [CLS] representation
+            cls = model.bert(inputs_embeds=E, attention_mask=att.long())[0][:, 0]  # (B, H) the [CLS] representation
             logits = [model.linear_heads[h](cls) for h in heads]  # (B, 4) each: blank, positive, negative, uncertain
             S = sum(lg[:, 1] + lg[:, 3] for lg in logits)  # Eq. 9: S_target = sum_{c in T} logit_c^pos + logit_c^unc, (B,)
             (g,) = torch.autograd.grad(S.sum(), E)  # Eq. 10: g = dS_target / dE, (B, L, H)
@@ -176,8 +177,7 @@ def chexbert_saliency(chexbert, reports: list[str], targets: list[str]) -> list[
 
 def token_spans(policy, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[str], list[list[tuple[int, int]]]]:
     """For Eq. 11: (texts, spans), token t covering text[a:b], b the length of the prefix decoded up to t, a where it
-    first differs from the prefix up to t - 1 (the spans tile the text; EOS: a = b). policy.decode alone, so it holds
-    for the tiny word tokenizer and byte-level BPE alike."""
+    first differs from the prefix up to t - 1 (spans tile the text; EOS: a = b). Any tokenizer: policy.decode only."""
     texts, spans, prefix = [""] * len(ids), [[] for _ in ids], torch.zeros_like(mask)  # prefix (N, T)
     for t in range(ids.shape[1]):
         if not mask[:, t].any():
