@@ -40,12 +40,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-import common  # before torch: it sets OpenMP's wait policy (README, "Threads on a CPU")
-
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import common
 
 
 @dataclass

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import common  # before torch: it sets OpenMP's wait policy (README, "Threads on a CPU")
-
 import numpy as np
 import torch
+
+import common
 
 
 @dataclass

@@ -41,10 +41,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-import common  # before torch: it sets OpenMP's wait policy (README, "Threads on a CPU")
-
 import numpy as np
 import torch
+
+import common
 
 
 @dataclass

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import common  # before torch: it sets OpenMP's wait policy (README, "Threads on a CPU")
-
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+import common
 
 
 @dataclass

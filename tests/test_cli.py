@@ -70,22 +70,3 @@ def test_synthetic_command_writes_a_loadable_set(tmp_path):
     assert [len(data[s]) for s in ("train", "val", "test")] == [6, 2, 3]
     labels = np.stack([r.labels for r in data["train"]])
     np.testing.assert_array_equal(common.RuleLabeler()([r.report for r in data["train"]]), labels)
-
-
-@pytest.mark.parametrize("script", ["mrg_r1.py", "orapo.py", "deer.py", "rrgcl.py", "dcrrg.py"])
-def test_scripts_set_the_openmp_wait_policy_before_torch_loads(script):
-    """OpenMP reads OMP_WAIT_POLICY once, when torch loads it: common must be imported first, so that idle
-    threads sleep (README, "Threads on a CPU": spinning threads ran 12x slower on a busy machine)."""
-    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
-    code = (f"import runpy, sys; sys.argv = [{script!r}, '--help']; import builtins\n"
-            "seen = []\n"
-            "real = builtins.__import__\n"
-            "def spy(name, *a, **k):\n"
-            "    if name == 'torch' and 'policy' not in seen:\n"
-            "        seen.append('policy'); print('POLICY', __import__('os').environ.get('OMP_WAIT_POLICY'))\n"
-            "    return real(name, *a, **k)\n"
-            "builtins.__import__ = spy\n"
-            f"runpy.run_path({str(ROOT / script)!r}, run_name='not_main')\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[0] == "POLICY PASSIVE"  # set before the first `import torch`
