@@ -6,7 +6,7 @@ CheXbert (bert-base); Bio_ClinicalBERT's shape; torchvision ResNet-50/101. Param
 from the configs by hand, never read back from the module under test. All slow:
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_real_arch.py -m slow
-    OMP_NUM_THREADS=1 python tests/test_real_arch.py     # the memory measurements behind realarch.README.md's table
+    OMP_NUM_THREADS=1 python tests/test_real_arch.py     # the memory measurements behind README's memory table
 """
 import json
 import math
@@ -402,7 +402,7 @@ def memory_table(m, prompt=380, views_tokens=320):
     return out
 
 
-if __name__ == "__main__":  # print the measurements (JSON) and the estimates of realarch.README.md's table
+if __name__ == "__main__":  # print the measurements (JSON) and the estimates of README's memory table
     torch.set_num_threads(1)
     m = measure_layer_memory()
     print(json.dumps(m, indent=1))
