@@ -90,6 +90,12 @@ def tiny_qwen_dir(tmp_path_factory, small_synthetic):
     return build_tiny_qwen(tmp_path_factory.mktemp("tiny_qwen"), reports + prompts)
 
 
+def metrics_rows(path):
+    """A run's metrics.jsonl as dicts without the wall-clock "time": what a resumed run must repeat exactly."""
+    import json
+    return [{k: v for k, v in json.loads(x).items() if k != "time"} for x in Path(path).read_text().splitlines()]
+
+
 class Crash(Exception):
     """A run killed right after writing a checkpoint (the resume tests)."""
 

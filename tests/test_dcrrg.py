@@ -15,7 +15,7 @@ from transformers import BertTokenizerFast
 
 import common
 import dcrrg
-from conftest import Crash, torchrun
+from conftest import Crash, metrics_rows, torchrun
 from dcrrg import (assign_sentences, csm_loss, draw_pairs, observation_targets, pair_weights, precision_at_k,
                    retrieval_set, soft_targets, split_sentences)
 
@@ -346,10 +346,6 @@ def states(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def lines(path):
-    return [{k: v for k, v in json.loads(x).items() if k != "time"} for x in path.read_text().splitlines()]
-
-
 def test_all_steps_end_to_end_and_p_tuning_keeps_frozen_weights(tmp_path, small_synthetic, fast):
     out = tmp_path / "run"
     results = dcrrg.main(["all", "--data", str(small_synthetic), "--out", str(out)] + FAST)
@@ -363,7 +359,7 @@ def test_all_steps_end_to_end_and_p_tuning_keeps_frozen_weights(tmp_path, small_
     gens = [json.loads(x) for x in (out / "step4" / "generations_test.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
     assert {"nlg", "ce"} <= set(results["step4"]) and results["step4"]["step4"] == "pt"
-    assert [x["step"] for x in lines(out / "step2" / "metrics.jsonl")] == [1, 2]
+    assert [x["step"] for x in metrics_rows(out / "step2" / "metrics.jsonl")] == [1, 2]
     # P-Tuning changed the prefixes and the fresh head only (buffers included); Step 3 the decoder only
     step2, step3, step4 = (states(out / s / "model.pt") for s in ("step2", "step3", "step4"))
     assert {k for k in step3 if not torch.equal(step3[k], step4[k])} == {"prefix", "prompt_head.weight", "prompt_head.bias"}
@@ -421,7 +417,7 @@ def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_syntheti
         logits = cos(v_p[:, k].double().numpy(), t_p[:, k].double().numpy()) / 0.07  # Eq. 6-7
         log_vt, log_tv = np.log(softmax(logits)), np.log(softmax(logits.T))
         losses.append((-(y_vt * log_vt).sum(1).mean() - (y_tv * log_tv).sum(1).mean()) / 2)  # Eq. 8-9
-    logged = lines(tmp_path / "step2" / "metrics.jsonl")[0]
+    logged = metrics_rows(tmp_path / "step2" / "metrics.jsonl")[0]
     assert logged["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     assert logged["tau"] == pytest.approx(0.07)
 
@@ -440,7 +436,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, cr
     part = dcrrg.main(["step1", "--out", str(tmp_path / "part"), "--resume"] + flags)
     a, b = states(tmp_path / "full" / "step1" / "model.pt"), states(tmp_path / "part" / "step1" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a) and part == full
-    assert lines(tmp_path / "full" / "step1" / "metrics.jsonl") == lines(tmp_path / "part" / "step1" / "metrics.jsonl")
+    assert metrics_rows(tmp_path / "full" / "step1" / "metrics.jsonl") == metrics_rows(tmp_path / "part" / "step1" / "metrics.jsonl")
     mtime = (tmp_path / "part" / "step1" / "model.pt").stat().st_mtime  # done: not trained again; Step 2 runs
     both = dcrrg.main(["all", "--out", str(tmp_path / "part"), "--resume"] + flags + ["--step3-steps", "0", "--step4-steps", "0"])
     assert (tmp_path / "part" / "step1" / "model.pt").stat().st_mtime == mtime and both["step1"] == full["step1"]
@@ -488,7 +484,7 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, fas
     script.write_text("import dcrrg\nfor k, v in dict(MAX_REPORT_TOKENS=12, MAX_DESCRIPTION_TOKENS=8, DROPOUT=0.0).items():\n"
                       "    setattr(dcrrg, k, v)\ndcrrg.main()\n")
     torchrun(str(script), "all", "--out", str(tmp_path / "ddp"), *flags)
-    assert [x["step"] for x in lines(tmp_path / "ddp" / "step4" / "metrics.jsonl")] == [1, 2, 3]  # rank 0 alone writes
+    assert [x["step"] for x in metrics_rows(tmp_path / "ddp" / "step4" / "metrics.jsonl")] == [1, 2, 3]  # rank 0 alone writes
     gens = [json.loads(x) for x in (tmp_path / "ddp" / "step4" / "generations_test.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
     dcrrg.main(["step1", "--out", str(tmp_path / "one")] + flags)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from conftest import Crash, labels, torchrun
+from conftest import Crash, labels, metrics_rows, torchrun
 import deer
 from deer import (align_to_tokens, diagnostic_diversity, gamma_at, log_rank_probs, mask_top_tokens, reference_targets,
                   report_f1, reward_diversity, select_subset, tfidf_weights, token_spans)
@@ -394,7 +394,7 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     full, part, sft = weights("full/rl_rule"), weights("part/rl_rule"), weights("full/sft")
     assert all(torch.equal(full[k], part[k]) for k in full)
     assert any(not torch.equal(full[k], sft[k]) for k in full)  # RL changed the weights
-    rows = lambda d: [{k: v for k, v in x.items() if k != "time"} for x in metrics(tmp_path / d / "rl_rule" / "metrics.jsonl")]  # noqa: E731
+    rows = lambda d: metrics_rows(tmp_path / d / "rl_rule" / "metrics.jsonl")  # noqa: E731
     assert rows("full") == rows("part") and [x["step"] for x in rows("part")] == [1, 2, 3, 4]
     assert [x["gamma"] for x in rows("part")] == [0, 0, 0.25, 0.25]
     # GRPO from the same SFT model and subset, beside it; `all --resume` skips the finished stages

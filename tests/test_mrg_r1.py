@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-from conftest import Crash, labels, torchrun
+from conftest import Crash, labels, metrics_rows, torchrun
 import mrg_r1
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
@@ -240,9 +240,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, mo
     mrg_r1.main(flags + ["--out", str(tmp_path / "part"), "--resume"])
     full, part = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("full", "part"))
     assert all(torch.equal(full[k], part[k]) for k in full)
-    rows = lambda d: [{k: v for k, v in json.loads(x).items() if k != "time"}  # noqa: E731
-                      for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-    assert rows("full") == rows("part")
+    assert metrics_rows(tmp_path / "full" / "metrics.jsonl") == metrics_rows(tmp_path / "part" / "metrics.jsonl")
 
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):

@@ -11,7 +11,7 @@ import torch
 
 import common
 import orapo
-from conftest import Crash, labels, torchrun
+from conftest import Crash, labels, metrics_rows, torchrun
 from orapo import (SentenceFacts, ZeroRewardRate, balanced_subset, facts_reward, mixing_weight, orapo_loss,
                    zero_reward_indicator)
 
@@ -349,9 +349,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, mo
     full, part = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in ("full", "part"))
     assert full["extra"] == part["extra"] and len(full["extra"]) == 9
     assert all(torch.equal(full["model"][k], part["model"][k]) for k in full["model"])
-    rows = lambda d: [{k: v for k, v in json.loads(x).items() if k != "time"}  # noqa: E731
-                      for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-    assert rows("full") == rows("part")
+    assert metrics_rows(tmp_path / "full" / "metrics.jsonl") == metrics_rows(tmp_path / "part" / "metrics.jsonl")
 
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):

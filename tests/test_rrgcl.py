@@ -14,7 +14,7 @@ import torch
 
 import common
 import rrgcl
-from conftest import Crash, torchrun
+from conftest import Crash, metrics_rows, torchrun
 from rrgcl import (class_difficulty, class_members, dv_bound, pacing, rrgcl_lambda, rrgcl_subset, sample_difficulty,
                    scheduling_exponents, vns_gap)
 
@@ -439,7 +439,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast_mea
     rrgcl.main(flags + ["--out", str(tmp_path / "part"), "--resume"])
     full, part = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("full", "part"))
     assert all(torch.equal(full[k], part[k]) for k in full)
-    rows = lambda d: [{k: v for k, v in x.items() if k != "time"} for x in read_jsonl(tmp_path / d / "metrics.jsonl")]  # noqa: E731
+    rows = lambda d: metrics_rows(tmp_path / d / "metrics.jsonl")  # noqa: E731
     assert rows("full") == rows("part") and len(rows("part")) == 9
 
 
