@@ -1518,6 +1518,14 @@ def all_reduce_mean(x):
     return t.item() if t.dim() == 0 else t.tolist()
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's python object, in rank order, on every rank ([obj] in one process)."""
+    out = [obj] * (torch.distributed.get_world_size() if _distributed() else 1)
+    if _distributed():
+        torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     """Rank `src`'s python object on every rank."""
     box = [obj]
@@ -1557,10 +1565,7 @@ def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def gather_strided(mine: list, world_size: int) -> list:
     """Each rank's strided share of a list (records[rank::world_size]) -> the whole list in order, on every rank."""
-    if world_size == 1:
-        return mine
-    shards = [None] * world_size
-    torch.distributed.all_gather_object(shards, mine)
+    shards = all_gather_objects(mine)
     return [shards[k % world_size][k // world_size] for k in range(sum(map(len, shards)))]
 
 
@@ -1705,15 +1710,12 @@ class Run:
         return norm
 
     def checkpoint(self, step: int):
-        """out/last.pt, written atomically (a crash while saving leaves the previous one). Every rank
-        calls it: each rank's RNG state goes in, so a resumed run draws what an uninterrupted one would."""
+        """out/last.pt, atomically. Every rank calls it: its RNG state goes in, so a resume draws as if never stopped."""
         model, optimizer, scheduler, state = self._saved
         kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as tensors and lists: loadable with weights_only
         rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": [kind, torch.from_numpy(
             keys.astype(np.int64)), pos, has_gauss, gauss], **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
-        states = [rng] * self.world_size
-        if _distributed():
-            torch.distributed.all_gather_object(states, rng)
+        states = all_gather_objects(rng)
         if self.is_main:
             params = dict(model.named_parameters())
             partial = not all(p.requires_grad for p in params.values())

@@ -291,8 +291,7 @@ def ddsampling(run: common.Run, args: Args, s: dict) -> dict:
         with run.autocast():
             mine = dict(zip([r.id for r in chunks[c]], score_chunk(policy, chunks[c], run.labeler, s["max_new"]).tolist())) \
                 if c < len(chunks) else {}
-        shards = [mine] * W
-        torch.distributed.all_gather_object(shards, mine) if W > 1 else None
+        shards = common.all_gather_objects(mine)
         scores.update({k: v for shard in shards for k, v in shard.items()})
         run.log(D=np.mean([d for shard in shards for d in shard.values()]))
     D = np.array([scores[r.id] for r in pool])

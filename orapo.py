@@ -215,11 +215,7 @@ class ZeroRewardRate:
 
     def update(self, ids: list[str], z: np.ndarray) -> np.ndarray:
         """This rank's z (B,) for its studies `ids` -> their ZRR after this step (B,)."""
-        pairs = [list(zip(ids, z.tolist()))]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            pairs = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(pairs, list(zip(ids, z.tolist())))
-        pairs, m = [p for rank in pairs for p in rank], self.m
+        pairs, m = [p for rank in common.all_gather_objects(list(zip(ids, z.tolist()))) for p in rank], self.m
         prior = self.values.get("minibatch", 0.0)
         for key, z_q in pairs:
             self.values[key] = m * self.values.get(key, prior) + (1 - m) * z_q  # Eq. 9
