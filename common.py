@@ -42,6 +42,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm, trange
 
@@ -897,6 +898,7 @@ class WordTokenizer:
 
 class TinyVLM(torch.nn.Module):
     """A small CNN turns each view (1, S, S) into g x g prefix embeddings read before BOS by a random GPT-2 decoder."""
+    _no_split_modules = ["GPT2Block"]  # shard()'s blocks
 
     def __init__(self, vocab_size: int, n_views: int = 1, grid: int = 4, n_embd: int = 128, n_layer: int = 2,
                  n_head: int = 4, max_len: int = 96, channels: int = 32):
@@ -979,10 +981,10 @@ class TinyPolicy:
         ids, mask = self.encode_targets(texts)
         return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
 
-    def save(self, path):
-        """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM)."""
+    def save(self, path, state_dict: dict | None = None):
+        """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's, gathered."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save({"hparams": self.model.hparams, "state_dict": lora_merged_state_dict(self.model),
+        torch.save({"hparams": self.model.hparams, "state_dict": state_dict or lora_merged_state_dict(self.model),
                     "vocab": self.tokenizer.vocab, "image_size": self.image_size}, Path(path) / "tiny_policy.pt")
 
 
@@ -1090,11 +1092,11 @@ class HFPolicy:
 
     sft_loss = TinyPolicy.sft_loss
 
-    def save(self, path):
-        """save_pretrained with LoRA folded into the weights (the live model untouched), and the
-        processor: the folder loads with HFPolicy(path) or plain transformers."""
+    def save(self, path, state_dict: dict | None = None):
+        """save_pretrained with LoRA folded into the weights (the live model untouched), and the processor: the folder
+        loads with HFPolicy(path) or plain transformers. `state_dict`: a sharded model's, gathered (full_state_dicts)."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, state_dict=lora_merged_state_dict(self.model))
+        self.model.save_pretrained(path, state_dict=state_dict or lora_merged_state_dict(self.model))
         self.processor.save_pretrained(path)
 
 
@@ -1136,7 +1138,8 @@ def generate_completions(policy, model, inputs: dict, prompt_len: int, max_new_t
     policy.model.eval()
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, use_cache=True, return_dict_in_generate=True,
-                         output_logits=return_logprobs, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id, **sampling)
+                         output_logits=return_logprobs, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id,
+                         synced_gpus=is_sharded(policy.model), **sampling)
     policy.model.train(was_training)
     ids = out.sequences[:, prompt_len:]  # (N, T) the completion only
     mask = completion_mask(ids, eos_ids)  # (N, T)
@@ -1544,11 +1547,35 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 
 def all_reduce_gradients(params, world_size: int):
     """Average the gradients over ranks after backward, as DDP does (the policies call generate(), which DDP's hook
-    never sees). A parameter without a gradient this step sends zeros, so every rank makes the same calls."""
-    for p in params if world_size > 1 else []:
+    never sees). A parameter without a gradient this step sends zeros, so every rank makes the same calls. A sharded
+    parameter (FSDP2) is skipped: its backward already averaged its gradient shard over the ranks."""
+    for p in [p for p in params if not isinstance(p, DTensor)] if world_size > 1 else []:
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         torch.distributed.all_reduce(p.grad)
         p.grad /= world_size
+
+
+def shard(model: torch.nn.Module, dtype=torch.float32):
+    """FSDP2 (PyTorch's fully_shard), for full fine-tuning that does not fit one GPU: each block (HF's
+    _no_split_modules: decoder layers, vision blocks), then the rest, split over the ranks. A rank keeps 1/world of
+    the weights, gradients and AdamW states, and gathers one block's weights (in `dtype`) for its forward and backward.
+    Every rank must run as many forward passes: generate() runs on until all ranks are done (synced_gpus)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
+        fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
+    for name in [n for n in ("generate", "prefix") if hasattr(model, n)]:  # entry points besides forward()
+        register_fsdp_forward_method(model, name)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:  # by shard()
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
+    """A sharded model's (and optimiser's) full state dicts on the CPU; every rank calls it (the shards are gathered)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), optimizer and get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -1701,7 +1728,8 @@ class Run:
         """Average the gradients over ranks, clip, step, clear; logs and returns the norm before clipping."""
         params = list(params)
         all_reduce_gradients(params, self.world_size)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")).item()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
@@ -1715,13 +1743,13 @@ class Run:
         kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as tensors and lists: loadable with weights_only
         rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": [kind, torch.from_numpy(
             keys.astype(np.int64)), pos, has_gauss, gauss], **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
-        states = all_gather_objects(rng)
+        states, params = all_gather_objects(rng), dict(model.named_parameters())
+        partial = not all(p.requires_grad for p in params.values())
+        weights, optim = full_state_dicts(model, optimizer) if is_sharded(model) else (None, None)  # gathered: loadable alone
         if self.is_main:
-            params = dict(model.named_parameters())
-            partial = not all(p.requires_grad for p in params.values())
-            weights = {k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad}
+            weights = weights or {k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad}
             atomic_save({"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {},
-                         "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                         "optimizer": optim or (optimizer.state_dict() if optimizer is not None else None),
                          "scheduler": scheduler.state_dict() if scheduler is not None else None,
                          "config": asdict(self.args)}, self.out / "last.pt")
         barrier()
@@ -1736,11 +1764,12 @@ class Run:
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
         mine, completions = records[self.rank::self.world_size], []  # each rank a strided share, greedy
-        for b in tqdm(range(0, len(mine), 32), desc=name, disable=not self.is_main):
-            prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in mine[b:b + 32]], prompt)
+        n = len(records[::self.world_size])  # padded to the longest share: every rank calls generate() as often (FSDP)
+        for b in tqdm(range(0, n, 32), desc=name, disable=not self.is_main):
+            prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in (mine + records[:1] * n)[b:min(b + 32, n)]], prompt)
             with torch.no_grad(), self.autocast():
                 completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
-        completions = gather_strided(completions, self.world_size)
+        completions = gather_strided(completions[:len(mine)], self.world_size)
         results = None
         if self.is_main:
             rows = [{"id": r.id, "reference": r.report, "generated": report(c) if report else c}
@@ -1753,8 +1782,9 @@ class Run:
 
     def finish(self, results: dict, policy=None) -> dict:
         """The trained policy to out/final/, the results to out/eval.json (--resume's sign that the run is done)."""
+        weights = full_state_dicts(policy.model)[0] if policy is not None and is_sharded(policy.model) else None
         if self.is_main and policy is not None:
-            policy.save(self.out / "final")
+            policy.save(self.out / "final", weights)
         self.write("eval.json", json.dumps(results, indent=2))
         barrier()
         return results
@@ -1794,7 +1824,8 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
 def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | None = None, reference: bool = True,
-                 warm_start: dict | None = None, init=None, extra_tokens=(), max_pixels: int | None = 512 * 512):
+                 warm_start: dict | None = None, init=None, extra_tokens=(), max_pixels: int | None = 512 * 512,
+                 fsdp: bool = False):
     """(policy, reference): `init` (a saved policy) or --model, equal on every rank. `lora` ({r, alpha, dropout,
     targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none": reference=False).
     `warm_start` ({steps, lr, batch_size, prompt, targets=fn(batch)}) first fine-tunes on the reports (a
@@ -1836,6 +1867,8 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
     if not isinstance(ref, str):
         ref.model.eval().requires_grad_(False)
     fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
+    for model in ([policy.model] + ([] if isinstance(ref, str) else [ref.model])) * fsdp:  # policy, reference
+        shard(model, run.dtype)  # after the warm start, which saved the model whole
     return policy, ref
 
 
@@ -1865,12 +1898,18 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-    try:
-        missing, unexpected = model.load_state_dict(ckpt["model"], strict=not ckpt["partial"])
-    except RuntimeError:  # names or shapes that do not fit
-        missing, unexpected = ["?"], ["?"]
-    if unexpected or {k for k, p in model.named_parameters() if p.requires_grad} & set(missing):
-        raise ValueError(f"{path} holds the trainable weights of another set-up: resume with the run's flags")
+    if is_sharded(model):  # full state dicts (Run.checkpoint), each rank keeping its shards
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+        optimizer = None
+    else:
+        try:
+            missing, unexpected = model.load_state_dict(ckpt["model"], strict=not ckpt["partial"])
+        except RuntimeError:  # names or shapes that do not fit
+            missing, unexpected = ["?"], ["?"]
+        if unexpected or {k for k, p in model.named_parameters() if p.requires_grad} & set(missing):
+            raise ValueError(f"{path} holds the trainable weights of another set-up: resume with the run's flags")
     if optimizer is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
     if scheduler is not None:

@@ -56,6 +56,7 @@ class Args(common.RunArgs):
     group_size: int = 8  # rollouts per image (Sec. 4.1)
     prompts_per_step: int | None = None  # RL studies per step over all ranks; None: 64 (Sec. 4.1) for HF models, 8 tiny
     grad_accum: int = 1  # micro-batches per step on each rank, SFT and RL: a memory knob (ours)
+    fsdp: bool = False  # torchrun, RL: shard the policy over the GPUs (FSDP2), as full fine-tuning of 3B + AdamW needs
     lr: float | None = None  # RL lr; None: 1e-6 (Sec. 4.1) for HF models, 1e-4 tiny (ours)
     steps: int | None = None  # RL steps; None: one epoch of the subset for HF models (the paper gives none), 120 tiny
     sft_steps: int | None = None  # SFT steps; None: one epoch for HF models (the paper gives none), 500 tiny
@@ -76,7 +77,7 @@ PROMPT = "You are a radiologist. Write the findings section of the report for th
 SHARED = ("data", "model", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")  # a stage's output depends on these
 STAGE_FLAGS = {"sft": SHARED + ("sft_steps",), "ddsampling": SHARED + ("labeler",),  # --grad-accum: memory, SFT may differ
                "rl": SHARED + ("labeler", "weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step",
-                               "grad_accum", "lr", "steps", "subset", "fraction")}  # --steps places the phase switch
+                               "grad_accum", "lr", "steps", "subset", "fraction", "fsdp")}  # --steps places the phase switch
 
 
 # Eq. 1: the reward ------------------------------------------------------------------------------
@@ -325,7 +326,7 @@ def ditpo(run: common.Run, args: Args, s: dict) -> dict:
     records, G = rl_records(args, run.data["train"], args.subset, s["pool"]), args.group_size
     total = s["steps"] if s["steps"] is not None else len(records) // s["prompts"]  # one epoch
     policy, _ = common.build_policy(run, records, s["max_new"], reference=False, init=Path(args.out) / "sft" / "final",
-                                    max_pixels=args.max_pixels)  # the SFT model, all of it trainable
+                                    max_pixels=args.max_pixels, fsdp=args.fsdp)  # the SFT model, all of it trainable
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer, _ = common.adamw(params, s["lr"], total)  # constant lr: the paper names no schedule
     run.restore(policy.model, optimizer)

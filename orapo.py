@@ -64,8 +64,8 @@ class Args(common.RunArgs):
     zrr_power: float = 2.0  # Eq. 10's sharpening exponent p (App. A: "relatively sharp"; ours)
     dpo_beta: float = 2.0  # Eq. 5's beta on per-token mean log-probs (LN-DPO): SimPO's range 2-2.5 (ours)
     facts: str = "sentences"  # Eq. 13's extractor: "sentences" (offline) or "hf:<instruction-tuned LM id or folder>"
-    uncertain_as: Literal[1, 0] = 1  # CE metrics: an uncertain label counts as positive (1) or negative (0); the paper is silent
     max_pixels: int = 512 * 512  # HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)
+    fsdp: bool = False  # torchrun: shard policy and reference over the GPUs (FSDP2), as full fine-tuning of 3B needs on 24 GB
 
 
 # Settings not worth a flag, and our choices where the paper is silent (TRL's GRPOTrainer defaults: the paper trains with it)
@@ -317,21 +317,20 @@ def train(args: Args) -> dict:
 
     warm_start = dict(steps=WARM_START["steps_tiny"] if tiny else 0, lr=WARM_START["lr"], batch_size=WARM_START["batch_size"], prompt=PROMPT)
     policy, ref = common.build_policy(run, train_set, max_new, lora=LORA, warm_start=warm_start, max_pixels=args.max_pixels,
-                                      reference=args.lambda_max > 0 or args.beta > 0)  # DPO and the KL score against it
+                                      reference=args.lambda_max > 0 or args.beta > 0, fsdp=args.fsdp)  # DPO, KL use it
     params = [p for p in policy.model.parameters() if p.requires_grad]
     total = args.steps if args.steps is not None else TINY_STEPS if tiny else HF_EPOCHS * len(train_set) // args.prompts_per_step
     # AdamW with linear decay, no warm-up, no weight decay: TRL's defaults (the paper names only the lr)
     optimizer, scheduler = common.adamw(params, lr, total, "linear", weight_decay=0.0)
     run.restore(policy.model, optimizer, scheduler, state=zrr.values)  # the ZRR state is in every checkpoint
 
-    def evaluate(records, name):  # greedy reports; CE metrics with --uncertain-as, and the FactS reward
+    def evaluate(records, name):  # greedy reports; CE metrics (uncertain = positive; the paper is silent), and FactS
         def score(rows, labeler):
             hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
             reward, stats = facts_reward(hyps, labeler(refs), extractor, labeler)
             for row, value in zip(rows, reward):
                 row["facts_reward"] = float(value)
-            return {"uncertain_as": args.uncertain_as, "facts_reward": float(reward.mean()), **stats,
-                    "ce": common.ce_metrics(labeler(hyps), labeler(refs), uncertain_as=args.uncertain_as)}
+            return {"facts_reward": float(reward.mean()), **stats, "ce": common.ce_metrics(labeler(hyps), labeler(refs))}
         return run.evaluate(policy, records, name, PROMPT, max_new, score=score)
 
     results = {"test_before": evaluate(run.data["test"], "test_before")}

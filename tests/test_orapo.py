@@ -4,6 +4,7 @@ subset, what one training step feeds the losses, and end-to-end runs (one proces
 import copy
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -299,7 +300,7 @@ def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
     the ZRR state in the checkpoint; --lambda-max 0 is vanilla GRPO; --steps 0 evaluates only."""
     monkeypatch.setattr(orapo, "EVAL_EVERY", 2)
     out = tmp_path / "run"
-    orapo.main(["--data", str(small_synthetic), "--out", str(out), "--steps", "4", "--uncertain-as", "0"] + fast)
+    orapo.main(["--data", str(small_synthetic), "--out", str(out), "--steps", "4"] + fast)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert {"zero_group_ratio", "zrr", "lambda", "grpo_loss", "dpo_loss", "dpo_accuracy", "dpo_accuracy_x_zero",
@@ -308,7 +309,7 @@ def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
     assert lines[0]["kl"] == pytest.approx(0, abs=1e-6) and lines[-1]["kl"] > 0  # Eq. 4's KL on by default
     assert "val_f1_pneumonia" in lines[1] and "val_f1_fracture" in lines[1]
     results = json.loads((out / "eval.json").read_text())
-    assert set(results) == {"test_before", "test_after"} and results["test_after"]["uncertain_as"] == 0
+    assert set(results) == {"test_before", "test_after"}
     assert 0 <= results["test_after"]["ce"]["macro_f1"] <= 1 and 0 <= results["test_after"]["facts_reward"] <= 1
     gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
     assert len(gens) == 12 and {"id", "reference", "generated", "facts_reward"} <= set(gens[0])
@@ -329,8 +330,8 @@ def test_bad_input_is_one_line(tmp_path, small_synthetic):
                            (["--facts", "gpt-4.1"], "--facts must be"), (["--zrr-momentum", "1"], "--zrr-momentum")):
         with pytest.raises(SystemExit, match=f"^error: .*{message}"):
             orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "a"), "--steps", "1"] + flags)
-    with pytest.raises(SystemExit):  # argparse: only 0 or 1
-        orapo.main(["--uncertain-as", "2"])
+    with pytest.raises(SystemExit):  # argparse: only the two loss types
+        orapo.main(["--loss-type", "bnpo"])
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, monkeypatch, crash_after_checkpoint):
@@ -354,7 +355,11 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, mo
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):
     out, script = tmp_path / "ddp", tmp_path / "short_warm_start.py"  # the warm start shortened, as in `fast`
-    script.write_text("import orapo\norapo.WARM_START = dict(steps_tiny=2, lr=3e-3, batch_size=4)\norapo.main()\n")
+    script.write_text(  # STOP=k: Ctrl-C right after the step-k checkpoint (every step checkpoints)
+        "import os, common, orapo\norapo.WARM_START = dict(steps_tiny=2, lr=3e-3, batch_size=4)\n"
+        "common.CHECKPOINT_EVERY, save = 1, common.Run.checkpoint\n"
+        "def stop(run, step):\n    save(run, step)\n    if step == int(os.environ.get('STOP', -1)):\n        raise KeyboardInterrupt\n"
+        "common.Run.checkpoint = stop\norapo.main()\n")
     torchrun(str(script), "--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
              "--max-new-tokens", "12", "--out", str(out))
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
@@ -362,6 +367,23 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     assert len(zrr) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
     gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
+    # FSDP2: the same two processes with the policy and reference sharded take the same steps (each rank samples
+    # as before); the checkpoint and final/ hold the gathered weights, which load without torchrun
+    fsdp, flags = tmp_path / "fsdp", ["--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4",
+                                      "--group-size", "4", "--max-new-tokens", "12", "--out", str(tmp_path / "fsdp"), "--fsdp"]
+    os.environ["STOP"] = "1"  # stopped after step 1 and resumed: the sharded weights and AdamW states come back
+    try:
+        torchrun(str(script), *flags, ok=False)
+    finally:
+        del os.environ["STOP"]
+    torchrun(str(script), *flags, "--resume")
+    for a, b in zip(metrics_rows(out / "metrics.jsonl"), metrics_rows(fsdp / "metrics.jsonl")):
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in a), (a, b)
+    ddp, sharded = (common.load_policy(d / "final").model.state_dict() for d in (out, fsdp))
+    assert all(torch.allclose(ddp[k], sharded[k], atol=1e-5) for k in ddp)
+    ckpt = torch.load(fsdp / "last.pt", weights_only=True)
+    assert all(torch.allclose(ckpt["model"][k], sharded[k], atol=1e-6) for k in sharded)  # full, not shards
+    assert set(ckpt["optimizer"]["state"]) == {k for k, _ in common.load_policy(out / "final").model.named_parameters()}
 
 
 @pytest.mark.parametrize("lora", [None, dict(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"])])
@@ -382,25 +404,57 @@ def test_hugging_face_policy_full_and_lora(tmp_path, small_synthetic, tiny_qwen_
 
 
 @pytest.mark.slow
-def test_fig2_paired_seeds(tmp_path, monkeypatch):
-    """Fig. 2 over 5 paired seeds (OraPO vs vanilla GRPO, same seed, data and budget) in a short setting meant to
-    make zero-reward groups common (a 100-step warm start, 200 training studies, 60 RL steps; measured: 7-13% of groups):
-    prints the mean paired difference of the zero-reward group ratio and of test macro F1 with their standard errors.
-    Asserts nothing about the sign: 5 seeds of a sandbox are a measurement, not a test."""
-    common.make_synthetic(tmp_path / "data", n_train=400, n_val=64, n_test=200, size=128, seed=0)
-    monkeypatch.setattr(orapo, "WARM_START", dict(orapo.WARM_START, steps_tiny=100))
+def test_fsdp_hugging_face_policy(tmp_path, small_synthetic, tiny_qwen_dir):
+    """torchrun --fsdp on a tiny random Qwen2.5-VL (its decoder layers and vision blocks sharded): the ranks' generate()
+    calls stay in step, and final/ (gathered on rank 0) loads in plain transformers with the checkpoint's weights."""
+    from transformers import AutoModelForImageTextToText
+    out = tmp_path / "hf_fsdp"
+    torchrun("orapo.py", "--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--steps", "2", "--prompts-per-step",
+             "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--max-pixels", str(56 * 56), "--out", str(out),
+             "--fsdp", timeout=600)
+    saved, ckpt = AutoModelForImageTextToText.from_pretrained(out / "final").state_dict(), torch.load(out / "last.pt")
+    assert saved.keys() == ckpt["model"].keys() and all(torch.equal(saved[k], v) for k, v in ckpt["model"].items())
+    assert all(isinstance(k, str) for k in ckpt["optimizer"]["state"])  # gathered by parameter name: it was sharded
+
+
+@pytest.mark.slow
+def test_fig2_paired_seeds(tmp_path, monkeypatch, capsys):
+    """Fig. 2 over 5 paired seeds (OraPO vs vanilla GRPO: same seed, data and budget) where zero-reward groups are
+    common, as in the paper's small-data setting with hard findings: 200 training studies, none with the four
+    commonest labels (No Finding, Support Devices, Pleural Effusion, Lung Opacity), a test set filtered alike, and a
+    200-step warm start that writes the study's report 30 % of the time, else a normal report (a policy that misses
+    findings). 60 RL steps. Prints the mean paired differences with their standard errors (README, OraPO);
+    asserts nothing about their sign: 5 seeds of a sandbox are a measurement, not a test."""
+    data = common.make_synthetic(tmp_path / "data", n_train=2000, n_val=64, n_test=1500, size=128, seed=0)
+    annotation = json.loads((data / "annotation.json").read_text())
+    common_labels = [common.LABEL_INDEX[k] for k in ("No Finding", "Support Devices", "Pleural Effusion", "Lung Opacity")]
+    for split in ("train", "test"):
+        annotation[split] = [r for r in annotation[split] if all(r["labels"][i] not in (1, -1) for i in common_labels)]
+    (data / "hard.json").write_text(json.dumps(annotation))
+    normal = "The lungs are clear. No pleural effusion or pneumothorax. Heart size is normal."
+    build_policy = common.build_policy
+
+    def mostly_normal_warm_start(run, records, *a, **k):
+        rng = np.random.default_rng(run.args.seed)
+        k["warm_start"] = dict(k["warm_start"], steps=200, targets=lambda b: [r if rng.random() < 0.3 else normal for r in b["report"]])
+        return build_policy(run, records, *a, **k)
+    monkeypatch.setattr(common, "build_policy", mostly_normal_warm_start)
+    monkeypatch.setenv("RRG_METEOR", "0")
+    keys = ("zero-reward group ratio", "DPO accuracy x zero-reward groups, last 10 steps", "test macro F1", "test FactS")
     diffs = []
     for seed in range(5):
         runs = {}
         for name, extra in (("orapo", []), ("grpo", ["--lambda-min", "0", "--lambda-max", "0"])):
             out = tmp_path / f"{name}{seed}"
-            orapo.main(["--data", str(tmp_path / "data" / "annotation.json"), "--out", str(out), "--seed", str(seed),
-                        "--steps", "60", "--train-size", "200", *extra])
+            orapo.main(["--data", str(data / "hard.json"), "--out", str(out), "--seed", str(seed), "--steps", "60",
+                        "--train-size", "200", *extra])
             lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-            runs[name] = (np.mean([x["zero_group_ratio"] for x in lines]),
-                          json.loads((out / "eval.json").read_text())["test_after"]["ce"]["macro_f1"])
+            after = json.loads((out / "eval.json").read_text())["test_after"]
+            runs[name] = (np.mean([x["zero_group_ratio"] for x in lines]), np.mean([x["dpo_accuracy_x_zero"] for x in lines[-10:]]),
+                          after["ce"]["macro_f1"], after["facts_reward"])
         diffs.append(np.subtract(runs["orapo"], runs["grpo"]))
     d = np.array(diffs)
-    for k, name in enumerate(("zero-reward group ratio", "test macro F1")):
-        print(f"OraPO - GRPO, {name}: {d[:, k].mean():+.4f} +- {d[:, k].std(ddof=1) / np.sqrt(len(d)):.4f} (SE, 5 seeds)")
+    with capsys.disabled():
+        for k, name in enumerate(keys):
+            print(f"OraPO - GRPO, {name}: {d[:, k].mean():+.4f} +- {d[:, k].std(ddof=1) / np.sqrt(len(d)):.4f} (SE, 5 seeds)")
     assert np.isfinite(d).all()

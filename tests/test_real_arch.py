@@ -192,6 +192,70 @@ def test_qwen3b_cut_lora_forward_backward(qwen3b_cut_dir):
     assert all(g.abs().sum() > 0 for n, g in grads.items() if n.endswith("lora_B"))
 
 
+# (a') one step of each RL script's own code path (main() with its flags) on the cut 3B, bf16 ----------------------
+@pytest.fixture
+def grads_at_steps(monkeypatch):
+    """For each Run.optimizer_step of a script: {parameter name: gradient finite?} of the model given to Run.restore."""
+    seen, restore, step = [], common.Run.restore, common.Run.optimizer_step
+
+    def restore_and_keep(self, model, *a, **k):
+        self.model_for_test = model
+        return restore(self, model, *a, **k)
+
+    def record_then_step(self, *a, **k):
+        seen.append({n: bool(torch.isfinite(p.grad).all()) for n, p in self.model_for_test.named_parameters()
+                     if p.grad is not None})
+        return step(self, *a, **k)
+    monkeypatch.setattr(common.Run, "restore", restore_and_keep)
+    monkeypatch.setattr(common.Run, "optimizer_step", record_then_step)
+    return seen
+
+
+def _losses(path):
+    return [json.loads(x)["loss"] for x in Path(path).read_text().splitlines()]
+
+
+SMALL_RL = ["--dtype", "bf16", "--max-pixels", str(56 * 56), "--max-new-tokens", "4", "--group-size", "2", "--steps", "1"]
+
+
+def test_mrg_r1_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grads_at_steps):
+    """mrg_r1.main: LoRA r 128 on the 7 projections of each decoder layer, gradients on those adapters alone."""
+    import mrg_r1
+    mrg_r1.main(["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--out", str(tmp_path / "m"),
+                 "--sft-steps", "0", "--prompts-per-step", "1", *SMALL_RL])
+    expected = {f"model.language_model.layers.{i}.{part}.lora_{ab}" for i in range(2) for ab in "AB" for part in
+                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")}
+    assert len(grads_at_steps) == 1 and set(grads_at_steps[0]) == expected and all(grads_at_steps[0].values())
+    assert all(math.isfinite(x) for x in _losses(tmp_path / "m" / "metrics.jsonl"))
+
+
+def test_orapo_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grads_at_steps):
+    """orapo.main: full fine-tuning against a frozen copy: a finite gradient on every parameter, vision tower included."""
+    import orapo
+    orapo.main(["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--out", str(tmp_path / "o"),
+                "--prompts-per-step", "1", *SMALL_RL])
+    names = {n for n, _ in common.HFPolicy(str(qwen3b_cut_dir[0])).model.named_parameters()}
+    assert len(grads_at_steps) == 1 and set(grads_at_steps[0]) == names and all(grads_at_steps[0].values())
+    assert all(math.isfinite(x) for x in _losses(tmp_path / "o" / "metrics.jsonl"))
+
+
+def test_deer_sft_then_rl_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grads_at_steps, monkeypatch):
+    """deer.main sft then rl (all studies: DDSampling is inference only): SFT's gradients on the vision tower and its
+    merger alone, the LM frozen; RL's on every parameter."""
+    import deer
+    monkeypatch.setattr(deer, "SFT", dict(deer.SFT, batch_hf=2))
+    monkeypatch.setattr(deer, "evaluate", lambda *a: {})  # greedy test reports: not what this test is about
+    flags = ["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--out", str(tmp_path / "d"),
+             "--sft-steps", "1", "--prompts-per-step", "1", "--subset", "all", *SMALL_RL]
+    deer.main(["sft", *flags])
+    deer.main(["rl", *flags])
+    names = {n for n, _ in common.HFPolicy(str(qwen3b_cut_dir[0])).model.named_parameters()}
+    assert len(grads_at_steps) == 2 and all(all(g.values()) for g in grads_at_steps)
+    assert set(grads_at_steps[0]) == {n for n in names if n.startswith("model.visual.")}
+    assert set(grads_at_steps[1]) == names
+
+
 # (b) image tokens per view on a MIMIC-CXR-sized image ---------------------------------------------------------------
 @pytest.mark.parametrize("max_pixels, tokens", [(512 * 512, 320),  # the scripts' --max-pixels default
                                                 (28 * 28 * 1280, 1248),  # Qwen2VLImageProcessor's class default
@@ -249,6 +313,51 @@ def test_resnet_encoder(depth, params, views):
     with torch.no_grad():
         z = enc(torch.randn(2, views, 3, 224, 224))  # (B, V, C, H, W)
     assert z.shape == (2, 2048) and torch.isfinite(z).all()
+
+
+@pytest.fixture(scope="module")
+def bio_clinicalbert_dir(tmp_path_factory):
+    """A random BERT in Bio_ClinicalBERT's shape, saved with a small local WordPiece vocabulary (ids < 28,996)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+    out = tmp_path_factory.mktemp("bio_clinicalbert")
+    words = sorted(set("there is no pleural effusion the heart size normal lungs are clear . , right left".split()))
+    (out / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    BertTokenizerFast(vocab_file=str(out / "vocab.txt")).save_pretrained(out)
+    BertModel(BertConfig(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                         intermediate_size=3072)).save_pretrained(out)
+    return out
+
+
+def test_dcrrg_step1_at_paper_widths(bio_clinicalbert_dir, small_synthetic, tmp_path, grads_at_steps):
+    """dcrrg.main step1 with --model paper (ResNet-50 at 224) and a Bio_ClinicalBERT-shaped text encoder: one step,
+    finite gradients on both encoders, their projections and prompt heads (BERT's unused pooler aside), nothing else."""
+    import dcrrg
+    dcrrg.main(["step1", "--data", str(small_synthetic), "--model", "paper", "--text-encoder", str(bio_clinicalbert_dir),
+                "--step1-steps", "1", "--batch-size", "4", "--out", str(tmp_path / "dc")])
+    (g,) = grads_at_steps
+    assert all(g.values()) and {n.split(".")[0] for n in g} == {"image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"}
+    assert {f"image_encoder.{n}" for n, _ in common.resnet_encoder(50).named_parameters()} <= set(g)
+    assert "text_encoder.encoder.layer.11.output.dense.weight" in g and not any(".pooler." in n for n in g)
+
+
+def test_rrgcl_measurer_at_paper_widths(bio_clinicalbert_dir, small_synthetic, tmp_path, monkeypatch):
+    """rrgcl.measure with a ResNet-101 state dict (phi, 256 x 256) and the BERT (psi): features of the paper's widths,
+    finite Eq. 1-4 and Eq. 9 difficulties for every study."""
+    import numpy as np
+    import rrgcl
+    import torchvision
+    torch.save(torchvision.models.resnet101().state_dict(), tmp_path / "resnet101.pt")
+    shapes, features = {}, rrgcl.features
+
+    def features_and_shapes(*a):
+        feats = features(*a)
+        shapes.update({k: tuple(v.shape) for k, v in feats.items()})
+        return feats
+    monkeypatch.setattr(rrgcl, "features", features_and_shapes)
+    args = rrgcl.Args(visual_encoder=str(tmp_path / "resnet101.pt"), text_encoder=str(bio_clinicalbert_dir))
+    m = rrgcl.measure(args, common.load_annotation(small_synthetic)["train"], common.RuleLabeler(), "cpu")
+    assert shapes == {"itas_image": (40, 128), "vns_image": (40, 2048), "text": (40, 768)}
+    assert m["dif1"].shape == m["dif2"].shape == (40,) and np.isfinite(m["dif1"]).all() and np.isfinite(m["dif2"]).all()
 
 
 # Memory per decoder layer at Qwen2.5-VL-3B's widths -----------------------------------------------------------------
