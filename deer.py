@@ -14,7 +14,7 @@ compares the reward diversity of groups, random 100 % vs DDSampling 20 %.
     python deer.py rl --weighting none      # GRPO from the same SFT model and subset (out/rl_none)
     python deer.py table7 && python deer.py table6
     python deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16 --grad-accum 8
-    torchrun --nproc_per_node=8 deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16
+    torchrun --nproc_per_node=8 deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16 --fsdp
 
 Commands: all (= sft, sample, rl) | sft | sample | rl | table6 | table7; a stage runs in its folder of --out (sft/,
 ddsampling/, rl_<weighting>/: rl_grad is DEER); --resume continues a stage, skips finished ones.

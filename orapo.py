@@ -16,7 +16,7 @@ each of the G failed samples, weighted by lambda = lambda_min + (lambda_max - la
     python orapo.py --data /data/chexpert_plus/annotation.json --model Qwen/Qwen2.5-VL-3B-Instruct \\
         --labeler chexbert --dtype bf16                        # one GPU
     torchrun --nproc_per_node=4 orapo.py --data /data/chexpert_plus/annotation.json \\
-        --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16
+        --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16 --fsdp
 
 The equations survive in the text only as their numbers and prose (Table 6's values are lost too): each
 is reconstructed from the prose around it, and every value the paper does not give is marked "ours".
