@@ -42,6 +42,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm, trange
@@ -1567,8 +1568,8 @@ def shard(model: torch.nn.Module, dtype=torch.float32):
         register_fsdp_forward_method(model, name)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:  # by shard()
-    return any(isinstance(p, DTensor) for p in model.parameters())
+def is_sharded(model: torch.nn.Module) -> bool:  # by shard(): fully_shard turns the model's class into an FSDPModule
+    return isinstance(model, FSDPModule)
 
 
 def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
@@ -1764,9 +1765,9 @@ class Run:
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
         mine, completions = records[self.rank::self.world_size], []  # each rank a strided share, greedy
-        n = len(records[::self.world_size])  # padded to the longest share: every rank calls generate() as often (FSDP)
-        for b in tqdm(range(0, n, 32), desc=name, disable=not self.is_main):
-            prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in (mine + records[:1] * n)[b:min(b + 32, n)]], prompt)
+        padded = mine + records[:len(records[::self.world_size]) - len(mine)]  # as long as rank 0's: equal generate() calls (FSDP)
+        for b in tqdm(range(0, len(padded), 32), desc=name, disable=not self.is_main):
+            prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in padded[b:b + 32]], prompt)
             with torch.no_grad(), self.autocast():
                 completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
         completions = gather_strided(completions[:len(mine)], self.world_size)
@@ -1902,7 +1903,6 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
-        optimizer = None
     else:
         try:
             missing, unexpected = model.load_state_dict(ckpt["model"], strict=not ckpt["partial"])
@@ -1910,8 +1910,8 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
             missing, unexpected = ["?"], ["?"]
         if unexpected or {k for k, p in model.named_parameters() if p.requires_grad} & set(missing):
             raise ValueError(f"{path} holds the trainable weights of another set-up: resume with the run's flags")
-    if optimizer is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if optimizer is not None:
+            optimizer.load_state_dict(ckpt["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(ckpt["scheduler"])
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _distributed() else (0, 1)
