@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -76,7 +77,7 @@ def apply_no_finding_rule(labels: np.ndarray) -> np.ndarray:
 # ==== 2. Data =====================================================================================
 @dataclass
 class Record:
-    """One study: id, image paths (IU X-Ray: two views, MIMIC-CXR: one), report, labels if given."""
+    """One study: id, image paths (IU X-Ray: 1-5 views, MIMIC-CXR in R2Gen's file: one), report, labels if given."""
     id: str
     image_paths: list[str]
     report: str
@@ -111,6 +112,20 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:
                                        .strip().lower()) for s in sentences) + " ."
 
 
+def clean_style(records: list[Record]) -> str:
+    """R2Gen's cleaning rule for the data: "iu_xray" for IU X-Ray (Open-i image names CXR<n>_IM-...), else "mimic_cxr"."""
+    iu = re.compile(r"(?:^|/)CXR\d+_IM-\d+")
+    return "iu_xray" if any(iu.search(p) for r in records for p in r.image_paths) else "mimic_cxr"
+
+
+def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Record]]:
+    """R2Gen's image input: n views per study (IU X-Ray: 2), the first n of the record; a study with fewer repeats
+    its last (R2Gen's own IU file keeps 2-view studies only); n = 1 when no study has more (MIMIC-CXR's file)."""
+    n = min(n, max(len(r.image_paths) for records in data.values() for r in records))
+    views = lambda p: (p + [p[-1]] * n)[:n]  # noqa: E731
+    return {split: [dataclasses.replace(r, image_paths=views(r.image_paths)) for r in records] for split, records in data.items()}
+
+
 def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
     """R2Gen's annotation.json, {"train": [{"id", "report", "image_path": [...], "labels" (optional: 14 of 1, 0,
     -1, null)}], "val": [...], "test": [...]} -> {split: [Record]}; images under its 'images' folder (if any).
@@ -127,6 +142,11 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
                          f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
     root = path.parent / "images" if (path.parent / "images").is_dir() else path.parent
     out, problems = {split: [] for split in splits}, []
+    names = {p for split in splits for row in raw[split] if isinstance(row, dict)  # every image's header, in threads
+             for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
+             if isinstance(p, str)}
+    with ThreadPoolExecutor(8) as pool:
+        unreadable = dict(zip(names, pool.map(lambda p: image_problem(root, p), names)))
     for split in splits:
         for n, row in enumerate(raw[split]):
             where = f"{path} [{split}][{n}]" + (f" id={row.get('id')!r}" if isinstance(row, dict) else "")
@@ -137,8 +157,10 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
             labels = row.get("labels")
             if not isinstance(row["report"], str) or not row["report"].strip():
                 problems.append(f"{where}: empty report")
-            elif not isinstance(paths, list) or not paths or not all((root / p).is_file() for p in paths):
-                problems.append(f"{where}: image not found: {paths!r:.200} (under {root})")
+            elif not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+                problems.append(f"{where}: 'image_path' must be a file name or a list of them, got {paths!r:.200}")
+            elif bad := [unreadable[p] for p in paths if unreadable[p]]:
+                problems.append(f"{where}: {bad[0]} (under {root})")
             elif labels is not None and (not isinstance(labels, list) or len(labels) != len(CHEXPERT_LABELS) or any(
                     v not in (1, 0, -1, None) or isinstance(v, bool) for v in labels)):
                 problems.append(f"{where}: 'labels' must be 14 values (1, 0, -1 or null) in the order {CHEXPERT_LABELS}")
@@ -152,6 +174,17 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
     for p in problems:
         log.warning("dropped: %s", p)
     return out
+
+
+def image_problem(root: Path, name: str) -> str | None:
+    """None if root/name opens as an image (its header only: a 0-byte or foreign file fails at load, not mid-run)."""
+    try:
+        with Image.open(root / name) as im:
+            return None if min(im.size) > 0 else f"empty image {name}"
+    except FileNotFoundError:
+        return f"image not found: {name}"
+    except (UnidentifiedImageError, OSError) as e:
+        return f"cannot read image {name} ({type(e).__name__})"
 
 
 def load_image(path: str, record_id: str = "?"):
@@ -192,12 +225,19 @@ class ReportDataset(torch.utils.data.Dataset):
 
 
 def collate(batch: list[dict]) -> dict:
-    """Stack a batch of studies with the same number of views."""
+    """A batch of studies: images (B, V, C, H, W) zero-padded to the most views, "view_mask" (B, V) 1 for a real view."""
     out = {k: [b[k] for b in batch] for k in ("id", "report", "images")}
     out["labels"] = torch.stack([b["labels"] for b in batch])
     if isinstance(out["images"][0], torch.Tensor):
-        out["images"] = torch.stack(out["images"])  # (B, V, C, H, W)
+        out["images"], out["view_mask"] = pad_views(out["images"])
     return out
+
+
+def pad_views(studies: list[torch.Tensor]):
+    """(V_i, ...) per study -> (B, V, ...) zero-padded, view mask (B, V) float."""
+    V = max(len(x) for x in studies)
+    mask = torch.tensor([[1.0] * len(x) + [0.0] * (V - len(x)) for x in studies])
+    return torch.stack([torch.cat([x, x.new_zeros((V - len(x), *x.shape[1:]))]) for x in studies]), mask
 
 
 def split_batch(batch: dict, n: int) -> list[dict]:
@@ -651,7 +691,7 @@ def load_chexbert_weights(model, path=None):
     without a path, from the Hub (f1chexbert 0.0.2's own download passes the removed `force_filename`)."""
     if path is None:
         from huggingface_hub import hf_hub_download
-        path = hf_hub_download(repo_id=CHEXBERT_REPO, filename=CHEXBERT_FILE)
+        path = from_hub(lambda offline: hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline))
     if not Path(path).is_file():
         raise FileNotFoundError(f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
                                 f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})")
@@ -669,6 +709,22 @@ def load_chexbert_weights(model, path=None):
     return model
 
 
+def from_hub(load):
+    """load(offline=True) from the Hugging Face cache, else load(False) if the Hub answers; unreachable, one error at
+    once (the Hub client retries for minutes) naming the flags that do without it."""
+    import socket
+    try:
+        return load(True)
+    except OSError:  # not cached (transformers and huggingface_hub raise OSError subclasses)
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=5).close()
+        except OSError as e:
+            raise ValueError(f"--labeler chexbert needs {CHEXBERT_FILE} (Hub repo {CHEXBERT_REPO}) and bert-base-uncased's "
+                             f"tokenizer, and huggingface.co cannot be reached ({e}): give --chexbert-weights FILE (with the "
+                             "tokenizer in the Hugging Face cache), or --labeler rule (offline rules)") from None
+    return load(False)
+
+
 class CheXbertLabeler:
     """CheXbert's labels (N, 14) as RuleLabeler's, in batches of reports sorted by length (f1chexbert labels
     one at a time). `model`, `tokenizer`: a tiny BERT for tests; else the real weights and word pieces."""
@@ -677,7 +733,8 @@ class CheXbertLabeler:
         from transformers import BertTokenizerFast
         if model is None:
             model = load_chexbert_weights(chexbert_model(), weights)
-        self.tokenizer = tokenizer or BertTokenizerFast.from_pretrained("bert-base-uncased")
+        self.tokenizer = tokenizer or from_hub(lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased",
+                                                                                                  local_files_only=offline))
         self.model = model.to(device).eval().requires_grad_(False)
         self.device, self.batch_size = torch.device(device), batch_size
 
@@ -898,36 +955,36 @@ class WordTokenizer:
 
 
 class TinyVLM(torch.nn.Module):
-    """A small CNN turns each view (1, S, S) into g x g prefix embeddings read before BOS by a random GPT-2 decoder."""
+    """A small CNN turns each view (1, S, S) into g x g features; a study's views are averaged position by position
+    (R2GenGPT's way: any number of views) into g x g prefix embeddings read before BOS by a random GPT-2 decoder."""
     _no_split_modules = ["GPT2Block"]  # shard()'s blocks
 
-    def __init__(self, vocab_size: int, n_views: int = 1, grid: int = 4, n_embd: int = 128, n_layer: int = 2,
-                 n_head: int = 4, max_len: int = 96, channels: int = 32):
+    def __init__(self, vocab_size: int, grid: int = 4, n_embd: int = 128, n_layer: int = 2, n_head: int = 4,
+                 max_len: int = 96, channels: int = 32):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
-        self.hparams = dict(vocab_size=vocab_size, n_views=n_views, grid=grid, n_embd=n_embd, n_layer=n_layer,
-                            n_head=n_head, max_len=max_len, channels=channels)
+        self.hparams = dict(vocab_size=vocab_size, grid=grid, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                            max_len=max_len, channels=channels)
         c = channels
         block = lambda i, o: [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]  # noqa: E731
         self.encoder = torch.nn.Sequential(*block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c),
                                            torch.nn.AdaptiveAvgPool2d(grid))
         self.project = torch.nn.Linear(2 * c, n_embd)
-        self.view_embedding = torch.nn.Parameter(torch.zeros(n_views, 1, n_embd))
         # No dropout, and GroupNorm rather than BatchNorm: a completion's log-probs must not depend
         # on train/eval mode or on the batch, or the GRPO ratio is off before any update.
-        config = GPT2Config(vocab_size=vocab_size, n_positions=n_views * grid * grid + 1 + max_len, n_embd=n_embd,
+        config = GPT2Config(vocab_size=vocab_size, n_positions=grid * grid + 1 + max_len, n_embd=n_embd,
                             n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             pad_token_id=0, bos_token_id=1, eos_token_id=2)  # WordTokenizer.PAD, BOS, EOS
         self.decoder = GPT2LMHeadModel(config)
 
-    def prefix(self, pixel_values, bos_id: int):
-        """(N, V, 1, S, S) -> (N, V*g*g + 1, D): projected image features, then BOS's embedding."""
+    def prefix(self, pixel_values, view_mask, bos_id: int):
+        """(N, V, 1, S, S) zero-padded views, view_mask (N, V) -> (N, g*g + 1, D): the views' projected features
+        averaged, then BOS's embedding."""
         N, V = pixel_values.shape[:2]
-        if V > self.hparams["n_views"]:
-            raise ValueError(f"a study with {V} views, but the tiny model was built for {self.hparams['n_views']} (the most in train)")
         feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
-        feats = self.project(feats.flatten(2).transpose(1, 2))  # (N*V, g*g, D)
-        feats = (feats.view(N, V, -1, feats.shape[-1]) + self.view_embedding[:V]).flatten(1, 2)  # (N, V*g*g, D)
+        feats = self.project(feats.flatten(2).transpose(1, 2)).view(N, V, -1, self.hparams["n_embd"])  # (N, V, g*g, D)
+        m = view_mask.to(feats.dtype)[:, :, None, None]  # (N, V, 1, 1)
+        feats = (feats * m).sum(1) / m.sum(1)  # (N, g*g, D) mean over the study's real views
         bos = self.decoder.transformer.wte(torch.full((N, 1), bos_id, device=feats.device))  # (N, 1, D)
         return torch.cat([feats, bos], dim=1)
 
@@ -941,14 +998,12 @@ class TinyPolicy:
         self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
 
     def prompt_batch(self, images, text=None) -> dict:
-        """images: one list of PIL views per study -> {"pixel_values": (B, V, 1, S, S)} in [-1, 1]."""
+        """images: one list of PIL views per study (any number) -> {"pixel_values": (B, V, 1, S, S) in [-1, 1],
+        zero-padded to the most views, "view_mask": (B, V)}."""
         import torchvision.transforms.functional as F
-        if len({len(study) for study in images}) > 1:
-            raise ValueError(f"the tiny model needs the same number of views in every study of a batch, got "
-                             f"{sorted({len(study) for study in images})}")
-        views = [torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) for im in study])
-                 for study in images]
-        return {"pixel_values": (torch.stack(views) * 2 - 1).to(self.device)}  # (B, V, 1, S, S)
+        pixels, mask = pad_views([torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1
+                                               for im in study]) for study in images])
+        return {"pixel_values": pixels.to(self.device), "view_mask": mask.to(self.device)}
 
     def repeat(self, prompts: dict, G: int) -> dict:
         return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
@@ -956,14 +1011,14 @@ class TinyPolicy:
     def generate(self, prompts: dict, max_new_tokens: int = 80, temperature: float = 1.0, do_sample: bool = True,
                  return_logprobs: bool = False, top_p: float = 1.0):
         """Completions after the image prefix (generate_completions)."""
-        embeds = self.model.prefix(prompts["pixel_values"], self.tokenizer.bos_id)  # (N, P, D)
+        embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
         inputs = dict(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device))
         return generate_completions(self, self.model.decoder, inputs, 0, min(max_new_tokens, self.model.hparams["max_len"]),
                                     temperature, do_sample, return_logprobs, top_p, [self.eos_token_id])
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
-        prefix = self.model.prefix(prompts["pixel_values"], self.tokenizer.bos_id)  # (N, P, D)
+        prefix = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
         P, T = prefix.shape[1], completion_ids.shape[1]
         embeds = torch.cat([prefix, self.model.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
         logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1:P - 1 + T]  # (N, T, V) predicts token t
@@ -1102,12 +1157,12 @@ class HFPolicy:
 
 
 def make_policy(model: str, train_reports: list[str], device, dtype=torch.float32, max_new_tokens: int = 128,
-                extra_tokens=(), n_views: int = 1, max_pixels: int | None = 512 * 512, gradient_checkpointing=True):
-    """`--model tiny` -> TinyPolicy (its words from the training reports, n_views views); else HFPolicy (a hub id
-    or folder), max_pixels per view: 512 x 512 gives at most 334 Qwen tokens, the processor's default thousands."""
+                extra_tokens=(), max_pixels: int | None = 512 * 512, gradient_checkpointing=True):
+    """`--model tiny` -> TinyPolicy (its words from the training reports); else HFPolicy (a hub id or folder),
+    max_pixels per view: 512 x 512 gives at most 334 Qwen tokens, the processor's default thousands."""
     if model == "tiny":
         tok = WordTokenizer.build(list(train_reports), extra_tokens)
-        return TinyPolicy(TinyVLM(len(tok.vocab), n_views=n_views, max_len=max_new_tokens), tok, device=device)
+        return TinyPolicy(TinyVLM(len(tok.vocab), max_len=max_new_tokens), tok, device=device)
     return HFPolicy(model, device, dtype, gradient_checkpointing, max_pixels)
 
 
@@ -1456,11 +1511,12 @@ class RunArgs:
     """The flags every script shares; a script's Args adds its paper's hyper-parameters."""
     data: str = "synthetic"  # "synthetic", or an R2Gen-layout annotation.json (IU X-Ray, MIMIC-CXR) or its folder
     model: str = "tiny"  # "tiny" (built in, offline) or a Hugging Face vision-language model id or folder
-    labeler: Literal["rule", "chexbert"] = "rule"  # rule: offline CheXpert-style rules; chexbert: the papers' labeler
+    labeler: Literal["auto", "rule", "chexbert"] = "auto"  # chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert for a real model on real data, else rule
     chexbert_weights: str | None = None  # a local chexbert.pth (else downloaded once from the Hub)
     out: str = "runs/run"  # the run's folder: a fresh run needs it empty or absent
     seed: int = 0  # data order, initial weights and samples (rank r samples with seed + r)
-    dtype: Literal["fp32", "bf16", "auto"] = "fp32"  # bf16: weights and matmuls; what trains keeps fp32 master weights
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 (the papers') on a GPU that has it, else fp32; what trains keeps fp32 master weights
+    clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"  # R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's
     resume: bool = False  # continue the run in --out from its last checkpoint (other flags must be the run's)
     drop_invalid: bool = False  # skip annotation records with a missing image or an empty report (each is logged)
 
@@ -1615,12 +1671,10 @@ class Run:
     """One run: its processes (rank, world size, device, dtype), inputs (data, labeler) and folder
     (config.json, metrics.jsonl, last.pt, eval_*.json, generations_*.jsonl, eval.json, final/)."""
 
-    def __init__(self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True):
-        self.args, self.out, self.data, self.labeler = args, Path(args.out), data, labeler
+    def __init__(self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True, notes=()):
+        self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
-        # --dtype auto: bf16 on a GPU that has it. No fp16: its gradients need loss scaling, which no script does
-        bf16 = args.dtype == "bf16" or args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
         self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
         self.start, self.done, self._saved, self._stats = 0, None, None, defaultdict(list)
         problem = self._check_folder() if check and self.is_main else None
@@ -1629,7 +1683,7 @@ class Run:
             raise ValueError(problem)
         self.resuming = bool(args.resume and (self.out / "config.json").is_file())
         if check:  # the flags, beside the run's files (a folder holding nothing else is a run that failed its checks)
-            self.write("config.json", json.dumps(asdict(args), indent=2))
+            self.write("config.json", json.dumps(asdict(args) | {"notes": self.notes}, indent=2))
 
     def _check_folder(self) -> str | None:
         """A fresh run needs an empty folder, a resumed one the run's flags; a finished one sets .done (eval.json)."""
@@ -1659,7 +1713,7 @@ class Run:
     def stage(self, name: str, flags) -> "Run":
         """A run in out/<name> (config, log, checkpoint) sharing processes, data and labeler; --resume checks `flags`."""
         return Run(dataclasses.replace(self.args, out=str(self.out / name)), self.rank, self.world_size, self.device,
-                   self.data, self.labeler, resume_flags=tuple(flags))
+                   self.data, self.labeler, resume_flags=tuple(flags), notes=self.notes)
 
     def per_rank(self, batch_size: int, flag: str) -> int:
         """A global batch (studies over all ranks, as the papers count) -> this rank's share."""
@@ -1757,10 +1811,11 @@ class Run:
 
     # Evaluation and the end --------------------------------------------------------------------
     def evaluate(self, policy, records, name: str, prompt: str, max_new_tokens: int, report=None, score=None,
-                 meteor=False) -> dict:
+                 meteor=False, ce: dict | None = None) -> dict:
         """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it),
-        the NLG and CE metrics and score(rows, labeler) (the method's numbers; may add fields to rows) into
-        out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
+        the NLG and CE metrics (`ce`: the paper's convention, see evaluate_generations) and score(rows, labeler) (the
+        method's numbers; may add fields to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed
+        run reads back what it wrote."""
         path = self.out / f"eval_{name}.json"
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
@@ -1776,7 +1831,7 @@ class Run:
             rows = [{"id": r.id, "reference": r.report, "generated": report(c) if report else c}
                     | ({"completion": c} if report else {}) for r, c in zip(records, completions)]
             labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
-            results = evaluate_generations(rows, labeler, meteor=meteor) | (score(rows, labeler) if score else {})
+            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **(ce or {})) | (score(rows, labeler) if score else {})
             self.write(f"generations_{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
             self.write(path.name, json.dumps(results, indent=2))
         return broadcast_object(results)
@@ -1791,15 +1846,35 @@ class Run:
         return results
 
 
-def start_run(args, stages: bool = False) -> Run:
-    """torchrun, device, threads; data and labeler; the folder (empty, or the run's flags under --resume; with
-    stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked."""
+def resolve_defaults(args):
+    """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
+    if args.labeler == "auto":  # the papers' CheXbert for a real run; our rules offline, for the sandbox
+        args.labeler = "rule" if args.data == "synthetic" or args.model == "tiny" else "chexbert"
+    if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
+        args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    return args
+
+
+RULE_NOTE = ("labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
+             "CE numbers do not compare with published ones (--labeler chexbert)")
+
+
+def start_run(args, stages: bool = False, notes=()) -> Run:
+    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
+    --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
+    `notes`: what this run cannot do as the paper does, one line each at start and in config.json."""
     rank, world_size, device = setup_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (README, "Threads on a CPU"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
+    resolve_defaults(args)
     data = load_data(args.data, drop_invalid=args.drop_invalid)
+    if args.clean == "auto":
+        args.clean = clean_style([r for records in data.values() for r in records])
     labeler = make_labeler(args.labeler, args.chexbert_weights, device)
-    run = Run(args, rank, world_size, device, data, labeler, check=not stages)
+    notes = [RULE_NOTE] * (args.labeler == "rule") + list(notes)
+    for note in notes if rank == 0 else ():
+        log.warning("note: %s", note)
+    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
     seed_everything(args.seed)
     return run
 
@@ -1838,7 +1913,7 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
         policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
     else:
         policy = make_policy(run.args.model, [r.report for r in records], run.device, run.dtype, max_new_tokens,
-                             extra_tokens, max(len(r.image_paths) for r in records), max_pixels)
+                             extra_tokens, max_pixels)
     broadcast_parameters(policy.model)
     add_lora = lambda: apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"],  # noqa: E731
                                   exclude=policy.vision_and_language()[0])  # its MLP shares the LM's names
@@ -1990,17 +2065,43 @@ def make_labeler(name: str, chexbert_weights=None, device="cpu"):
 
 
 def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_cxr", uncertain_as: int = 1,
-                         meteor=True) -> dict:
-    """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference
-    reports. An empty generated report scores 0 on every metric."""
+                         meteor=True, headline: str = "micro_f1") -> dict:
+    """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
+    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
+    every metric. Degenerate output (most reports alike, or none with a word of the references) is called out."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
     n_empty = sum(not h.strip() for h in hyps)
     if n_empty:
         log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
     cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
-    return {"n": len(rows), "n_empty_generations": n_empty, "clean": clean, "labeler": type(labeler).__name__,
-            "uncertain_as": uncertain_as, "nlg": nlg_metrics(*cleaned, meteor=meteor),
-            "ce": ce_metrics(labeler(hyps), labeler(refs), uncertain_as=uncertain_as)}
+    return {"n": len(rows), "n_empty_generations": n_empty, "degenerate": degenerate_output(hyps, refs), "clean": clean,
+            "labeler": type(labeler).__name__, "uncertain_as": uncertain_as, "headline": headline,
+            "nlg": nlg_metrics(*cleaned, meteor=meteor), "ce": ce_metrics(labeler(hyps), labeler(refs), uncertain_as=uncertain_as)}
+
+
+STOP_WORDS = set("a an the and or of in on at to is are was were be been there no not with without for as by this that "
+                 "it its from has have".split())
+
+
+def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
+    """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
+    scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
+    words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - STOP_WORDS  # noqa: E731
+    vocab, (top, count) = set().union(*map(words, refs)), Counter(hyps).most_common(1)[0]
+    n, contentless = len(hyps), sum(not words(h) & vocab for h in hyps)
+    signs = [f"{len(set(hyps))} distinct report(s) of {n}, {count} identical ({top[:40]!r})"] * (n >= 5 and count > n / 2) + \
+            [f"{contentless} of {n} without a word of the references' vocabulary"] * (contentless > n / 2)
+    warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little" if signs else ""
+    if warning:
+        log.warning(warning)
+    return {"distinct": len(set(hyps)), "most_common_share": count / n, "contentless_share": contentless / n, "warning": warning}
+
+
+def summary(results: dict) -> str:
+    """One line: the paper's headline CE metric and BLEU-4, the degenerate-output warning beside them."""
+    h, unc = results["headline"], "positive" if results["uncertain_as"] else "negative"
+    line = f"CE {h.replace('_', ' ')} {results['ce'][h]:.3f} (uncertain = {unc}), BLEU-4 {results['nlg']['BLEU-4']:.3f}"
+    return line + (f"  [{results['degenerate']['warning']}]" if results["degenerate"]["warning"] else "")
 
 
 def main(argv=None):

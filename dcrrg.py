@@ -82,6 +82,7 @@ DROPOUT = 0.1  # decoder and text encoder (paper silent: Vaswani et al.'s and BE
 MAX_TEXT_TOKENS, MAX_DESCRIPTION_TOKENS, MAX_REPORT_TOKENS = 256, 48, 128  # word pieces read / Step 3 / Step 4 (ours)
 VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become characters (ours)
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
+CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
 PROBE = dict(finetune_epochs=5, lr=1e-3, lbfgs_iters=500)  # Sec. 4.4.3 gives no settings: ours
 
 
@@ -465,7 +466,7 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
                          MAX_REPORT_TOKENS, **decoder_kw(model))
         rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
         st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
-        return {"step4": args.step4, **(common.evaluate_generations(rows, env["labeler"]) if st.is_main else {})}
+        return {"step4": args.step4, **(common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {})}
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
     return fit(run, args, env, name, init, "step4", ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
                run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
@@ -621,13 +622,14 @@ def ablation(run, args: Args, env: dict) -> dict:
 def prepare(run, args: Args) -> dict:
     """The splits labelled by --labeler (--extra-data keeps stored labels), the tokenizer and the image transform."""
     relabel = lambda recs: [dataclasses.replace(r, labels=l) for r, l in zip(recs, run.labeler([r.report for r in recs]))]  # noqa: E731
-    data = {split: relabel(recs) for split, recs in run.data.items()}
     extra = common.load_annotation(args.extra_data, ("train",), args.drop_invalid)["train"] if args.extra_data else []
     extra = [r for r in extra if r.labels is not None] + relabel([r for r in extra if r.labels is None])
+    # R2Gen's two views of an IU X-Ray study (Sec. 4.1 follows R2Gen's preprocessing), averaged by the image encoder
+    data = common.r2gen_views({split: relabel(recs) for split, recs in run.data.items()} | {"extra": extra})
     # No augmentation: R2Gen's random flip swaps left and right, which the reports name
     transform = common.default_transform(SIZES[args.model]["image_size"], channels=1 if args.model == "tiny" else 3)
-    return dict(data, extra=extra, labeler=run.labeler, transform=transform,
-                tokenizer=build_tokenizer(args, [r.report for r in data["train"] + extra], run))
+    return dict(data, labeler=run.labeler, transform=transform,
+                tokenizer=build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run))
 
 
 def train(command: str, args: Args) -> dict:

@@ -64,7 +64,6 @@ class Args(common.RunArgs):
     fraction: float = 0.2  # share of the training set kept for RL (Sec. 4.1: 20 %)
     max_new_tokens: int | None = None  # None: 256 for HF models, 96 tiny (ours)
     max_pixels: int = 512 * 512  # HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)
-    analysis_n: int = 500  # Tables 6-7: studies drawn from each set (Table 6: 10,000 rollouts in the paper)
 
 
 # Sec. 4.1's settings that are not worth a flag, and our choices where the paper is silent
@@ -74,6 +73,10 @@ GAMMA_SWITCH = 0.5  # share of RL steps in the F1-only phase: the paper gives no
 TEMPERATURE, MAX_GRAD_NORM = 1.0, 1.0  # the paper gives neither: 1.0 samples the policy itself; verl's clip
 LOSS_TYPE, MASK_FRAC = "grpo", 0.1  # the paper's loss normalisation is unsaid: each report's token mean; Table 6's 10 %
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
+ANALYSIS_N = 200  # Tables 6-7: studies drawn from each set, G rollouts each (Table 6: 10,000 rollouts in the paper)
+# Sec. 4.1: "we follow the setting of PromptMRG to compute sample-wise F1" on MIMIC-CXR and IU X-Ray: CheXbert's
+# positives (uncertain = negative) over the 14 labels, F1 per report, then the mean
+CE = dict(headline="example_f1", uncertain_as=0)
 SHARED = ("data", "model", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")  # a stage's output depends on these
 STAGE_FLAGS = {"sft": SHARED + ("sft_steps",), "ddsampling": SHARED + ("labeler",),  # --grad-accum: memory, SFT may differ
                "rl": SHARED + ("labeler", "weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step",
@@ -88,12 +91,13 @@ def report_f1(hyp_labels: np.ndarray, ref_labels: np.ndarray, both_empty: float 
     return np.where(denom > 0, 2 * (h & r).sum(1) / np.maximum(denom, 1), both_empty)
 
 
-def reward(texts: list[str], refs: list[str], ref_labels: np.ndarray, labeler, gamma: float):
-    """Eq. 1 -> (r (N,), each term's mean); BLEU-2 as the evaluation scores it, neither computed nor logged at gamma 0."""
+def reward(texts: list[str], refs: list[str], ref_labels: np.ndarray, labeler, gamma: float, style: str = "mimic_cxr"):
+    """Eq. 1 -> (r (N,), each term's mean); BLEU-2 on text cleaned as the evaluation's (`style`, R2Gen's rule of the
+    data set), neither computed nor logged at gamma 0."""
     f1 = report_f1(labeler(texts), ref_labels)  # (N,)
     if not gamma:
         return f1, {"f1": float(f1.mean())}
-    clean = lambda t: common.clean_report(t) if t.strip() else ""  # noqa: E731
+    clean = lambda t: common.clean_report(t, style) if t.strip() else ""  # noqa: E731
     b2 = np.asarray(common.nlg_metrics([clean(t) for t in texts], [clean(r) for r in refs], meteor=False,
                                        per_sample=True)["per_sample"]["BLEU-2"])  # (N,)
     return f1 + gamma * b2, {"f1": float(f1.mean()), "bleu2": float(b2.mean())}
@@ -249,8 +253,8 @@ def sft_trainable(policy, tiny: bool) -> list:
 def sft(run: common.Run, args: Args, s: dict) -> dict:
     if run.done:
         return run.done
-    records, views = run.data["train"], max(len(r.image_paths) for r in run.data["train"])
-    policy = common.make_policy(args.model, [r.report for r in records], run.device, run.dtype, s["max_new"], n_views=views, max_pixels=args.max_pixels)
+    records = run.data["train"]
+    policy = common.make_policy(args.model, [r.report for r in records], run.device, run.dtype, s["max_new"], max_pixels=args.max_pixels)
     common.broadcast_parameters(policy.model)
     params = sft_trainable(policy, s["tiny"])
     total = s["sft_steps"] if s["sft_steps"] is not None else len(records) // s["sft_batch"]  # one epoch
@@ -337,7 +341,7 @@ def ditpo(run: common.Run, args: Args, s: dict) -> dict:
             ref_labels = run.labeler(micro["report"])  # (B, 14) C(y)
 
             def reward_fn(texts, owners):
-                r, terms = reward(texts, [micro["report"][o] for o in owners], ref_labels[owners], run.labeler, gamma)
+                r, terms = reward(texts, [micro["report"][o] for o in owners], ref_labels[owners], run.labeler, gamma, args.clean)
                 run.log(**terms)
                 return r
             with run.autocast():
@@ -355,9 +359,9 @@ def ditpo(run: common.Run, args: Args, s: dict) -> dict:
 # Evaluation and Tables 6-7 ---------------------------------------------------------------------
 def evaluate(run: common.Run, policy, s: dict) -> dict:
     """Greedy reports on the test split: NLG and CE metrics (METEOR where Java is), into the stage's folder."""
-    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s["max_new"], meteor=True)
+    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s["max_new"], meteor=True, ce=CE)
     if run.is_main:
-        print(f"{run.out}: CE example F1 {results['ce']['example_f1']:.3f}, BLEU-4 {results['nlg']['BLEU-4']:.3f}")
+        print(f"{run.out}: {common.summary(results)}")
     return results
 
 
@@ -399,7 +403,7 @@ def masking_effect(policy, labeler, ids, mask, w, labels: np.ndarray, frac: floa
 @torch.no_grad()
 def sample_groups(run: common.Run, args: Args, s: dict, records, rng):
     """The SFT model's G rollouts (temperature sampling, as in RL) for --analysis-n studies drawn from `records`."""
-    policy, drawn = sft_policy(run, args), sorted(rng.choice(len(records), min(args.analysis_n, len(records)), replace=False))
+    policy, drawn = sft_policy(run, args), sorted(rng.choice(len(records), min(ANALYSIS_N, len(records)), replace=False))
     for b in range(0, len(drawn), DD_CHUNK):
         chunk = [records[i] for i in drawn[b:b + DD_CHUNK]]
         with run.autocast():
@@ -448,13 +452,14 @@ def settings(args: Args) -> dict:
 
 
 def train(command: str, args: Args) -> dict:
-    if args.weighting == "auto":
+    if common.resolve_defaults(args).weighting == "auto":
         args.weighting = "grad" if args.labeler == "chexbert" else "rule"
     if args.weighting == "grad" and args.labeler != "chexbert":
         raise ValueError("--weighting grad needs --labeler chexbert (CheXbert's input-embedding saliency, Eq. 9-11)")
     if not 0 < args.fraction <= 1:
         raise ValueError(f"--fraction must lie in (0, 1], got {args.fraction}")
-    run, s = common.start_run(args, stages=True), settings(args)
+    note = "DiTPO with the rule TF-IDF token weights (Eq. 7-8), not the CheXbert-gradient weights the paper adopts (Eq. 9-12)"
+    run, s = common.start_run(args, stages=True, notes=[note] * (args.weighting == "rule")), settings(args)
     if command in ("table6", "table7"):  # analyses of the SFT policy, in one process
         if run.world_size > 1:
             raise ValueError(f"run `deer.py {command}` with python, not torchrun (a single-process analysis)")

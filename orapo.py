@@ -50,18 +50,17 @@ import common
 @dataclass
 class Args(common.RunArgs):
     out: str = "runs/orapo"  # the run's folder
-    train_size: int = 1000  # training studies, drawn with a balanced label set (Sec. 4.1); 0: the whole split
-    group_size: int = 8  # G (Table 6 lost: ours)
+    train_size: int | None = None  # balanced training studies (Sec. 4.1); None: 1,000 for HF models, 250 tiny (4 visits each); 0: all
+    group_size: int = 8  # G (not given: ours)
     prompts_per_step: int = 4  # studies per step over all ranks, 4 x G = 32 completions (the paper: "small"; ours)
     lr: float | None = None  # AdamW lr; None: 1e-6 for HF models (App. A: "conservative"; ours), 5e-4 for the tiny model
     steps: int | None = None  # RL steps; None: 3 epochs (TRL's default) for HF models, 250 for the tiny model; 0: evaluate only
+    sft_steps: int | None = None  # warm start before RL (not in the paper: RL only); None: 300 for the tiny model (a random model earns no reward), 0 for HF
     max_new_tokens: int | None = None  # None: 256 (TRL's max_completion_length) for HF models, 96 for the tiny model
-    loss_type: Literal["dr_grpo", "grpo"] = "dr_grpo"  # dr_grpo: App. A (r - mean, token sum / (G max_new_tokens)); grpo: std-scaled, token mean
+    loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"  # the normaliser, as TRL's loss_type: dr_grpo token sum / (G max_new_tokens) (App. A); advantages are Dr. GRPO's r - mean
     beta: float = 0.04  # Eq. 4's KL weight: Sec. 3.2's "dominated by the KL regularizer" needs beta > 0; DeepSeekMath's 0.04 (ours)
-    zrr_momentum: float = 0.5  # Eq. 9's EMA momentum m (App. A: "reacts quickly"; ours)
-    lambda_min: float = 0.05  # Eq. 10 (ours)
-    lambda_max: float = 0.5  # Eq. 10 (ours); --lambda-min 0 --lambda-max 0: vanilla GRPO
-    zrr_power: float = 2.0  # Eq. 10's sharpening exponent p (App. A: "relatively sharp"; ours)
+    lambda_min: float = 0.05  # Eq. 10's w_min: Table 6 (arXiv v2)
+    lambda_max: float = 0.15  # Eq. 10's w_max: Table 6 (arXiv v2); --lambda-min 0 --lambda-max 0: vanilla GRPO
     dpo_beta: float = 2.0  # Eq. 5's beta on per-token mean log-probs (LN-DPO): SimPO's range 2-2.5 (ours)
     facts: str = "sentences"  # Eq. 13's extractor: "sentences" (offline) or "hf:<instruction-tuned LM id or folder>"
     max_pixels: int = 512 * 512  # HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)
@@ -75,7 +74,11 @@ LORA = None  # the paper fine-tunes the whole 3B policy; dict(r=64, alpha=128, d
 HF_EPOCHS, TINY_STEPS, MAX_GRAD_NORM, TEMPERATURE = 3, 250, 1.0, 1.0  # TRL's defaults (the tiny model: ours)
 FACTS_BETA = 2.0  # Eq. 15's beta > 1 weights recall; no value given (ours)
 FACT_TOKENS = 256  # the hf: extractor's answer length
-WARM_START = dict(steps_tiny=300, lr=1e-3, batch_size=32)  # not in the paper (RL only): a random tiny model needs words
+ZRR_MOMENTUM, ZRR_POWER = 0.5, 2.0  # Eq. 9's EMA momentum m and Eq. 10's sharpening exponent p: Table 6 (arXiv v2)
+WARM_START = dict(lr=1e-3, batch_size=32)  # --sft-steps' settings (ours)
+# Sec. 4.2: "macro-averaged over labels": P/R/F1 of each of the 14 conditions, then their unweighted mean; the CheXpert
+# labeller's positives (uncertain = negative: the benchmark it follows scores label == 1)
+CE = dict(headline="macro_f1", uncertain_as=0)
 EVAL_EVERY, N_EVAL = 100, 64  # Fig. 2 (right): Pneumonia and Fracture F1 on N_EVAL val studies every EVAL_EVERY steps
 
 
@@ -204,13 +207,13 @@ class ZeroRewardRate:
     """Eq. 9, ZRR_q <- m ZRR_q + (1 - m) z_q, per prompt (study id). The paper also allows one rate per minibatch;
     we keep both: the minibatch rate (an EMA of the batch's zero-group fraction, from 0) is where a study starts
     on its first visit, so a study seen once still gets a lambda that says how it did against how all do. m 0.5
-    "reacts quickly to persistent failures" (3 failures in a row: ZRR 0.88, lambda 0.39) and, with p = 2, falls back
-    "toward lambda_min" on one success (0.44: lambda 0.14). Under torchrun every rank applies every rank's z in rank
-    order, so all hold the same state (a study can land on another rank next epoch) and any rank's is the checkpoint's."""
+    "reacts quickly to persistent failures" (3 failures in a row: ZRR 0.88, lambda 0.127 of Table 6's 0.05-0.15) and,
+    with p = 2, falls back "toward lambda_min" on one success (ZRR 0.44: lambda 0.069). Under torchrun every rank applies
+    every rank's z in rank order, so all hold the same state (a study can land on another rank next epoch) and any
+    rank's is the checkpoint's."""
 
     def __init__(self, momentum: float):
-        if not 0 <= momentum < 1:
-            raise ValueError(f"--zrr-momentum must lie in [0, 1), got {momentum}")
+        assert 0 <= momentum < 1, momentum
         self.m, self.values = momentum, {}  # study id -> ZRR, and "minibatch" -> the minibatch rate
 
     def update(self, ids: list[str], z: np.ndarray) -> np.ndarray:
@@ -277,8 +280,8 @@ def orapo_step(policy, ref, roll: common.Rollout, batch: dict, zrr: ZeroRewardRa
     G = args.group_size
     z = zero_reward_indicator(roll.rewards, G)  # Eq. 8, (B,)
     zrr_q = zrr.update(batch["id"], z)  # Eq. 9, (B,) with every rank's studies
-    lam = mixing_weight(zrr_q, args.lambda_min, args.lambda_max, args.zrr_power)  # Eq. 10, (B,)
-    A = common.group_advantages(roll.rewards, G, scale="none" if args.loss_type == "dr_grpo" else "std")  # Eq. 1-2, (B*G,)
+    lam = mixing_weight(zrr_q, args.lambda_min, args.lambda_max, ZRR_POWER)  # Eq. 10, (B,)
+    A = common.group_advantages(roll.rewards, G, scale="none")  # Eq. 1-2 as Dr. GRPO (App. A): r - mean, (B*G,)
     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (B*G, T)
     chosen = {}
     if args.lambda_max > 0:  # Eq. 12: the ground-truth report is the preferred answer (the prompt asks for it)
@@ -301,21 +304,23 @@ def train(args: Args) -> dict:
         raise ValueError(f"need 0 <= --lambda-min <= --lambda-max <= 1, got {args.lambda_min}, {args.lambda_max}")
     if not (args.facts == "sentences" or args.facts.startswith("hf:") and len(args.facts) > 3):
         raise ValueError(f"--facts must be 'sentences' or 'hf:<model id or folder>', got {args.facts!r}")
-    zrr = ZeroRewardRate(args.zrr_momentum)  # checks the flag before anything is built
-    run = common.start_run(args)
-    tiny = args.model == "tiny"
+    run = common.start_run(args, notes=["FactS (Eq. 13-14): a report's facts are its sentences and clauses labelled by the "
+                                        "labeler, not GPT-4.1's atomic facts and entailment (--facts hf:<id> asks a local LM)"]
+                           * (args.facts == "sentences"))
+    zrr, tiny = ZeroRewardRate(ZRR_MOMENTUM), args.model == "tiny"
     lr = args.lr if args.lr is not None else 5e-4 if tiny else 1e-6
     max_new = args.max_new_tokens or (96 if tiny else 256)
+    train_size = args.train_size if args.train_size is not None else 250 if tiny else 1000
 
     # Sec. 4.1: complete reports, then a label-balanced subset. The labels are the labeler's on the reference
     # reports (the paper: the CheXpert labeller), labelled on rank 0 and shared, and are FactS's ground truth y.
     pool = drop_missing_sections(run.data["train"])
     y = common.broadcast_object(run.labeler([r.report for r in pool]) if run.is_main else None)  # (N, 14)
-    keep = balanced_subset(y, args.train_size, args.seed)
+    keep = balanced_subset(y, train_size, args.seed)
     train_set, gt = [pool[i] for i in keep], {pool[i].id: y[i] for i in keep}
     extractor = SentenceFacts() if args.facts == "sentences" else LLMFacts(args.facts[3:], run.device)
 
-    warm_start = dict(steps=WARM_START["steps_tiny"] if tiny else 0, lr=WARM_START["lr"], batch_size=WARM_START["batch_size"], prompt=PROMPT)
+    warm_start = dict(WARM_START, steps=args.sft_steps if args.sft_steps is not None else 300 if tiny else 0, prompt=PROMPT)
     policy, ref = common.build_policy(run, train_set, max_new, lora=LORA, warm_start=warm_start, max_pixels=args.max_pixels,
                                       reference=args.lambda_max > 0 or args.beta > 0, fsdp=args.fsdp)  # DPO, KL use it
     params = [p for p in policy.model.parameters() if p.requires_grad]
@@ -324,14 +329,13 @@ def train(args: Args) -> dict:
     optimizer, scheduler = common.adamw(params, lr, total, "linear", weight_decay=0.0)
     run.restore(policy.model, optimizer, scheduler, state=zrr.values)  # the ZRR state is in every checkpoint
 
-    def evaluate(records, name):  # greedy reports; CE metrics (uncertain = positive; the paper is silent), and FactS
+    def evaluate(records, name):  # greedy reports; CE metrics (Sec. 4.2: macro), and FactS
         def score(rows, labeler):
-            hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
-            reward, stats = facts_reward(hyps, labeler(refs), extractor, labeler)
+            reward, stats = facts_reward([r["generated"] for r in rows], labeler([r["reference"] for r in rows]), extractor, labeler)
             for row, value in zip(rows, reward):
                 row["facts_reward"] = float(value)
-            return {"facts_reward": float(reward.mean()), **stats, "ce": common.ce_metrics(labeler(hyps), labeler(refs))}
-        return run.evaluate(policy, records, name, PROMPT, max_new, score=score)
+            return {"facts_reward": float(reward.mean()), **stats}
+        return run.evaluate(policy, records, name, PROMPT, max_new, score=score, ce=CE)
 
     results = {"test_before": evaluate(run.data["test"], "test_before")}
     for step, batch in run.steps(total, run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step"), "OraPO"):
@@ -352,9 +356,8 @@ def train(args: Args) -> dict:
         results["test_after"] = evaluate(run.data["test"], "test_after")
     if run.is_main:
         for key, r in results.items():
-            ce = r["ce"]
-            print(f"{key}: macro P/R/F1 {ce['macro_precision']:.3f}/{ce['macro_recall']:.3f}/{ce['macro_f1']:.3f}, "
-                  f"FactS {r['facts_reward']:.3f}")
+            print(f"{key}: FactS {r['facts_reward']:.3f}, macro P/R {r['ce']['macro_precision']:.3f}/{r['ce']['macro_recall']:.3f}, "
+                  f"{common.summary(r)}")
     return run.finish(results, policy)
 
 

@@ -60,6 +60,7 @@ class Args(common.RunArgs):
 
 
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
+CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2's CE P/R/F1 on MIMIC-CXR, as R2Gen's protocol: micro over 14, positives
 # Sec. 4.1: "13 keywords excluding Support Devices" (12 findings and No Finding); a study is in every class it is labelled 1 for
 CLASSES = [n for n in common.CHEXPERT_LABELS if n != "Support Devices"]
 # Our settings where the paper names none (Sec. 4.3 uses pre-trained ResNet-101 / Clinical BERT encoders)
@@ -331,7 +332,7 @@ def schedule(args: Args, m: dict) -> tuple[dict, list[int], list[np.ndarray]]:
 
 
 # Fig. 1: Q1 --------------------------------------------------------------------------------------
-def q1_analysis(rows: list[dict], labels: np.ndarray, classes: list[dict]) -> dict:
+def q1_analysis(rows: list[dict], labels: np.ndarray, classes: list[dict], style: str = "mimic_cxr") -> dict:
     """Per-class corpus BLEU-4 of the test reports (cleaned as common.evaluate_generations) against the class's
     training size and difficulty: Spearman rho over the keyword classes with test studies (labels: class_labels)."""
     from scipy.stats import spearmanr
@@ -339,8 +340,8 @@ def q1_analysis(rows: list[dict], labels: np.ndarray, classes: list[dict]) -> di
     for c in classes:
         sel = np.flatnonzero(labels[:, common.LABEL_INDEX[c["name"]]] == 1) if c["name"] in CLASSES else []
         if len(sel):
-            hyps = [common.clean_report(rows[i]["generated"]) if rows[i]["generated"].strip() else "" for i in sel]
-            refs = [common.clean_report(rows[i]["reference"]) for i in sel]
+            hyps = [common.clean_report(rows[i]["generated"], style) if rows[i]["generated"].strip() else "" for i in sel]
+            refs = [common.clean_report(rows[i]["reference"], style) for i in sel]
             per_class.append({**c, "n_test": len(sel), "bleu4": common.nlg_metrics(hyps, refs, meteor=False)["BLEU-4"]})
     out = {"per_class": sorted(per_class, key=lambda c: -c["size"])}
     for key in ("size", "difficulty") if len(per_class) >= 3 else ():
@@ -351,14 +352,14 @@ def q1_analysis(rows: list[dict], labels: np.ndarray, classes: list[dict]) -> di
 
 def q1_command(args: Args) -> dict:
     """`python rrgcl.py q1 --out DIR`: Fig. 1 for DIR/generations_test.jsonl (any model's: id, generated)."""
-    data, out = common.load_data(args.data), Path(args.out)
+    data, out = common.load_data(common.resolve_defaults(args).data), Path(args.out)
     test = {r.id: r for r in data["test"]}
     rows = common.read_generations(out / "generations_test.jsonl")
     if any(row["id"] not in test for row in rows):
         raise ValueError(f"{out / 'generations_test.jsonl'}: ids that are not test studies of --data {args.data}")
     labels = class_labels([test[row["id"]] for row in rows], common.make_labeler(args.labeler, args.chexbert_weights))
     plan = schedule(args, read_difficulty(Path(args.difficulty or out / "difficulty.json"), data["train"]))[0]
-    result = q1_analysis(rows, labels, plan["table"])
+    result = q1_analysis(rows, labels, plan["table"], common.clean_style(data["train"]) if args.clean == "auto" else args.clean)
     (out / "q1.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "per_class"}, indent=1))
     return result
@@ -391,6 +392,7 @@ def sft_step(policy, batch, run) -> torch.Tensor:
 
 def train(args: Args) -> dict:
     run = common.start_run(args)
+    run.data = common.r2gen_views(run.data)  # the wrapped R2Gen-style models read two views of an IU X-Ray study
     train_set, test_set = run.data["train"], run.data["test"]
     path = Path(args.difficulty or run.out / "difficulty.json")
 
@@ -434,10 +436,10 @@ def train(args: Args) -> dict:
             run.log(epoch=ts[e], subset=len(subsets[e]))
 
     test_labels = class_labels(test_set, run.labeler)  # Q1's classes, from the same text as the training classes
-    q1 = lambda rows, labeler: {"q1": q1_analysis(rows, test_labels, plan["table"])}  # noqa: E731
-    t = run.evaluate(policy, test_set, "test", PROMPT, max_new, score=q1, meteor=True)
+    q1 = lambda rows, labeler: {"q1": q1_analysis(rows, test_labels, plan["table"], args.clean)}  # noqa: E731
+    t = run.evaluate(policy, test_set, "test", PROMPT, max_new, score=q1, meteor=True, ce=CE)
     if run.is_main:
-        print(f"{args.scheduler}: test BLEU-4 {t['nlg']['BLEU-4']:.4f}, CE micro F1 {t['ce']['micro_f1']:.4f} after {ends[-1]} steps")
+        print(f"{args.scheduler} after {ends[-1]} steps: {common.summary(t)}")
     return run.finish({"test": t, "scheduler": args.scheduler, "steps": int(ends[-1]), "classes": plan["table"]}, policy)
 
 

@@ -90,6 +90,14 @@ def tiny_qwen_dir(tmp_path_factory, small_synthetic):
     return build_tiny_qwen(tmp_path_factory.mktemp("tiny_qwen"), reports + prompts)
 
 
+def fake_eval(*args, **kwargs) -> dict:
+    """What Run.evaluate returns, all zeros: for tests that monkeypatch it away (not under test)."""
+    import common
+    ce = {k: 0.0 for k in ("micro_f1", "macro_precision", "macro_recall", "macro_f1", "example_f1")}
+    return {"headline": (kwargs.get("ce") or {}).get("headline", "micro_f1"), "uncertain_as": 0, "ce": ce,
+            "nlg": {"BLEU-4": 0.0}, "degenerate": common.degenerate_output(["a"], ["a"]), "reward": 0.0, "facts_reward": 0.0}
+
+
 def metrics_rows(path):
     """A run's metrics.jsonl as dicts without the wall-clock "time": what a resumed run must repeat exactly."""
     import json
@@ -140,3 +148,63 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: b
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc
+
+
+# Real IU X-Ray as users have it, written by the tests (the text is ours, never Open-i's). The R2GenGPT layout that
+# public RRG repositories ship: no "split" field in records, flat Open-i image names (CXR<n>_IM-<m>-<k>001.png), 1 to
+# 5 views per study, non-square PNGs; R2Gen's own file: "split" fields, images/<id>/0.png and 1.png, 2 views each.
+# Reports hold XXXX anonymisation tokens, numbers ("1.2 cm", "1. ... 2. ..."), one longer than the tiny model's
+# 96-token cap and one impression-only report.
+IU_FINDINGS = ["The heart is normal in size.", "The mediastinum is unremarkable.", "The lungs are clear.",
+               "There is no pneumothorax or pleural effusion.", "XXXX XXXX are intact.", "No focal airspace consolidation.",
+               "The cardiomediastinal silhouette is within normal limits.", "No acute bony abnormality.",
+               "There is a 1.2 cm calcified granuloma in the right upper lobe.", "Mild degenerative changes of the spine.",
+               "The heart is mildly enlarged.", "Small left pleural effusion.", "Stable XXXX sternotomy wires.",
+               "Patchy opacity at the right base may represent atelectasis or early pneumonia.",
+               "There is a 2.5 x 1.8 cm nodule in the left midlung.", "Mild hyperinflation of the lungs."]
+IU_IMPRESSIONS = ["No acute cardiopulmonary abnormality.", "No active disease.", "Cardiomegaly without acute process.",
+                  "1. Small left effusion. 2. No pneumothorax."]
+IU_VIEWS = [2, 1, 2, 3, 2, 4, 2, 1, 5, 2]  # views per study, cycled: mostly 2, some 1, 3, 4, 5
+
+
+def write_iu_xray(out_dir, layout: str = "r2gengpt", n_train: int = 40, n_val: int = 8, n_test: int = 12, seed: int = 0):
+    """A folder with the structure of real IU X-Ray -> its annotation.json (no "labels": the scripts label them)."""
+    import json
+    import numpy as np
+    from PIL import Image
+    rng, out = np.random.default_rng(seed), Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    annotation, k = {}, 0
+    for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
+        annotation[split] = []
+        for _ in range(n):
+            study, k = f"CXR{1000 + k}_IM-{2000 + 7 * k:04d}", k + 1
+            sentences = list(rng.choice(IU_FINDINGS, size=int(rng.integers(3, 7)), replace=False))
+            report = " ".join(sentences + [str(rng.choice(IU_IMPRESSIONS))])
+            if k % 13 == 0:  # impression only
+                report = str(rng.choice(IU_IMPRESSIONS))
+            if k % 17 == 0:  # longer than the tiny model's 96 tokens
+                report = " ".join(IU_FINDINGS * 2)
+            views = IU_VIEWS[k % len(IU_VIEWS)] if layout == "r2gengpt" else 2
+            names = [f"{study}-{v + 1}001.png" for v in range(views)] if layout == "r2gengpt" else \
+                [f"{study}/{v}.png" for v in range(views)]
+            for name in names:
+                h, w = int(rng.integers(56, 90)), int(rng.integers(56, 90))  # not square
+                (out / "images" / name).parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(rng.integers(0, 255, (h, w), dtype=np.uint8)).save(out / "images" / name)
+            record = {"id": study, "report": report, "image_path": names}
+            annotation[split].append(record | ({"split": split} if layout == "r2gen" else {}))
+    (out / "annotation.json").write_text(json.dumps(annotation))
+    return out / "annotation.json"
+
+
+@pytest.fixture(scope="session")
+def iu_xray(tmp_path_factory):
+    """IU X-Ray in the R2GenGPT layout (1-5 views per study, flat Open-i names), text ours."""
+    return write_iu_xray(tmp_path_factory.mktemp("iu_xray_r2gengpt"))
+
+
+@pytest.fixture(scope="session")
+def iu_xray_r2gen(tmp_path_factory):
+    """IU X-Ray in R2Gen's own layout (2 views per study, images/<id>/0.png, "split" fields), text ours."""
+    return write_iu_xray(tmp_path_factory.mktemp("iu_xray_r2gen"), layout="r2gen")

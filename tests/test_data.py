@@ -152,10 +152,21 @@ def test_drop_invalid_keeps_the_good_records_and_logs_the_rest(tmp_path, caplog)
     assert "id='b': empty report" in caplog.text
 
 
-def test_corrupt_image_named_with_its_record(tmp_path):
+@pytest.mark.parametrize("content", [b"", b"not a png at all"])
+def test_unreadable_image_is_a_load_error_that_drop_invalid_skips(tmp_path, content):
+    """Images are opened (their headers) at load time: a 0-byte or foreign file stops the run before any training,
+    naming the record and the file, and --drop-invalid skips the study instead."""
     path = make_iu_style(tmp_path)
-    (tmp_path / "images" / "CXR1_IM-1" / "1.png").write_bytes(b"not a png at all")
+    (tmp_path / "images" / "CXR1_IM-1" / "1.png").write_bytes(content)
+    with pytest.raises(ValueError, match=r"\[train\]\[0\] id='CXR1_IM-1': cannot read image CXR1_IM-1/1.png"):
+        load_annotation(path)
+    assert [r.id for r in load_annotation(path, drop_invalid=True)["train"]] == []
+
+
+def test_image_that_breaks_after_loading_is_named_with_its_record(tmp_path):
+    path = make_iu_style(tmp_path)
     ds = ReportDataset(load_annotation(path)["train"], common.default_transform(16))
+    (tmp_path / "images" / "CXR1_IM-1" / "1.png").write_bytes(b"not a png at all")
     with pytest.raises(ValueError, match=r"record CXR1_IM-1: cannot read image .*CXR1_IM-1/1.png"):
         ds[0]
 

@@ -374,7 +374,7 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     length mod 7, so every step updates."""
     out, base = staged
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
-    monkeypatch.setattr(deer, "reward", lambda texts, refs, ref_labels, labeler, gamma:
+    monkeypatch.setattr(deer, "reward", lambda texts, refs, ref_labels, labeler, gamma, style:
                         (np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0}))
     for d in ("full", "part"):
         shutil.copytree(out / "sft", tmp_path / d / "sft")
@@ -408,16 +408,19 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
 
 def test_tables_6_and_7(staged, small, chexbert, monkeypatch):
     out, base = staged
-    deer.main(["table7", *base, "--analysis-n", "6"])
+    monkeypatch.setattr(deer, "ANALYSIS_N", 6)
+    deer.main(["table7", *base])
     t7 = json.loads((out / "table7.json").read_text())
     assert t7["random_100"]["n_groups"] == 6 and t7["ddsampling"]["n_groups"] == 6
     assert 0 <= t7["ddsampling"]["zero_variance"] <= 1 and 1 <= t7["ddsampling"]["unique_rewards"] <= 8
-    deer.main(["table6", *base, "--analysis-n", "4"])
+    monkeypatch.setattr(deer, "ANALYSIS_N", 4)
+    deer.main(["table6", *base])
     t6 = json.loads((out / "table6.json").read_text())
     assert set(t6) >= {"random", "rule"} and "grad" not in t6 and t6["n_reports"] == 32
     assert all(0 <= t6[k]["label_mod_ratio"] <= 1 and 0 <= t6[k]["post_mask_f1"] <= 1 for k in ("random", "rule"))
     monkeypatch.setattr(common, "make_labeler", lambda *a, **k: chexbert)  # the tiny random CheXbert, offline
-    deer.main(["table6", *base, "--labeler", "chexbert", "--analysis-n", "2"])
+    monkeypatch.setattr(deer, "ANALYSIS_N", 2)
+    deer.main(["table6", *base, "--labeler", "chexbert"])
     assert "grad" in json.loads((out / "table6.json").read_text())
 
 
@@ -470,7 +473,7 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, small, monk
     monkeypatch.setattr(deer, "SFT", dict(deer.SFT, batch_hf=2, lr_hf=1e-3))
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})
     out = tmp_path / "hf"
-    deer.main(["all", "--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--out", str(out),
+    deer.main(["all", "--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--out", str(out),
                "--max-new-tokens", "8", "--dtype", "bf16", "--max-pixels", "6272", "--sft-steps", "2", "--steps", "1",
                "--prompts-per-step", "2"])
     sft_ckpt = torch.load(out / "sft" / "last.pt", weights_only=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-from conftest import Crash, labels, metrics_rows, torchrun
+from conftest import Crash, labels, metrics_rows, torchrun, fake_eval
 import mrg_r1
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
@@ -130,7 +130,7 @@ def test_one_step_feeds_eq1_the_paper_quantities(tmp_path, small_synthetic, fast
     monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen.append((a, k)) or real_loss(*a, **k))
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
     monkeypatch.setattr(common, "split_batch", lambda *a: micro.extend(real_split(*a)) or micro[-len(real_split(*a)):])
-    monkeypatch.setattr(common.Run, "evaluate", lambda *a, **k: {"reward": 0.0, "ce": {"micro_f1": 0.0}})  # not under test
+    monkeypatch.setattr(common.Run, "evaluate", fake_eval)  # not under test
     mrg_r1.main(["--data", str(small_synthetic), "--out", str(tmp_path / "run"), "--steps", "1", "--sft-steps", "40",
                  "--margin", "0.25"] + fast)
     (logp, old, ref_logp, A, mask), kw = seen[0]
@@ -259,7 +259,7 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, fast, monke
     rolls, real_rollout = [], common.rollout
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
     out = tmp_path / "hf"  # 64 x 64 views: 4 x 4 patches of 14 px at the default, 2 x 2 under --max-pixels 28 x 28
-    mrg_r1.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--steps", "2", "--sft-steps", "2",
+    mrg_r1.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--steps", "2", "--sft-steps", "2",
                  "--max-new-tokens", "8", "--prompts-per-step", "2", "--max-pixels", "784", "--out", str(out)])
     assert (rolls[0].prompts["image_grid_thw"].prod(-1) == 4).all()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ import torch
 
 import common
 import orapo
-from conftest import Crash, labels, metrics_rows, torchrun
+from conftest import Crash, labels, metrics_rows, torchrun, fake_eval
 from orapo import (SentenceFacts, ZeroRewardRate, balanced_subset, facts_reward, mixing_weight, orapo_loss,
                    zero_reward_indicator)
 
@@ -46,8 +46,13 @@ def test_zrr_first_visit_starts_from_the_minibatch_rate():
     # step 2: new study e starts at 0.375 -> 0.5 * 0.375 + 0.5 * 1; a comes back -> 0.5 * 0.5 + 0
     np.testing.assert_allclose(zrr.update(["e", "a"], np.array([1.0, 0.0])), [0.6875, 0.25])
     assert zrr.values["minibatch"] == pytest.approx(0.5 * 0.375 + 0.5 * 0.5)
-    with pytest.raises(ValueError, match="zrr-momentum"):
+    with pytest.raises(AssertionError):
         ZeroRewardRate(1.0)
+
+
+def test_table6_values_are_the_defaults():
+    """Table 6 (arXiv v2): EMA momentum 0.5, w_min 0.05, w_max 0.15, sharpening exponent 2."""
+    assert (orapo.ZRR_MOMENTUM, orapo.Args().lambda_min, orapo.Args().lambda_max, orapo.ZRR_POWER) == (0.5, 0.05, 0.15, 2.0)
 
 
 def test_mixing_weight_eq10_by_hand():
@@ -267,8 +272,7 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
     monkeypatch.setattr(common, "dpo_loss", lambda *a, **k: seen["dpo"].append((a, k)) or real["dpo"](*a, **k))
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real["rollout"](*a, **k)) or rolls[-1])
     monkeypatch.setattr(orapo, "orapo_step", lambda *a, **k: steps.append((a, real["step"](*a, **k))) or steps[-1][1])
-    monkeypatch.setattr(common.Run, "evaluate", lambda *a, **k: {"facts_reward": 0.0, "ce": {k: 0.0 for k in
-                        ("macro_precision", "macro_recall", "macro_f1")}})  # not under test
+    monkeypatch.setattr(common.Run, "evaluate", fake_eval)  # not under test
     orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "run"), "--steps", "1"] + fast)
     roll, ((policy, ref, _, batch, *_), (loss, stats)) = rolls[0], steps[0]
     G, B, T = 4, 2, 16
@@ -327,11 +331,11 @@ def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
 
 def test_bad_input_is_one_line(tmp_path, small_synthetic):
     for flags, message in ((["--lambda-min", "0.6"], "--lambda-min <= --lambda-max"),
-                           (["--facts", "gpt-4.1"], "--facts must be"), (["--zrr-momentum", "1"], "--zrr-momentum")):
+                           (["--facts", "gpt-4.1"], "--facts must be")):
         with pytest.raises(SystemExit, match=f"^error: .*{message}"):
             orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "a"), "--steps", "1"] + flags)
-    with pytest.raises(SystemExit):  # argparse: only the two loss types
-        orapo.main(["--loss-type", "bnpo"])
+    with pytest.raises(SystemExit):  # argparse: only TRL's three normalisers
+        orapo.main(["--loss-type", "dapo"])
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, monkeypatch, crash_after_checkpoint):
@@ -393,7 +397,7 @@ def test_hugging_face_policy_full_and_lora(tmp_path, small_synthetic, tiny_qwen_
     step 1: L_DPO = log 2)."""
     monkeypatch.setattr(orapo, "LORA", lora)
     out = tmp_path / "hf"
-    orapo.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--steps", "2", "--prompts-per-step",
+    orapo.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--steps", "2", "--prompts-per-step",
                 "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--max-pixels", str(56 * 56),
                 "--out", str(out)])
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -409,7 +413,7 @@ def test_fsdp_hugging_face_policy(tmp_path, small_synthetic, tiny_qwen_dir):
     calls stay in step, and final/ (gathered on rank 0) loads in plain transformers with the checkpoint's weights."""
     from transformers import AutoModelForImageTextToText
     out = tmp_path / "hf_fsdp"
-    torchrun("orapo.py", "--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--steps", "2", "--prompts-per-step",
+    torchrun("orapo.py", "--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--steps", "2", "--prompts-per-step",
              "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--max-pixels", str(56 * 56), "--out", str(out),
              "--fsdp", timeout=600)
     saved, ckpt = AutoModelForImageTextToText.from_pretrained(out / "final").state_dict(), torch.load(out / "last.pt")

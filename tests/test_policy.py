@@ -19,9 +19,9 @@ def images(n, size=64, seed=0):
     return [[Image.fromarray(rng.integers(0, 255, (size, size), dtype=np.uint8))] for _ in range(n)]
 
 
-def tiny_policy(n_views=1, n_layer=2, max_len=24):
+def tiny_policy(n_layer=2, max_len=24):
     tok = WordTokenizer.build(REPORTS)
-    return TinyPolicy(TinyVLM(len(tok.vocab), n_views, n_embd=32, n_layer=n_layer, n_head=2, channels=8, max_len=max_len),
+    return TinyPolicy(TinyVLM(len(tok.vocab), n_embd=32, n_layer=n_layer, n_head=2, channels=8, max_len=max_len),
                       tok, image_size=32)
 
 
@@ -61,7 +61,7 @@ def test_recorded_logprobs_equal_forward_logprobs(policy, temperature):
 def test_temperature_divides_the_logits(policy):
     prompts = policy.prompt_batch(images(1))
     ids, mask = policy.encode_targets(["no pleural effusion."])
-    prefix = policy.model.prefix(prompts["pixel_values"], policy.tokenizer.bos_id)
+    prefix = policy.model.prefix(prompts["pixel_values"], prompts["view_mask"], policy.tokenizer.bos_id)
     embeds = torch.cat([prefix, policy.model.decoder.transformer.wte(ids)], 1)
     logits = policy.model.decoder(inputs_embeds=embeds).logits[0, prefix.shape[1] - 1:-1]  # (T, V)
     expected = torch.log_softmax(logits / 2.0, -1).gather(1, ids[0, :, None]).squeeze(1)
@@ -73,7 +73,7 @@ def test_padding_does_not_change_logprobs(policy):
     prompts = policy.prompt_batch(images(2))
     ids, mask = policy.encode_targets(["no effusion.", REPORTS[1]])  # first row right-padded
     both = policy.completion_logprobs(prompts, ids, mask)
-    alone = policy.completion_logprobs({"pixel_values": prompts["pixel_values"][:1]}, ids[:1, :int(mask[0].sum())],
+    alone = policy.completion_logprobs({k: v[:1] for k, v in prompts.items()}, ids[:1, :int(mask[0].sum())],
                                        mask[:1, :int(mask[0].sum())])
     torch.testing.assert_close(both[0, :alone.shape[1]], alone[0])
 
@@ -231,9 +231,21 @@ def test_tiny_grpo_step_timing():
 
 
 
-def test_view_counts_are_checked():
-    two = tiny_policy(n_views=2, n_layer=1, max_len=8)
-    ids, mask = two.generate(two.prompt_batch([v * 2 for v in images(2)]), 4)
-    assert ids.shape[0] == 2
-    with pytest.raises(ValueError, match="same number of views"):
-        two.prompt_batch([images(1)[0] * 2, images(1)[0]])
+def test_any_number_of_views_in_one_batch():
+    """A study's views are averaged position by position (R2GenGPT's way): studies with 1, 3 and 2 views share a batch
+    (zero-padded, masked), and each gets exactly the prefix and log-probs it gets alone; its view order does not count."""
+    torch.manual_seed(0)
+    pol = tiny_policy(n_layer=1, max_len=8)
+    views = [v[0] for v in images(6, seed=3)]
+    studies = [views[:1], views[1:4], views[4:6]]
+    prompts = pol.prompt_batch(studies)
+    assert prompts["pixel_values"].shape[:2] == (3, 3) and prompts["view_mask"].tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 0]]
+    ids, mask = pol.encode_targets(["no effusion.", REPORTS[1], "heart size is normal."])
+    both = pol.completion_logprobs(prompts, ids, mask)
+    for i, study in enumerate(studies):
+        n = int(mask[i].sum())
+        alone = pol.completion_logprobs(pol.prompt_batch([study[::-1]]), ids[i:i + 1, :n], mask[i:i + 1, :n])
+        torch.testing.assert_close(both[i, :n], alone[0], atol=1e-5, rtol=1e-5)
+    repeated = pol.repeat(prompts, 2)
+    assert repeated["view_mask"].tolist() == [[1, 0, 0]] * 2 + [[1, 1, 1]] * 2 + [[1, 1, 0]] * 2
+    assert pol.generate(repeated, 4)[0].shape[0] == 6

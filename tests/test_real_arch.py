@@ -221,7 +221,7 @@ SMALL_RL = ["--dtype", "bf16", "--max-pixels", str(56 * 56), "--max-new-tokens",
 def test_mrg_r1_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grads_at_steps):
     """mrg_r1.main: LoRA r 128 on the 7 projections of each decoder layer, gradients on those adapters alone."""
     import mrg_r1
-    mrg_r1.main(["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--out", str(tmp_path / "m"),
+    mrg_r1.main(["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--labeler", "rule", "--out", str(tmp_path / "m"),
                  "--sft-steps", "0", "--prompts-per-step", "1", *SMALL_RL])
     expected = {f"model.language_model.layers.{i}.{part}.lora_{ab}" for i in range(2) for ab in "AB" for part in
                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -233,7 +233,7 @@ def test_mrg_r1_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grad
 def test_orapo_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grads_at_steps):
     """orapo.main: full fine-tuning against a frozen copy: a finite gradient on every parameter, vision tower included."""
     import orapo
-    orapo.main(["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--out", str(tmp_path / "o"),
+    orapo.main(["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--labeler", "rule", "--out", str(tmp_path / "o"),
                 "--prompts-per-step", "1", *SMALL_RL])
     names = {n for n, _ in common.HFPolicy(str(qwen3b_cut_dir[0])).model.named_parameters()}
     assert len(grads_at_steps) == 1 and set(grads_at_steps[0]) == names and all(grads_at_steps[0].values())
@@ -246,7 +246,7 @@ def test_deer_sft_then_rl_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_
     import deer
     monkeypatch.setattr(deer, "SFT", dict(deer.SFT, batch_hf=2))
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})  # greedy test reports: not what this test is about
-    flags = ["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--out", str(tmp_path / "d"),
+    flags = ["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--labeler", "rule", "--out", str(tmp_path / "d"),
              "--sft-steps", "1", "--prompts-per-step", "1", "--subset", "all", *SMALL_RL]
     deer.main(["sft", *flags])
     deer.main(["rl", *flags])
@@ -332,7 +332,7 @@ def test_dcrrg_step1_at_paper_widths(bio_clinicalbert_dir, small_synthetic, tmp_
     """dcrrg.main step1 with --model paper (ResNet-50 at 224) and a Bio_ClinicalBERT-shaped text encoder: one step,
     finite gradients on both encoders, their projections and prompt heads (BERT's unused pooler aside), nothing else."""
     import dcrrg
-    dcrrg.main(["step1", "--data", str(small_synthetic), "--model", "paper", "--text-encoder", str(bio_clinicalbert_dir),
+    dcrrg.main(["step1", "--data", str(small_synthetic), "--model", "paper", "--labeler", "rule", "--text-encoder", str(bio_clinicalbert_dir),
                 "--step1-steps", "1", "--batch-size", "4", "--out", str(tmp_path / "dc")])
     (g,) = grads_at_steps
     assert all(g.values()) and {n.split(".")[0] for n in g} == {"image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"}

@@ -14,7 +14,7 @@ import torch
 
 import common
 import rrgcl
-from conftest import Crash, metrics_rows, torchrun
+from conftest import Crash, metrics_rows, torchrun, fake_eval
 from rrgcl import (class_difficulty, class_members, dv_bound, pacing, rrgcl_lambda, rrgcl_subset, sample_difficulty,
                    scheduling_exponents, vns_gap)
 
@@ -409,7 +409,7 @@ def test_one_step_feeds_the_loss_the_lambda0_studies_and_their_token_mean(tmp_pa
     real_loss = common.TinyPolicy.sft_loss
     monkeypatch.setattr(common.TinyPolicy, "sft_loss", sft_loss)
     monkeypatch.setattr(rrgcl, "sft_step", lambda policy, batch, run: seen.append({"ids": batch["id"]}) or real_step(policy, batch, run))
-    monkeypatch.setattr(common.Run, "evaluate", lambda *a, **k: {"nlg": {"BLEU-4": 0.0}, "ce": {"micro_f1": 0.0}})
+    monkeypatch.setattr(common.Run, "evaluate", fake_eval)
     out = tmp_path / "run"
     rrgcl.main(["--data", str(small_synthetic), "--out", str(out), "--difficulty", str(difficulty_file), "--epochs", "1",
                 "--batch-size", "2"])
@@ -462,7 +462,7 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, dif
 def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, difficulty_file, monkeypatch):
     monkeypatch.setattr(rrgcl, "LORA", dict(rrgcl.LORA, r=4, alpha=8))
     out = tmp_path / "hf"
-    rrgcl.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--out", str(out), "--epochs", "1",
+    rrgcl.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--out", str(out), "--epochs", "1",
                 "--steps", "2", "--batch-size", "2", "--difficulty", str(difficulty_file)])
     lines = read_jsonl(out / "metrics.jsonl")
     assert [x["step"] for x in lines] == [1, 2] and all(math.isfinite(x["loss"]) for x in lines)

@@ -344,7 +344,7 @@ def test_flags_from_the_args_dataclass(capsys):
     assert (args.lr, args.resume, args.dtype, args.steps) == (0.5, False, "bf16", 6)
     with pytest.raises(SystemExit):
         common.parse_args(ToyArgs, ["--dtype", "fp16"])  # Literal fields are choices: a typo fails at once
-    assert "invalid choice: 'fp16' (choose from 'fp32', 'bf16', 'auto')" in capsys.readouterr().err
+    assert "invalid choice: 'fp16' (choose from 'auto', 'fp32', 'bf16')" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         common.parse_args(ToyArgs, ["--help"])
     assert "its lr (default: 0.01)" in capsys.readouterr().out  # the help is the comment after the field
