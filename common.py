@@ -1842,6 +1842,8 @@ class Run:
         if self.is_main and policy is not None:
             policy.save(self.out / "final", weights)
         self.write("eval.json", json.dumps(results, indent=2))
+        if self.is_main and (self.out / "metrics.jsonl").is_file() and os.environ.get("RRG_FIGURES") != "0":
+            plot_run(self.out)  # figures/training.png (RRG_FIGURES=0: none, as in the tests)
         barrier()
         return results
 
@@ -2104,9 +2106,48 @@ def summary(results: dict) -> str:
     return line + (f"  [{results['degenerate']['warning']}]" if results["degenerate"]["warning"] else "")
 
 
+def plot_run(out) -> list[Path]:
+    """<folder>/figures/training.png for out and every stage folder below it, from its metrics.jsonl: a panel per
+    logged number against the step (keys "a/b" share panel a), with a running mean. Needs matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("figures skipped: they need `pip install matplotlib` (then: python common.py plot %s)", out)
+        return []
+    drawn = []
+    for metrics in sorted(Path(out).glob("**/metrics.jsonl")):
+        rows, panels = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()], defaultdict(dict)
+        for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
+            panel, _, line = key.partition("/")
+            panels[panel][line or panel] = np.array([(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))])
+        cols = min(4, len(panels))
+        fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(3.2 * cols, 2.3 * -(-len(panels) // cols)), squeeze=False)
+        for ax, (panel, lines) in zip(axes.flat, panels.items()):
+            for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
+                w = max(1, len(x) // 15)  # running mean over w steps
+                raw, = ax.plot(x, y, lw=0.6, alpha=0.35 if w > 1 else 1, marker="." if len(x) <= 30 else None,
+                               label=label if len(lines) > 1 else None)
+                ax.plot(x[w - 1:], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color()) if w > 1 else None
+            ax.set_title(panel, fontsize=8)
+            ax.tick_params(labelsize=6)
+            ax.legend(fontsize=5) if len(lines) > 1 else None
+        for ax in axes.flat[len(panels):]:
+            ax.axis("off")
+        fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
+        fig.tight_layout()
+        (metrics.parent / "figures").mkdir(exist_ok=True)
+        fig.savefig(metrics.parent / "figures" / "training.png", dpi=80)
+        plt.close(fig)
+        drawn.append(metrics.parent / "figures" / "training.png")
+    return drawn
+
+
 def main(argv=None):
     """`python common.py evaluate --generations FILE.jsonl`: score any generations file;
-    `python common.py synthetic --out DIR`: write the synthetic set to a folder."""
+    `python common.py synthetic --out DIR`: write the synthetic set to a folder;
+    `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
     p = argparse.ArgumentParser(description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
@@ -2117,12 +2158,17 @@ def main(argv=None):
     e.add_argument("--uncertain-as", type=int, default=1, choices=[0, 1], help="CE: uncertain counts as positive (1) or not")
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
     e.add_argument("--out", default=None, help="JSON output (default: <generations file>.scores.json beside it)")
+    sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl").add_argument("run", help="a run's --out folder")
     s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout) to a folder")
     s.add_argument("--out", required=True)
     for name, default in (("n_train", 2000), ("n_val", 200), ("n_test", 500), ("size", 128), ("seed", 0)):
         s.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "plot":
+        if not (Path(args.run).is_dir() and any(Path(args.run).glob("**/metrics.jsonl"))):
+            raise SystemExit(f"error: {args.run}: no metrics.jsonl in it or below (the --out folder of a run)")
+        return print("\n".join(f"wrote {p}" for p in plot_run(args.run)))
     if args.command == "synthetic":
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
         return print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")

@@ -13,11 +13,13 @@ compares the reward diversity of groups, random 100 % vs DDSampling 20 %.
     python deer.py                          # = deer.py all: synthetic set, tiny model, SFT -> DDSampling -> DiTPO
     python deer.py rl --weighting none      # GRPO from the same SFT model and subset (out/rl_none)
     python deer.py table7 && python deer.py table6
-    python deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16 --grad-accum 8
-    torchrun --nproc_per_node=8 deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16 --fsdp
+    python deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --grad-accum 8
+    torchrun --nproc_per_node=8 deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --fsdp
 
 Commands: all (= sft, sample, rl) | sft | sample | rl | table6 | table7; a stage runs in its folder of --out (sft/,
 ddsampling/, rl_<weighting>/: rl_grad is DEER); --resume continues a stage, skips finished ones.
+
+CE metric (Sec. 4.1, PromptMRG's): sample-wise (example) F1 over the 14 labels, positives only.
 
 Equations, and where they are implemented:
     Eq. 1     reward F1(C(o), C(y)) + gamma BLEU-2, two phases     reward(), gamma_at()

@@ -10,10 +10,11 @@ to the frozen starting model. With the tagged prompt only the text inside <repor
     python mrg_r1.py                                    # synthetic set, tiny model: 2.5 CPU minutes
     python mrg_r1.py --reward ce_f1+format              # a Table II row (also mccs, format, nlg, ...)
     python mrg_r1.py --data /data/iu_xray --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL \\
-        --labeler chexbert --dtype bf16 --grad-accum 4   # one GPU
-    torchrun --nproc_per_node=4 mrg_r1.py --data /data/mimic_cxr \\
-        --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL --labeler chexbert --dtype bf16
+        --grad-accum 4                                  # one GPU (CheXbert labels and bf16 by default)
+    torchrun --nproc_per_node=4 mrg_r1.py --data /data/mimic_cxr --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL
     python mrg_r1.py --model ... --steps 0              # Table II's Base row: evaluation only
+
+CE metric (Sec. IV-A): CheXbert P/R/F1 micro over the 14 observations, positives only (uncertain = negative).
 
 Equations, and where they are implemented:
     Eq. 1    GRPO objective, per sequence, KL to the reference   grpo_step() -> common.grpo_loss (dr_grpo)

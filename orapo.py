@@ -13,13 +13,14 @@ each of the G failed samples, weighted by lambda = lambda_min + (lambda_max - la
     python orapo.py --lambda-min 0 --lambda-max 0 --out runs/orapo_grpo   # vanilla GRPO (Fig. 2)
     python orapo.py --train-size 400                           # Table 4's 400-study row
     python orapo.py --facts hf:Qwen/Qwen2.5-1.5B-Instruct      # facts extracted by a local instruction-tuned LM
-    python orapo.py --data /data/chexpert_plus/annotation.json --model Qwen/Qwen2.5-VL-3B-Instruct \\
-        --labeler chexbert --dtype bf16                        # one GPU
+    python orapo.py --data /data/chexpert_plus/annotation.json --model Qwen/Qwen2.5-VL-3B-Instruct   # one GPU
     torchrun --nproc_per_node=4 orapo.py --data /data/chexpert_plus/annotation.json \\
-        --model Qwen/Qwen2.5-VL-3B-Instruct --labeler chexbert --dtype bf16 --fsdp
+        --model Qwen/Qwen2.5-VL-3B-Instruct --fsdp
 
-The equations survive in the text only as their numbers and prose (Table 6's values are lost too): each
-is reconstructed from the prose around it, and every value the paper does not give is marked "ours".
+The equations survive in the text only as their numbers and prose: each is reconstructed from the prose around it.
+Table 6's values, lost from that text too, are the arXiv v2 version's; every value no version gives is marked "ours".
+
+CE metric (Sec. 4.2): P/R/F1 macro over the 14 labels (the headline: macro F1), positives only.
 
 Equations, and where they are implemented:
     Eq. 1-2  group mean (and std) and advantages              orapo_step() -> common.group_advantages

@@ -19,9 +19,10 @@ def pytest_configure(config):
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     # `--data synthetic` caches under $RRG_CACHE: keep tests out of the user's cache. METEOR starts a JVM
-    # (seconds) in every process: off unless a test asks for it (tests/test_metrics.py).
+    # (seconds) in every process: off unless a test asks for it (tests/test_metrics.py); figures likewise (test_cli.py).
     os.environ["RRG_CACHE"] = str(tmp_path_factory.mktemp("rrg_cache"))
     os.environ["RRG_METEOR"] = "0"
+    os.environ["RRG_FIGURES"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -70,3 +70,23 @@ def test_synthetic_command_writes_a_loadable_set(tmp_path):
     assert [len(data[s]) for s in ("train", "val", "test")] == [6, 2, 3]
     labels = np.stack([r.labels for r in data["train"]])
     np.testing.assert_array_equal(common.RuleLabeler()([r.report for r in data["train"]]), labels)
+
+
+def test_plot_draws_every_logged_number_of_a_run_and_its_stages(tmp_path, monkeypatch, capsys):
+    """`python common.py plot RUN`: RUN/figures/training.png and one per stage folder below, a panel per key of
+    metrics.jsonl ("lambda/a" and "lambda/b" share a panel); without matplotlib, one line and nothing drawn."""
+    from PIL import Image
+    rows = [{"step": k + 1, "time": 0.1, "loss": 1 / (k + 1), "lambda/a": 0.1 * k} for k in range(40)]
+    rows[-1]["lambda/b"] = 0.5  # logged at one step only
+    for folder in (tmp_path, tmp_path / "sft"):
+        folder.mkdir(exist_ok=True)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common.main(["plot", str(tmp_path)])
+    assert capsys.readouterr().out.count("wrote") == 2
+    for folder in (tmp_path, tmp_path / "sft"):
+        with Image.open(folder / "figures" / "training.png") as im:
+            assert im.size[0] == 2 * 3.2 * 80 and im.size[1] == 2.3 * 80  # 2 panels: loss, lambda
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        common.main(["plot", str(tmp_path / "nothing")])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as when it is not installed
+    assert common.plot_run(tmp_path) == []

@@ -237,9 +237,9 @@ def test_drop_missing_sections():
 @pytest.fixture
 def fast(monkeypatch):
     """Small budgets for end-to-end runs on the small synthetic set."""
-    monkeypatch.setattr(orapo, "WARM_START", dict(steps_tiny=40, lr=3e-3, batch_size=8))
+    monkeypatch.setattr(orapo, "WARM_START", dict(lr=3e-3, batch_size=8))
     monkeypatch.setattr(orapo, "N_EVAL", 4)
-    return ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "16"]
+    return ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "16", "--sft-steps", "40"]
 
 
 def independent_facts(texts, gt):
@@ -360,12 +360,12 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, mo
 def test_torchrun_two_processes(tmp_path, small_synthetic):
     out, script = tmp_path / "ddp", tmp_path / "short_warm_start.py"  # the warm start shortened, as in `fast`
     script.write_text(  # STOP=k: Ctrl-C right after the step-k checkpoint (every step checkpoints)
-        "import os, common, orapo\norapo.WARM_START = dict(steps_tiny=2, lr=3e-3, batch_size=4)\n"
+        "import os, common, orapo\norapo.WARM_START = dict(lr=3e-3, batch_size=4)\n"
         "common.CHECKPOINT_EVERY, save = 1, common.Run.checkpoint\n"
         "def stop(run, step):\n    save(run, step)\n    if step == int(os.environ.get('STOP', -1)):\n        raise KeyboardInterrupt\n"
         "common.Run.checkpoint = stop\norapo.main()\n")
     torchrun(str(script), "--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
-             "--max-new-tokens", "12", "--out", str(out))
+             "--max-new-tokens", "12", "--sft-steps", "2", "--out", str(out))
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     zrr = torch.load(out / "last.pt", weights_only=True)["extra"]
     assert len(zrr) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
@@ -373,8 +373,8 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
     # FSDP2: the same two processes with the policy and reference sharded take the same steps (each rank samples
     # as before); the checkpoint and final/ hold the gathered weights, which load without torchrun
-    fsdp, flags = tmp_path / "fsdp", ["--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4",
-                                      "--group-size", "4", "--max-new-tokens", "12", "--out", str(tmp_path / "fsdp"), "--fsdp"]
+    fsdp, flags = tmp_path / "fsdp", ["--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4", "--sft-steps",
+                                      "2", "--group-size", "4", "--max-new-tokens", "12", "--out", str(tmp_path / "fsdp"), "--fsdp"]
     os.environ["STOP"] = "1"  # stopped after step 1 and resumed: the sharded weights and AdamW states come back
     try:
         torchrun(str(script), *flags, ok=False)
