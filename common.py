@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import contextlib
 import copy
 import dataclasses
@@ -269,7 +270,7 @@ POSITIVE_TEMPLATES = {
 }
 UNCERTAIN_TEMPLATES = {
     "Enlarged Cardiomediastinum": "Possible mediastinal widening. | The mediastinum may be widened.",
-    "Cardiomegaly": "Possible {deg} cardiomegaly. | The heart is likely {degly} enlarged. | Borderline cardiomegaly.",
+    "Cardiomegaly": "Possible {deg} cardiomegaly. | The heart is likely {degly} enlarged. | Probable {deg} cardiomegaly.",
     "Lung Opacity": "Possible faint opacity in the {side} lung. | Questionable {side} lung opacity.",
     "Lung Lesion": "Possible small nodule in the {side} lung. | Questionable {side} lung nodule.",
     "Edema": "Possible mild pulmonary edema. | Mild pulmonary edema cannot be excluded.",
@@ -498,53 +499,54 @@ def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
 
 
 # ==== 3. Labelers =================================================================================
-def _words(*phrases: str) -> str:
-    return r"\b(?:" + "|".join(phrases) + r")\b"
+def _words(*phrases: str) -> str:  # RuleLabeler puts one \b before all of a label's phrases: faster than one each
+    return r"(?:" + "|".join(phrases) + r")\b"
 
 
 # A gap inside one mention (e.g. "heart ... enlarged"): stays within the clause.
 _GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"
 _HEART = r"(?:heart(?: size)?|cardiac (?:silhouette|size|contour|contours|shadow))"
 _MEDIASTINUM = r"(?:cardiomediastinal (?:silhouette|contours?)|mediastinal (?:contours?|silhouette)|mediastinum)"
-_NORMAL = r"(?:normal|within normal limits|unremarkable)"
+_NORMAL = r"(?:normal|within normal limits|unremarkable|(?:(?:at|within) )?(?:the )?(?:upper )?limits of normal)"
+_STABLE = r"(?:stable|unchanged)\b"
 
 
 class RuleLabeler:
-    """CheXpert-style rule labeler (Irvin et al. 2019): mention phrases, negation and uncertainty cues scoped to the
-    clause, CheXpert's aggregation and No Finding rule. Offline and fast, but only as good as its phrase lists.
+    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as
+    regular expressions: its mention phrases, negation and uncertainty cues scoped to the clause, its aggregation
+    and No Finding rule. Offline and fast, but not CheXbert (README, "The rule labeler on real reports").
 
     A mention is, in CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude")
     in reach, else negative with a negation cue, else uncertain with an uncertainty cue, else positive.
     A report: 1 if any mention is positive, else -1 if any is uncertain, else 0 if any, else blank."""
 
-    # Mention phrases. Organ words only count with their qualifier ("heart ... enlarged", "heart size is normal"):
-    # the span covers both, so a cue between them ("the heart is not enlarged", "is likely enlarged") applies.
+    # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
+    # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
     MENTIONS = {
         "Enlarged Cardiomediastinum": [
             _words("mediastinal widening", r"widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum",
                    r"enlarged cardiomediastinum", r"enlarged cardiomediastinal silhouette"),
-            _MEDIASTINUM + _GAP + r"{0,30}?" + _words(r"widened", r"enlarged", _NORMAL),
+            _MEDIASTINUM + _GAP + r"{0,30}?\b" + _words(r"widened", r"enlarged", _NORMAL),
             _words("normal") + " " + _MEDIASTINUM],
         "Cardiomegaly": [
-            _words("cardiomegaly", r"cardiac enlargement", r"enlarged (?:heart|cardiac silhouette)",
-                   r"enlargement of the (?:heart|cardiac silhouette)"),
-            r"\b" + _HEART + r"\b" + _GAP + r"{0,30}?" + _words(r"enlarged", r"increased", _NORMAL),
+            _words("cardiomegaly", r"(?:cardiac|heart) enlargement", r"enlarged (?:heart|cardiac silhouette)",
+                   r"enlargement of the (?:heart|cardiac silhouette)", r"increase in (?:the )?heart size"),
+            _HEART + r"\b" + _GAP + r"{0,30}?\b" + _words(r"enlarged", r"increased", r"large", r"borderline", _NORMAL),
             _words("normal") + " " + _HEART + r"\b"],
-        "Lung Opacity": [_words(r"opacit(?:y|ies)", r"opacification", r"opacified", r"infiltrat(?:e|es|ion)",
-                                r"haziness", r"hazy", r"air ?space (?:disease|process)", r"ground[- ]glass")],
-        "Lung Lesion": [_words(r"nodul(?:e|es|ar)", r"mass(?:es)?", r"lesions?", r"tumou?r", r"neoplasm",
-                               r"carcinoma", r"lump")],
-        "Edema": [_words(r"edema", r"(?:pulmonary|vascular) congestion", r"congestive heart failure", r"chf",
-                         r"fluid overload", r"vascular engorgement")],
+        "Lung Opacity": [_words(r"opacit(?:y|ies)", r"opacification", r"opacified", r"infiltrat(?:e|es|ion)", r"haziness",
+                                r"hazy", r"air ?space (?:disease|process)", r"ground[- ]glass", r"scar(?:s|ring)?",
+                                r"interstitial (?:markings?|pattern)", r"reticular (?:pattern|markings?)", r"reticulation",
+                                r"(?:peribronchial|wall) thickening", r"increased density")],
+        "Lung Lesion": [_words(r"mass(?:es)?", r"mass-?like", r"nodules?", r"lumps?", r"cavitary lesions?", r"carcinoma",
+                               r"nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)", r"neoplasms?", r"tumou?rs?")],
+        "Edema": [_words(r"edema", r"heart failure", r"chf")],
         "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
-        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infection", r"infectious(?: process)?",
-                             r"aspiration")],
+        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infection", r"infectious(?: process)?")],
         "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
         "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
-        "Pleural Effusion": [
-            r"(?<!pericardial )" + _words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax"),
-            _words(r"blunt(?:ing|ed) (?:of )?(?:the )?(?:\w+ )?costophrenic angles?", r"costophrenic angle blunting")],
-        "Pleural Other": [_words(r"pleural (?:thickening|plaques?|scarring|calcifications?)", r"fibrothorax")],
+        "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
+        "Pleural Other": [_words(r"pleural (?:thickening|plaques?|calcifications?)", r"fibrothorax", r"fibrosis",
+                                 r"pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?")],
         "Fracture": [_words(r"fractur(?:e|es|ed)")],
         "Support Devices": [_words(
             r"endotracheal tube", r"et tube", r"ett", r"tracheostomy(?: tube)?", r"(?:naso|oro)gastric tube",
@@ -553,9 +555,31 @@ class RuleLabeler:
             r"picc(?: line)?", r"port-a-cath", r"portacath", r"mediport", r"pacemaker", r"pacer", r"icd",
             r"defibrillator", r"pacing leads?", r"sternotomy wires", r"intra-aortic balloon pump", r"iabp",
             r"stents?", r"drains?", r"prosthetic valve", r"valve replacement", r"lvad")],
-    }
+        # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
+        # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
+        "No Finding": [r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
+                       r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
+                       r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
+                       r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
+                       r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
+                       r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
+                       r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
+                       r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"]}
+    # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; ours: an old granulomatous
+    # infection is not pneumonia).
+    UNMENTIONS = {"Lung Lesion": r"calcified nodul|massive", "Pleural Effusion": r"pericardial effusion",
+                  "Lung Opacity": r"pleural scar", "Pneumonia": r"(?:granulomatous|histoplasmosis) infection"}
+    # Mentions that are at most uncertain (positive -> uncertain; negated stays negative): CheXpert's post-negation
+    # uncertainty patterns (a stable heart or mediastinum, "borderline heart size", "vascular congestion", ...) and
+    # its aggregation exception, "chf" and "heart failure" as uncertain Cardiomegaly.
+    HEDGED = {
+        "Enlarged Cardiomediastinum": [_MEDIASTINUM + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _MEDIASTINUM],
+        "Cardiomegaly": [_words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
+                         _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _HEART + r"\b"],
+        "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")]}
 
-    # Cues: (pattern, kind, direction, reach in characters between cue and mention).
+    # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's
+    # patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases.
     # kind: "pre_neg_unc" (uncertain although it contains a negation), "neg", "unc".
     # direction: "pre" applies to mentions after the cue, "post" to mentions before it.
     # Any cue inside a mention's span applies whatever its direction.
@@ -563,48 +587,54 @@ class RuleLabeler:
     CUES = [
         (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
          r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
-         r"(?:excluded|ruled out)|difficult to (?:exclude|rule out)", "pre_neg_unc", "both", CLAUSE),
-        (r"no longer|has resolved|have resolved|resolved|(?:has|have) been removed|removed|is absent|are absent"
+         r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)", "pre_neg_unc", "both", CLAUSE),
+        (r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent|are absent"
          r"|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged|widened)",
          "neg", "post", 40),
+        (r"not well[- ](?:seen|visualized|evaluated|appreciated)|poorly evaluated", "unc", "post", 40),
         (r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
-         r"|rather than|without|no|not|nor|neither|never", "neg", "pre", CLAUSE),
+         r"|history of|disappearance of|rather than|without|no|not|nor|neither|never", "neg", "pre", CLAUSE),
         (r"normal|within normal limits|unremarkable", "neg", "both", 0),  # only inside "heart size is normal"
-        (r"versus|vs\.?|\?", "unc", "both", CLAUSE),
-        (r"is possible|are possible|is suspected|are suspected|is likely|are likely|is questioned|may be present"
-         r"|is not excluded|are not excluded", "unc", "post", 30),
-        (r"possible|possibly|probable|probably|likely|may|might|could|questionable|question of|suspicious for"
-         r"|suspected|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|differential"
-         r"|consider(?:ed)?|borderline|equivocal|presumed|presumably|indeterminate|evaluate for|evaluation for"
-         r"|assess for|rule out|r/o", "unc", "pre", CLAUSE),
+        (r"is possible|are possible|(?:is |are )?suspected|is likely|are likely|is questioned|may be present"
+         r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration", "unc", "post", 30),
+        (r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
+         r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
+         r"|suggestion of|maybe|favou?r(?:s|ing|ed)?"
+         r"|differential|consider(?:ed)?|equivocal|presumed|presumably|indeterminate|evaluate for|evaluation for"
+         r"|assess for|rule out|r/o|correlate clinically for", "unc", "pre", CLAUSE),
+        (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
     ]
     # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
     TERMINATORS = (r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
                    r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b")
-    SENTENCE_ENDS = r"\.(?!\d)|;|\n"
+    SENTENCE_ENDS = r"\.(?<!\bvs\.)(?!\d)|;|\n"  # not "1.2 cm", not "vs."
 
     def __init__(self):
-        self.mentions = [(LABEL_INDEX[name], re.compile("|".join(f"(?:{p})" for p in pats)))
-                         for name, pats in self.MENTIONS.items()]
+        self.mentions = [(LABEL_INDEX[name], re.compile(r"\b" * (name != "No Finding") + "(?:" + "|".join(
+            [f"(?:{p})" for p in pats] + [f"(?P<hedged>{'|'.join(h)})" for h in [self.HEDGED.get(name)] if h]) + ")"),
+            re.compile(self.UNMENTIONS.get(name, "(?!)"))) for name, pats in self.MENTIONS.items()]
         # One pass over the text finds every cue; group i+1 is CUES[i].
-        self.cues = re.compile("|".join(rf"(?<!\w)({p})(?!\w)" if p != r"versus|vs\.?|\?" else f"({p})"
-                                        for p, *_ in self.CUES))
+        self.cues = re.compile(r"(?<!\w)(?:" + "|".join(f"({p})" for p, *_ in self.CUES[:-1]) + rf")(?!\w)|({self.CUES[-1][0]})")
         self.boundaries = re.compile(f"{self.SENTENCE_ENDS}|{self.TERMINATORS}")
 
-    def label_one(self, report: str) -> np.ndarray:
-        labels, text = np.full(len(CHEXPERT_LABELS), np.nan), report.lower()
-        if not text.strip():  # nothing said: all blank, No Finding too (CheXpert's rule would reward empty reports)
-            return labels
+    def _mentions(self, text: str) -> np.ndarray:
+        """(14,) labels of one lower-cased report; No Finding's place holds the abnormal findings outside the 13."""
+        labels = np.full(len(CHEXPERT_LABELS), np.nan)
         starts, ends = zip(*[(0, 0)] + [m.span() for m in self.boundaries.finditer(text)] + [(len(text), len(text))])
         cues = [(m.start(), m.end(), self.CUES[m.lastindex - 1]) for m in self.cues.finditer(text)]
-        for idx, pattern in self.mentions:
-            found = set()
-            for m in pattern.finditer(text):  # the clause around a mention: last boundary before it, first after
-                lo, hi = max(e for e in ends if e <= m.start()), min(b for b in starts if b >= m.end())
-                found.add(self._state(*m.span(), lo, hi, cues))
+        for idx, pattern, unmention in self.mentions:
+            found, unmentions = set(), None
+            for m in pattern.finditer(text):
+                unmentions = unmentions if unmentions is not None else [u.span() for u in unmention.finditer(text)]
+                if any(a < m.end() and m.start() < b for a, b in unmentions):
+                    continue
+                # the clause around a mention: the last boundary before it, the first after it
+                lo, hi = ends[bisect.bisect_right(ends, m.start()) - 1], starts[bisect.bisect_left(starts, m.end())]
+                state = self._state(*m.span(), lo, hi, cues)
+                found.add(UNCERTAIN if m.lastgroup == "hedged" and state == POSITIVE else state)
             if found:
                 labels[idx] = POSITIVE if POSITIVE in found else UNCERTAIN if UNCERTAIN in found else NEGATIVE
-        return apply_no_finding_rule(labels)
+        return labels
 
     @staticmethod
     def _state(start, end, lo, hi, cues) -> float:
@@ -616,7 +646,14 @@ class RuleLabeler:
 
     def __call__(self, reports: list[str]) -> np.ndarray:
         """Label reports -> float (N, 14), 1 / 0 / -1 / NaN, CHEXPERT_LABELS order."""
-        return np.stack([self.label_one(r) for r in reports]) if reports else np.zeros((0, len(CHEXPERT_LABELS)))
+        if not reports:
+            return np.zeros((0, len(CHEXPERT_LABELS)))
+        labels = np.stack([self._mentions(r.lower()) for r in reports])
+        other = np.isin(labels[:, -1], (POSITIVE, UNCERTAIN))  # an abnormal finding outside the 13
+        labels = apply_no_finding_rule(labels)
+        # nothing said: all blank, No Finding too (CheXpert's rule would reward empty reports)
+        labels[other | np.array([not r.strip() for r in reports]), -1] = np.nan
+        return labels
 
 
 # CheXbert (Smit et al. 2020, arXiv:2004.09167): BERT-base, one linear head per observation over [CLS]; 13 heads of

@@ -7,8 +7,8 @@ import pytest
 from common import CHEXPERT_LABELS, LABEL_INDEX, RuleLabeler, apply_no_finding_rule, sample_synthetic_study, \
     write_synthetic_report
 
-# Real-style report text with labels we are sure of. Labels not listed are blank; No Finding
-# follows CheXpert's rule (1 when nothing but Support Devices is positive or uncertain).
+# Real-style report text with labels we are sure of. Labels not listed are blank; No Finding, unless listed,
+# follows CheXpert's rule over the 13 (1 when nothing but Support Devices is positive or uncertain).
 REAL_STYLE = [
     ("No acute cardiopulmonary process.", {}),
     ("No pleural effusion or pneumothorax.", {"Pleural Effusion": 0, "Pneumothorax": 0}),
@@ -21,7 +21,7 @@ REAL_STYLE = [
     ("The cardiac silhouette is enlarged.", {"Cardiomegaly": 1}),
     ("The heart is not enlarged.", {"Cardiomegaly": 0}),
     ("Mild pulmonary edema.", {"Edema": 1}),
-    ("There is mild pulmonary vascular congestion.", {"Edema": 1}),
+    ("There is mild pulmonary vascular congestion.", {"Edema": -1}),  # CheXpert: "vascular congestion" is uncertain
     ("Moderate pulmonary edema has improved.", {"Edema": 1}),
     ("Pulmonary edema has resolved.", {"Edema": 0}),
     ("Small bilateral pleural effusions.", {"Pleural Effusion": 1}),
@@ -65,7 +65,7 @@ REAL_STYLE = [
     ("Calcified pleural plaques are consistent with prior asbestos exposure.", {"Pleural Other": 1}),
     ("Mild cardiomegaly with small left pleural effusion and adjacent atelectasis.",
      {"Cardiomegaly": 1, "Pleural Effusion": 1, "Atelectasis": 1}),
-    ("The lungs are hyperinflated but clear.", {}),
+    ("The lungs are hyperinflated but clear.", {"No Finding": np.nan}),  # CheXpert's No Finding mention list
     ("Small left pleural effusion is unchanged. No pneumothorax.", {"Pleural Effusion": 1, "Pneumothorax": 0}),
     ("No evidence of pneumothorax or pleural effusion. Heart size is normal.",
      {"Pneumothorax": 0, "Pleural Effusion": 0, "Cardiomegaly": 0}),
@@ -80,7 +80,7 @@ def expected_vector(labels: dict) -> np.ndarray:
     v = np.full(14, np.nan)
     for name, value in labels.items():
         v[LABEL_INDEX[name]] = value
-    return apply_no_finding_rule(v)
+    return apply_no_finding_rule(v) if "No Finding" not in labels else v
 
 
 def same(a, b):
