@@ -507,7 +507,7 @@ def _words(*phrases: str) -> str:  # RuleLabeler puts one \b before all of a lab
 _GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"
 _HEART = r"(?:heart(?: size)?|cardiac (?:silhouette|size|contour|contours|shadow))"
 _MEDIASTINUM = r"(?:cardiomediastinal (?:silhouette|contours?)|mediastinal (?:contours?|silhouette)|mediastinum)"
-_NORMAL = r"(?:normal|within normal limits|unremarkable|(?:(?:at|within) )?(?:the )?(?:upper )?limits of normal)"
+_NORMAL = r"(?:normal|within normal limits|unremarkable)"  # "heart size ... limits of normal" reaches "normal"
 _STABLE = r"(?:stable|unchanged)\b"
 
 
@@ -567,7 +567,7 @@ class RuleLabeler:
                        r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"]}
     # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; ours: an old granulomatous
     # infection is not pneumonia).
-    UNMENTIONS = {"Lung Lesion": r"calcified nodul|massive", "Pleural Effusion": r"pericardial effusion",
+    UNMENTIONS = {"Lung Lesion": r"calcified nodul", "Pleural Effusion": r"pericardial effusion",
                   "Lung Opacity": r"pleural scar", "Pneumonia": r"(?:granulomatous|histoplasmosis) infection"}
     # Mentions that are at most uncertain (positive -> uncertain; negated stays negative): CheXpert's post-negation
     # uncertainty patterns (a stable heart or mediastinum, "borderline heart size", "vascular congestion", ...) and

@@ -55,6 +55,8 @@ REAL_STYLE = [
     ("There is a tiny left apical pneumothorax.", {"Pneumothorax": 1}),
     ("No pneumothorax is seen.", {"Pneumothorax": 0}),
     ("There is a 1.2 cm nodule in the right upper lobe.", {"Lung Lesion": 1}),
+    ("No XXXX focal consolidation. A 1.5 cm XXXX nodule. 2. No effusion.",  # IU X-Ray's anonymisation tokens
+     {"Consolidation": 0, "Lung Lesion": 1, "Pleural Effusion": 0}),
     ("No suspicious pulmonary nodules or masses.", {"Lung Lesion": 0}),
     ("Multiple displaced left rib fractures.", {"Fracture": 1}),
     ("No acute displaced rib fracture.", {"Fracture": 0}),
@@ -74,6 +76,63 @@ REAL_STYLE = [
     ("Possible left basilar atelectasis. No atelectasis on the right.", {"Atelectasis": -1}),
     ("Possible small left effusion. Small right pleural effusion.", {"Pleural Effusion": 1}),
 ]
+
+
+N = np.nan
+# One group per rule of the CheXpert labeler (stanfordmlgroup/chexpert-labeler: phrases/, patterns/,
+# stages/aggregate.py) or of ours, on sentences written for these tests; each group fails without its rule.
+RULES = {
+    "no_finding_mentions": [("Mild degenerative changes of the thoracic spine.", {"No Finding": N}),
+                            ("Stable mild dextroscoliosis.", {"No Finding": N}),  # inside a word, as CheXpert
+                            ("No emphysema. Calcified granuloma in the left upper lobe.", {"No Finding": N})],
+    "no_finding_mentions_ours": [("The thoracic aorta is tortuous.", {"No Finding": N}),
+                                 ("Thoracic spondylosis.", {"No Finding": N}), ("Low lung volumes.", {"No Finding": N})],
+    "chf_uncertain_cardiomegaly": [("Mild congestive heart failure.", {"Edema": 1, "Cardiomegaly": -1})],
+    "hedged_edema": [("Mild pulmonary vascular congestion.", {"Edema": -1}),
+                     ("Indistinctness of the central pulmonary vessels.", {"Edema": -1}),
+                     ("No pulmonary vascular congestion.", {"Edema": 0})],
+    "borderline_heart_size_hedged": [("Borderline heart size.", {"Cardiomegaly": -1})],
+    "borderline_not_a_hedge": [("Borderline cardiomegaly.", {"Cardiomegaly": 1}),
+                               ("The heart is borderline in size.", {"Cardiomegaly": 1})],
+    "stable_heart_or_mediastinum_hedged": [("The cardiomediastinal silhouette is stable.", {"Enlarged Cardiomediastinum": -1}),
+                                           ("Stable heart size.", {"Cardiomegaly": -1}),
+                                           ("Heart size is normal and stable.", {"Cardiomegaly": 0})],
+    "heart_is_large": [("The heart is large.", {"Cardiomegaly": 1}), ("Mild heart enlargement.", {"Cardiomegaly": 1}),
+                       ("Interval increase in heart size.", {"Cardiomegaly": 1})],
+    "unmention_calcified_nodule": [("A calcified nodule in the left upper lobe.", {"No Finding": N})],
+    "unmention_granulomatous_infection": [("Sequelae of prior granulomatous infection.", {"No Finding": N})],
+    "unmention_pleural_scar": [("Right apical pleural scarring.", {"Pleural Other": 1})],
+    "lung_lesion_phrases": [("Expansile lesion of the right posterior rib.", {}),
+                            ("Nodular opacity in the right midlung.", {"Lung Lesion": 1, "Lung Opacity": 1}),
+                            ("Cavitary lesion in the left apex.", {"Lung Lesion": 1})],
+    "aspiration_not_pneumonia": [("Recurrent aspiration.", {"No Finding": N})],
+    "blunting_not_effusion": [("Blunting of the left costophrenic angle.", {"No Finding": N})],
+    "lung_opacity_phrases": [("Mild biapical scarring.", {"Lung Opacity": 1}),
+                             ("Coarse interstitial markings.", {"Lung Opacity": 1})],
+    "pleural_other_fibrosis": [("Mild pulmonary fibrosis.", {"Pleural Other": 1})],
+    "history_of": [("History of pneumonia.", {"Pneumonia": 0})],
+    "has_cleared": [("The left basilar atelectasis has cleared.", {"Atelectasis": 0})],
+    "not_well_seen": [("The right lower lobe nodule is not well seen today.", {"Lung Lesion": -1})],
+    "consideration": [("Atypical pneumonia is another consideration.", {"Pneumonia": -1})],
+    "correlate_clinically_for": [("Correlate clinically for pneumonia.", {"Pneumonia": -1})],
+    "suggestion_maybe_favoring": [("There is a suggestion of a small left effusion.", {"Pleural Effusion": -1}),
+                                  ("Maybe early pneumonia.", {"Pneumonia": -1}),
+                                  ("Streaky opacity favoring atelectasis.", {"Lung Opacity": 1, "Atelectasis": -1})],
+    "suspected_after": [("Small bilateral pleural effusions suspected.", {"Pleural Effusion": -1})],
+    "question_suspicion": [("Question small left pleural effusion.", {"Pleural Effusion": -1}),
+                           ("Suspicion for a small right pneumothorax.", {"Pneumothorax": -1})],
+    "suggesting": [("Patchy opacity suggesting pneumonia.", {"Lung Opacity": 1, "Pneumonia": -1})],
+    "difficult_to_completely_exclude": [("It is difficult to completely exclude pneumonia.", {"Pneumonia": -1})],
+    "vs_period_ends_no_clause": [("Cannot exclude atelectasis vs. pneumonia.", {"Atelectasis": -1, "Pneumonia": -1})],
+    # the radiologists' gold reads a disjunction as both present; CheXpert (conj:versus) reads it uncertain
+    "versus_is_not_a_hedge": [("Left basilar atelectasis versus pneumonia.", {"Atelectasis": 1, "Pneumonia": 1})],
+}
+
+
+@pytest.mark.parametrize("rule,text,labels", [(r, t, l) for r, cases in RULES.items() for t, l in cases],
+                         ids=[f"{r}-{i}" for r, cases in RULES.items() for i in range(len(cases))])
+def test_rule(rule, text, labels):
+    test_real_style_sentences(text, labels)
 
 
 def expected_vector(labels: dict) -> np.ndarray:
