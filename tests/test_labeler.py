@@ -1,11 +1,12 @@
-"""RuleLabeler: exact on the synthetic reports, right on real-style report text."""
+"""RuleLabeler: exact on the synthetic reports, right on real-style report text; `common.py labels`."""
+import csv
 import time
 
 import numpy as np
 import pytest
 
-from common import CHEXPERT_LABELS, LABEL_INDEX, RuleLabeler, apply_no_finding_rule, sample_synthetic_study, \
-    write_synthetic_report
+from common import CHEXPERT_LABELS, LABEL_INDEX, RuleLabeler, apply_no_finding_rule, gold_agreement, main, \
+    sample_synthetic_study, write_synthetic_report
 
 # Real-style report text with labels we are sure of. Labels not listed are blank; No Finding, unless listed,
 # follows CheXpert's rule over the 13 (1 when nothing but Support Devices is positive or uncertain).
@@ -185,6 +186,54 @@ def test_labels_every_synthetic_report_exactly():
     truth = np.array(truth)
     wrong = [reports[i] for i in range(len(reports)) if not same(got[i], truth[i])]
     assert not wrong, wrong[:5]
+
+
+GOLD_HEADER = ["id", "report", "Atelectasis", "Cardiomegaly", "Effusion", "Infiltration", "Mass", "Nodule", "Pneumonia",
+               "Pneumothorax", "Consolidation", "Edema", "Emphysema", "Fibrosis", "Pleural_Thickening", "Hernia", "normal"]
+
+
+def write_gold(path, rows):
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([GOLD_HEADER] + [[f"CXR{i}", text] + [int(c in marked) for c in GOLD_HEADER[2:]]
+                                                 for i, (text, marked) in enumerate(rows)])
+
+
+def test_labels_command_against_a_gold_csv(tmp_path, capsys):
+    write_gold(tmp_path / "gold.csv", [
+        ("Mild cardiomegaly. Small left pleural effusion.", {"Cardiomegaly", "Effusion"}),
+        ("Heart size is normal. Lungs are clear.", {"normal"}),
+        ("Possible right lower lobe pneumonia. A 1 cm nodule in the left lung.", {"Nodule"}),  # uncertain: absent
+        ("Left basilar atelectasis. No pneumothorax.", {"Atelectasis", "Pneumothorax"}),  # we miss Pneumothorax
+        ("No acute disease. Thoracic spondylosis.", {"normal"}),  # we: an abnormal finding, not No Finding
+        ("Stable mild edema.", set())])  # we: Edema the gold does not mark
+    out = gold_agreement(tmp_path / "gold.csv", RuleLabeler())
+    # by hand: TP Atelectasis, Cardiomegaly, Effusion, Lung Lesion (4); FP Edema (1); FN Pneumothorax (1)
+    for name in ("Atelectasis", "Cardiomegaly", "Pleural Effusion", "Lung Lesion"):
+        assert out[name] == {"precision": 1.0, "recall": 1.0, "f1": 1.0, "gold": 1, "ours": 1}
+    assert out["Pneumothorax"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "gold": 1, "ours": 0}
+    assert out["Edema"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "gold": 0, "ours": 1}
+    assert out["Pneumonia"]["ours"] == out["Pneumonia"]["gold"] == 0
+    assert out["micro_f1"] == pytest.approx(2 * 4 / (2 * 4 + 1 + 1))
+    # No Finding against normal: TP report 1, FN report 4
+    assert out["No Finding"] == pytest.approx({"precision": 1.0, "recall": 0.5, "f1": 2 / 3, "gold": 2, "ours": 1})
+    assert (out["no_finding_rate"], out["normal_rate"], out["n"]) == pytest.approx((1 / 6, 2 / 6, 6))
+    main(["labels", "--gold", str(tmp_path / "gold.csv")])
+    printed = capsys.readouterr().out
+    assert "micro F1 over the 8 findings: 0.800" in printed and "No Finding on 16.7% of 6 reports" in printed
+    assert [line.split()[1:] for line in printed.splitlines() if line.startswith("Edema")] == [["0.000"] * 3 + ["0", "1"]]
+
+
+def test_labels_command_names_the_bad_column(tmp_path):
+    write_gold(tmp_path / "gold.csv", [("No effusion.", set())])
+    text = (tmp_path / "gold.csv").read_text()
+    (tmp_path / "no_normal.csv").write_text(text.replace(",normal", ",Normal"))
+    with pytest.raises(SystemExit, match=r"^error: .*no_normal.csv: no column 'normal'"):
+        main(["labels", "--gold", str(tmp_path / "no_normal.csv")])
+    (tmp_path / "bad_value.csv").write_text(text.replace("No effusion.,0", "No effusion.,yes"))
+    with pytest.raises(SystemExit, match=r"^error: .*bad_value.csv:2: column 'Atelectasis' is 'yes', not 0 or 1$"):
+        main(["labels", "--gold", str(tmp_path / "bad_value.csv")])
+    with pytest.raises(SystemExit, match=r"^error: gold CSV not found: .*missing.csv$"):
+        main(["labels", "--gold", str(tmp_path / "missing.csv")])
 
 
 @pytest.mark.slow
