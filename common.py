@@ -2042,9 +2042,8 @@ def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_c
 
 # NegBio's Open-i gold standard (its examples/openi_gld_std14.csv joined with the reports on the CXR id): ChestX-ray14
 # names, 1 = stated present (uncertain and negated are 0, so our uncertain counts absent here), `normal` = no finding.
-GOLD_COLUMNS = {"Atelectasis": ("Atelectasis",), "Cardiomegaly": ("Cardiomegaly",), "Pleural Effusion": ("Effusion",),
-                "Pneumonia": ("Pneumonia",), "Pneumothorax": ("Pneumothorax",), "Consolidation": ("Consolidation",),
-                "Edema": ("Edema",), "Lung Lesion": ("Mass", "Nodule"), "No Finding": ("normal",)}
+GOLD_COLUMNS = {n: (n,) for n in ("Atelectasis", "Cardiomegaly", "Pneumonia", "Pneumothorax", "Consolidation", "Edema")} | {
+    "Pleural Effusion": ("Effusion",), "Lung Lesion": ("Mass", "Nodule"), "No Finding": ("normal",)}  # No Finding last
 
 
 def gold_agreement(path, labeler) -> dict:
