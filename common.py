@@ -541,7 +541,8 @@ class RuleLabeler:
                                r"nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)", r"neoplasms?", r"tumou?rs?")],
         "Edema": [_words(r"edema", r"heart failure", r"chf")],
         "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
-        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infection", r"infectious(?: process)?")],
+        # CheXpert also lists "infection" and "infectious": the radiologists' gold rarely reads them as pneumonia (ours)
+        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infectious process")],
         "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
         "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
         "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
@@ -565,10 +566,9 @@ class RuleLabeler:
                        r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
                        r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
                        r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"]}
-    # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; ours: an old granulomatous
-    # infection is not pneumonia).
-    UNMENTIONS = {"Lung Lesion": r"calcified nodul", "Pleural Effusion": r"pericardial effusion",
-                  "Lung Opacity": r"pleural scar", "Pneumonia": r"(?:granulomatous|histoplasmosis) infection"}
+    # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
+    # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
+    UNMENTIONS = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
     # Mentions that are at most uncertain (positive -> uncertain; negated stays negative): CheXpert's post-negation
     # uncertainty patterns (a stable heart or mediastinum, "borderline heart size", "vascular congestion", ...) and
     # its aggregation exception, "chf" and "heart failure" as uncertain Cardiomegaly.
