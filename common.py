@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import contextlib
 import copy
 import dataclasses
@@ -309,7 +310,7 @@ POSITIVE_TEMPLATES = {
 }
 UNCERTAIN_TEMPLATES = {
     "Enlarged Cardiomediastinum": "Possible mediastinal widening. | The mediastinum may be widened.",
-    "Cardiomegaly": "Possible {deg} cardiomegaly. | The heart is likely {degly} enlarged. | Borderline cardiomegaly.",
+    "Cardiomegaly": "Possible {deg} cardiomegaly. | The heart is likely {degly} enlarged. | Probable {deg} cardiomegaly.",
     "Lung Opacity": "Possible faint opacity in the {side} lung. | Questionable {side} lung opacity.",
     "Lung Lesion": "Possible small nodule in the {side} lung. | Questionable {side} lung nodule.",
     "Edema": "Possible mild pulmonary edema. | Mild pulmonary edema cannot be excluded.",
@@ -520,7 +521,7 @@ def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int =
 def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128, seed: int = 0) -> Path:
     """The synthetic set, made once in $RRG_CACHE (~/.cache/rrg-from-scratch): built aside, renamed into place."""
     cache = Path(os.environ.get("RRG_CACHE", Path.home() / ".cache" / "rrg-from-scratch"))
-    final = cache / f"synthetic-v3-{n_train}-{n_val}-{n_test}-{size}px-seed{seed}"
+    final = cache / f"synthetic-v4-{n_train}-{n_val}-{n_test}-{size}px-seed{seed}"
     if not (final / "annotation.json").is_file():
         cache.mkdir(parents=True, exist_ok=True)
         tmp = make_synthetic(tempfile.mkdtemp(dir=cache, prefix=".tmp-"), n_train, n_val, n_test, size, seed)
@@ -538,53 +539,55 @@ def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
 
 
 # ==== 3. Labelers =================================================================================
-def _words(*phrases: str) -> str:
-    return r"\b(?:" + "|".join(phrases) + r")\b"
+def _words(*phrases: str) -> str:  # RuleLabeler puts one \b before all of a label's phrases: faster than one each
+    return r"(?:" + "|".join(phrases) + r")\b"
 
 
 # A gap inside one mention (e.g. "heart ... enlarged"): stays within the clause.
 _GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"
 _HEART = r"(?:heart(?: size)?|cardiac (?:silhouette|size|contour|contours|shadow))"
 _MEDIASTINUM = r"(?:cardiomediastinal (?:silhouette|contours?)|mediastinal (?:contours?|silhouette)|mediastinum)"
-_NORMAL = r"(?:normal|within normal limits|unremarkable)"
+_NORMAL = r"(?:normal|within normal limits|unremarkable)"  # "heart size ... limits of normal" reaches "normal"
+_STABLE = r"(?:stable|unchanged)\b"
 
 
 class RuleLabeler:
-    """CheXpert-style rule labeler (Irvin et al. 2019): mention phrases, negation and uncertainty cues scoped to the
-    clause, CheXpert's aggregation and No Finding rule. Offline and fast, but only as good as its phrase lists.
+    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as
+    regular expressions: its mention phrases, negation and uncertainty cues scoped to the clause, its aggregation
+    and No Finding rule. Offline and fast, but not CheXbert (README, "The rule labeler on real reports").
 
     A mention is, in CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude")
     in reach, else negative with a negation cue, else uncertain with an uncertainty cue, else positive.
     A report: 1 if any mention is positive, else -1 if any is uncertain, else 0 if any, else blank."""
 
-    # Mention phrases. Organ words only count with their qualifier ("heart ... enlarged", "heart size is normal"):
-    # the span covers both, so a cue between them ("the heart is not enlarged", "is likely enlarged") applies.
+    # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
+    # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
     MENTIONS = {
         "Enlarged Cardiomediastinum": [
             _words("mediastinal widening", r"widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum",
                    r"enlarged cardiomediastinum", r"enlarged cardiomediastinal silhouette"),
-            _MEDIASTINUM + _GAP + r"{0,30}?" + _words(r"widened", r"enlarged", _NORMAL),
+            _MEDIASTINUM + _GAP + r"{0,30}?\b" + _words(r"widened", r"enlarged", _NORMAL),
             _words("normal") + " " + _MEDIASTINUM],
         "Cardiomegaly": [
-            _words("cardiomegaly", r"cardiac enlargement", r"enlarged (?:heart|cardiac silhouette)",
-                   r"enlargement of the (?:heart|cardiac silhouette)"),
-            r"\b" + _HEART + r"\b" + _GAP + r"{0,30}?" + _words(r"enlarged", r"increased", _NORMAL),
+            _words("cardiomegaly", r"(?:cardiac|heart) enlargement", r"enlarged (?:heart|cardiac silhouette)",
+                   r"enlargement of the (?:heart|cardiac silhouette)", r"increase in (?:the )?heart size"),
+            _HEART + r"\b" + _GAP + r"{0,30}?\b" + _words(r"enlarged", r"increased", r"large", r"borderline", _NORMAL),
             _words("normal") + " " + _HEART + r"\b"],
-        "Lung Opacity": [_words(r"opacit(?:y|ies)", r"opacification", r"opacified", r"infiltrat(?:e|es|ion)",
-                                r"haziness", r"hazy", r"air ?space (?:disease|process)", r"ground[- ]glass")],
-        "Lung Lesion": [_words(r"nodul(?:e|es|ar)", r"mass(?:es)?", r"lesions?", r"tumou?r", r"neoplasm",
-                               r"carcinoma", r"lump")],
-        "Edema": [_words(r"edema", r"(?:pulmonary|vascular) congestion", r"congestive heart failure", r"chf",
-                         r"fluid overload", r"vascular engorgement")],
+        "Lung Opacity": [_words(r"opacit(?:y|ies)", r"opacification", r"opacified", r"infiltrat(?:e|es|ion)", r"haziness",
+                                r"hazy", r"air ?space (?:disease|process)", r"ground[- ]glass", r"scar(?:s|ring)?",
+                                r"interstitial (?:markings?|pattern)", r"reticular (?:pattern|markings?)", r"reticulation",
+                                r"(?:peribronchial|wall) thickening", r"increased density")],
+        "Lung Lesion": [_words(r"mass(?:es)?", r"mass-?like", r"nodules?", r"lumps?", r"cavitary lesions?", r"carcinoma",
+                               r"nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)", r"neoplasms?", r"tumou?rs?")],
+        "Edema": [_words(r"edema", r"heart failure", r"chf")],
         "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
-        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infection", r"infectious(?: process)?",
-                             r"aspiration")],
+        # CheXpert also lists "infection" and "infectious": the radiologists' gold rarely reads them as pneumonia (ours)
+        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infectious process")],
         "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
         "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
-        "Pleural Effusion": [
-            r"(?<!pericardial )" + _words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax"),
-            _words(r"blunt(?:ing|ed) (?:of )?(?:the )?(?:\w+ )?costophrenic angles?", r"costophrenic angle blunting")],
-        "Pleural Other": [_words(r"pleural (?:thickening|plaques?|scarring|calcifications?)", r"fibrothorax")],
+        "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
+        "Pleural Other": [_words(r"pleural (?:thickening|plaques?|calcifications?)", r"fibrothorax", r"fibrosis",
+                                 r"pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?")],
         "Fracture": [_words(r"fractur(?:e|es|ed)")],
         "Support Devices": [_words(
             r"endotracheal tube", r"et tube", r"ett", r"tracheostomy(?: tube)?", r"(?:naso|oro)gastric tube",
@@ -593,9 +596,30 @@ class RuleLabeler:
             r"picc(?: line)?", r"port-a-cath", r"portacath", r"mediport", r"pacemaker", r"pacer", r"icd",
             r"defibrillator", r"pacing leads?", r"sternotomy wires", r"intra-aortic balloon pump", r"iabp",
             r"stents?", r"drains?", r"prosthetic valve", r"valve replacement", r"lvad")],
-    }
+        # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
+        # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
+        "No Finding": [r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
+                       r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
+                       r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
+                       r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
+                       r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
+                       r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
+                       r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
+                       r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"]}
+    # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
+    # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
+    UNMENTIONS = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
+    # Mentions that are at most uncertain (positive -> uncertain; negated stays negative): CheXpert's post-negation
+    # uncertainty patterns (a stable heart or mediastinum, "borderline heart size", "vascular congestion", ...) and
+    # its aggregation exception, "chf" and "heart failure" as uncertain Cardiomegaly.
+    HEDGED = {
+        "Enlarged Cardiomediastinum": [_MEDIASTINUM + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _MEDIASTINUM],
+        "Cardiomegaly": [_words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
+                         _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _HEART + r"\b"],
+        "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")]}
 
-    # Cues: (pattern, kind, direction, reach in characters between cue and mention).
+    # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's
+    # patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases.
     # kind: "pre_neg_unc" (uncertain although it contains a negation), "neg", "unc".
     # direction: "pre" applies to mentions after the cue, "post" to mentions before it.
     # Any cue inside a mention's span applies whatever its direction.
@@ -603,48 +627,54 @@ class RuleLabeler:
     CUES = [
         (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
          r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
-         r"(?:excluded|ruled out)|difficult to (?:exclude|rule out)", "pre_neg_unc", "both", CLAUSE),
-        (r"no longer|has resolved|have resolved|resolved|(?:has|have) been removed|removed|is absent|are absent"
+         r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)", "pre_neg_unc", "both", CLAUSE),
+        (r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent|are absent"
          r"|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged|widened)",
          "neg", "post", 40),
+        (r"not well[- ](?:seen|visualized|evaluated|appreciated)|poorly evaluated", "unc", "post", 40),
         (r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
-         r"|rather than|without|no|not|nor|neither|never", "neg", "pre", CLAUSE),
+         r"|history of|disappearance of|rather than|without|no|not|nor|neither|never", "neg", "pre", CLAUSE),
         (r"normal|within normal limits|unremarkable", "neg", "both", 0),  # only inside "heart size is normal"
-        (r"versus|vs\.?|\?", "unc", "both", CLAUSE),
-        (r"is possible|are possible|is suspected|are suspected|is likely|are likely|is questioned|may be present"
-         r"|is not excluded|are not excluded", "unc", "post", 30),
-        (r"possible|possibly|probable|probably|likely|may|might|could|questionable|question of|suspicious for"
-         r"|suspected|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|differential"
-         r"|consider(?:ed)?|borderline|equivocal|presumed|presumably|indeterminate|evaluate for|evaluation for"
-         r"|assess for|rule out|r/o", "unc", "pre", CLAUSE),
+        (r"is possible|are possible|(?:is |are )?suspected|is likely|are likely|is questioned|may be present"
+         r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration", "unc", "post", 30),
+        (r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
+         r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
+         r"|suggestion of|maybe|favou?r(?:s|ing|ed)?"
+         r"|differential|consider(?:ed)?|equivocal|presumed|presumably|indeterminate|evaluate for|evaluation for"
+         r"|assess for|rule out|r/o|correlate clinically for", "unc", "pre", CLAUSE),
+        (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
     ]
     # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
     TERMINATORS = (r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
                    r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b")
-    SENTENCE_ENDS = r"\.(?!\d)|;|\n"
+    SENTENCE_ENDS = r"\.(?<!\bvs\.)(?!\d)|;|\n"  # not "1.2 cm", not "vs."
 
     def __init__(self):
-        self.mentions = [(LABEL_INDEX[name], re.compile("|".join(f"(?:{p})" for p in pats)))
-                         for name, pats in self.MENTIONS.items()]
+        self.mentions = [(LABEL_INDEX[name], re.compile(r"\b" * (name != "No Finding") + "(?:" + "|".join(
+            [f"(?:{p})" for p in pats] + [f"(?P<hedged>{'|'.join(h)})" for h in [self.HEDGED.get(name)] if h]) + ")"),
+            re.compile(self.UNMENTIONS.get(name, "(?!)"))) for name, pats in self.MENTIONS.items()]
         # One pass over the text finds every cue; group i+1 is CUES[i].
-        self.cues = re.compile("|".join(rf"(?<!\w)({p})(?!\w)" if p != r"versus|vs\.?|\?" else f"({p})"
-                                        for p, *_ in self.CUES))
+        self.cues = re.compile(r"(?<!\w)(?:" + "|".join(f"({p})" for p, *_ in self.CUES[:-1]) + rf")(?!\w)|({self.CUES[-1][0]})")
         self.boundaries = re.compile(f"{self.SENTENCE_ENDS}|{self.TERMINATORS}")
 
-    def label_one(self, report: str) -> np.ndarray:
-        labels, text = np.full(len(CHEXPERT_LABELS), np.nan), report.lower()
-        if not text.strip():  # nothing said: all blank, No Finding too (CheXpert's rule would reward empty reports)
-            return labels
+    def _mentions(self, text: str) -> np.ndarray:
+        """(14,) labels of one lower-cased report; No Finding's place holds the abnormal findings outside the 13."""
+        labels = np.full(len(CHEXPERT_LABELS), np.nan)
         starts, ends = zip(*[(0, 0)] + [m.span() for m in self.boundaries.finditer(text)] + [(len(text), len(text))])
         cues = [(m.start(), m.end(), self.CUES[m.lastindex - 1]) for m in self.cues.finditer(text)]
-        for idx, pattern in self.mentions:
-            found = set()
-            for m in pattern.finditer(text):  # the clause around a mention: last boundary before it, first after
-                lo, hi = max(e for e in ends if e <= m.start()), min(b for b in starts if b >= m.end())
-                found.add(self._state(*m.span(), lo, hi, cues))
+        for idx, pattern, unmention in self.mentions:
+            found, unmentions = set(), None
+            for m in pattern.finditer(text):
+                unmentions = unmentions if unmentions is not None else [u.span() for u in unmention.finditer(text)]
+                if any(a < m.end() and m.start() < b for a, b in unmentions):
+                    continue
+                # the clause around a mention: the last boundary before it, the first after it
+                lo, hi = ends[bisect.bisect_right(ends, m.start()) - 1], starts[bisect.bisect_left(starts, m.end())]
+                state = self._state(*m.span(), lo, hi, cues)
+                found.add(UNCERTAIN if m.lastgroup == "hedged" and state == POSITIVE else state)
             if found:
                 labels[idx] = POSITIVE if POSITIVE in found else UNCERTAIN if UNCERTAIN in found else NEGATIVE
-        return apply_no_finding_rule(labels)
+        return labels
 
     @staticmethod
     def _state(start, end, lo, hi, cues) -> float:
@@ -656,7 +686,14 @@ class RuleLabeler:
 
     def __call__(self, reports: list[str]) -> np.ndarray:
         """Label reports -> float (N, 14), 1 / 0 / -1 / NaN, CHEXPERT_LABELS order."""
-        return np.stack([self.label_one(r) for r in reports]) if reports else np.zeros((0, len(CHEXPERT_LABELS)))
+        if not reports:
+            return np.zeros((0, len(CHEXPERT_LABELS)))
+        labels = np.stack([self._mentions(r.lower()) for r in reports])
+        other = np.isin(labels[:, -1], (POSITIVE, UNCERTAIN))  # an abnormal finding outside the 13
+        labels = apply_no_finding_rule(labels)
+        # nothing said: all blank, No Finding too (CheXpert's rule would reward empty reports)
+        labels[other | np.array([not r.strip() for r in reports]), -1] = np.nan
+        return labels
 
 
 # CheXbert (Smit et al. 2020, arXiv:2004.09167): BERT-base, one linear head per observation over [CLS]; 13 heads of
@@ -2144,10 +2181,40 @@ def plot_run(out) -> list[Path]:
     return drawn
 
 
+# NegBio's Open-i gold standard (its examples/openi_gld_std14.csv joined with the reports on the CXR id): ChestX-ray14
+# names, 1 = stated present (uncertain and negated are 0, so our uncertain counts absent here), `normal` = no finding.
+GOLD_COLUMNS = {n: (n,) for n in ("Atelectasis", "Cardiomegaly", "Pneumonia", "Pneumothorax", "Consolidation", "Edema")} | {
+    "Pleural Effusion": ("Effusion",), "Lung Lesion": ("Mass", "Nodule"), "No Finding": ("normal",)}  # No Finding last
+
+
+def gold_agreement(path, labeler) -> dict:
+    """Per label precision, recall, F1 and counts of `labeler` against a gold CSV (columns report, the
+    ChestX-ray14 findings, normal), the micro F1 over the 8 findings and the No Finding rate."""
+    import csv
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"gold CSV not found: {path}")
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    for column in ["report"] + [c for cols in GOLD_COLUMNS.values() for c in cols]:
+        if not rows or column not in rows[0]:
+            raise ValueError(f"{path}: no column {column!r} (needs report, the ChestX-ray14 findings and normal)")
+        bad = next((n for n, r in enumerate(rows, 2) if column != "report" and r[column] not in ("0", "1")), None)
+        if bad:
+            raise ValueError(f"{path}:{bad}: column {column!r} is {rows[bad - 2][column]!r}, not 0 or 1")
+    gold = np.array([[any(r[c] == "1" for c in cols) for cols in GOLD_COLUMNS.values()] for r in rows])  # (N, 9)
+    ours = binarize(labeler([r["report"] for r in rows]), uncertain_as=0)[:, [LABEL_INDEX[n] for n in GOLD_COLUMNS]] == 1
+    tp, fp, fn = (ours & gold).sum(0), (ours & ~gold).sum(0), (~ours & gold).sum(0)  # (9,) each
+    out = {name: dict(zip(("precision", "recall", "f1"), map(float, prf)), gold=int(gold[:, i].sum()), ours=int(ours[:, i].sum()))
+           for i, (name, *prf) in enumerate(zip(GOLD_COLUMNS, *_prf(tp, fp, fn)))}
+    return out | {"micro_f1": float(_prf(tp[:8].sum(), fp[:8].sum(), fn[:8].sum())[2]), "n": len(rows),
+                  "no_finding_rate": float(ours[:, -1].mean()), "normal_rate": float(gold[:, -1].mean())}
+
+
 def main(argv=None):
     """`python common.py evaluate --generations FILE.jsonl`: score any generations file;
     `python common.py synthetic --out DIR`: write the synthetic set to a folder;
-    `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
+    `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too);
+    `python common.py labels --gold FILE.csv`: a labeler's agreement with radiologists' labels."""
     p = argparse.ArgumentParser(description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
@@ -2163,6 +2230,10 @@ def main(argv=None):
     s.add_argument("--out", required=True)
     for name, default in (("n_train", 2000), ("n_val", 200), ("n_test", 500), ("size", 128), ("seed", 0)):
         s.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    g = sub.add_parser("labels", help="per-finding agreement with a gold CSV in NegBio's Open-i layout")
+    g.add_argument("--gold", required=True, help="CSV: report, the 14 ChestX-ray14 findings (0/1), normal")
+    g.add_argument("--labeler", default="rule", choices=["rule", "chexbert"])
+    g.add_argument("--chexbert-weights", default=None, help="a local chexbert.pth (else downloaded once)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "plot":
@@ -2172,6 +2243,17 @@ def main(argv=None):
     if args.command == "synthetic":
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
         return print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
+    if args.command == "labels":
+        try:
+            out = gold_agreement(args.gold, make_labeler(args.labeler, args.chexbert_weights))
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from None
+        print(f"{'':<17} precision recall   F1  gold ours")
+        for name in GOLD_COLUMNS:
+            print(f"{name:<17} {out[name]['precision']:9.3f} {out[name]['recall']:6.3f} {out[name]['f1']:6.3f} "
+                  f"{out[name]['gold']:5d} {out[name]['ours']:4d}" + ("  (gold: normal)" if name == "No Finding" else ""))
+        return print(f"micro F1 over the 8 findings: {out['micro_f1']:.3f}; No Finding on {out['no_finding_rate']:.1%} of "
+                     f"{out['n']} reports (gold normal: {out['normal_rate']:.1%}); uncertain counts as absent")
     try:
         results = evaluate_generations(read_generations(args.generations), make_labeler(args.labeler, args.chexbert_weights),
                                        None if args.clean == "none" else args.clean, args.uncertain_as, not args.no_meteor)

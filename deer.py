@@ -76,9 +76,7 @@ TEMPERATURE, MAX_GRAD_NORM = 1.0, 1.0  # the paper gives neither: 1.0 samples th
 LOSS_TYPE, MASK_FRAC = "grpo", 0.1  # the paper's loss normalisation is unsaid: each report's token mean; Table 6's 10 %
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
 ANALYSIS_N = 200  # Tables 6-7: studies drawn from each set, G rollouts each (Table 6: 10,000 rollouts in the paper)
-# Sec. 4.1: "we follow the setting of PromptMRG to compute sample-wise F1" on MIMIC-CXR and IU X-Ray: CheXbert's
-# positives (uncertain = negative) over the 14 labels, F1 per report, then the mean
-CE = dict(headline="example_f1", uncertain_as=0)
+CE = dict(headline="example_f1", uncertain_as=0)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives, 14 labels
 SHARED = ("data", "model", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")  # a stage's output depends on these
 STAGE_FLAGS = {"sft": SHARED + ("sft_steps",), "ddsampling": SHARED + ("labeler",),  # --grad-accum: memory, SFT may differ
                "rl": SHARED + ("labeler", "weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step",
@@ -255,14 +253,14 @@ def sft_trainable(policy, tiny: bool) -> list:
 def sft(run: common.Run, args: Args, s: dict) -> dict:
     if run.done:
         return run.done
-    records = run.data["train"]
-    policy = common.make_policy(args.model, [r.report for r in records], run.device, run.dtype, s["max_new"], max_pixels=args.max_pixels)
+    policy = common.make_policy(args.model, [r.report for r in run.data["train"]], run.device, run.dtype, s["max_new"],
+                                max_pixels=args.max_pixels)
     common.broadcast_parameters(policy.model)
     params = sft_trainable(policy, s["tiny"])
-    total = s["sft_steps"] if s["sft_steps"] is not None else len(records) // s["sft_batch"]  # one epoch
+    total = s["sft_steps"] if s["sft_steps"] is not None else len(run.data["train"]) // s["sft_batch"]  # one epoch
     optimizer, _ = common.adamw(params, s["sft_lr"], total)  # constant lr: the paper names no schedule
     run.restore(policy.model, optimizer)
-    for _, batch in run.steps(total, run.study_batches(records, s["sft_batch"], "the SFT batch"), "DEER SFT"):
+    for _, batch in run.steps(total, run.study_batches(run.data["train"], s["sft_batch"], "the SFT batch"), "DEER SFT"):
         for micro in common.split_batch(batch, args.grad_accum):
             with run.autocast():
                 loss = policy.sft_loss(policy.prompt_batch(micro["images"], PROMPT), micro["report"])
@@ -449,8 +447,7 @@ def settings(args: Args) -> dict:
                 prompts=pick(args.prompts_per_step, 8, 64), steps=pick(args.steps, 120, None),
                 sft_lr=SFT["lr_tiny" if tiny else "lr_hf"], sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
                 sft_steps=pick(args.sft_steps, 500, None), pool=1000 if tiny else None)
-    # The tiny default fits 5 CPU-minutes (~300 s): 500 SFT steps, and DDSampling scores the first 1000 training studies
-    # (K = 10 samples each, the costliest stage) of which --fraction (200) are drawn, 120 RL steps over them. HF: all.
+    # Tiny: ~5 CPU-minutes; DDSampling (K = 10 samples each, the costliest stage) scores the first 1000 studies. HF: all.
 
 
 def train(command: str, args: Args) -> dict:

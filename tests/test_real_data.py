@@ -139,3 +139,22 @@ def test_mrg_r1_orapo_deer_on_real_format_iu_xray(tmp_path, iu_xray, monkeypatch
     deer.main(rl + ["--out", str(tmp_path / "d"), "--group-size", "2"])
     config = check_eval(tmp_path / "d" / "rl_rule", len(data["test"]), "example_f1")
     assert any("TF-IDF" in note for note in config["notes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["iu_xray", "iu_xray_r2gen"])
+def test_all_five_scripts_on_iu_xray(tmp_path, layout, request, monkeypatch):
+    """Each of the five scripts, a tiny budget each, on IU X-Ray as users have it (R2GenGPT's 1-5 views, R2Gen's 2):
+    exit 0 and an eval.json with finite numbers (`python -m pytest -q tests/test_real_data.py -m slow`)."""
+    data = str(request.getfixturevalue(layout))
+    monkeypatch.setattr(common, "CHECKPOINT_EVERY", 1000)
+    rl = ["--data", data, "--steps", "1", "--prompts-per-step", "2", "--max-new-tokens", "8", "--sft-steps", "2"]
+    mrg_r1.main(rl + ["--out", str(tmp_path / "m")])
+    orapo.main(rl + ["--out", str(tmp_path / "o"), "--group-size", "2"])
+    deer.main(rl + ["--out", str(tmp_path / "d"), "--group-size", "2"])
+    rrgcl.main(["--data", data, "--out", str(tmp_path / "r"), "--steps", "2", "--epochs", "1", "--batch-size", "8"])
+    dcrrg.main(["--data", data, "--out", str(tmp_path / "c"), "--batch-size", "8", "--decoder-batch-size", "4", "--no-probes",
+                *[f for k in range(1, 5) for f in (f"--step{k}-steps", "2")]])
+    for out in ("m", "o", "d/rl_rule", "r", "c/step4"):
+        text = (tmp_path / out / "eval.json").read_text()
+        assert "NaN" not in text and json.loads((tmp_path / out / "config.json").read_text())["clean"] == "iu_xray"
