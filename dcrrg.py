@@ -295,6 +295,9 @@ def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     """Eq. 3-9: align the encoders on image-report pairs (DCCLIP); then retrieval P@K and the probes."""
     def evaluate(model, st):
         out = {"retrieval": retrieval(model, env["test"], env["transform"])}
+        if st.is_main and (skipped := out["retrieval"]["skipped"]):
+            common.log.warning("Step 2 retrieval skips %s (no test study positive for it alone): %s", ", ".join(skipped),
+                               "P@K over the other classes" if "P@1" in out["retrieval"] else "no P@K (under two classes)")
         if args.probes and st.is_main:  # DCCLIP's image encoder against the one Step 1 starts from
             common.seed_everything(args.seed)
             start = DCRRG(args, env["tokenizer"]).image_encoder.to(st.device)
@@ -486,11 +489,13 @@ def auroc_per_observation(scores: np.ndarray, targets: np.ndarray) -> dict:
 
 
 def retrieval_set(labels: np.ndarray, per_class: int) -> tuple[np.ndarray, np.ndarray]:
-    """CheXpert 5x200's way: the first N studies positive for one class alone, N = min(per_class, the rarest)."""
+    """CheXpert 5x200's way: the first N studies positive for one class alone, N = min(per_class, the rarest) -> rows,
+    their classes (indices into FIVE). A class with no such study is left out (5x200 has 200 of each: ours)."""
     positive = labels[:, [common.LABEL_INDEX[c] for c in FIVE]] == 1  # (N, 5)
     pools = [np.flatnonzero((positive.sum(1) == 1) & positive[:, c]) for c in range(len(FIVE))]
-    n = min([per_class] + [len(p) for p in pools])
-    return np.concatenate([p[:n] for p in pools]), np.repeat(np.arange(len(FIVE)), n)
+    kept = [c for c, p in enumerate(pools) if len(p)]
+    n = min([per_class] + [len(pools[c]) for c in kept])
+    return np.array([i for c in kept for i in pools[c][:n]], dtype=np.int64), np.repeat(kept, n).astype(np.int64)
 
 
 def precision_at_k(sim: torch.Tensor, query_cls, cand_cls, ks=(1, 2, 5, 10)) -> dict:
@@ -501,12 +506,15 @@ def precision_at_k(sim: torch.Tensor, query_cls, cand_cls, ks=(1, 2, 5, 10)) -> 
 
 
 def retrieval(model: DCRRG, records, transform) -> dict:
-    """Image-to-text P@K on the 5 x N set, by the mean over the 14 prompts of cos(v_p^k, t_p^k)."""
+    """Image-to-text P@K on the 5 x N set, by the mean over the 14 prompts of cos(v_p^k, t_p^k); "skipped": the
+    classes left out, P@K over the others (none for one class: every candidate would match)."""
     rows, classes = retrieval_set(np.stack([r.labels for r in records]), RETRIEVAL_PER_CLASS)
-    if len(rows) == 0:
-        return {"n_per_class": 0}  # some class has no test study positive for it alone
+    kept = sorted(set(classes.tolist()))
+    out = {"n_per_class": len(rows) // max(len(kept), 1), "skipped": [c for i, c in enumerate(FIVE) if i not in kept]}
+    if len(kept) < 2:
+        return out
     v_p, t_p = (F.normalize(model.project([records[i] for i in rows], m, transform), dim=-1) for m in MODALITIES)  # (5N, 14, P)
-    return {"n_per_class": len(rows) // len(FIVE), **precision_at_k(torch.einsum("ikp,jkp->ij", v_p, t_p) / K, classes, classes)}
+    return out | precision_at_k(torch.einsum("ikp,jkp->ij", v_p, t_p) / K, classes, classes)
 
 
 def probes(encoder: nn.Module, train, test, transform, seed: int) -> dict:

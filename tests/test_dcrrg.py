@@ -281,7 +281,10 @@ def test_retrieval_set_one_class_each_and_balanced():
     labels = onehots(*rows).numpy()
     idx, cls = retrieval_set(labels, per_class=5)
     assert list(idx) == [0, 2, 4, 3, 5] and list(cls) == [0, 1, 2, 3, 4]  # N = 1: Consolidation has one
-    assert len(retrieval_set(labels[:4], 5)[0]) == 0  # a class missing: empty
+    # Consolidation and Pleural Effusion have no study alone: left out, N = 1 of the three others (rows 0, 2, 3)
+    idx, cls = retrieval_set(labels[:4], 5)
+    assert list(idx) == [0, 2, 3] and list(cls) == [0, 1, 3]
+    assert len(retrieval_set(labels[[1, 2]], 5)[0]) == 1  # Cardiomegaly alone: one class left
 
 
 def test_auroc_five_competition_tasks_and_mean():
