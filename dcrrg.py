@@ -201,17 +201,24 @@ class DCRRG(nn.Module):  # all the parts: each step trains some (set_trainable) 
 
 def build_tokenizer(args: Args, reports: list[str], run):
     """--text-encoder's tokenizer, else out/tokenizer/vocab.txt: the most frequent words of the training reports
-    and every character alone and as ##continuation (`tokenizers`' trainer breaks ties in hash order)."""
+    and every character alone and as ##continuation (`tokenizers`' trainer breaks ties in hash order). Made at every
+    start: once a step of the folder has trained (a .pt file), other reports (other token ids) are an error."""
     from transformers import AutoTokenizer, BertTokenizerFast
     if args.text_encoder:
         return AutoTokenizer.from_pretrained(args.text_encoder)
-    if run.is_main and not (run.out / "tokenizer" / "vocab.txt").is_file():
+    path, problem = run.out / "tokenizer" / "vocab.txt", None
+    if run.is_main:
         counts = Counter(w for r in reports for w in re.findall(r"\w+|[^\w\s]", r.lower()))
         words, chars = sorted(counts, key=lambda w: (-counts[w], w))[:VOCAB_SIZE], sorted({c for w in counts for c in w})
-        vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words
-        run.write("tokenizer/vocab.txt", "\n".join(dict.fromkeys(vocab)) + "\n")
-    common.barrier()  # the other ranks read it once it is there
-    return BertTokenizerFast.from_pretrained(str(run.out / "tokenizer"))
+        vocab = "\n".join(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words)) + "\n"
+        if path.is_file() and path.read_text() != vocab and any(run.out.rglob("*.pt")):
+            problem = (f"{path} was made from other training reports than those of --data {args.data}: {run.out} holds "
+                       "a run on other data; give another --out")
+        else:  # new, the same, or left by a start that trained nothing
+            run.write("tokenizer/vocab.txt", vocab)
+    if problem := common.broadcast_object(problem):  # the other ranks read the file once it is there
+        raise ValueError(problem)
+    return BertTokenizerFast.from_pretrained(str(path.parent))
 
 
 def step1_loss(model: DCRRG, batch, records, targets, weights, transform):
@@ -576,6 +583,8 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, part
     if init is not None:
         if not (path := run.out / init / "model.pt").is_file():
             raise FileNotFoundError(f"{path} not found: run {init} first")
+        if (then := json.loads((path.parent / "config.json").read_text())["data"]) != args.data:
+            raise ValueError(f"{path} was trained on --data {then}, not {args.data}: give another --out")
         fresh = {k: v for k, v in model.state_dict().items() if kind == "step4" and k.startswith(("prefix", "prompt_head."))}
         model.load_state_dict({**torch.load(path, map_location=run.device, weights_only=True), **fresh})
     params = set_trainable(model, parts)
