@@ -9,11 +9,11 @@ to write one observation's description; Step 4 learns P-Tuning v2 prefixes and a
     python dcrrg.py                  # = dcrrg.py all: synthetic set, tiny sizes, 4 steps + evaluation
     python dcrrg.py step3 --resume   # one step, from out/step2/model.pt
     python dcrrg.py ablation         # Table 4's Models 1-7 -> out/ablation/ablation.json (one --seed per run)
-    python dcrrg.py --data /data/mimic_cxr --model paper --pretrained imagenet \\
-        --text-encoder emilyalsentzer/Bio_ClinicalBERT --labeler chexbert --dtype bf16 \\
-        --step1-steps 20000 --step2-steps 10000 --step3-steps 20000 --step4-steps 20000   # one GPU
-    torchrun --nproc_per_node=4 dcrrg.py --data /data/mimic_cxr --model paper ...            # same flags
-Batch sizes are global (each of N processes takes 1/N); Step 2 contrasts the whole global batch.
+    python dcrrg.py --data /data/mimic_cxr --model paper --text-encoder emilyalsentzer/Bio_ClinicalBERT   # one GPU
+    torchrun --nproc_per_node=4 dcrrg.py --data /data/mimic_cxr --model paper ...   # same flags
+--model paper is App. A (ImageNet ResNet-50, AdamW 1e-4, batch 32 / 16; CheXbert labels, bf16 on a GPU) for EPOCHS
+epochs a step (ours); its BERT is random without --text-encoder. Batch sizes are global (each of N processes
+takes 1/N); Step 2 contrasts the whole global batch.
 
 Equations, and where they are implemented:
     Sec. 3.1    targets: unmentioned negative, uncertain out;  observation_targets, draw_pairs (re-sampling),
@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import re
+import urllib.error
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
@@ -52,26 +53,26 @@ import common
 class Args(common.RunArgs):
     out: str = "runs/dcrrg"  # the run's folder: one sub-folder per step (step1 .. step4, ablation/...)
     model: Literal["tiny", "paper"] = "tiny"  # tiny: small CNN, BERT-Tiny shape, width 128 (CPU); paper: ResNet-50, BERT 512/8 heads (App. A)
-    pretrained: str | None = None  # --model paper: the ResNet-50's start, "imagenet" (App. A) or a state-dict file
-    text_encoder: str | None = None  # HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT); None: a random BERT
+    pretrained: str = "imagenet"  # --model paper: the ResNet-50's start, "imagenet" (App. A: torchvision's weights, downloaded once), "none" (random) or a state-dict file
+    text_encoder: str | None = None  # HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT, as it is: 768 / 12 heads); None: a random BERT (paper: 512 hidden, 8 heads) on our vocabulary
     extra_data: str | None = None  # annotation.json whose train records join Step 1 only (Tables 1 and 5: CheXpert)
     lr: float | None = None  # AdamW lr of every step; None: 1e-4 (App. A); --model tiny: see fit()
     batch_size: int = 32  # Steps 1-2, over all ranks (App. A)
     decoder_batch_size: int = 16  # Steps 3-4, over all ranks (App. A)
     balance: Literal["resample", "reweight", "none"] | None = None  # Step 1 (Sec. 3.1); None: resample (paper) with --model paper, reweight (same expected loss) with tiny
-    step1_steps: int = 300  # the paper gives no schedule: our budgets for the synthetic set, cut so that the
-    step2_steps: int = 200  # tiny default run (probes and 200 beam-searched test reports included) stays within
-    step3_steps: int = 600  # about 280 CPU-seconds; the paper's run sets all four (see the docstring)
-    step4_steps: int = 400
+    step1_steps: int | None = None  # Step 1's steps; None: 300 with --model tiny, 10 epochs of its studies with paper (ours)
+    step2_steps: int | None = None  # Step 2's steps; None: 200 with --model tiny, 10 epochs of the training studies with paper (ours)
+    step3_steps: int | None = None  # Step 3's steps; None: 600 with --model tiny, 10 epochs of the descriptions with paper (ours)
+    step4_steps: int | None = None  # Step 4's steps; None: 400 with --model tiny, 10 epochs of the training studies with paper (ours)
     step4: Literal["pt", "fft"] = "pt"  # pt: P-Tuning v2 (Sec. 3.4); fft: fine-tune image encoder and decoder (Table 4)
     prefix_len: int = 16  # P-Tuning v2 prefix length per attention (paper silent)
     probes: bool = True  # after Step 2: linear-probe and fine-tuning AUROC with 1/10/100 % of the labels (Sec. 4.4.3)
     n_test: int | None = None  # Step 4's test studies; None: all, --model tiny: 200 (beam search has no key/value cache)
 
 
-SIZES = {  # --model: image encoder and size, text BERT (hidden, heads, layers), width P of projections and decoder
-    "tiny": dict(image="cnn", image_size=64, hidden=128, heads=2, layers=2, width=128, dec_heads=4),  # BERT-Tiny's shape
-    "paper": dict(image="resnet50", image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8),  # App. A; 8 layers: ours
+SIZES = {  # --model: image size, random text BERT (hidden, heads, layers), width P of projections and decoder
+    "tiny": dict(image_size=64, hidden=128, heads=2, layers=2, width=128, dec_heads=4),  # BERT-Tiny's shape
+    "paper": dict(image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8),  # App. A; 8 layers: ours
 }
 K = len(common.CHEXPERT_LABELS)  # 14 observations = 14 prompts
 NO_FINDING = common.LABEL_INDEX["No Finding"]
@@ -84,6 +85,8 @@ VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become charac
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
 CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
 PROBE = dict(finetune_epochs=5, lr=1e-3, lbfgs_iters=500)  # Sec. 4.4.3 gives no settings: ours
+# No schedule in the paper. Tiny: the default run (probes, 200 beam-searched reports) in about 280 CPU-seconds
+TINY_STEPS, EPOCHS = dict(step1=300, step2=200, step3=600, step4=400), 10  # paper: EPOCHS passes over a step's examples
 
 
 # Sec. 3.1 and 3.3: targets ----------------------------------------------------------------------
@@ -161,13 +164,23 @@ class ProjectionHead(nn.Module):
         return self.fc2(F.gelu(self.fc1(torch.cat([self.norm(x)[:, None].expand(-1, K, -1), e], -1))))  # (B, 14, P)
 
 
+def image_encoder(args: Args) -> nn.Module:
+    """Eq. 1a's E_img, averaged over a study's views: a small CNN, or ResNet-50's pooled 2048-d feature (App. A:
+    "pretrained on ImageNet", torchvision's weights, downloaded once into torch's cache)."""
+    if args.model == "tiny":
+        return common.ViewMean(common.SmallCNN())
+    try:
+        return common.resnet_encoder(50, None if args.pretrained == "none" else args.pretrained, "--pretrained")
+    except urllib.error.URLError as e:  # offline: one line that names the way out
+        raise OSError(f"--pretrained imagenet: torchvision's ImageNet ResNet-50 weights could not be downloaded "
+                      f"({e.reason}); pass --pretrained none for random weights, or a state-dict file") from None
+
+
 class DCRRG(nn.Module):  # all the parts: each step trains some (set_trainable) and saves all
     def __init__(self, args: Args, tokenizer):
         super().__init__()
         size, self.tokenizer = SIZES[args.model], tokenizer
-        # Eq. 1a's E_img, averaged over a study's views: a small CNN or ResNet-50's pooled 2048-d feature (App. A)
-        self.image_encoder = common.ViewMean(common.SmallCNN()) if size["image"] == "cnn" else \
-            common.resnet_encoder(50, args.pretrained, "--pretrained")
+        self.image_encoder = image_encoder(args)  # Eq. 1a's E_img
         from transformers import AutoModel, BertConfig, BertModel
         dropout = dict(hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT)
         self.text_encoder = AutoModel.from_pretrained(args.text_encoder, **dropout) if args.text_encoder else BertModel(
@@ -256,7 +269,7 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         y, p = observation_targets(np.stack([r.labels for r in env["test"]])), lambda m: torch.softmax(
             model.heads[m][1](model.project(env["test"], m, env["transform"])).float(), -1)[..., 1].cpu().numpy()
         return {"balance": balance, **{f"auroc_{m}": auroc_per_observation(p(m), y) for m in MODALITIES}}
-    return fit(run, args, env, name, init, "step1", ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
+    return fit(run, args, env, name, init, "step1", len(records), ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
                batches, lambda model, batch: step1_loss(model, batch, records, targets, weights, env["transform"]), evaluate)
 
 
@@ -311,7 +324,7 @@ def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
             out["probes"] = {k: probes(enc, env["train"], env["test"], env["transform"], args.seed)
                              for k, enc in (("dcclip", model.image_encoder), ("initial", start))}
         return out
-    return fit(run, args, env, name, init, "step2", ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
+    return fit(run, args, env, name, init, "step2", len(env["train"]), ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
                run.study_batches(env["train"], args.batch_size, "--batch-size", env["transform"]),
                lambda model, batch: step2_loss(model, batch, run.world_size), evaluate)
 
@@ -416,7 +429,7 @@ def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         st.write("descriptions_val.jsonl", "".join(json.dumps({"id": r.id, "observation": common.CHEXPERT_LABELS[
             r.meta["obs"]], "reference": r.report, "generated": g}) + "\n" for r, g in zip(val, texts)))
         return out
-    return fit(run, args, env, name, init, "step3", ["decoder"],
+    return fit(run, args, env, name, init, "step3", len(examples), ["decoder"],
                run.study_batches(examples, args.decoder_batch_size, "--decoder-batch-size", transform),
                loss_fn, evaluate)
 
@@ -476,9 +489,13 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
                          MAX_REPORT_TOKENS, **decoder_kw(model))
         rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
         st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
-        return {"step4": args.step4, **(common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {})}
+        if not st.is_main:
+            return {"step4": args.step4}
+        scores = common.evaluate_generations(rows, env["labeler"], args.clean, **CE)
+        print(f"{st.out}: {common.summary(scores)}")
+        return {"step4": args.step4, **scores}
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
-    return fit(run, args, env, name, init, "step4", ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
+    return fit(run, args, env, name, init, "step4", len(env["train"]), ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
                run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
                lambda model, batch: (lm_loss(model.decoder, f_I(model, batch["images"]), batch["report"], tok,
                                              MAX_REPORT_TOKENS, **decoder_kw(model)), {}), evaluate)
@@ -570,10 +587,17 @@ def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, parts: list[str], batches, loss_fn,
+def budget(args: Args, kind: str, n: int) -> int:
+    """--stepN-steps, else TINY_STEPS[kind] with --model tiny, or EPOCHS passes over the step's n examples with paper."""
+    steps, batch = getattr(args, f"{kind}_steps"), args.batch_size if kind in ("step1", "step2") else args.decoder_batch_size
+    return steps if steps is not None else TINY_STEPS[kind] if args.model == "tiny" else EPOCHS * -(-n // batch)
+
+
+def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, n: int, parts: list[str], batches, loss_fn,
         evaluate) -> dict:
-    """One step in out/<name> from out/<init>/model.pt (None: fresh; Step 4's prefixes and head: fresh): AdamW on `parts` (App. A; constant lr, no
-    schedule given), evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their results."""
+    """One step in out/<name> from out/<init>/model.pt (None: fresh; Step 4's prefixes and head: fresh): AdamW on `parts`
+    (App. A; constant lr, no schedule given) over n examples an epoch, evaluate(model, stage), out/<name>/model.pt.
+    --resume: done steps return their results."""
     others = {"resume", "out"} | {f"{s}_steps" for s in STEPS if s != kind}  # --resume checks this step's flags only
     st = run.stage(name, [f.name for f in dataclasses.fields(args) if f.name not in others])
     if st.done is not None:
@@ -595,7 +619,7 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, part
     common.broadcast_parameters(model)
     # --lr, else App. A's 1e-4; --model tiny: 1e-3, 5e-3 for P-Tuning v2 (its range), 1e-4 for Step 2 (1e-3 undid Step 1)
     tiny = 1e-4 if kind == "step2" else 5e-3 if kind == "step4" and args.step4 == "pt" else 1e-3
-    lr, total = args.lr or (tiny if args.model == "tiny" else 1e-4), getattr(args, f"{kind}_steps")
+    lr, total = args.lr or (tiny if args.model == "tiny" else 1e-4), budget(args, kind, n)
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
     st.restore(model, optimizer)
     for _, batch in st.steps(total, batches, f"DCRRG {name}"):
@@ -649,8 +673,18 @@ def prepare(run, args: Args) -> dict:
                 tokenizer=build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run))
 
 
+def paper_notes(args: Args) -> list[str]:
+    """What a --model paper run cannot do as App. A does: said at start and kept in each step's config.json."""
+    return [] if args.model == "tiny" else [
+        "image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights"] * (args.pretrained == "none") + [
+        "text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' words, "
+        "not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)"] * (args.text_encoder is None)
+
+
 def train(command: str, args: Args) -> dict:
-    run = common.start_run(args, stages=True)
+    run = common.start_run(args, stages=True, notes=paper_notes(args))
+    if args.model == "paper":
+        image_encoder(args)  # App. A's ImageNet weights now (torchvision keeps them), not after hours of labelling
     env = prepare(run, args)
     if command == "ablation":
         return ablation(run, args, env)

@@ -476,6 +476,38 @@ def test_bad_input_is_a_clear_error(tmp_path, small_synthetic):
         dcrrg.main(["step4", "--step4", "lora", "--out", str(tmp_path)])
 
 
+def test_model_paper_offline_is_one_error_at_once(tmp_path, small_synthetic, monkeypatch):
+    """--model paper fetches App. A's ImageNet ResNet-50 (torchvision's weights) before labelling anything; without
+    network that is one error naming the flag for random weights, and it leaves nothing in --out."""
+    import socket
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # no cached weights: the download is tried
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror(-3, "no network")))
+    monkeypatch.setattr(dcrrg, "prepare", lambda *a: pytest.fail("labelled the data before fetching the weights"))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"--pretrained imagenet: .*ImageNet ResNet-50 .*no network.*--pretrained none"):
+        dcrrg.main(["--model", "paper", "--labeler", "rule", "--data", str(small_synthetic), "--out", str(out)])
+    assert not out.exists() and not (tmp_path / "torch" / "hub" / "checkpoints" / "resnet50").exists()
+
+
+def test_paper_size_defaults_notes_and_help(capsys):
+    """--model paper: App. A's ImageNet start, EPOCHS passes over each step's examples, a note for each part that is
+    not App. A's; --model tiny keeps its budgets; each --stepN-steps help says its own default."""
+    tiny, paper = dcrrg.Args(), dcrrg.Args(model="paper")
+    assert paper.pretrained == "imagenet" and (paper.lr, paper.batch_size, paper.decoder_batch_size) == (None, 32, 16)
+    assert [dcrrg.budget(tiny, f"step{k}", 1000) for k in range(1, 5)] == [300, 200, 600, 400]
+    assert [dcrrg.budget(paper, f"step{k}", 1000) for k in range(1, 5)] == [10 * 32, 10 * 32, 10 * 63, 10 * 63]  # ceil(1000 / batch)
+    assert dcrrg.budget(dataclasses.replace(paper, step3_steps=0), "step3", 1000) == 0
+    assert dcrrg.paper_notes(tiny) == [] and dcrrg.paper_notes(dataclasses.replace(paper, text_encoder="x")) == []
+    resnet, bert = dcrrg.paper_notes(dataclasses.replace(paper, pretrained="none"))
+    assert "random ResNet-50" in resnet and "random BERT" in bert and "--text-encoder emilyalsentzer/Bio_ClinicalBERT" in bert
+    with pytest.raises(SystemExit):
+        dcrrg.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for k in range(1, 5):
+        assert f"--step{k}-steps STEP{k}_STEPS Step {k}'s steps; None: {dcrrg.TINY_STEPS[f'step{k}']} with --model tiny, " \
+               f"{dcrrg.EPOCHS} epochs of" in text
+
+
 def test_ablation_plan_is_table_4():
     made, plan = set(), {}
     for folder, step, init, mode in dcrrg.ABLATION:
