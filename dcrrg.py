@@ -12,8 +12,7 @@ to write one observation's description; Step 4 learns P-Tuning v2 prefixes and a
     python dcrrg.py --data /data/mimic_cxr --model paper --text-encoder emilyalsentzer/Bio_ClinicalBERT   # one GPU
     torchrun --nproc_per_node=4 dcrrg.py --data /data/mimic_cxr --model paper ...   # same flags
 --model paper is App. A (ImageNet ResNet-50, AdamW 1e-4, batch 32 / 16; CheXbert labels, bf16 on a GPU) for EPOCHS
-epochs a step (ours); its BERT is random without --text-encoder. Batch sizes are global (each of N processes
-takes 1/N); Step 2 contrasts the whole global batch.
+epochs a step (ours), its BERT random without --text-encoder. Batch sizes are global; Step 2 contrasts all of it.
 
 Equations, and where they are implemented:
     Sec. 3.1    targets: unmentioned negative, uncertain out;  observation_targets, draw_pairs (re-sampling),
@@ -36,9 +35,7 @@ import dataclasses
 import json
 import math
 import re
-import urllib.error
 from collections import Counter
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -49,7 +46,7 @@ import torch.nn.functional as F
 import common
 
 
-@dataclass
+@dataclasses.dataclass
 class Args(common.RunArgs):
     out: str = "runs/dcrrg"  # the run's folder: one sub-folder per step (step1 .. step4, ablation/...)
     model: Literal["tiny", "paper"] = "tiny"  # tiny: small CNN, BERT-Tiny shape, width 128 (CPU); paper: ResNet-50, BERT 512/8 heads (App. A)
@@ -72,8 +69,7 @@ class Args(common.RunArgs):
 
 SIZES = {  # --model: image size, random text BERT (hidden, heads, layers), width P of projections and decoder
     "tiny": dict(image_size=64, hidden=128, heads=2, layers=2, width=128, dec_heads=4),  # BERT-Tiny's shape
-    "paper": dict(image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8),  # App. A; 8 layers: ours
-}
+    "paper": dict(image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8)}  # App. A; 8 layers: ours
 K = len(common.CHEXPERT_LABELS)  # 14 observations = 14 prompts
 NO_FINDING = common.LABEL_INDEX["No Finding"]
 FIVE = ["Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion"]  # CheXpert 5x200 / competition tasks
@@ -85,8 +81,8 @@ VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become charac
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
 CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
 PROBE = dict(finetune_epochs=5, lr=1e-3, lbfgs_iters=500)  # Sec. 4.4.3 gives no settings: ours
-# No schedule in the paper. Tiny: the default run (probes, 200 beam-searched reports) in about 280 CPU-seconds
-TINY_STEPS, EPOCHS = dict(step1=300, step2=200, step3=600, step4=400), 10  # paper: EPOCHS passes over a step's examples
+# No schedule in the paper (ours): --model tiny's default run in ~280 CPU-s; --model paper: EPOCHS passes over each step's examples
+TINY_STEPS, EPOCHS = dict(step1=300, step2=200, step3=600, step4=400), 10
 
 
 # Sec. 3.1 and 3.3: targets ----------------------------------------------------------------------
@@ -156,31 +152,20 @@ class ProjectionHead(nn.Module):
     def __init__(self, dim: int, width: int):
         super().__init__()
         self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim + K, 4 * width), nn.Linear(4 * width, width)
-        with torch.no_grad():
-            self.fc1.weight[:, dim:].normal_()
+        nn.init.normal_(self.fc1.weight[:, dim:])
 
     def forward(self, x):  # x (B, D) -> (B, 14, P): under every prompt
         e = torch.eye(K, dtype=x.dtype, device=x.device).expand(len(x), K, K)  # (B, 14, 14) one-hot prompts
         return self.fc2(F.gelu(self.fc1(torch.cat([self.norm(x)[:, None].expand(-1, K, -1), e], -1))))  # (B, 14, P)
 
 
-def image_encoder(args: Args) -> nn.Module:
-    """Eq. 1a's E_img, averaged over a study's views: a small CNN, or ResNet-50's pooled 2048-d feature (App. A:
-    "pretrained on ImageNet", torchvision's weights, downloaded once into torch's cache)."""
-    if args.model == "tiny":
-        return common.ViewMean(common.SmallCNN())
-    try:
-        return common.resnet_encoder(50, None if args.pretrained == "none" else args.pretrained, "--pretrained")
-    except urllib.error.URLError as e:  # offline: one line that names the way out
-        raise OSError(f"--pretrained imagenet: torchvision's ImageNet ResNet-50 weights could not be downloaded "
-                      f"({e.reason}); pass --pretrained none for random weights, or a state-dict file") from None
-
-
 class DCRRG(nn.Module):  # all the parts: each step trains some (set_trainable) and saves all
     def __init__(self, args: Args, tokenizer):
         super().__init__()
         size, self.tokenizer = SIZES[args.model], tokenizer
-        self.image_encoder = image_encoder(args)  # Eq. 1a's E_img
+        # Eq. 1a's E_img, averaged over a study's views: a small CNN or ResNet-50's pooled 2048-d feature (App. A)
+        self.image_encoder = common.ViewMean(common.SmallCNN()) if args.model == "tiny" else \
+            common.resnet_encoder(50, None if args.pretrained == "none" else args.pretrained, "--pretrained")
         from transformers import AutoModel, BertConfig, BertModel
         dropout = dict(hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT)
         self.text_encoder = AutoModel.from_pretrained(args.text_encoder, **dropout) if args.text_encoder else BertModel(
@@ -352,8 +337,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn, self.cross_attn = Attention(d, heads, dropout), Attention(d, heads, dropout)
         self.ffn = nn.Sequential(nn.Linear(d, 4 * d), nn.ReLU(), nn.Dropout(dropout), nn.Linear(4 * d, d))
-        self.ln1, self.ln2, self.ln3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.drop = nn.Dropout(dropout)
+        self.ln1, self.ln2, self.ln3, self.drop = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d), nn.Dropout(dropout)
 
     def forward(self, y, f_I, prefix=None):  # prefix (2, 2, L_p, d): self- and cross-attention keys/values, or None
         # Eq. 12: e_attn = LN(MMHA(y) + y)
@@ -489,11 +473,7 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
                          MAX_REPORT_TOKENS, **decoder_kw(model))
         rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
         st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
-        if not st.is_main:
-            return {"step4": args.step4}
-        scores = common.evaluate_generations(rows, env["labeler"], args.clean, **CE)
-        print(f"{st.out}: {common.summary(scores)}")
-        return {"step4": args.step4, **scores}
+        return {"step4": args.step4, **(common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {})}
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
     return fit(run, args, env, name, init, "step4", len(env["train"]), ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
                run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
@@ -587,17 +567,15 @@ def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def budget(args: Args, kind: str, n: int) -> int:
-    """--stepN-steps, else TINY_STEPS[kind] with --model tiny, or EPOCHS passes over the step's n examples with paper."""
+def budget(args: Args, kind: str, n: int) -> int:  # --stepN-steps, else TINY_STEPS, or EPOCHS passes over n examples
     steps, batch = getattr(args, f"{kind}_steps"), args.batch_size if kind in ("step1", "step2") else args.decoder_batch_size
     return steps if steps is not None else TINY_STEPS[kind] if args.model == "tiny" else EPOCHS * -(-n // batch)
 
 
 def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, n: int, parts: list[str], batches, loss_fn,
         evaluate) -> dict:
-    """One step in out/<name> from out/<init>/model.pt (None: fresh; Step 4's prefixes and head: fresh): AdamW on `parts`
-    (App. A; constant lr, no schedule given) over n examples an epoch, evaluate(model, stage), out/<name>/model.pt.
-    --resume: done steps return their results."""
+    """One step in out/<name> from out/<init>/model.pt (None: fresh): AdamW on `parts` (App. A; constant lr, no schedule
+    given) for budget() steps, evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their results."""
     others = {"resume", "out"} | {f"{s}_steps" for s in STEPS if s != kind}  # --resume checks this step's flags only
     st = run.stage(name, [f.name for f in dataclasses.fields(args) if f.name not in others])
     if st.done is not None:
@@ -609,8 +587,7 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, n: i
             raise FileNotFoundError(f"{path} not found: run {init} first")
         if (then := json.loads((path.parent / "config.json").read_text())["data"]) != args.data:
             raise ValueError(f"{path} was trained on --data {then}, not {args.data}: give another --out")
-        fresh = {k: v for k, v in model.state_dict().items() if kind == "step4" and k.startswith(("prefix", "prompt_head."))}
-        model.load_state_dict({**torch.load(path, map_location=run.device, weights_only=True), **fresh})
+        model.load_state_dict(torch.load(path, map_location=run.device, weights_only=True))  # Step 4: prefixes, head as drawn
     params = set_trainable(model, parts)
     if kind in ("step3", "step4") and bool((model.decoder.memory_std == 1).all()):  # Step 3, or Step 4 without it
         with torch.no_grad():  # the decoder's fixed f_I mean and std per slot and feature: 512 training images
@@ -661,7 +638,15 @@ def ablation(run, args: Args, env: dict) -> dict:
 
 
 def prepare(run, args: Args) -> dict:
-    """The splits labelled by --labeler (--extra-data keeps stored labels), the tokenizer and the image transform."""
+    """App. A's ImageNet weights (--model paper), then the splits labelled by --labeler (--extra-data keeps stored
+    labels), the tokenizer and the image transform."""
+    if args.model == "paper" and args.pretrained == "imagenet":  # now, not after hours of labelling
+        import torchvision
+        try:  # torchvision's weights API: downloaded once into torch's cache, where every DCRRG() finds them
+            torchvision.models.get_model_weights("resnet50").DEFAULT.get_state_dict(progress=run.is_main)
+        except OSError as e:
+            raise OSError(f"--pretrained imagenet: torchvision's ImageNet ResNet-50 weights could not be downloaded ({e}); "
+                          "pass --pretrained none for random weights, or a state-dict file") from None
     relabel = lambda recs: [dataclasses.replace(r, labels=l) for r, l in zip(recs, run.labeler([r.report for r in recs]))]  # noqa: E731
     extra = common.load_annotation(args.extra_data, ("train",), args.drop_invalid)["train"] if args.extra_data else []
     extra = [r for r in extra if r.labels is not None] + relabel([r for r in extra if r.labels is None])
@@ -673,8 +658,7 @@ def prepare(run, args: Args) -> dict:
                 tokenizer=build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run))
 
 
-def paper_notes(args: Args) -> list[str]:
-    """What a --model paper run cannot do as App. A does: said at start and kept in each step's config.json."""
+def paper_notes(args: Args) -> list[str]:  # what --model paper cannot do as App. A does: logged, in config.json
     return [] if args.model == "tiny" else [
         "image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights"] * (args.pretrained == "none") + [
         "text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' words, "
@@ -683,8 +667,6 @@ def paper_notes(args: Args) -> list[str]:
 
 def train(command: str, args: Args) -> dict:
     run = common.start_run(args, stages=True, notes=paper_notes(args))
-    if args.model == "paper":
-        image_encoder(args)  # App. A's ImageNet weights now (torchvision keeps them), not after hours of labelling
     env = prepare(run, args)
     if command == "ablation":
         return ablation(run, args, env)
@@ -692,6 +674,8 @@ def train(command: str, args: Args) -> dict:
                for name, step, previous in zip(STEPS, STEPS.values(), [None, *STEPS]) if command in ("all", name)}
     if command == "all":
         run.write("eval.json", json.dumps(results, indent=2))
+    if run.is_main and "step4" in results:  # the paper's CE number, BLEU-4, and a degenerate-output warning
+        print(f"{run.out / 'step4'}: {common.summary(results['step4'])}")
     return results
 
 

@@ -482,7 +482,7 @@ def test_model_paper_offline_is_one_error_at_once(tmp_path, small_synthetic, mon
     import socket
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # no cached weights: the download is tried
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror(-3, "no network")))
-    monkeypatch.setattr(dcrrg, "prepare", lambda *a: pytest.fail("labelled the data before fetching the weights"))
+    monkeypatch.setattr(common.RuleLabeler, "__call__", lambda *a: pytest.fail("labelled the data before fetching the weights"))
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"--pretrained imagenet: .*ImageNet ResNet-50 .*no network.*--pretrained none"):
         dcrrg.main(["--model", "paper", "--labeler", "rule", "--data", str(small_synthetic), "--out", str(out)])
