@@ -26,11 +26,10 @@ Equations, and where they are implemented:
     Eq. 13-14   autoregressive decoder, token cross-entropy    Decoder, lm_loss
     Sec. 3.4    P-Tuning v2 prefixes + fresh output head       DCRRG.prefix, step4
     App. A      beam search of width 3                         beam_search
-    Sec. 4.4    P@K retrieval on 5 x N, AUROC probes           retrieval, probes; Table 4: ablation()
+    Sec. 4.4.2  P@K retrieval on 5 x N; Table 6 AUROC          retrieval, auroc_per_observation; Table 4: ablation()
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -63,7 +62,6 @@ class Args(common.RunArgs):
     step4_steps: int | None = None  # Step 4's steps; None: 400 with --model tiny, 10 epochs of the training studies with paper (ours)
     step4: Literal["pt", "fft"] = "pt"  # pt: P-Tuning v2 (Sec. 3.4); fft: fine-tune image encoder and decoder (Table 4)
     prefix_len: int = 16  # P-Tuning v2 prefix length per attention (paper silent)
-    probes: bool = True  # after Step 2: linear-probe and fine-tuning AUROC with 1/10/100 % of the labels (Sec. 4.4.3)
     n_test: int | None = None  # Step 4's test studies; None: all, --model tiny: 200 (beam search has no key/value cache)
 
 
@@ -80,8 +78,7 @@ MAX_TEXT_TOKENS, MAX_DESCRIPTION_TOKENS, MAX_REPORT_TOKENS = 256, 48, 128  # wor
 VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become characters (ours)
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
 CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
-PROBE = dict(finetune_epochs=5, lr=1e-3, lbfgs_iters=500)  # Sec. 4.4.3 gives no settings: ours
-# No schedule in the paper (ours): --model tiny's default run in ~280 CPU-s; --model paper: EPOCHS passes over each step's examples
+# No schedule in the paper (ours): --model tiny's default run within ~280 CPU-s; --model paper: EPOCHS passes over each step's examples
 TINY_STEPS, EPOCHS = dict(step1=300, step2=200, step3=600, step4=400), 10
 
 
@@ -297,17 +294,12 @@ def step2_loss(model: DCRRG, batch, world_size: int):
 
 
 def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
-    """Eq. 3-9: align the encoders on image-report pairs (DCCLIP); then retrieval P@K and the probes."""
+    """Eq. 3-9: align the encoders on image-report pairs (DCCLIP); then retrieval P@K (Table 2)."""
     def evaluate(model, st):
         out = {"retrieval": retrieval(model, env["test"], env["transform"])}
         if st.is_main and (skipped := out["retrieval"]["skipped"]):
             common.log.warning("Step 2 retrieval skips %s (no test study positive for it alone): %s", ", ".join(skipped),
                                "P@K over the other classes" if "P@1" in out["retrieval"] else "no P@K (under two classes)")
-        if args.probes and st.is_main:  # DCCLIP's image encoder against the one Step 1 starts from
-            common.seed_everything(args.seed)
-            start = DCRRG(args, env["tokenizer"]).image_encoder.to(st.device)
-            out["probes"] = {k: probes(enc, env["train"], env["test"], env["transform"], args.seed)
-                             for k, enc in (("dcclip", model.image_encoder), ("initial", start))}
         return out
     return fit(run, args, env, name, init, "step2", len(env["train"]), ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
                run.study_batches(env["train"], args.batch_size, "--batch-size", env["transform"]),
@@ -481,7 +473,7 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
                                              MAX_REPORT_TOKENS, **decoder_kw(model)), {}), evaluate)
 
 
-# Evaluation: AUROC, retrieval, probes -------------------------------------------------------------
+# Evaluation: AUROC, retrieval ----------------------------------------------------------------------
 def auroc_per_observation(scores: np.ndarray, targets: np.ndarray) -> dict:
     """AUROC per observation (NaN rows out, one-class ones skipped), their mean, "mean_5" over the five tasks."""
     from sklearn.metrics import roc_auc_score
@@ -519,38 +511,6 @@ def retrieval(model: DCRRG, records, transform) -> dict:
         return out
     v_p, t_p = (F.normalize(model.project([records[i] for i in rows], m, transform), dim=-1) for m in MODALITIES)  # (5N, 14, P)
     return out | precision_at_k(torch.einsum("ikp,jkp->ij", v_p, t_p) / K, classes, classes)
-
-
-def probes(encoder: nn.Module, train, test, transform, seed: int) -> dict:
-    """Sec. 4.4.3: test AUROC with 1, 10, 100 % of the training labels (Step 1's targets) of a linear probe on frozen
-    standardised features (scikit-learn's L2 logistic regression, C = 1, L-BFGS, convergence checked) and of encoder +
-    linear head fine-tuned (AdamW, masked BCE, PROBE epochs of the subset). One run each (the paper averages five)."""
-    from sklearn.linear_model import LogisticRegression
-    device, out, rng = next(encoder.parameters()).device, {}, np.random.default_rng(seed)
-    y_train, y_test = (observation_targets(np.stack([r.labels for r in rs])) for rs in (train, test))
-    features = lambda enc, rs: torch.cat([enc(load_images(rs[b:b + 64], transform)) for b in range(0, len(rs), 64)]).float().cpu().numpy()
-    x_train, x_test = features(encoder.eval(), train), features(encoder, test)  # (N, D)
-    z_train, z_test = ((x - x_train.mean(0)) / (x_train.std(0) + 1e-6) for x in (x_train, x_test))
-    for frac in (0.01, 0.1, 1.0):
-        subset, pct = rng.permutation(len(train))[:max(2, round(frac * len(train)))], f"{round(frac * 100)}%"
-        scores, iters = np.zeros((len(test), K)), [0]
-        for k in range(K):
-            m = subset[~np.isnan(y_train[subset, k])]
-            if len(np.unique(y_train[m, k])) == 2:
-                clf = LogisticRegression(max_iter=PROBE["lbfgs_iters"]).fit(z_train[m], y_train[m, k])
-                scores[:, k], iters = clf.decision_function(z_test), iters + [int(clf.n_iter_[0])]
-        out[f"linear_{pct}"] = {**auroc_per_observation(scores, y_test), "converged": max(iters) < PROBE["lbfgs_iters"]}
-        torch.manual_seed(seed)
-        enc, head = copy.deepcopy(encoder).train(), nn.Linear(x_train.shape[1], K).to(device)
-        opt = torch.optim.AdamW([*enc.parameters(), *head.parameters()], lr=PROBE["lr"], weight_decay=WEIGHT_DECAY)
-        with torch.enable_grad():
-            for rows in (c for _ in range(PROBE["finetune_epochs"]) for c in np.array_split(rng.permutation(subset), -(-len(subset) // 32))):
-                logits, y = head(enc(load_images([train[i] for i in rows], transform))), torch.tensor(y_train[rows], device=device).float()
-                F.binary_cross_entropy_with_logits(logits[~y.isnan()], y[~y.isnan()]).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        out[f"finetune_{pct}"] = auroc_per_observation(head(torch.tensor(features(enc.eval(), test), device=device)).cpu().numpy(), y_test)
-    return out
 
 
 def load_images(records, transform) -> torch.Tensor:
@@ -626,8 +586,7 @@ TABLE4 = {"1 (Step 1, FFT)": "m1_fft", "2 (Step 2, FFT)": "m2_fft", "3 (Steps 2+
 
 
 def ablation(run, args: Args, env: dict) -> dict:
-    """Table 4's seven models on one budget and seed (no probes) -> out/ablation/ablation.json."""
-    args = dataclasses.replace(args, probes=False)
+    """Table 4's seven models on one budget and seed -> out/ablation/ablation.json."""
     done = {folder: STEPS[step](run, dataclasses.replace(args, step4=mode or args.step4), env, f"ablation/{folder}",
                                 f"ablation/{init}" if init else None) for folder, step, init, mode in ABLATION}
     ce = {"CE P": "micro_precision", "CE R": "micro_recall", "CE F1": "micro_f1"}
