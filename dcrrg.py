@@ -56,7 +56,7 @@ class Args(common.RunArgs):
     batch_size: int = 32  # Steps 1-2, over all ranks (App. A)
     decoder_batch_size: int = 16  # Steps 3-4, over all ranks (App. A)
     balance: Literal["resample", "reweight", "none"] | None = None  # Step 1 (Sec. 3.1); None: resample (paper) with --model paper, reweight (same expected loss) with tiny
-    step1_steps: int | None = None  # Step 1's steps; None: 300 with --model tiny, 10 epochs of its studies with paper (ours)
+    step1_steps: int | None = None  # Step 1's steps; None: 300 with --model tiny, 10 epochs of the training (and --extra-data) studies with paper (ours)
     step2_steps: int | None = None  # Step 2's steps; None: 200 with --model tiny, 10 epochs of the training studies with paper (ours)
     step3_steps: int | None = None  # Step 3's steps; None: 600 with --model tiny, 10 epochs of the descriptions with paper (ours)
     step4_steps: int | None = None  # Step 4's steps; None: 400 with --model tiny, 10 epochs of the training studies with paper (ours)
@@ -618,10 +618,10 @@ def prepare(run, args: Args) -> dict:
 
 
 def paper_notes(args: Args) -> list[str]:  # what --model paper cannot do as App. A does: logged, in config.json
-    return [] if args.model == "tiny" else [
-        "image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights"] * (args.pretrained == "none") + [
-        "text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' words, "
-        "not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)"] * (args.text_encoder is None)
+    resnet = "image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights"
+    bert = ("text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' words, "
+            "not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)")
+    return [] if args.model == "tiny" else [resnet] * (args.pretrained == "none") + [bert] * (args.text_encoder is None)
 
 
 def train(command: str, args: Args) -> dict:
