@@ -9,11 +9,10 @@ to write one observation's description; Step 4 learns P-Tuning v2 prefixes and a
     python dcrrg.py                  # = dcrrg.py all: synthetic set, tiny sizes, 4 steps + evaluation
     python dcrrg.py step3 --resume   # one step, from out/step2/model.pt
     python dcrrg.py ablation         # Table 4's Models 1-7 -> out/ablation/ablation.json (one --seed per run)
-    python dcrrg.py --data /data/mimic_cxr --model paper --pretrained imagenet \\
-        --text-encoder emilyalsentzer/Bio_ClinicalBERT --labeler chexbert --dtype bf16 \\
-        --step1-steps 20000 --step2-steps 10000 --step3-steps 20000 --step4-steps 20000   # one GPU
-    torchrun --nproc_per_node=4 dcrrg.py --data /data/mimic_cxr --model paper ...            # same flags
-Batch sizes are global (each of N processes takes 1/N); Step 2 contrasts the whole global batch.
+    python dcrrg.py --data /data/mimic_cxr --model paper --text-encoder emilyalsentzer/Bio_ClinicalBERT   # one GPU
+    torchrun --nproc_per_node=4 dcrrg.py --data /data/mimic_cxr --model paper ...   # same flags
+--model paper is App. A (ImageNet ResNet-50, AdamW 1e-4, batch 32 / 16; CheXbert labels, bf16 on a GPU) for EPOCHS
+epochs a step (ours), its BERT random without --text-encoder. Batch sizes are global; Step 2 contrasts all of it.
 
 Equations, and where they are implemented:
     Sec. 3.1    targets: unmentioned negative, uncertain out;  observation_targets, draw_pairs (re-sampling),
@@ -27,17 +26,15 @@ Equations, and where they are implemented:
     Eq. 13-14   autoregressive decoder, token cross-entropy    Decoder, lm_loss
     Sec. 3.4    P-Tuning v2 prefixes + fresh output head       DCRRG.prefix, step4
     App. A      beam search of width 3                         beam_search
-    Sec. 4.4    P@K retrieval on 5 x N, AUROC probes           retrieval, probes; Table 4: ablation()
+    Sec. 4.4.2  P@K retrieval on 5 x N; Table 6 AUROC          retrieval, auroc_per_observation; Table 4: ablation()
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -48,31 +45,29 @@ import torch.nn.functional as F
 import common
 
 
-@dataclass
+@dataclasses.dataclass
 class Args(common.RunArgs):
     out: str = "runs/dcrrg"  # the run's folder: one sub-folder per step (step1 .. step4, ablation/...)
     model: Literal["tiny", "paper"] = "tiny"  # tiny: small CNN, BERT-Tiny shape, width 128 (CPU); paper: ResNet-50, BERT 512/8 heads (App. A)
-    pretrained: str | None = None  # --model paper: the ResNet-50's start, "imagenet" (App. A) or a state-dict file
-    text_encoder: str | None = None  # HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT); None: a random BERT
+    pretrained: str = "imagenet"  # --model paper: the ResNet-50's start, "imagenet" (App. A: torchvision's weights, downloaded once), "none" (random) or a state-dict file
+    text_encoder: str | None = None  # HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT, as it is: 768 / 12 heads); None: a random BERT (paper: 512 hidden, 8 heads) on our vocabulary
     extra_data: str | None = None  # annotation.json whose train records join Step 1 only (Tables 1 and 5: CheXpert)
     lr: float | None = None  # AdamW lr of every step; None: 1e-4 (App. A); --model tiny: see fit()
     batch_size: int = 32  # Steps 1-2, over all ranks (App. A)
     decoder_batch_size: int = 16  # Steps 3-4, over all ranks (App. A)
     balance: Literal["resample", "reweight", "none"] | None = None  # Step 1 (Sec. 3.1); None: resample (paper) with --model paper, reweight (same expected loss) with tiny
-    step1_steps: int = 300  # the paper gives no schedule: our budgets for the synthetic set, cut so that the
-    step2_steps: int = 200  # tiny default run (probes and 200 beam-searched test reports included) stays within
-    step3_steps: int = 600  # about 280 CPU-seconds; the paper's run sets all four (see the docstring)
-    step4_steps: int = 400
+    step1_steps: int | None = None  # Step 1's steps; None: 300 with --model tiny, 10 epochs of the training (and --extra-data) studies with paper (ours)
+    step2_steps: int | None = None  # Step 2's steps; None: 200 with --model tiny, 10 epochs of the training studies with paper (ours)
+    step3_steps: int | None = None  # Step 3's steps; None: 600 with --model tiny, 10 epochs of the descriptions with paper (ours)
+    step4_steps: int | None = None  # Step 4's steps; None: 400 with --model tiny, 10 epochs of the training studies with paper (ours)
     step4: Literal["pt", "fft"] = "pt"  # pt: P-Tuning v2 (Sec. 3.4); fft: fine-tune image encoder and decoder (Table 4)
     prefix_len: int = 16  # P-Tuning v2 prefix length per attention (paper silent)
-    probes: bool = True  # after Step 2: linear-probe and fine-tuning AUROC with 1/10/100 % of the labels (Sec. 4.4.3)
     n_test: int | None = None  # Step 4's test studies; None: all, --model tiny: 200 (beam search has no key/value cache)
 
 
-SIZES = {  # --model: image encoder and size, text BERT (hidden, heads, layers), width P of projections and decoder
-    "tiny": dict(image="cnn", image_size=64, hidden=128, heads=2, layers=2, width=128, dec_heads=4),  # BERT-Tiny's shape
-    "paper": dict(image="resnet50", image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8),  # App. A; 8 layers: ours
-}
+SIZES = {  # --model: image size, random text BERT (hidden, heads, layers), width P of projections and decoder
+    "tiny": dict(image_size=64, hidden=128, heads=2, layers=2, width=128, dec_heads=4),  # BERT-Tiny's shape
+    "paper": dict(image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8)}  # App. A; 8 layers: ours
 K = len(common.CHEXPERT_LABELS)  # 14 observations = 14 prompts
 NO_FINDING = common.LABEL_INDEX["No Finding"]
 FIVE = ["Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion"]  # CheXpert 5x200 / competition tasks
@@ -83,7 +78,8 @@ MAX_TEXT_TOKENS, MAX_DESCRIPTION_TOKENS, MAX_REPORT_TOKENS = 256, 48, 128  # wor
 VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become characters (ours)
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
 CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
-PROBE = dict(finetune_epochs=5, lr=1e-3, lbfgs_iters=500)  # Sec. 4.4.3 gives no settings: ours
+# No schedule in the paper (ours): --model tiny's default run within ~280 CPU-s; --model paper: EPOCHS passes over each step's examples
+TINY_STEPS, EPOCHS = dict(step1=300, step2=200, step3=600, step4=400), 10
 
 
 # Sec. 3.1 and 3.3: targets ----------------------------------------------------------------------
@@ -153,8 +149,7 @@ class ProjectionHead(nn.Module):
     def __init__(self, dim: int, width: int):
         super().__init__()
         self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim + K, 4 * width), nn.Linear(4 * width, width)
-        with torch.no_grad():
-            self.fc1.weight[:, dim:].normal_()
+        nn.init.normal_(self.fc1.weight[:, dim:])
 
     def forward(self, x):  # x (B, D) -> (B, 14, P): under every prompt
         e = torch.eye(K, dtype=x.dtype, device=x.device).expand(len(x), K, K)  # (B, 14, 14) one-hot prompts
@@ -166,8 +161,8 @@ class DCRRG(nn.Module):  # all the parts: each step trains some (set_trainable) 
         super().__init__()
         size, self.tokenizer = SIZES[args.model], tokenizer
         # Eq. 1a's E_img, averaged over a study's views: a small CNN or ResNet-50's pooled 2048-d feature (App. A)
-        self.image_encoder = common.ViewMean(common.SmallCNN()) if size["image"] == "cnn" else \
-            common.resnet_encoder(50, args.pretrained, "--pretrained")
+        self.image_encoder = common.ViewMean(common.SmallCNN()) if args.model == "tiny" else \
+            common.resnet_encoder(50, None if args.pretrained == "none" else args.pretrained, "--pretrained")
         from transformers import AutoModel, BertConfig, BertModel
         dropout = dict(hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT)
         self.text_encoder = AutoModel.from_pretrained(args.text_encoder, **dropout) if args.text_encoder else BertModel(
@@ -201,17 +196,24 @@ class DCRRG(nn.Module):  # all the parts: each step trains some (set_trainable) 
 
 def build_tokenizer(args: Args, reports: list[str], run):
     """--text-encoder's tokenizer, else out/tokenizer/vocab.txt: the most frequent words of the training reports
-    and every character alone and as ##continuation (`tokenizers`' trainer breaks ties in hash order)."""
+    and every character alone and as ##continuation (`tokenizers`' trainer breaks ties in hash order). Made at every
+    start: once a step of the folder has trained (a .pt file), other reports (other token ids) are an error."""
     from transformers import AutoTokenizer, BertTokenizerFast
     if args.text_encoder:
         return AutoTokenizer.from_pretrained(args.text_encoder)
-    if run.is_main and not (run.out / "tokenizer" / "vocab.txt").is_file():
+    path, problem = run.out / "tokenizer" / "vocab.txt", None
+    if run.is_main:
         counts = Counter(w for r in reports for w in re.findall(r"\w+|[^\w\s]", r.lower()))
         words, chars = sorted(counts, key=lambda w: (-counts[w], w))[:VOCAB_SIZE], sorted({c for w in counts for c in w})
-        vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words
-        run.write("tokenizer/vocab.txt", "\n".join(dict.fromkeys(vocab)) + "\n")
-    common.barrier()  # the other ranks read it once it is there
-    return BertTokenizerFast.from_pretrained(str(run.out / "tokenizer"))
+        vocab = "\n".join(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words)) + "\n"
+        if path.is_file() and path.read_text() != vocab and any(run.out.rglob("*.pt")):
+            problem = (f"{path} was made from other training reports than those of --data {args.data}: {run.out} holds "
+                       "a run on other data; give another --out")
+        else:  # new, the same, or left by a start that trained nothing
+            run.write("tokenizer/vocab.txt", vocab)
+    if problem := common.broadcast_object(problem):  # the other ranks read the file once it is there
+        raise ValueError(problem)
+    return BertTokenizerFast.from_pretrained(str(path.parent))
 
 
 def step1_loss(model: DCRRG, batch, records, targets, weights, transform):
@@ -249,7 +251,7 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         y, p = observation_targets(np.stack([r.labels for r in env["test"]])), lambda m: torch.softmax(
             model.heads[m][1](model.project(env["test"], m, env["transform"])).float(), -1)[..., 1].cpu().numpy()
         return {"balance": balance, **{f"auroc_{m}": auroc_per_observation(p(m), y) for m in MODALITIES}}
-    return fit(run, args, env, name, init, "step1", ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
+    return fit(run, args, env, name, init, "step1", len(records), ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
                batches, lambda model, batch: step1_loss(model, batch, records, targets, weights, env["transform"]), evaluate)
 
 
@@ -292,16 +294,14 @@ def step2_loss(model: DCRRG, batch, world_size: int):
 
 
 def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
-    """Eq. 3-9: align the encoders on image-report pairs (DCCLIP); then retrieval P@K and the probes."""
+    """Eq. 3-9: align the encoders on image-report pairs (DCCLIP); then retrieval P@K (Table 2)."""
     def evaluate(model, st):
         out = {"retrieval": retrieval(model, env["test"], env["transform"])}
-        if args.probes and st.is_main:  # DCCLIP's image encoder against the one Step 1 starts from
-            common.seed_everything(args.seed)
-            start = DCRRG(args, env["tokenizer"]).image_encoder.to(st.device)
-            out["probes"] = {k: probes(enc, env["train"], env["test"], env["transform"], args.seed)
-                             for k, enc in (("dcclip", model.image_encoder), ("initial", start))}
+        if st.is_main and (skipped := out["retrieval"]["skipped"]):
+            common.log.warning("Step 2 retrieval skips %s (no test study positive for it alone): %s", ", ".join(skipped),
+                               "P@K over the other classes" if "P@1" in out["retrieval"] else "no P@K (under two classes)")
         return out
-    return fit(run, args, env, name, init, "step2", ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
+    return fit(run, args, env, name, init, "step2", len(env["train"]), ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
                run.study_batches(env["train"], args.batch_size, "--batch-size", env["transform"]),
                lambda model, batch: step2_loss(model, batch, run.world_size), evaluate)
 
@@ -329,8 +329,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn, self.cross_attn = Attention(d, heads, dropout), Attention(d, heads, dropout)
         self.ffn = nn.Sequential(nn.Linear(d, 4 * d), nn.ReLU(), nn.Dropout(dropout), nn.Linear(4 * d, d))
-        self.ln1, self.ln2, self.ln3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.drop = nn.Dropout(dropout)
+        self.ln1, self.ln2, self.ln3, self.drop = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d), nn.Dropout(dropout)
 
     def forward(self, y, f_I, prefix=None):  # prefix (2, 2, L_p, d): self- and cross-attention keys/values, or None
         # Eq. 12: e_attn = LN(MMHA(y) + y)
@@ -406,7 +405,7 @@ def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         st.write("descriptions_val.jsonl", "".join(json.dumps({"id": r.id, "observation": common.CHEXPERT_LABELS[
             r.meta["obs"]], "reference": r.report, "generated": g}) + "\n" for r, g in zip(val, texts)))
         return out
-    return fit(run, args, env, name, init, "step3", ["decoder"],
+    return fit(run, args, env, name, init, "step3", len(examples), ["decoder"],
                run.study_batches(examples, args.decoder_batch_size, "--decoder-batch-size", transform),
                loss_fn, evaluate)
 
@@ -468,13 +467,13 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
         return {"step4": args.step4, **(common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {})}
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
-    return fit(run, args, env, name, init, "step4", ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
+    return fit(run, args, env, name, init, "step4", len(env["train"]), ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
                run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
                lambda model, batch: (lm_loss(model.decoder, f_I(model, batch["images"]), batch["report"], tok,
                                              MAX_REPORT_TOKENS, **decoder_kw(model)), {}), evaluate)
 
 
-# Evaluation: AUROC, retrieval, probes -------------------------------------------------------------
+# Evaluation: AUROC, retrieval ----------------------------------------------------------------------
 def auroc_per_observation(scores: np.ndarray, targets: np.ndarray) -> dict:
     """AUROC per observation (NaN rows out, one-class ones skipped), their mean, "mean_5" over the five tasks."""
     from sklearn.metrics import roc_auc_score
@@ -486,11 +485,13 @@ def auroc_per_observation(scores: np.ndarray, targets: np.ndarray) -> dict:
 
 
 def retrieval_set(labels: np.ndarray, per_class: int) -> tuple[np.ndarray, np.ndarray]:
-    """CheXpert 5x200's way: the first N studies positive for one class alone, N = min(per_class, the rarest)."""
+    """CheXpert 5x200's way: the first N studies positive for one class alone, N = min(per_class, the rarest) -> rows,
+    their classes (indices into FIVE). A class with no such study is left out (5x200 has 200 of each: ours)."""
     positive = labels[:, [common.LABEL_INDEX[c] for c in FIVE]] == 1  # (N, 5)
     pools = [np.flatnonzero((positive.sum(1) == 1) & positive[:, c]) for c in range(len(FIVE))]
-    n = min([per_class] + [len(p) for p in pools])
-    return np.concatenate([p[:n] for p in pools]), np.repeat(np.arange(len(FIVE)), n)
+    kept = [c for c, p in enumerate(pools) if len(p)]
+    n = min([per_class] + [len(pools[c]) for c in kept])
+    return np.array([i for c in kept for i in pools[c][:n]], dtype=np.int64), np.repeat(kept, n).astype(np.int64)
 
 
 def precision_at_k(sim: torch.Tensor, query_cls, cand_cls, ks=(1, 2, 5, 10)) -> dict:
@@ -501,44 +502,15 @@ def precision_at_k(sim: torch.Tensor, query_cls, cand_cls, ks=(1, 2, 5, 10)) -> 
 
 
 def retrieval(model: DCRRG, records, transform) -> dict:
-    """Image-to-text P@K on the 5 x N set, by the mean over the 14 prompts of cos(v_p^k, t_p^k)."""
+    """Image-to-text P@K on the 5 x N set, by the mean over the 14 prompts of cos(v_p^k, t_p^k); "skipped": the
+    classes left out, P@K over the others (none for one class: every candidate would match)."""
     rows, classes = retrieval_set(np.stack([r.labels for r in records]), RETRIEVAL_PER_CLASS)
-    if len(rows) == 0:
-        return {"n_per_class": 0}  # some class has no test study positive for it alone
+    kept = sorted(set(classes.tolist()))
+    out = {"n_per_class": len(rows) // max(len(kept), 1), "skipped": [c for i, c in enumerate(FIVE) if i not in kept]}
+    if len(kept) < 2:
+        return out
     v_p, t_p = (F.normalize(model.project([records[i] for i in rows], m, transform), dim=-1) for m in MODALITIES)  # (5N, 14, P)
-    return {"n_per_class": len(rows) // len(FIVE), **precision_at_k(torch.einsum("ikp,jkp->ij", v_p, t_p) / K, classes, classes)}
-
-
-def probes(encoder: nn.Module, train, test, transform, seed: int) -> dict:
-    """Sec. 4.4.3: test AUROC with 1, 10, 100 % of the training labels (Step 1's targets) of a linear probe on frozen
-    standardised features (scikit-learn's L2 logistic regression, C = 1, L-BFGS, convergence checked) and of encoder +
-    linear head fine-tuned (AdamW, masked BCE, PROBE epochs of the subset). One run each (the paper averages five)."""
-    from sklearn.linear_model import LogisticRegression
-    device, out, rng = next(encoder.parameters()).device, {}, np.random.default_rng(seed)
-    y_train, y_test = (observation_targets(np.stack([r.labels for r in rs])) for rs in (train, test))
-    features = lambda enc, rs: torch.cat([enc(load_images(rs[b:b + 64], transform)) for b in range(0, len(rs), 64)]).float().cpu().numpy()
-    x_train, x_test = features(encoder.eval(), train), features(encoder, test)  # (N, D)
-    z_train, z_test = ((x - x_train.mean(0)) / (x_train.std(0) + 1e-6) for x in (x_train, x_test))
-    for frac in (0.01, 0.1, 1.0):
-        subset, pct = rng.permutation(len(train))[:max(2, round(frac * len(train)))], f"{round(frac * 100)}%"
-        scores, iters = np.zeros((len(test), K)), [0]
-        for k in range(K):
-            m = subset[~np.isnan(y_train[subset, k])]
-            if len(np.unique(y_train[m, k])) == 2:
-                clf = LogisticRegression(max_iter=PROBE["lbfgs_iters"]).fit(z_train[m], y_train[m, k])
-                scores[:, k], iters = clf.decision_function(z_test), iters + [int(clf.n_iter_[0])]
-        out[f"linear_{pct}"] = {**auroc_per_observation(scores, y_test), "converged": max(iters) < PROBE["lbfgs_iters"]}
-        torch.manual_seed(seed)
-        enc, head = copy.deepcopy(encoder).train(), nn.Linear(x_train.shape[1], K).to(device)
-        opt = torch.optim.AdamW([*enc.parameters(), *head.parameters()], lr=PROBE["lr"], weight_decay=WEIGHT_DECAY)
-        with torch.enable_grad():
-            for rows in (c for _ in range(PROBE["finetune_epochs"]) for c in np.array_split(rng.permutation(subset), -(-len(subset) // 32))):
-                logits, y = head(enc(load_images([train[i] for i in rows], transform))), torch.tensor(y_train[rows], device=device).float()
-                F.binary_cross_entropy_with_logits(logits[~y.isnan()], y[~y.isnan()]).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        out[f"finetune_{pct}"] = auroc_per_observation(head(torch.tensor(features(enc.eval(), test), device=device)).cpu().numpy(), y_test)
-    return out
+    return out | precision_at_k(torch.einsum("ikp,jkp->ij", v_p, t_p) / K, classes, classes)
 
 
 def load_images(records, transform) -> torch.Tensor:
@@ -555,10 +527,15 @@ def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, parts: list[str], batches, loss_fn,
+def budget(args: Args, kind: str, n: int) -> int:  # --stepN-steps, else TINY_STEPS, or EPOCHS passes over n examples
+    steps, batch = getattr(args, f"{kind}_steps"), args.batch_size if kind in ("step1", "step2") else args.decoder_batch_size
+    return steps if steps is not None else TINY_STEPS[kind] if args.model == "tiny" else EPOCHS * -(-n // batch)
+
+
+def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, n: int, parts: list[str], batches, loss_fn,
         evaluate) -> dict:
-    """One step in out/<name> from out/<init>/model.pt (None: fresh; Step 4's prefixes and head: fresh): AdamW on `parts` (App. A; constant lr, no
-    schedule given), evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their results."""
+    """One step in out/<name> from out/<init>/model.pt (None: fresh): AdamW on `parts` (App. A; constant lr, no schedule
+    given) for budget() steps, evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their results."""
     others = {"resume", "out"} | {f"{s}_steps" for s in STEPS if s != kind}  # --resume checks this step's flags only
     st = run.stage(name, [f.name for f in dataclasses.fields(args) if f.name not in others])
     if st.done is not None:
@@ -568,8 +545,9 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, part
     if init is not None:
         if not (path := run.out / init / "model.pt").is_file():
             raise FileNotFoundError(f"{path} not found: run {init} first")
-        fresh = {k: v for k, v in model.state_dict().items() if kind == "step4" and k.startswith(("prefix", "prompt_head."))}
-        model.load_state_dict({**torch.load(path, map_location=run.device, weights_only=True), **fresh})
+        if (then := json.loads((path.parent / "config.json").read_text())["data"]) != args.data:
+            raise ValueError(f"{path} was trained on --data {then}, not {args.data}: give another --out")
+        model.load_state_dict(torch.load(path, map_location=run.device, weights_only=True))  # Step 4: prefixes, head as drawn
     params = set_trainable(model, parts)
     if kind in ("step3", "step4") and bool((model.decoder.memory_std == 1).all()):  # Step 3, or Step 4 without it
         with torch.no_grad():  # the decoder's fixed f_I mean and std per slot and feature: 512 training images
@@ -578,7 +556,7 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, part
     common.broadcast_parameters(model)
     # --lr, else App. A's 1e-4; --model tiny: 1e-3, 5e-3 for P-Tuning v2 (its range), 1e-4 for Step 2 (1e-3 undid Step 1)
     tiny = 1e-4 if kind == "step2" else 5e-3 if kind == "step4" and args.step4 == "pt" else 1e-3
-    lr, total = args.lr or (tiny if args.model == "tiny" else 1e-4), getattr(args, f"{kind}_steps")
+    lr, total = args.lr or (tiny if args.model == "tiny" else 1e-4), budget(args, kind, n)
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
     st.restore(model, optimizer)
     for _, batch in st.steps(total, batches, f"DCRRG {name}"):
@@ -608,8 +586,7 @@ TABLE4 = {"1 (Step 1, FFT)": "m1_fft", "2 (Step 2, FFT)": "m2_fft", "3 (Steps 2+
 
 
 def ablation(run, args: Args, env: dict) -> dict:
-    """Table 4's seven models on one budget and seed (no probes) -> out/ablation/ablation.json."""
-    args = dataclasses.replace(args, probes=False)
+    """Table 4's seven models on one budget and seed -> out/ablation/ablation.json."""
     done = {folder: STEPS[step](run, dataclasses.replace(args, step4=mode or args.step4), env, f"ablation/{folder}",
                                 f"ablation/{init}" if init else None) for folder, step, init, mode in ABLATION}
     ce = {"CE P": "micro_precision", "CE R": "micro_recall", "CE F1": "micro_f1"}
@@ -620,7 +597,15 @@ def ablation(run, args: Args, env: dict) -> dict:
 
 
 def prepare(run, args: Args) -> dict:
-    """The splits labelled by --labeler (--extra-data keeps stored labels), the tokenizer and the image transform."""
+    """App. A's ImageNet weights (--model paper), then the splits labelled by --labeler (--extra-data keeps stored
+    labels), the tokenizer and the image transform."""
+    if args.model == "paper" and args.pretrained == "imagenet":  # now, not after hours of labelling
+        import torchvision
+        try:  # torchvision's weights API: downloaded once into torch's cache, where every DCRRG() finds them
+            torchvision.models.get_model_weights("resnet50").DEFAULT.get_state_dict(progress=run.is_main)
+        except OSError as e:
+            raise OSError(f"--pretrained imagenet: torchvision's ImageNet ResNet-50 weights could not be downloaded ({e}); "
+                          "pass --pretrained none for random weights, or a state-dict file") from None
     relabel = lambda recs: [dataclasses.replace(r, labels=l) for r, l in zip(recs, run.labeler([r.report for r in recs]))]  # noqa: E731
     extra = common.load_annotation(args.extra_data, ("train",), args.drop_invalid)["train"] if args.extra_data else []
     extra = [r for r in extra if r.labels is not None] + relabel([r for r in extra if r.labels is None])
@@ -632,8 +617,15 @@ def prepare(run, args: Args) -> dict:
                 tokenizer=build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run))
 
 
+def paper_notes(args: Args) -> list[str]:  # what --model paper cannot do as App. A does: logged, in config.json
+    resnet = "image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights"
+    bert = ("text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' words, "
+            "not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)")
+    return [] if args.model == "tiny" else [resnet] * (args.pretrained == "none") + [bert] * (args.text_encoder is None)
+
+
 def train(command: str, args: Args) -> dict:
-    run = common.start_run(args, stages=True)
+    run = common.start_run(args, stages=True, notes=paper_notes(args))
     env = prepare(run, args)
     if command == "ablation":
         return ablation(run, args, env)
@@ -641,6 +633,8 @@ def train(command: str, args: Args) -> dict:
                for name, step, previous in zip(STEPS, STEPS.values(), [None, *STEPS]) if command in ("all", name)}
     if command == "all":
         run.write("eval.json", json.dumps(results, indent=2))
+    if run.is_main and "step4" in results:  # the paper's CE number, BLEU-4, and a degenerate-output warning
+        print(f"{run.out / 'step4'}: {common.summary(results['step4'])}")
     return results
 
 

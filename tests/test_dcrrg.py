@@ -281,7 +281,10 @@ def test_retrieval_set_one_class_each_and_balanced():
     labels = onehots(*rows).numpy()
     idx, cls = retrieval_set(labels, per_class=5)
     assert list(idx) == [0, 2, 4, 3, 5] and list(cls) == [0, 1, 2, 3, 4]  # N = 1: Consolidation has one
-    assert len(retrieval_set(labels[:4], 5)[0]) == 0  # a class missing: empty
+    # Consolidation and Pleural Effusion have no study alone: left out, N = 1 of the three others (rows 0, 2, 3)
+    idx, cls = retrieval_set(labels[:4], 5)
+    assert list(idx) == [0, 2, 3] and list(cls) == [0, 1, 3]
+    assert len(retrieval_set(labels[[1, 2]], 5)[0]) == 1  # Cardiomegaly alone: one class left
 
 
 def test_auroc_five_competition_tasks_and_mean():
@@ -333,10 +336,9 @@ FAST = ["--step1-steps", "4", "--step2-steps", "2", "--step3-steps", "3", "--ste
 
 @pytest.fixture
 def fast(monkeypatch):
-    """Short texts and probes, no dropout (so a step can be recomputed), checkpoints every 2 steps."""
+    """Short texts, no dropout (so a step can be recomputed), checkpoints every 2 steps."""
     monkeypatch.setattr(dcrrg, "MAX_REPORT_TOKENS", 12)
     monkeypatch.setattr(dcrrg, "MAX_DESCRIPTION_TOKENS", 8)
-    monkeypatch.setattr(dcrrg, "PROBE", dict(dcrrg.PROBE, finetune_epochs=1))
     monkeypatch.setattr(dcrrg, "RETRIEVAL_PER_CLASS", 2)
     monkeypatch.setattr(dcrrg, "DROPOUT", 0.0)
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
@@ -346,19 +348,33 @@ def states(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def test_all_steps_end_to_end_and_p_tuning_keeps_frozen_weights(tmp_path, small_synthetic, fast):
+def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_weights(tmp_path, iu_xray, small_synthetic,
+                                                                                       fast, monkeypatch, caplog):
+    """All four steps on IU X-Ray as users have it (R2GenGPT layout: 1-5 views a study, flat Open-i names), in a
+    folder where a start on other data failed after making its vocabulary; then other data there is refused."""
     out = tmp_path / "run"
-    results = dcrrg.main(["all", "--data", str(small_synthetic), "--out", str(out)] + FAST)
-    assert set(results) == {"step1", "step2", "step3", "step4"}
-    assert all((out / s / "model.pt").is_file() for s in results) and (out / "eval.json").is_file()
+    with monkeypatch.context() as m:  # a start that fails after prepare(): nothing trained
+        m.setattr(dcrrg, "DCRRG", lambda *a: (_ for _ in ()).throw(ValueError("no model today")))
+        with pytest.raises(SystemExit, match="no model today"):
+            dcrrg.main(["all", "--data", str(small_synthetic), "--out", str(out)] + FAST)
+    synthetic_vocab = (out / "tokenizer" / "vocab.txt").read_text()
+    results = dcrrg.main(["all", "--data", str(iu_xray), "--out", str(out)] + FAST)
+    vocab = (out / "tokenizer" / "vocab.txt").read_text().split()
+    assert vocab != synthetic_vocab.split() and "xxxx" in vocab and "granuloma" in vocab  # made anew from IU X-Ray's
+    assert set(results) == {"step1", "step2", "step3", "step4"} and json.loads((out / "eval.json").read_text()) == results
+    assert all((out / s / "model.pt").is_file() for s in results)
     assert results["step1"]["balance"] == "reweight" and 0 <= results["step1"]["auroc_image"]["mean_5"] <= 1
-    probes = results["step2"]["probes"]["dcclip"]
-    assert set(probes) == {f"{s}_{p}%" for s in ("linear", "finetune") for p in (1, 10, 100)}
-    assert probes["linear_100%"]["converged"] and "mean_5" in probes["finetune_10%"]
+    # IU X-Ray's test split has no study positive for Atelectasis, Consolidation or Edema alone (rule labels)
+    retrieval = results["step2"]["retrieval"]
+    assert retrieval["skipped"] == ["Atelectasis", "Consolidation", "Edema"] and retrieval["n_per_class"] == 1
+    assert set(retrieval) >= {"P@1", "P@2"} and "Step 2 retrieval skips Atelectasis, Consolidation, Edema" in caplog.text
     assert "val_loss_text_view" in results["step3"] and (out / "step3" / "descriptions_val.jsonl").is_file()
     gens = [json.loads(x) for x in (out / "step4" / "generations_test.jsonl").read_text().splitlines()]
-    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
-    assert {"nlg", "ce"} <= set(results["step4"]) and results["step4"]["step4"] == "pt"
+    assert [g["id"] for g in gens] == [r["id"] for r in json.loads(iu_xray.read_text())["test"]]
+    step4 = results["step4"]
+    assert step4["step4"] == "pt" and step4["clean"] == "iu_xray" and step4["n"] == 12 and 0 <= step4["ce"]["micro_f1"] <= 1
+    assert (step4["headline"], step4["uncertain_as"]) == ("micro_f1", 0) and "BLEU-4" in step4["nlg"]
+    assert json.loads((out / "step1" / "config.json").read_text())["clean"] == "iu_xray"
     assert [x["step"] for x in metrics_rows(out / "step2" / "metrics.jsonl")] == [1, 2]
     # P-Tuning changed the prefixes and the fresh head only (buffers included); Step 3 the decoder only
     step2, step3, step4 = (states(out / s / "model.pt") for s in ("step2", "step3", "step4"))
@@ -367,15 +383,17 @@ def test_all_steps_end_to_end_and_p_tuning_keeps_frozen_weights(tmp_path, small_
     # the decoder's fixed statistics are those of the training images under the Step 2 model
     assert not torch.equal(step3["decoder.memory_std"], torch.ones_like(step3["decoder.memory_std"]))
     with pytest.raises(SystemExit, match="already holds a run"):  # a fresh run never mixes with an old one
-        dcrrg.main(["step1", "--data", str(small_synthetic), "--out", str(out)] + FAST)
+        dcrrg.main(["step1", "--data", str(iu_xray), "--out", str(out)] + FAST)
+    with pytest.raises(SystemExit, match="vocab.txt was made from other training reports"):  # nor does another data set
+        dcrrg.main(["step2", "--resume", "--data", str(small_synthetic), "--out", str(out)] + FAST)
 
 
-def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_synthetic, fast, monkeypatch):
+def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_synthetic, fast, monkeypatch, tmp_path_factory):
     """Wiring: run Step 2 for one step and capture what reaches csm_loss; check it against the batch's studies
     recomputed from the Step 1 weights, label vectors written from the labels, and the logged loss against
-    Eq. 3-9 computed here from the captured tensors."""
+    Eq. 3-9 computed here from the captured tensors. Then a step from these weights on other --data is refused."""
     flags = ["--data", str(small_synthetic), "--out", str(tmp_path), "--batch-size", "8", "--step1-steps", "2",
-             "--step2-steps", "1", "--no-probes"]
+             "--step2-steps", "1"]
     dcrrg.main(["step1"] + flags)
     calls, real = [], dcrrg.csm_loss
     monkeypatch.setattr(dcrrg, "csm_loss", lambda *a: calls.append([x.detach().clone() for x in a]) or real(*a))
@@ -420,12 +438,16 @@ def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_syntheti
     logged = metrics_rows(tmp_path / "step2" / "metrics.jsonl")[0]
     assert logged["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     assert logged["tau"] == pytest.approx(0.07)
+    other = tmp_path_factory.mktemp("elsewhere") / "synthetic"  # the same files (the same vocabulary), another --data
+    other.symlink_to(small_synthetic.parent)
+    with pytest.raises(SystemExit, match=r"step2/model.pt was trained on --data .*, not .*elsewhere"):
+        dcrrg.main(["step3", "--data", str(other / "annotation.json")] + flags[2:])
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, crash_after_checkpoint):
     """Step 1 stopped after its step-2 checkpoint and resumed ends as one never stopped; a finished step is
     returned as it is; --resume with another flag of the step is refused."""
-    flags = ["--data", str(small_synthetic), "--batch-size", "4", "--step1-steps", "4", "--step2-steps", "2", "--no-probes"]
+    flags = ["--data", str(small_synthetic), "--batch-size", "4", "--step1-steps", "4", "--step2-steps", "2"]
     full = dcrrg.main(["step1", "--out", str(tmp_path / "full")] + flags)
     crash_after_checkpoint(2)
     with pytest.raises(Crash):
@@ -449,6 +471,38 @@ def test_bad_input_is_a_clear_error(tmp_path, small_synthetic):
         dcrrg.main(["step3", "--data", str(small_synthetic), "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         dcrrg.main(["step4", "--step4", "lora", "--out", str(tmp_path)])
+
+
+def test_model_paper_offline_is_one_error_at_once(tmp_path, small_synthetic, monkeypatch):
+    """--model paper fetches App. A's ImageNet ResNet-50 (torchvision's weights) before labelling anything; without
+    network that is one error naming the flag for random weights, and it leaves nothing in --out."""
+    import socket
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # no cached weights: the download is tried
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror(-3, "no network")))
+    monkeypatch.setattr(common.RuleLabeler, "__call__", lambda *a: pytest.fail("labelled the data before fetching the weights"))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"--pretrained imagenet: .*ImageNet ResNet-50 .*no network.*--pretrained none"):
+        dcrrg.main(["--model", "paper", "--labeler", "rule", "--data", str(small_synthetic), "--out", str(out)])
+    assert not out.exists() and not (tmp_path / "torch" / "hub" / "checkpoints" / "resnet50").exists()
+
+
+def test_paper_size_defaults_notes_and_help(capsys):
+    """--model paper: App. A's ImageNet start, EPOCHS passes over each step's examples, a note for each part that is
+    not App. A's; --model tiny keeps its budgets; each --stepN-steps help says its own default."""
+    tiny, paper = dcrrg.Args(), dcrrg.Args(model="paper")
+    assert paper.pretrained == "imagenet" and (paper.lr, paper.batch_size, paper.decoder_batch_size) == (None, 32, 16)
+    assert [dcrrg.budget(tiny, f"step{k}", 1000) for k in range(1, 5)] == [300, 200, 600, 400]
+    assert [dcrrg.budget(paper, f"step{k}", 1000) for k in range(1, 5)] == [10 * 32, 10 * 32, 10 * 63, 10 * 63]  # ceil(1000 / batch)
+    assert dcrrg.budget(dataclasses.replace(paper, step3_steps=0), "step3", 1000) == 0
+    assert dcrrg.paper_notes(tiny) == [] and dcrrg.paper_notes(dataclasses.replace(paper, text_encoder="x")) == []
+    resnet, bert = dcrrg.paper_notes(dataclasses.replace(paper, pretrained="none"))
+    assert "random ResNet-50" in resnet and "random BERT" in bert and "--text-encoder emilyalsentzer/Bio_ClinicalBERT" in bert
+    with pytest.raises(SystemExit):
+        dcrrg.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for k in range(1, 5):
+        assert f"--step{k}-steps STEP{k}_STEPS Step {k}'s steps; None: {dcrrg.TINY_STEPS[f'step{k}']} with --model tiny, " \
+               f"{dcrrg.EPOCHS} epochs of" in text
 
 
 def test_ablation_plan_is_table_4():
@@ -479,7 +533,7 @@ def test_ablation_command(tmp_path, small_synthetic, fast):
 def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, fast):
     """Batch sizes are global and Step 2 contrasts the gathered global batch: two ranks of 4 end Steps 1-2
     with the weights of one process with batch 8; Steps 3-4 run and gather the ranks' generations in order."""
-    flags = ["--data", str(small_synthetic), "--no-probes"] + FAST
+    flags = ["--data", str(small_synthetic)] + FAST
     script = tmp_path / "dcrrg_fast.py"  # the `fast` fixture's settings in the torchrun processes (no dropout)
     script.write_text("import dcrrg\nfor k, v in dict(MAX_REPORT_TOKENS=12, MAX_DESCRIPTION_TOKENS=8, DROPOUT=0.0).items():\n"
                       "    setattr(dcrrg, k, v)\ndcrrg.main()\n")

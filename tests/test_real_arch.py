@@ -332,7 +332,8 @@ def test_dcrrg_step1_at_paper_widths(bio_clinicalbert_dir, small_synthetic, tmp_
     """dcrrg.main step1 with --model paper (ResNet-50 at 224) and a Bio_ClinicalBERT-shaped text encoder: one step,
     finite gradients on both encoders, their projections and prompt heads (BERT's unused pooler aside), nothing else."""
     import dcrrg
-    dcrrg.main(["step1", "--data", str(small_synthetic), "--model", "paper", "--labeler", "rule", "--text-encoder", str(bio_clinicalbert_dir),
+    dcrrg.main(["step1", "--data", str(small_synthetic), "--model", "paper", "--pretrained", "none", "--labeler", "rule",
+                "--text-encoder", str(bio_clinicalbert_dir),
                 "--step1-steps", "1", "--batch-size", "4", "--out", str(tmp_path / "dc")])
     (g,) = grads_at_steps
     assert all(g.values()) and {n.split(".")[0] for n in g} == {"image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"}
