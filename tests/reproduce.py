@@ -181,15 +181,12 @@ def arms_of(exp: Experiment, results: dict, seeds: list, metric: str) -> list[st
 
 
 def render(exp: Experiment, results: dict, seeds: list) -> list[str]:
-    """Markdown: per-seed rows of the headline metric, then each comparison for every metric."""
+    """Markdown: the headline metric of every arm per seed (a column each), then each paired comparison per metric."""
     head = exp.metrics[0]
-    arms = arms_of(exp, results, seeds, head)
-    lines = [f"| seed | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
-    for s in seeds:
-        lines.append(f"| {s} | " + " | ".join(f"{results[s][a][head]:.3f}" for a in arms) + " |")
-    lines.append("| mean ± sd | " + " | ".join(
-        f"{np.mean([results[s][a][head] for s in seeds]):.3f} ± {np.std([results[s][a][head] for s in seeds], ddof=1):.3f}"
-        for a in arms) + " |")
+    lines = [f"| {head} | " + " | ".join(map(str, seeds)) + " | mean ± sd |", "|---" * (len(seeds) + 2) + "|"]
+    for a in arms_of(exp, results, seeds, head):
+        v = [results[s][a][head] for s in seeds]
+        lines.append(f"| {a} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {np.mean(v):.3f} ± {np.std(v, ddof=1):.3f} |")
     lines += ["", "| paired difference | " + " | ".join(exp.metrics) + " |", "|---" * (len(exp.metrics) + 1) + "|"]
     for a, b, label in exp.comparisons:
         cells = [verdict(paired([results[s][a][m] for s in seeds], [results[s][b][m] for s in seeds])) for m in exp.metrics]

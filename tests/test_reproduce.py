@@ -26,7 +26,8 @@ def test_table_rows_and_comparisons():
     results = {1: {"a": {"F1": 0.5, "BLEU-4": 0.1}, "b": {"F1": 0.4, "BLEU-4": 0.1}, "meta": [1]},
                2: {"a": {"F1": 0.7, "BLEU-4": 0.2}, "b": {"F1": 0.5, "BLEU-4": 0.3}, "meta": [2]}}
     lines = reproduce.render(exp, results, [1, 2])
-    assert lines[0] == "| seed | a | b |" and lines[2] == "| 1 | 0.500 | 0.400 |" and lines[3] == "| 2 | 0.700 | 0.500 |"
+    assert lines[0] == "| F1 | 1 | 2 | mean ± sd |" and lines[2] == "| a | 0.500 | 0.700 | 0.600 ± 0.141 |"
+    assert lines[3] == "| b | 0.400 | 0.500 | 0.450 ± 0.071 |"
     assert lines[-1] == "| a - b | +0.150 ± 0.050 (2 of 2 > 0) | -0.050 ± 0.050 (0 of 2 > 0) |"  # BLEU: 0, -0.1
 
 
