@@ -14,16 +14,16 @@ every class, easy classes (by their studies' mean) faster, all at t = T; around 
     torchrun --nproc_per_node=4 rrgcl.py --data /data/mimic_cxr --difficulty mimic_dif.json --model Qwen/Qwen2.5-VL-3B-Instruct
 
 Equations, and where they are implemented:
-    Eq. 1-4   S^v, S^t cosines, G = |S^v - S^t|, dif1 = row sums   vns_gap() (row blocks, never N x N)
-    Eq. 5-9   MINE's Donsker-Varadhan bound maximised over T; dif2(i) = T*(I_i, R_i)   dv_bound(), train_mine(), itas()
-    Eq. 10    dif = alpha z(dif1) + beta z(dif2) (ITAS sign)      sample_difficulty()
-    Alg. 1 l.1-3  classes, class difficulty, easy-to-hard orders  class_members(), class_difficulty(), curriculum_plan()
-    Eq. 11    lambda_n(t) = min(1, (lambda_n(0)^g + (1 - lambda_n(0)^g) t / T)^(1/g))   rrgcl_lambda()
-    Eq. 12-13 gamma_n = 1 + (1 - diff_C) c, lambda_n(0) = gamma_n / sum gamma   scheduling_exponents()
-    Alg. 1 l.6-11 for t: the easiest lambda_n(t) of each class, united; train G on it   rrgcl_subset(), train()
-    Table 2   Baby Step, Linear, One Pass, Root, Geom            pacing(), epoch_subset()
-    Fig. 1    per-class BLEU-4 vs class size and difficulty     q1_analysis()
-    Fig. 3    lambda_n(t) curves                                 <out>/schedule.json; each epoch's in metrics.jsonl
+    Eq. 1-4       S^v, S^t cosines, G = |S^v - S^t|, dif1 = row sums of G     vns_gap() (row blocks, never N x N)
+    Eq. 5-9       MINE's DV bound maximised over T; dif2(i) = T*(I_i, R_i)      dv_bound(), train_mine(), itas()
+    Eq. 10        dif = alpha z(dif1) + beta z(dif2) (ITAS sign)               sample_difficulty()
+    Alg. 1 l.1-3  classes D_n, class difficulty, easy-to-hard orders           class_members(), class_difficulty(), curriculum_plan()
+    Eq. 11        lambda_n(t) = min(1, (l0^g + (1 - l0^g) t / T)^(1/g))         rrgcl_lambda()
+    Eq. 12-13     gamma_n = 1 + (1 - diff_C) c, lambda_n(0) = gamma_n / sum    scheduling_exponents()
+    Alg. 1 l.6-11 for t: easiest lambda_n(t) of each D_n, united; train G on it  rrgcl_subset(), the loop in train()
+    Table 2       Baby Step, Linear, One Pass, Root, Geom                      pacing(), epoch_subset()
+    Fig. 1        per-class BLEU-4 vs class size and difficulty              q1_analysis()
+    Fig. 3        lambda_n(t) curves                                         <out>/schedule.json; per epoch in metrics.jsonl
 """
 from __future__ import annotations
 
