@@ -185,8 +185,8 @@ def curriculum_plan(dif: np.ndarray, labels: np.ndarray) -> dict:
     gamma, lambda0 = scheduling_exponents(norm)
     table = [{"name": n, "size": len(m), "difficulty": float(d), "gamma": float(g), "lambda0": float(l0)}
              for n, m, d, g, l0 in zip(names, members, raw, gamma, lambda0)]  # what files show
-    return {"classes": names, "members": members, "difficulty": raw, "gamma": gamma, "lambda0": lambda0, "table": table,
-            "class_orders": [m[np.argsort(dif[m], kind="stable")] for m in members], "order": np.argsort(dif, kind="stable")}
+    return {"classes": names, "gamma": gamma, "lambda0": lambda0, "table": table, "order": np.argsort(dif, kind="stable"),
+            "class_orders": [m[np.argsort(dif[m], kind="stable")] for m in members]}
 
 
 def rrgcl_subset(class_orders: list[np.ndarray], fractions) -> np.ndarray:
@@ -336,17 +336,16 @@ def features(args: Args, records, labels: np.ndarray, device) -> dict:
     """(N, d) features: "vns_image" (phi), "itas_image" (ITAS's image network), "text" (psi). Images: "small" is 5
     strided conv blocks (64 px) fit to the labels; a ResNet (a state dict, or "imagenet") is used as it is, at 256 px."""
     studies = [common.Record(r.id, r.image_paths, r.report, r.split, l) for r, l in zip(records, labels)]
-    image = {}
-    for flag, choice in (("--visual-encoder", args.visual_encoder), ("--itas-encoder", args.itas_encoder)):
-        key = "small" if choice == "small" else flag  # the small CNN is fit once, for both
-        if key not in image:
-            net = common.ViewMean(common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14)) \
-                if key == "small" else common.resnet_encoder(RESNET[flag], choice, flag)
-            size, channels, epochs = (ENCODER["image_size"], 1, ENCODER["epochs"]) if key == "small" else (ENCODER["resnet_size"], 3, 0)
-            image[key] = fit_and_extract(net, common.ReportDataset(studies, common.default_transform(size, channels)), "images",
-                                         epochs, device, args.seed)
-        image[flag] = image[key]
-    feats = {"vns_image": image["--visual-encoder"], "itas_image": image["--itas-encoder"]}
+
+    def image_features(choice: str, flag: str) -> torch.Tensor:
+        small = choice == "small"
+        net = common.ViewMean(common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14)) \
+            if small else common.resnet_encoder(RESNET[flag], choice, flag)
+        size, channels, epochs = (ENCODER["image_size"], 1, ENCODER["epochs"]) if small else (ENCODER["resnet_size"], 3, 0)
+        return fit_and_extract(net, common.ReportDataset(studies, common.default_transform(size, channels)), "images", epochs, device, args.seed)
+    feats = {"vns_image": image_features(args.visual_encoder, "--visual-encoder")}
+    feats["itas_image"] = feats["vns_image"] if args.itas_encoder == args.visual_encoder == "small" else \
+        image_features(args.itas_encoder, "--itas-encoder")  # the small CNN is fit once when both ask for it
     texts = [measure_text(r) for r in records]
     if args.text_encoder == "small":
         tok = common.WordTokenizer.build(texts)
