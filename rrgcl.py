@@ -3,29 +3,27 @@
 Paper: "Radiology Report Generation by Curriculum Learning (RRGCL)", an anonymous review copy: the text
 names no authors and no arXiv id. Two scores say how hard a training study is: the visual neighbourhood
 semantic gap (VNS-Gap: an image like others' with a report unlike theirs) and the image-text alignment
-score (ITAS: a MINE statistics network's value on the pair). A class's difficulty is its studies' mean;
-a class-level root schedule trains each epoch on the easiest lambda_n(t) of every class, easy classes
-faster, all studies at t = T. It wraps any report generator: here the teacher-forced SFT of the policy.
+score (ITAS: a MINE statistics network's value on the pair). Algorithm 1 trains epoch t on the easiest lambda_n(t) of
+every class, easy classes (by their studies' mean) faster, all at t = T; around any generator: here the policy's SFT.
 
     python rrgcl.py                                   # synthetic set, tiny model: ~2 CPU-minutes
     python rrgcl.py --scheduler none --difficulty runs/rrgcl/difficulty.json --out runs/none   # the baseline
     python rrgcl.py q1 --out runs/rrgcl               # Fig. 1 on the run's (or any model's) test reports
-    python rrgcl.py --data /data/mimic_cxr --labeler chexbert --visual-encoder resnet101_chexpert.pth \\
-        --text-encoder emilyalsentzer/Bio_ClinicalBERT --measure-only --difficulty mimic_dif.json   # first, on a GPU
-    torchrun --nproc_per_node=4 rrgcl.py --data /data/mimic_cxr --labeler chexbert --difficulty mimic_dif.json \\
-        --model Qwen/Qwen2.5-VL-3B-Instruct --dtype bf16 --out runs/rrgcl_mimic
+    python rrgcl.py --data /data/mimic_cxr --labeler chexbert --visual-encoder resnet101_chexpert.pth --itas-encoder \\
+        resnet18_cxr.pth --text-encoder emilyalsentzer/Bio_ClinicalBERT --measure-only --difficulty mimic_dif.json  # GPU
+    torchrun --nproc_per_node=4 rrgcl.py --data /data/mimic_cxr --difficulty mimic_dif.json --model Qwen/Qwen2.5-VL-3B-Instruct
 
 Equations, and where they are implemented:
-    Eq. 1-4   S^v, S^t cosines, G = |S^v - S^t|, dif1 = row sums   vns_gap() (row blocks, never N x N)
-    Eq. 5-8   MINE: the Donsker-Varadhan bound, maximised over T  dv_bound(), train_mine()
-    Eq. 9     dif2(i) = T*(I_i, R_i), on pairs T never saw          itas()
-    Eq. 10    dif = alpha z(dif1) + beta z(dif2) (ITAS sign)      sample_difficulty()
-    Alg. 1 l.1-3  classes, class difficulty, easy-to-hard orders  class_members(), class_difficulty(), curriculum_plan()
-    Eq. 11-13 lambda_n(t); gamma_n = 1 + (1 - diff_C) c, lambda_n(0)  rrgcl_lambda(), scheduling_exponents()
-    Alg. 1 l.6-11 per-class top fractions, de-duplicated union   rrgcl_subset(), epoch_subset(), train()
-    Table 2   Baby Step, Linear, One Pass, Root, Geom            pacing()
-    Fig. 1    per-class BLEU-4 vs class size and difficulty     q1_analysis()
-    Fig. 3    lambda_n(t) curves                                 <out>/schedule.json
+    Eq. 1-4       S^v, S^t cosines, G = |S^v - S^t|, dif1 = row sums of G     vns_gap() (row blocks, never N x N)
+    Eq. 5-9       MINE's DV bound maximised over T; dif2(i) = T*(I_i, R_i)      dv_bound(), train_mine(), itas()
+    Eq. 10        dif = alpha z(dif1) + beta z(dif2) (ITAS sign)               sample_difficulty()
+    Alg. 1 l.1-3  classes D_n, class difficulty, easy-to-hard orders           class_members(), class_difficulty(), curriculum_plan()
+    Eq. 11        lambda_n(t) = min(1, (l0^g + (1 - l0^g) t / T)^(1/g))         rrgcl_lambda()
+    Eq. 12-13     gamma_n = 1 + (1 - diff_C) c, lambda_n(0) = gamma_n / sum    scheduling_exponents()
+    Alg. 1 l.6-11 for t: easiest lambda_n(t) of each D_n, united; train G on it  rrgcl_subset(), the loop in train()
+    Table 2       Baby Step, Linear, One Pass, Root, Geom                      pacing(), epoch_subset()
+    Fig. 1        per-class BLEU-4 vs class size and difficulty              q1_analysis()
+    Fig. 3        lambda_n(t) curves                                         <out>/schedule.json; per epoch in metrics.jsonl
 """
 from __future__ import annotations
 
@@ -55,7 +53,8 @@ class Args(common.RunArgs):
     lr: float | None = None  # AdamW, constant; None: 1e-3 for the tiny model, 1e-4 with LoRA for HF models (ours)
     difficulty: str | None = None  # JSON: --measure-only writes it, training reads it; None: measured into <out>/difficulty.json
     measure_only: bool = False  # write the difficulty file and <out>/schedule.json, then stop
-    visual_encoder: str = "small"  # phi, Eq. 1: "small" (a CNN fit to the labels) or a ResNet-101 state dict (paper: CheXpert-tuned)
+    visual_encoder: str = "small"  # phi, Eq. 1: "small" (a CNN fit to the labels), a ResNet-101 state dict (paper: tuned on CheXpert) or "imagenet"
+    itas_encoder: str = "small"  # ITAS's images: "small" (that CNN), a ResNet-18 state dict or "imagenet" (paper: a pre-trained 5-layer ResNet)
     text_encoder: str = "small"  # psi, Eq. 2: "small" (a word CNN fit to the labels) or a BERT (paper: emilyalsentzer/Bio_ClinicalBERT)
 
 
@@ -63,8 +62,8 @@ PROMPT = "You are a radiologist. Write the findings section of the report for th
 CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2's CE P/R/F1 on MIMIC-CXR, as R2Gen's protocol: micro over 14, positives
 # Sec. 4.1: "13 keywords excluding Support Devices" (12 findings and No Finding); a study is in every class it is labelled 1 for
 CLASSES = [n for n in common.CHEXPERT_LABELS if n != "Support Devices"]
-# Our settings where the paper names none (Sec. 4.3 uses pre-trained ResNet-101 / Clinical BERT encoders)
-ENCODER = dict(image_size=64, epochs=4, batch_size=64, lr=1e-3)  # the small offline encoders (text: 2 x epochs)
+ENCODER = dict(image_size=64, epochs=4, batch_size=64, lr=1e-3, resnet_size=256)  # small ones: ours (text 2 x epochs); ResNets: Sec. 4.1
+RESNET = {"--visual-encoder": 101, "--itas-encoder": 18}  # Sec. 4.3's; ITAS: the smallest torchvision ResNet (Liao et al.'s isn't one)
 MINE = dict(steps=2000, batch_size=256, lr=1e-4)  # per half (itas()); the lr of Belghazi et al. 2018
 VNS_BLOCK = 2048  # rows of G computed at once: memory O(N x block)
 ARRAYS = ("labels", "dif1", "dif2")  # of the difficulty file, NaN (a blank label) written as null
@@ -72,7 +71,225 @@ C0, BUCKETS = 0.01, 5  # Linear / Root / Geom start (Platanios et al. 2019); Bab
 MAX_GRAD_NORM, LORA = 1.0, dict(r=16, alpha=32, dropout=0.05, targets="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split())
 
 
-# Sec. 4.1, 4.3: the measurer's texts, labels and encoders ------------------------------------------
+# Eq. 1-4: visual neighbourhood semantic gap -----------------------------------------------------
+@torch.no_grad()
+def vns_gap(v: torch.Tensor, t: torch.Tensor, block: int = VNS_BLOCK, device="cpu") -> torch.Tensor:
+    """dif1 (N,) float64 for (N, d_v), (N, d_t) features, in row blocks (memory O(N x block)). [v, t] . [v, -t]' = S^v - S^t;
+    G is symmetric, so a block computes columns j >= its first row and adds those right of it to their rows."""
+    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    v = F.normalize(v.to(device, dtype), dim=1)  # Eq. 1's denominators
+    t = F.normalize(t.to(device, dtype), dim=1)  # Eq. 2's denominators
+    a, b = torch.cat([v, t], 1), torch.cat([v, -t], 1)  # (N, d_v + d_t)
+    dif1 = torch.zeros(len(a), dtype=torch.float64, device=device)
+    for s in range(0, len(a), block):
+        e = min(s + block, len(a))
+        G = (a[s:e] @ b[s:].T).abs_()  # Eq. 3: (e - s, N - s) = |S^v_ij - S^t_ij|, j >= s
+        dif1[s:e] += G.sum(1).double()  # Eq. 4 over columns j >= s
+        dif1[e:] += G[:, e - s:].sum(0).double()  # G_ji = G_ij: the rows after the block
+    return dif1.cpu()
+
+
+# Eq. 5-9: image-text alignment score by MINE --------------------------------------------------------
+class StatisticsNetwork(torch.nn.Sequential):
+    """T_theta(I, R) of Eq. 7: an MLP (ours: 2 x 256, ELU) on the concatenated features -> (B,)."""
+
+    def __init__(self, d: int, h: int = 256):
+        super().__init__(torch.nn.Linear(d, h), torch.nn.ELU(), torch.nn.Linear(h, h), torch.nn.ELU(), torch.nn.Linear(h, 1))
+
+    def forward(self, image, text):
+        return super().forward(torch.cat([image, text], -1)).squeeze(-1)
+
+
+def dv_bound(t_joint: torch.Tensor, t_marginal: torch.Tensor) -> torch.Tensor:
+    """Eq. 6-7: E_P(IR)[T] - log E_P(I) x P(R)[e^T], the expectations as batch means."""
+    return t_joint.mean() - (torch.logsumexp(t_marginal, 0) - math.log(len(t_marginal)))
+
+
+def train_mine(image, text, steps: int, batch_size: int = 256, lr: float = 1e-4, seed: int = 0):
+    """Eq. 8: theta* = argmax of the DV bound, Adam on batches, marginals by shuffling the batch's reports; no moving-average
+    correction (Belghazi et al. 2018, Sec. 3.2). Returns (T, mean DV bound of the last 50 batches)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    T = StatisticsNetwork(image.shape[1] + text.shape[1])
+    opt, last = torch.optim.Adam(T.parameters(), lr=lr), []
+    for _ in range(steps):
+        i = torch.randint(len(image), (batch_size,), generator=g)
+        j = i[torch.randperm(batch_size, generator=g)]  # shuffled reports: P(I) x P(R)
+        mi = dv_bound(T(image[i], text[i]), T(image[i], text[j]))  # Eq. 7
+        opt.zero_grad(set_to_none=True)
+        (-mi).backward()  # Eq. 8: maximise the bound
+        opt.step()
+        last = (last + [mi.item()])[-50:]
+    return T.eval(), float(np.mean(last)) if last else float("nan")
+
+
+@torch.no_grad()
+def itas(image: torch.Tensor, text: torch.Tensor, seed: int = 0) -> tuple[np.ndarray, dict]:
+    """Eq. 9: dif2(i) = T*(I_i, R_i), cross-fitted (ours): T fit on one half of the pairs scores the other half, and the other
+    way round; each half's scores standardised apart, as the DV bound leaves T free up to a constant."""
+    image, text = ((x - x.mean(0)) / x.std(0).clamp_min(1e-6) for x in (image, text))  # standardised features (ours)
+    a, b = np.array_split(np.random.default_rng(seed).permutation(len(image)), 2)
+    dif2, stats = np.zeros(len(image)), {"dv_train": [], "dv_held_out": []}
+    for k, (held, fit) in enumerate([(a, b), (b, a)]):
+        with torch.enable_grad():
+            T, dv_train = train_mine(image[fit], text[fit], seed=seed + k, **MINE)
+        t_joint, shuffled = T(image[held], text[held]), np.random.default_rng(seed + k).permutation(held)  # (N/2,)
+        stats["dv_train"].append(dv_train)
+        stats["dv_held_out"].append(dv_bound(t_joint, T(image[held], text[shuffled])).item())  # Eq. 7 on unseen pairs
+        dif2[held] = zscore(t_joint.double().numpy())
+    return dif2, stats
+
+
+# Eq. 10, and Algorithm 1 lines 1-4: classes, class difficulty, Eq. 11-13 ------------------------------
+def zscore(x) -> np.ndarray:
+    return (np.asarray(x, float) - np.mean(x)) / (np.std(x) or 1.0)  # population std (the paper names mu, sigma only)
+
+
+def sample_difficulty(dif1, dif2, alpha: float = 0.6, beta: float = 0.4, itas_sign: int = -1) -> np.ndarray:
+    """Eq. 10, ITAS entering with itas_sign: -1 (ours) as Sec. 3.2.1 calls aligned pairs easier."""
+    return alpha * zscore(dif1) + itas_sign * beta * zscore(dif2)
+
+
+def class_members(labels: np.ndarray) -> tuple[list[str], list[np.ndarray]]:
+    """Algorithm 1 line 1: D_n = the studies labelled 1 for keyword n (a study may sit in several). Paper silent:
+    studies positive for none form one more class "Other"; empty classes are dropped (c counts the rest)."""
+    positive = labels[:, [common.LABEL_INDEX[n] for n in CLASSES]] == 1  # (N, 13)
+    positive = np.column_stack([positive, ~positive.any(1)])  # (N, 14): "Other" last
+    kept = [k for k in range(positive.shape[1]) if positive[:, k].any()]
+    return [(CLASSES + ["Other"])[k] for k in kept], [np.flatnonzero(positive[:, k]) for k in kept]
+
+
+def class_difficulty(dif: np.ndarray, members: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1 line 2: diff_C(n) = mean dif(i) over D_n -> (raw, min-max normalised: Eq. 12 needs [0, 1]; ours)."""
+    raw = np.array([dif[m].mean() for m in members])
+    span = raw.max() - raw.min()
+    return raw, (raw - raw.min()) / span if span > 0 else np.zeros_like(raw)
+
+
+def rrgcl_lambda(t, T: int, gamma, lambda0):
+    """Eq. 11: lambda_n(t) = min(1, (lambda_n(0)^gamma_n + (1 - lambda_n(0)^gamma_n) t / T)^(1 / gamma_n))."""
+    g, l0 = np.asarray(gamma, float), np.asarray(lambda0, float)
+    return np.minimum(1.0, (l0 ** g + (1 - l0 ** g) * t / T) ** (1 / g))
+
+
+def scheduling_exponents(diff_c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. 12-13 for normalised class difficulties (c,) -> (gamma (c,), lambda_0 (c,))."""
+    gamma = 1 + (1 - diff_c) * len(diff_c)  # Eq. 12: gamma_n in [1, c + 1], easier class -> larger
+    return gamma, gamma / gamma.sum()  # Eq. 13: lambda_n(0) = gamma_n / sum_i gamma_i
+
+
+def curriculum_plan(dif: np.ndarray, labels: np.ndarray) -> dict:
+    """Algorithm 1 lines 1-3: each D_n sorted easy to hard, diff_C(n), gamma_n, lambda_n(0); Table 2's global order."""
+    names, members = class_members(labels)
+    raw, norm = class_difficulty(dif, members)
+    gamma, lambda0 = scheduling_exponents(norm)
+    table = [{"name": n, "size": len(m), "difficulty": float(d), "gamma": float(g), "lambda0": float(l0)}
+             for n, m, d, g, l0 in zip(names, members, raw, gamma, lambda0)]  # what files show
+    return {"classes": names, "gamma": gamma, "lambda0": lambda0, "table": table, "order": np.argsort(dif, kind="stable"),
+            "class_orders": [m[np.argsort(dif[m], kind="stable")] for m in members]}
+
+
+def rrgcl_subset(class_orders: list[np.ndarray], fractions) -> np.ndarray:
+    """Algorithm 1 lines 7-10: the easiest ceil(lambda_n(t) |D_n|) of every class ("the top lambda proportion";
+    ceil keeps every class in from the start), united without duplicates: D_sub(t)."""
+    return np.unique(np.concatenate([o[:math.ceil(f * len(o) - 1e-9)] for o, f in zip(class_orders, fractions)]))
+
+
+# Table 2: the ablation schedulers, on the global easy-to-hard order ------------------------------
+def pacing(name: str, t: int, T: int, c0: float = C0, buckets: int = BUCKETS) -> tuple[float, float]:
+    """The slice [lo, hi) of the easy-to-hard order that epoch t trains on (fractions of N)."""
+    K = min(buckets, T)  # never more buckets than epochs, or One Pass would skip some
+    stage = max(1, math.ceil(K * t / T))  # 1..K
+    hi = {"linear": c0 + (1 - c0) * t / T,  # Platanios et al. 2019's linear competence
+          "root": math.sqrt(t * (1 - c0 ** 2) / T + c0 ** 2),  # Platanios et al. 2019
+          "geom": c0 ** (1 - t / T),  # Penha & Hauff 2020: 2^(log2(c0) (1 - t / T))
+          "baby_step": stage / K,  # Bengio 2009: K buckets, one more at every stage
+          "one_pass": stage / K}.get(name, 1.0)  # Cirik et al. 2016: each bucket once, alone, easiest first
+    return ((stage - 1) / K if name == "one_pass" else 0.0), min(1.0, hi)
+
+
+def epoch_subset(scheduler: str, t: int, T: int, plan: dict) -> np.ndarray:
+    """D_sub(t) under any scheduler (all studies at t = T, except One Pass's last bucket); train() writes RRGCL's out."""
+    if scheduler == "rrgcl":
+        return rrgcl_subset(plan["class_orders"], rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"]))
+    (lo, hi), n = pacing(scheduler, t, T), len(plan["order"])
+    return np.sort(plan["order"][math.ceil(lo * n - 1e-9):math.ceil(hi * n - 1e-9)])
+
+
+# Training: Algorithm 1 around the wrapped generator -----------------------------------------------
+def train(args: Args) -> dict:
+    run = common.start_run(args, notes=measurer_notes(args))
+    run.data = common.r2gen_views(run.data)  # R2Gen's two views per study (IU X-Ray has 1-5): the wrapped models' input
+    train_set, test_set = run.data["train"], run.data["test"]
+
+    # The learning difficulty measurer (Sec. 3.2), Eq. 10, then Algorithm 1 lines 1-4
+    m, path = difficulty_scores(run, args)  # labels, dif1 (Eq. 1-4), dif2 (Eq. 5-9): read, or measured on rank 0
+    dif = sample_difficulty(m["dif1"], m["dif2"], args.alpha, 1 - args.alpha, args.itas_sign)  # Eq. 10
+    plan = curriculum_plan(dif, m["labels"])  # D_n sorted easy to hard, diff_C(n), gamma_n, lambda_n(0)
+    T, ts = args.epochs, list(range(0 if args.t0 else 1, args.epochs + 1))
+    sizes = [len(epoch_subset(args.scheduler, t, T, plan)) for t in ts]  # |D_sub(t)|: the step budget needs them first
+    curves = rrgcl_lambda(np.arange(T + 1)[:, None], T, plan["gamma"], plan["lambda0"])  # Fig. 3: (T + 1, c)
+    run.write("schedule.json", json.dumps({"t": ts, "subset_sizes": sizes, "classes": [
+        {**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])]}, indent=1))
+    if args.measure_only:
+        return run.finish({"difficulty": str(path), "classes": plan["table"], "mine": m["mine"]})
+
+    # The wrapped report generator G_theta (tiny: all of it; HF: LoRA), the same initial weights whether measured here or not
+    common.seed_everything(args.seed)
+    tiny, max_new = args.model == "tiny", 96 if args.model == "tiny" else 256  # max_new: greedy test reports
+    policy, _ = common.build_policy(run, train_set, max_new, lora=None if tiny else LORA, reference=False)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    # Algorithm 1 line 11: an epoch is one pass over D_sub(t); or --steps shared in proportion to |D_sub(t)|
+    steps = [max(1, n // args.batch_size) for n in sizes] if args.steps is None else \
+        np.diff(np.round(args.steps * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
+    ends = np.cumsum(steps)  # each epoch's last step
+    optimizer, scheduler = common.adamw(params, args.lr or (1e-3 if tiny else 1e-4), int(ends[-1]))
+    start = run.restore(policy.model, optimizer, scheduler)  # > 0 under --resume
+
+    # Algorithm 1 lines 6-12
+    for e, t in enumerate(ts):  # line 6: for t = 0 to T
+        lam = rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"])  # Eq. 11: lambda_n(t) of every class n, (c,)
+        # lines 7-10: D_sub(t) = the easiest lambda_n(t) of each D_n, united (Table 2's schedulers: a global slice)
+        d_sub = rrgcl_subset(plan["class_orders"], lam) if args.scheduler == "rrgcl" else epoch_subset(args.scheduler, t, T, plan)
+        first, end = int(ends[e - 1]) if e else 0, int(ends[e])
+        run.start = max(start, first)  # (a resumed run goes on from its checkpoint)
+        if run.start >= end:
+            continue  # trained before --resume, or no step of --steps falls in this epoch
+        for step, batch in run.steps(end, epoch_batches(run, d_sub, first, end, e), f"RRGCL t = {t}"):  # line 11: train G on D_sub(t)
+            if step == first:
+                run.log(epoch=t, subset=len(d_sub), **{f"lambda/{n}": x for n, x in zip(plan["classes"], lam) if args.scheduler == "rrgcl"})
+            with run.autocast():
+                loss = sft_step(policy, batch, run)
+            loss.backward()
+            run.log(loss=loss.item())
+            run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
+
+    q1 = lambda rows, labeler: {"q1": q1_analysis(rows, class_labels(test_set, labeler), plan["table"], args.clean)}  # noqa: E731
+    result = run.evaluate(policy, test_set, "test", PROMPT, max_new, score=q1, meteor=True, ce=CE)
+    if run.is_main:
+        print(f"{args.scheduler} after {ends[-1]} steps: {common.summary(result)}")
+    return run.finish({"test": result, "scheduler": args.scheduler, "steps": int(ends[-1]), "classes": plan["table"]}, policy)
+
+
+# The generator's side: each step's studies, the loss ------------------------------------------------
+def epoch_batches(run: common.Run, d_sub: np.ndarray, first: int, end: int, epoch: int):
+    """batches(start) for run.steps over steps first..end - 1: passes over D_sub(t), each shuffled from (seed, epoch)
+    alone (a resumed run draws the same); each step's --batch-size studies shared over the ranks."""
+    B, n, dataset = run.args.batch_size, run.per_rank(run.args.batch_size, "--batch-size"), common.ReportDataset(run.data["train"])
+    rng = np.random.default_rng([run.args.seed, epoch])
+    studies = np.concatenate([rng.permutation(d_sub) for _ in range(math.ceil((end - first) * B / len(d_sub)))])
+    studies = studies[:(end - first) * B].reshape(-1, B)  # (steps, B)
+    return lambda start: (common.collate([dataset[i] for i in idx[run.rank * n:(run.rank + 1) * n]]) for idx in studies[start - first:])
+
+
+def sft_step(policy, batch, run) -> torch.Tensor:
+    """The wrapped generator's loss: teacher-forced NLL, the token mean over the whole step: this rank's token mean times
+    n / mean n over ranks (its share of the step's tokens times the world size: optimizer_step averages over ranks)."""
+    n = float(policy.encode_targets(batch["report"])[1].sum())  # this rank's report tokens
+    return policy.sft_loss(policy.prompt_batch(batch["images"], PROMPT), batch["report"]) * (n / common.all_reduce_mean(n))
+
+
+# The measurer's plumbing (Sec. 4.1, 4.3): texts, labels, encoders, the difficulty file ----------------
 def measure_text(r: common.Record) -> str:
     """Sec. 4.1: "Findings" and "Impression" stitched: the report and the record's "impression" when it has one."""
     return f"{r.report} {r.meta['impression'].strip()}" if str(r.meta.get("impression") or "").strip() else r.report
@@ -104,9 +321,8 @@ def fit_and_extract(model, dataset, x: str, epochs: int, device, seed: int) -> t
     """A few epochs of multi-label BCE from batch[x] on the 14 labels (uncertain = 1), then the (N, d) features."""
     torch.manual_seed(seed)  # the weights and the shuffle
     opt = torch.optim.AdamW(model.to(device).train().parameters(), lr=ENCODER["lr"])
-    loader = torch.utils.data.DataLoader(dataset, ENCODER["batch_size"], shuffle=True)
     for _ in range(epochs):
-        for b in loader:
+        for b in torch.utils.data.DataLoader(dataset, ENCODER["batch_size"], shuffle=True):
             y = torch.as_tensor(common.binarize(b["labels"]), dtype=torch.float32, device=device)  # (B, 14)
             loss = F.binary_cross_entropy_with_logits(model.head(model(b[x].to(device))), y)
             opt.zero_grad(set_to_none=True)
@@ -117,16 +333,19 @@ def fit_and_extract(model, dataset, x: str, epochs: int, device, seed: int) -> t
 
 
 def features(args: Args, records, labels: np.ndarray, device) -> dict:
-    """(N, d) features: "itas_image" (the small CNN), "vns_image" (phi) and "text" (psi)."""
+    """(N, d) features: "vns_image" (phi), "itas_image" (ITAS's image network), "text" (psi). Images: "small" is 5
+    strided conv blocks (64 px) fit to the labels; a ResNet (a state dict, or "imagenet") is used as it is, at 256 px."""
     studies = [common.Record(r.id, r.image_paths, r.report, r.split, l) for r, l in zip(records, labels)]
-    # 5 strided conv blocks -> (B, 128): phi offline and, always, ITAS's "pre-trained 5-layer ResNet" (Liao et al.)
-    cnn = common.ViewMean(common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14))
-    small = fit_and_extract(cnn, common.ReportDataset(studies, common.default_transform(ENCODER["image_size"], channels=1)),
-                            "images", ENCODER["epochs"], device, args.seed)
-    feats = {"itas_image": small, "vns_image": small}
-    if args.visual_encoder != "small":  # Sec. 4.1: 256 x 256 for the ResNet-101; used as it is (0 epochs)
-        feats["vns_image"] = fit_and_extract(common.resnet_encoder(101, args.visual_encoder, "--visual-encoder"),
-                                             common.ReportDataset(studies, common.default_transform(256)), "images", 0, device, 0)
+
+    def image_features(choice: str, flag: str) -> torch.Tensor:
+        small = choice == "small"
+        net = common.ViewMean(common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14)) \
+            if small else common.resnet_encoder(RESNET[flag], choice, flag)
+        size, channels, epochs = (ENCODER["image_size"], 1, ENCODER["epochs"]) if small else (ENCODER["resnet_size"], 3, 0)
+        return fit_and_extract(net, common.ReportDataset(studies, common.default_transform(size, channels)), "images", epochs, device, args.seed)
+    feats = {"vns_image": image_features(args.visual_encoder, "--visual-encoder")}
+    feats["itas_image"] = feats["vns_image"] if args.itas_encoder == args.visual_encoder == "small" else \
+        image_features(args.itas_encoder, "--itas-encoder")  # the small CNN is fit once when both ask for it
     texts = [measure_text(r) for r in records]
     if args.text_encoder == "small":
         tok = common.WordTokenizer.build(texts)
@@ -143,176 +362,30 @@ def features(args: Args, records, labels: np.ndarray, device) -> dict:
     return feats
 
 
-# Eq. 1-4: visual neighbourhood semantic gap -----------------------------------------------------
-@torch.no_grad()
-def vns_gap(v: torch.Tensor, t: torch.Tensor, block: int = VNS_BLOCK, device="cpu") -> torch.Tensor:
-    """dif1 (N,) float64 for (N, d_v), (N, d_t) features, in row blocks: memory O(N x block). [v, t] . [v, -t]' =
-    S^v - S^t in one matmul; G is symmetric, so each block computes columns j >= its first row and adds the
-    part right of its rows to those rows: N^2 (d_v + d_t) FLOP in all."""
-    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-    v = F.normalize(v.to(device, dtype), dim=1)  # Eq. 1's denominators
-    t = F.normalize(t.to(device, dtype), dim=1)  # Eq. 2's denominators
-    a, b = torch.cat([v, t], 1), torch.cat([v, -t], 1)  # (N, d_v + d_t)
-    dif1 = torch.zeros(len(a), dtype=torch.float64, device=device)
-    for s in range(0, len(a), block):
-        e = min(s + block, len(a))
-        G = (a[s:e] @ b[s:].T).abs_()  # Eq. 3: (e - s, N - s) = |S^v_ij - S^t_ij|, j >= s
-        dif1[s:e] += G.sum(1).double()  # Eq. 4 over columns j >= s
-        dif1[e:] += G[:, e - s:].sum(0).double()  # G_ji = G_ij: the rows after the block
-    return dif1.cpu()
-
-
-# Eq. 5-9: image-text alignment score by MINE --------------------------------------------------------
-class StatisticsNetwork(torch.nn.Sequential):
-    """T_theta(I, R) of Eq. 7: an MLP (ours: 2 x 256, ELU) on the concatenated features -> (B,)."""
-
-    def __init__(self, d: int, hidden: int = 256):
-        super().__init__(torch.nn.Linear(d, hidden), torch.nn.ELU(), torch.nn.Linear(hidden, hidden), torch.nn.ELU(),
-                         torch.nn.Linear(hidden, 1))
-
-    def forward(self, image, text):
-        return super().forward(torch.cat([image, text], -1)).squeeze(-1)
-
-
-def dv_bound(t_joint: torch.Tensor, t_marginal: torch.Tensor) -> torch.Tensor:
-    """Eq. 6-7: E_P(IR)[T] - log E_P(I) x P(R)[e^T], the expectations as batch means."""
-    return t_joint.mean() - (torch.logsumexp(t_marginal, 0) - math.log(len(t_marginal)))
-
-
-def train_mine(image, text, steps: int, batch_size: int = 256, lr: float = 1e-4, seed: int = 0):
-    """Eq. 8: theta* = argmax of the DV bound, by Adam on batches. Marginal pairs: each image with the report of
-    another study of the batch (a shuffle). The plain batch gradient: MINE's moving-average correction
-    (Belghazi et al. 2018, Sec. 3.2) is left out. Returns (T, mean DV bound of the last 50 batches)."""
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    T = StatisticsNetwork(image.shape[1] + text.shape[1])
-    opt, last = torch.optim.Adam(T.parameters(), lr=lr), []
-    for _ in range(steps):
-        i = torch.randint(len(image), (batch_size,), generator=g)
-        j = i[torch.randperm(batch_size, generator=g)]  # shuffled reports: P(I) x P(R)
-        mi = dv_bound(T(image[i], text[i]), T(image[i], text[j]))  # Eq. 7
-        opt.zero_grad(set_to_none=True)
-        (-mi).backward()  # Eq. 8: maximise the bound
-        opt.step()
-        last = (last + [mi.item()])[-50:]
-    return T.eval(), float(np.mean(last)) if last else float("nan")
-
-
-def zscore(x) -> np.ndarray:
-    return (np.asarray(x, float) - np.mean(x)) / (np.std(x) or 1.0)  # population std (the paper names mu, sigma only)
-
-
-@torch.no_grad()
-def itas(image: torch.Tensor, text: torch.Tensor, seed: int = 0) -> tuple[np.ndarray, dict]:
-    """Eq. 9: dif2(i) = T*(I_i, R_i), cross-fitted: T is trained on one half of the pairs and scores the other
-    half, and the other way round, so no pair is scored by a network that learnt it (the paper does not say).
-    The DV bound leaves T free up to a constant, so each half's scores are standardised apart."""
-    image, text = ((x - x.mean(0)) / x.std(0).clamp_min(1e-6) for x in (image, text))  # standardised features (ours)
-    a, b = np.array_split(np.random.default_rng(seed).permutation(len(image)), 2)
-    dif2, stats = np.zeros(len(image)), {"dv_train": [], "dv_held_out": []}
-    for k, (held, fit) in enumerate([(a, b), (b, a)]):
-        with torch.enable_grad():
-            T, dv_train = train_mine(image[fit], text[fit], seed=seed + k, **MINE)
-        t_joint, shuffled = T(image[held], text[held]), np.random.default_rng(seed + k).permutation(held)  # (N/2,)
-        stats["dv_train"].append(dv_train)
-        stats["dv_held_out"].append(dv_bound(t_joint, T(image[held], text[shuffled])).item())  # Eq. 7 on unseen pairs
-        dif2[held] = zscore(t_joint.double().numpy())
-    return dif2, stats
-
-
-# Eq. 10, and Algorithm 1 lines 1-3 ------------------------------------------------------------------
-def sample_difficulty(dif1, dif2, alpha: float = 0.6, beta: float = 0.4, itas_sign: int = -1) -> np.ndarray:
-    """Eq. 10, ITAS entering with itas_sign: -1 (ours) as Sec. 3.2.1 calls aligned pairs easier."""
-    return alpha * zscore(dif1) + itas_sign * beta * zscore(dif2)
-
-
-def class_members(labels: np.ndarray) -> tuple[list[str], list[np.ndarray]]:
-    """Algorithm 1 line 1: D_n = the studies labelled 1 for keyword n (a study may sit in several). Paper silent:
-    studies positive for none form one more class "Other"; empty classes are dropped (c counts the rest)."""
-    positive = labels[:, [common.LABEL_INDEX[n] for n in CLASSES]] == 1  # (N, 13)
-    names = [n for k, n in enumerate(CLASSES) if positive[:, k].any()]
-    members = [np.flatnonzero(positive[:, k]) for k in range(len(CLASSES)) if positive[:, k].any()]
-    if (~positive.any(1)).any():
-        names, members = names + ["Other"], members + [np.flatnonzero(~positive.any(1))]
-    return names, members
-
-
-def class_difficulty(dif: np.ndarray, members: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Algorithm 1 line 2: diff_C(n) = mean dif(i) over D_n -> (raw, min-max normalised): Eq. 12 needs [0, 1]
-    for gamma_n in [1, c + 1], and the paper does not say how."""
-    raw = np.array([dif[m].mean() for m in members])
-    span = raw.max() - raw.min()
-    return raw, (raw - raw.min()) / span if span > 0 else np.zeros_like(raw)
-
-
-def scheduling_exponents(diff_c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Eq. 12-13 for normalised class difficulties (c,) -> (gamma (c,), lambda_0 (c,))."""
-    gamma = 1 + (1 - diff_c) * len(diff_c)  # Eq. 12: gamma_n in [1, c + 1], easier class -> larger
-    return gamma, gamma / gamma.sum()  # Eq. 13: lambda_n(0) = gamma_n / sum_i gamma_i
-
-
-def rrgcl_lambda(t, T: int, gamma, lambda0):
-    """Eq. 11: lambda_n(t) = min(1, (lambda_n(0)^gamma_n + (1 - lambda_n(0)^gamma_n) t / T)^(1 / gamma_n))."""
-    g, l0 = np.asarray(gamma, float), np.asarray(lambda0, float)
-    return np.minimum(1.0, (l0 ** g + (1 - l0 ** g) * t / T) ** (1 / g))
-
-
-def rrgcl_subset(class_orders: list[np.ndarray], fractions) -> np.ndarray:
-    """Algorithm 1 lines 7-9: the easiest ceil(lambda_n(t) |D_n|) of every class ("the top lambda proportion";
-    ceil keeps every class in from the start), united without duplicates."""
-    return np.unique(np.concatenate([o[:math.ceil(f * len(o) - 1e-9)] for o, f in zip(class_orders, fractions)]))
-
-
-def curriculum_plan(dif: np.ndarray, labels: np.ndarray) -> dict:
-    """Algorithm 1 lines 1-3, and the global easy-to-hard order of Table 2's schedulers."""
-    names, members = class_members(labels)
-    raw, norm = class_difficulty(dif, members)
-    gamma, lambda0 = scheduling_exponents(norm)
-    table = [{"name": n, "size": len(m), "difficulty": float(d), "gamma": float(g), "lambda0": float(l0)}
-             for n, m, d, g, l0 in zip(names, members, raw, gamma, lambda0)]  # what files show
-    return {"classes": names, "members": members, "difficulty": raw, "gamma": gamma, "lambda0": lambda0, "table": table,
-            "class_orders": [m[np.argsort(dif[m], kind="stable")] for m in members], "order": np.argsort(dif, kind="stable")}
-
-
-# Table 2: the ablation schedulers, on the global easy-to-hard order ------------------------------
-def pacing(name: str, t: int, T: int, c0: float = C0, buckets: int = BUCKETS) -> tuple[float, float]:
-    """The slice [lo, hi) of the easy-to-hard order that epoch t trains on (fractions of N)."""
-    K = min(buckets, T)  # never more buckets than epochs, or One Pass would skip some
-    stage = max(1, math.ceil(K * t / T))  # 1..K
-    hi = {"linear": c0 + (1 - c0) * t / T,  # Platanios et al. 2019's linear competence
-          "root": math.sqrt(t * (1 - c0 ** 2) / T + c0 ** 2),  # Platanios et al. 2019
-          "geom": c0 ** (1 - t / T),  # Penha & Hauff 2020: 2^(log2(c0) (1 - t / T))
-          "baby_step": stage / K,  # Bengio 2009: K buckets, one more at every stage
-          "one_pass": stage / K}.get(name, 1.0)  # Cirik et al. 2016: each bucket once, alone, easiest first
-    return ((stage - 1) / K if name == "one_pass" else 0.0), min(1.0, hi)
-
-
-def epoch_subset(scheduler: str, t: int, T: int, plan: dict) -> np.ndarray:
-    """The training studies of epoch t (all at t = T, except One Pass's last bucket)."""
-    if scheduler == "rrgcl":
-        return rrgcl_subset(plan["class_orders"], rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"]))
-    (lo, hi), n = pacing(scheduler, t, T), len(plan["order"])
-    return np.sort(plan["order"][math.ceil(lo * n - 1e-9):math.ceil(hi * n - 1e-9)])
-
-
-# The measurer end to end, and the difficulty file ------------------------------------------------
 def measure(args: Args, records, labeler, device) -> dict:
-    """{"ids", "labels" (N, 14), "dif1" (Eq. 1-4), "dif2" (Eq. 9), "mine"} of the training studies."""
+    """{"ids", "labels" (N, 14), "dif1" (Eq. 1-4), "dif2" (Eq. 9), "mine", "encoders"} of the training studies."""
     labels = class_labels(records, labeler)
     feats = features(args, records, labels, device)
-    N, d = len(records), feats["vns_image"].shape[1] + feats["text"].shape[1]
-    if torch.device(device).type == "cpu" and N * N * d > 1e12:  # MIMIC-CXR: 270,000^2 x (2048 + 768) = 2e14
+    N, d = len(records), feats["vns_image"].shape[1] + feats["text"].shape[1]  # MIMIC-CXR: 270,000^2 x (2048 + 768) = 2e14 FLOP
+    if torch.device(device).type == "cpu" and N * N * d > 1e12:
         common.log.warning("VNS-Gap: %d studies, about %.0e FLOP: hours on a CPU (measure on a GPU with --measure-only)", N, N * N * d)
     dif1 = vns_gap(feats["vns_image"], feats["text"], VNS_BLOCK, device).numpy()
     dif2, mine = itas(feats["itas_image"], feats["text"], args.seed)
     common.log.info("MINE: DV bound on training batches %s, on held-out pairs %s nats", mine["dv_train"], mine["dv_held_out"])
-    return {"ids": [r.id for r in records], "labels": labels, "dif1": dif1, "dif2": dif2, "mine": mine}
+    return {"ids": [r.id for r in records], "labels": labels, "dif1": dif1, "dif2": dif2, "mine": mine,
+            "encoders": {"visual": args.visual_encoder, "itas": args.itas_encoder, "text": args.text_encoder}}
 
 
-def write_difficulty(path: Path, m: dict) -> dict:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**m, **{k: np.where(np.isnan(m[k]), None, m[k]).tolist() for k in ARRAYS}}))
-    return m
+def difficulty_scores(run: common.Run, args: Args) -> tuple[dict, Path]:
+    """The measurer's scores, on every rank: from --difficulty (or a resumed run's file), else measured there first."""
+    path = Path(args.difficulty or run.out / "difficulty.json")
+    if args.measure_only and args.difficulty and path.is_file():
+        raise ValueError(f"--measure-only: {path} exists; delete it to measure again")
+    if run.is_main and not (args.difficulty and not args.measure_only or run.resuming and path.is_file()):
+        m = measure(args, run.data["train"], run.labeler, run.device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**m, **{k: np.where(np.isnan(m[k]), None, m[k]).tolist() for k in ARRAYS}}))
+    return common.broadcast_object(read_difficulty(path, run.data["train"]) if run.is_main else None), path
 
 
 def read_difficulty(path: Path, records) -> dict:
@@ -324,11 +397,13 @@ def read_difficulty(path: Path, records) -> dict:
     return {**m, **{k: np.array(m[k], dtype=float) for k in ARRAYS}}
 
 
-def schedule(args: Args, m: dict) -> tuple[dict, list[int], list[np.ndarray]]:
-    """Eq. 10 and Algorithm 1 from the measured scores: (plan, epochs t, their subsets)."""
-    plan = curriculum_plan(sample_difficulty(m["dif1"], m["dif2"], args.alpha, 1 - args.alpha, args.itas_sign), m["labels"])
-    ts = list(range(0 if args.t0 else 1, args.epochs + 1))
-    return plan, ts, [epoch_subset(args.scheduler, t, args.epochs, plan) for t in ts]
+def measurer_notes(args: Args) -> list[str]:
+    """What this run's measurer does not do as Sec. 4.3 does, one line each (none when it reads --difficulty)."""
+    notes = {"visual": "VNS-Gap images (phi, Eq. 1): a small CNN fit to the labels, not a CheXpert-tuned ResNet-101 (--visual-encoder FILE)",
+             "itas": "ITAS images: a small CNN fit to the labels, not a pre-trained 5-layer ResNet (--itas-encoder FILE: a ResNet-18)",
+             "text": "reports (psi, Eq. 2): a word CNN fit to the labels, not Clinical BERT (--text-encoder emilyalsentzer/Bio_ClinicalBERT)"}
+    return [note for k, note in notes.items() if getattr(args, f"{k}_encoder") == "small"
+            and (args.measure_only or not args.difficulty)]
 
 
 # Fig. 1: Q1 --------------------------------------------------------------------------------------
@@ -353,94 +428,16 @@ def q1_analysis(rows: list[dict], labels: np.ndarray, classes: list[dict], style
 def q1_command(args: Args) -> dict:
     """`python rrgcl.py q1 --out DIR`: Fig. 1 for DIR/generations_test.jsonl (any model's: id, generated)."""
     data, out = common.load_data(common.resolve_defaults(args).data), Path(args.out)
-    test = {r.id: r for r in data["test"]}
-    rows = common.read_generations(out / "generations_test.jsonl")
+    test, rows = {r.id: r for r in data["test"]}, common.read_generations(out / "generations_test.jsonl")
     if any(row["id"] not in test for row in rows):
         raise ValueError(f"{out / 'generations_test.jsonl'}: ids that are not test studies of --data {args.data}")
     labels = class_labels([test[row["id"]] for row in rows], common.make_labeler(args.labeler, args.chexbert_weights))
-    plan = schedule(args, read_difficulty(Path(args.difficulty or out / "difficulty.json"), data["train"]))[0]
+    m = read_difficulty(Path(args.difficulty or out / "difficulty.json"), data["train"])
+    plan = curriculum_plan(sample_difficulty(m["dif1"], m["dif2"], args.alpha, 1 - args.alpha, args.itas_sign), m["labels"])
     result = q1_analysis(rows, labels, plan["table"], common.clean_style(data["train"]) if args.clean == "auto" else args.clean)
     (out / "q1.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "per_class"}, indent=1))
     return result
-
-
-# Training ---------------------------------------------------------------------------------------
-def step_studies(subsets, batch_size: int, total: int | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(studies (steps, batch_size), last step of each epoch). An epoch is one pass over its subset (total None,
-    Algorithm 1 line 11), or `total` steps are shared in proportion to the subsets, the same number of passes
-    over each. Each subset is shuffled from (seed, epoch) alone, so a resumed run draws the same."""
-    sizes = [len(s) for s in subsets]
-    steps = [max(1, n // batch_size) for n in sizes] if total is None else np.diff(np.round(
-        total * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
-    out = []
-    for e, (s, n) in enumerate(zip(subsets, steps)):
-        rng = np.random.default_rng([seed, e])
-        order = np.concatenate([rng.permutation(s) for _ in range(math.ceil(n * batch_size / len(s)))] or [[]])
-        out.append(order[:n * batch_size].astype(int).reshape(n, batch_size))
-    return np.concatenate(out), np.cumsum(steps)
-
-
-def sft_step(policy, batch, run) -> torch.Tensor:
-    """The wrapped generator's loss: teacher-forced NLL of the step's reports, the token mean over the whole
-    step (all ranks): this rank's token mean weighted by its share of the step's tokens, times the world
-    size, as optimizer_step averages the gradients over ranks."""
-    n = float(policy.encode_targets(batch["report"])[1].sum())
-    total = common.all_reduce_mean(n) * run.world_size
-    return policy.sft_loss(policy.prompt_batch(batch["images"], PROMPT), batch["report"]) * (n * run.world_size / total)
-
-
-def train(args: Args) -> dict:
-    run = common.start_run(args)
-    run.data = common.r2gen_views(run.data)  # the wrapped R2Gen-style models read two views of an IU X-Ray study
-    train_set, test_set = run.data["train"], run.data["test"]
-    path = Path(args.difficulty or run.out / "difficulty.json")
-
-    # Learning-difficulty measurer (Sec. 3.2): read the file, or measure on rank 0 and write it
-    if args.measure_only and args.difficulty and path.is_file():
-        raise ValueError(f"--measure-only: {path} exists; delete it to measure again")
-    read = args.difficulty and not args.measure_only or run.resuming and path.is_file()
-    m = common.broadcast_object(None if not run.is_main else read_difficulty(path, train_set) if read else
-                                write_difficulty(path, measure(args, train_set, run.labeler, run.device)))
-    plan, ts, subsets = schedule(args, m)  # Eq. 10-13, Algorithm 1 lines 1-8
-    curves = rrgcl_lambda(np.arange(args.epochs + 1)[:, None], args.epochs, plan["gamma"], plan["lambda0"])  # Fig. 3
-    run.write("schedule.json", json.dumps({"t": ts, "subset_sizes": [len(s) for s in subsets], "classes": [
-        {**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])]}, indent=1))
-    common.log.info("%s: epochs t = %d..%d on %s of %d studies", args.scheduler, ts[0], ts[-1], [len(s) for s in subsets], len(train_set))
-    if args.measure_only:
-        return run.finish({"difficulty": str(path), "classes": plan["table"], "mine": m["mine"]})
-
-    # The wrapped report generator (tiny: all of it; HF: LoRA), the same initial weights whether measured here or not
-    common.seed_everything(args.seed)
-    tiny, max_new = args.model == "tiny", 96 if args.model == "tiny" else 256  # max_new: greedy test reports
-    policy, _ = common.build_policy(run, train_set, max_new, lora=None if tiny else LORA, reference=False)
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    studies, ends = step_studies(subsets, args.batch_size, args.steps, args.seed)
-    optimizer, scheduler = common.adamw(params, args.lr or (1e-3 if tiny else 1e-4), int(ends[-1]))
-    run.restore(policy.model, optimizer, scheduler)
-    dataset, per_rank = common.ReportDataset(train_set), run.per_rank(args.batch_size, "--batch-size")
-
-    def batches(start):  # this rank's share of every step's studies
-        for idx in studies[start:]:
-            yield common.collate([dataset[i] for i in idx[run.rank * per_rank:(run.rank + 1) * per_rank]])
-
-    # Algorithm 1 lines 6-11: epoch t trains the generator on D_sub(t)
-    for step, batch in run.steps(int(ends[-1]), batches, f"RRGCL SFT ({args.scheduler})"):
-        with run.autocast():
-            loss = sft_step(policy, batch, run)
-        loss.backward()
-        run.log(loss=loss.item())
-        run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
-        e = int(np.searchsorted(ends, step + 1))  # this step's epoch
-        if step + 1 == ends[e]:
-            run.log(epoch=ts[e], subset=len(subsets[e]))
-
-    test_labels = class_labels(test_set, run.labeler)  # Q1's classes, from the same text as the training classes
-    q1 = lambda rows, labeler: {"q1": q1_analysis(rows, test_labels, plan["table"], args.clean)}  # noqa: E731
-    t = run.evaluate(policy, test_set, "test", PROMPT, max_new, score=q1, meteor=True, ce=CE)
-    if run.is_main:
-        print(f"{args.scheduler} after {ends[-1]} steps: {common.summary(t)}")
-    return run.finish({"test": t, "scheduler": args.scheduler, "steps": int(ends[-1]), "classes": plan["table"]}, policy)
 
 
 def main(argv=None):

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import time
+import types
 
 import numpy as np
 import pytest
@@ -160,17 +161,25 @@ def test_global_subsets_follow_the_easy_to_hard_order():
     assert len(sub("none", 1)) == N
 
 
-def test_step_budget_by_hand():
-    subsets = [np.array([3, 5, 7, 11, 13]), np.arange(20)]
-    studies, ends = rrgcl.step_studies(subsets, batch_size=4, total=None, seed=0)  # one pass each: 5 // 4, 20 // 4
-    assert ends.tolist() == [1, 6] and set(studies[0]) <= set(subsets[0])
-    assert sorted(studies[1:].ravel().tolist()) == list(range(20))  # epoch 2: every study once
-    studies, ends = rrgcl.step_studies(subsets, batch_size=4, total=10, seed=0)  # 10 x 5 / 25 = 2, 10 x 25 / 25 = 10
-    assert ends.tolist() == [2, 10] and set(studies[:2].ravel()) == set(subsets[0])  # 8 draws from 5: repeated
-    counts = np.bincount(studies[2:].ravel(), minlength=20)  # 32 draws from 20: every study once, then 12 again
-    assert counts.min() == 1 and counts.max() == 2 and counts.sum() == 32
-    again, _ = rrgcl.step_studies(subsets, 4, 10, seed=0)
-    assert np.array_equal(studies, again) and not np.array_equal(studies, rrgcl.step_studies(subsets, 4, 10, seed=1)[0])
+class FakeRun:
+    """What epoch_batches reads of a common.Run: --batch-size and --seed, the training studies, the rank."""
+    def __init__(self, records, batch_size=4, seed=0, rank=0, world_size=1):
+        self.args, self.data = types.SimpleNamespace(batch_size=batch_size, seed=seed), {"train": records}
+        self.rank, self.per_rank = rank, lambda b, flag: b // world_size
+
+
+def test_epoch_batches_pass_over_the_subset_and_resume_mid_epoch(small_synthetic):
+    records = common.load_annotation(small_synthetic)["train"]
+    ids = lambda run, d_sub, first, end, start=None, e=0: [b["id"] for b in rrgcl.epoch_batches(  # noqa: E731
+        run, np.array(d_sub), first, end, e)(first if start is None else start)]
+    one = ids(FakeRun(records), range(20), 6, 11)  # 5 steps x 4 = one pass over 20 studies
+    assert sorted(i for b in one for i in b) == sorted(records[k].id for k in range(20))
+    eight = [i for b in ids(FakeRun(records), [3, 5, 7, 11, 13], 0, 2) for i in b]  # 8 draws from 5: a pass, then 3 again
+    assert set(eight) == {records[k].id for k in (3, 5, 7, 11, 13)} and len(set(eight[:5])) == 5
+    assert ids(FakeRun(records), range(20), 6, 11, start=8) == one[2:]  # a resumed run goes on with the same draw
+    assert ids(FakeRun(records, seed=1), range(20), 6, 11) != one and ids(FakeRun(records), range(20), 6, 11, e=1) != one
+    halves = [ids(FakeRun(records, rank=r, world_size=2), range(20), 6, 11) for r in (0, 1)]  # each rank half a step
+    assert [a + b for a, b in zip(*halves)] == one
 
 
 # Eq. 1-4: VNS-Gap ---------------------------------------------------------------------------------------
@@ -366,8 +375,12 @@ def test_measure_only_writes_the_file_and_training_reads_it(tmp_path, small_synt
     epochs = [x for x in read_jsonl(out / "metrics.jsonl") if "epoch" in x]
     assert [x["epoch"] for x in epochs] == schedule["t"] == [0, 1, 2]  # t = 0..T: the lambda_n(0) subset trains
     assert [x["subset"] for x in epochs] == schedule["subset_sizes"] and epochs[0]["subset"] < epochs[-1]["subset"] == 40
-    assert [x["step"] for x in epochs] == np.cumsum([max(1, s // 8) for s in schedule["subset_sizes"]]).tolist()  # one pass each
+    steps = [max(1, s // 8) for s in schedule["subset_sizes"]]  # one pass over each D_sub(t)
+    assert [x["step"] for x in epochs] == (1 + np.cumsum([0] + steps[:-1])).tolist()  # logged at each epoch's first step
+    assert read_jsonl(out / "metrics.jsonl")[-1]["step"] == sum(steps)
     assert all(c["lambda"][0] == pytest.approx(c["lambda0"]) and c["lambda"][-1] == pytest.approx(1) for c in schedule["classes"])
+    for x in epochs:  # Fig. 3 from the run: every class's lambda_n(t) of the epoch
+        assert [x[f"lambda/{c['name']}"] for c in schedule["classes"]] == pytest.approx([c["lambda"][int(x["epoch"])] for c in schedule["classes"]])
     results = json.loads((out / "eval.json").read_text())
     assert "BLEU-4" in results["test"]["nlg"] and results["test"]["q1"]["per_class"]
 
@@ -376,8 +389,10 @@ def test_measure_only_writes_the_file_and_training_reads_it(tmp_path, small_synt
 
     rrgcl.main(base + ["--out", str(tmp_path / "t1"), "--difficulty", str(difficulty_file), "--no-t0", "--steps", "7",
                        "--scheduler", "one_pass"])
-    epochs = [x for x in read_jsonl(tmp_path / "t1" / "metrics.jsonl") if "epoch" in x]
-    assert [x["epoch"] for x in epochs] == [1, 2] and epochs[-1]["step"] == 7 and sum(x["subset"] for x in epochs) == 40
+    rows = read_jsonl(tmp_path / "t1" / "metrics.jsonl")
+    epochs = [x for x in rows if "epoch" in x]  # One Pass: two disjoint halves of 20; 7 steps shared 20 : 20 -> round(3.5) = 4, 3
+    assert [x["epoch"] for x in epochs] == [1, 2] and [x["step"] for x in epochs] == [1, 5] and rows[-1]["step"] == 7
+    assert sum(x["subset"] for x in epochs) == 40 and not any(k.startswith("lambda/") for k in epochs[0])
 
 
 def independent_subset_t0(m):
@@ -423,14 +438,20 @@ def test_one_step_feeds_the_loss_the_lambda0_studies_and_their_token_mean(tmp_pa
     np.testing.assert_allclose(logged, [s["expected"] for s in seen], rtol=1e-6)
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast_measure, monkeypatch, crash_after_checkpoint):
-    """Stopped after the step-4 checkpoint and resumed, a run ends with the weights and log of one never stopped; the
-    resumed run reads its own difficulty.json instead of measuring again, and refuses a changed flag."""
+def test_resume_matches_an_uninterrupted_run_on_real_format_iu_xray(tmp_path, iu_xray, fast_measure, monkeypatch,
+                                                                    crash_after_checkpoint):
+    """IU X-Ray as users have it (R2GenGPT layout, 1-5 views per study): the measurer reads R2Gen's two views of every
+    study, the run cleans as R2Gen does IU X-Ray and scores every test study. Stopped after the step-4 checkpoint and
+    resumed, a run ends with the weights and log of one never stopped; the resumed run reads its own difficulty.json
+    instead of measuring again, and refuses a changed flag."""
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 4)
-    flags = ["--data", str(small_synthetic), "--epochs", "1", "--batch-size", "8", "--steps", "9"]
+    views, forward = [], common.ViewMean.forward  # the measurer's image encoders see (B, V, C, H, W)
+    monkeypatch.setattr(common.ViewMean, "forward", lambda self, x: views.append(x.shape[1]) or forward(self, x))
+    flags = ["--data", str(iu_xray), "--epochs", "1", "--batch-size", "8", "--steps", "9"]
     crash_after_checkpoint(4)
     with pytest.raises(Crash):
         rrgcl.main(flags + ["--out", str(tmp_path / "part")])  # measures into part/difficulty.json
+    assert set(views) == {2} and {len(r.image_paths) for r in common.load_annotation(iu_xray)["train"]} == {1, 2, 3, 4, 5}
     crash_after_checkpoint(None)
     rrgcl.main(flags + ["--out", str(tmp_path / "full"), "--difficulty", str(tmp_path / "part" / "difficulty.json")])
     with pytest.raises(SystemExit, match="--alpha 0.6 in the run, 0.5 now"):
@@ -441,6 +462,34 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast_mea
     assert all(torch.equal(full[k], part[k]) for k in full)
     rows = lambda d: metrics_rows(tmp_path / d / "metrics.jsonl")  # noqa: E731
     assert rows("full") == rows("part") and len(rows("part")) == 9
+    config, result = (json.loads((tmp_path / "part" / f).read_text()) for f in ("config.json", "eval.json"))
+    assert config["clean"] == result["test"]["clean"] == "iu_xray" and result["test"]["n"] == 12 and result["steps"] == 9
+
+
+def test_itas_encoder_is_a_pre_trained_resnet18_from_a_state_dict(tmp_path, iu_xray, monkeypatch):
+    """--itas-encoder FILE: ITAS's image features are the torchvision ResNet-18 of the state dict (here random, written
+    by the test in a DDP checkpoint's layout), used as it is on R2Gen's two views (mean over them), phi staying the small
+    CNN; the run's notes drop the ITAS line; a file that is no ResNet-18 is one error naming the flag."""
+    import torchvision
+    monkeypatch.setattr(rrgcl, "ENCODER", dict(rrgcl.ENCODER, epochs=0, resnet_size=32))  # Sec. 4.1's 256 px: slow here
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18()
+    torch.save({"state_dict": {f"module.{k}": v for k, v in net.state_dict().items()}}, tmp_path / "r18.pt")
+    records = common.r2gen_views(common.load_annotation(iu_xray))["train"][:5]
+    args = rrgcl.Args(itas_encoder=str(tmp_path / "r18.pt"))
+    feats = rrgcl.features(args, records, rrgcl.class_labels(records, common.RuleLabeler()), "cpu")
+    net.fc, transform = torch.nn.Identity(), common.default_transform(32)
+    with torch.no_grad():
+        expected = torch.stack([net.eval()(torch.stack([transform(common.load_image(p)) for p in r.image_paths])).mean(0)
+                                for r in records])  # (5, 512)
+    torch.testing.assert_close(feats["itas_image"], expected, rtol=1e-4, atol=1e-5)
+    assert feats["vns_image"].shape == (5, 128)
+    notes = rrgcl.measurer_notes(args)
+    assert len(notes) == 2 and not any("ITAS" in n for n in notes) and len(rrgcl.measurer_notes(rrgcl.Args())) == 3
+    assert rrgcl.measurer_notes(rrgcl.Args(difficulty="dif.json")) == []  # a run that reads the scores measures nothing
+    torch.save({"conv1.weight": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="--itas-encoder .*other.pt: not a torchvision ResNet-18 state dict"):
+        rrgcl.features(rrgcl.Args(itas_encoder=str(tmp_path / "other.pt")), records, np.zeros((5, 14)), "cpu")
 
 
 def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, difficulty_file):
