@@ -807,7 +807,7 @@ class CheXbertLabeler:
 NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
 
 
-def _ngram_counts(tokens: list[str]) -> list[Counter]:
+def ngram_counts(tokens: list[str]) -> list[Counter]:
     """counts[k - 1] = Counter of the k-grams of `tokens`: precook() of bleu_scorer.py / cider_scorer.py."""
     return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, NGRAM_N + 1)]
 
@@ -849,7 +849,7 @@ def _rouge_l(hyp: list[str], ref: list[str], beta: float = ROUGE_BETA) -> float:
 def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA) -> np.ndarray:
     """CIDEr-D per pair, as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf)
     times a Gaussian length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is
-    0-based). Document frequencies from the references scored (one pair: all 0), or from cider_df."""
+    0-based). Document frequencies from the references scored (one pair: all 0), or from cider_df (mrg_r1.py)."""
     df, n_docs = cider_df or (Counter(g for ref in refs_counts for c in ref for g in c), len(refs_counts))
     log_n = math.log(n_docs)
     idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
@@ -861,12 +861,6 @@ def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA
                 for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))]
         scores.append(10.0 * np.mean(sims) * penalty)
     return np.array(scores)
-
-
-def cider_document_frequency(refs: list[str]) -> tuple[Counter, int]:
-    """CIDEr-D document frequencies of a fixed corpus, a document per reference (ViLMedic's reward joins them:
-    every df 1), so that a reward does not depend on what else shares the batch (SCST's practice)."""
-    return Counter(g for r in refs for c in _ngram_counts(r.split()) for g in c), len(refs)
 
 
 _METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
@@ -891,7 +885,7 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     if len(hyps) != len(refs) or not hyps:
         raise ValueError(f"need as many references as hypotheses, at least one: got {len(hyps)} and {len(refs)}")
     hyp_toks, ref_toks = [h.split() for h in hyps], [r.split() for r in refs]
-    hyp_counts, ref_counts = [_ngram_counts(t) for t in hyp_toks], [_ngram_counts(t) for t in ref_toks]
+    hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
     # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; per report from
     # each pair's statistics, corpus from their sums
     correct = np.array([[sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
