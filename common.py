@@ -128,9 +128,8 @@ def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Rec
 
 
 def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
-    """R2Gen's annotation.json, {"train": [{"id", "report", "image_path": [...], "labels" (optional: 14 of 1, 0,
-    -1, null)}], "val": [...], "test": [...]} -> {split: [Record]}; images under its 'images' folder (if any).
-    Bad records raise one error that lists them (file, split, index, id); drop_invalid skips them, logged."""
+    """R2Gen's annotation.json, {split: [{"id", "report", "image_path": [...], "labels" (optional: 14 of 1/0/-1/null)}]}
+    -> {split: [Record]}, images under its 'images' folder if any. Bad records: one error listing them, or dropped."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"annotation file not found: {path}")
@@ -355,8 +354,8 @@ def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
 
 
 def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
-    """A study's report in anatomical order (devices, heart and mediastinum, lungs, pleura, bones);
-    negated findings go into "No A, B, or C." sentences of 1-4 items."""
+    """A study's report, a sentence per finding in FINDINGS order (mediastinum, heart, lungs, pleura, bones, devices),
+    then the negated ones in "No A, B, or C." sentences of 1-4 items."""
     pick = lambda variants: str(rng.choice(variants.split(" | ")))  # noqa: E731
     sentences, negated = [], []
     for name in FINDINGS:
@@ -552,13 +551,12 @@ _STABLE = r"(?:stable|unchanged)\b"
 
 
 class RuleLabeler:
-    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as
-    regular expressions: its mention phrases, negation and uncertainty cues scoped to the clause, its aggregation
-    and No Finding rule. Offline and fast, but not CheXbert (README, "The rule labeler on real reports").
-
-    A mention is, in CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude")
-    in reach, else negative with a negation cue, else uncertain with an uncertainty cue, else positive.
-    A report: 1 if any mention is positive, else -1 if any is uncertain, else 0 if any, else blank."""
+    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
+    expressions: its mention phrases, negation and uncertainty cues scoped to the clause, its aggregation and No
+    Finding rule. Offline and fast, but not CheXbert (README, "The rule labeler on real reports"). A mention is, in
+    CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude") in reach, else negative with a
+    negation cue, else uncertain with an uncertainty cue, else positive. A report: 1 if any mention is positive, else
+    -1 if any is uncertain, else 0 if any, else blank."""
 
     # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
     # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
@@ -618,11 +616,10 @@ class RuleLabeler:
                          _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _HEART + r"\b"],
         "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")]}
 
-    # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's
-    # patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases.
-    # kind: "pre_neg_unc" (uncertain although it contains a negation), "neg", "unc".
-    # direction: "pre" applies to mentions after the cue, "post" to mentions before it.
-    # Any cue inside a mention's span applies whatever its direction.
+    # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's patterns/
+    # {pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases. kind: "pre_neg_unc" (uncertain
+    # although it contains a negation), "neg", "unc"; direction: "pre" applies to mentions after the cue, "post" to
+    # mentions before it. Any cue inside a mention's span applies whatever its direction.
     CLAUSE = 1000  # reach to the end of the clause
     CUES = [
         (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
@@ -704,8 +701,7 @@ CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
 
 
 def chexbert_model(config=None):
-    """f1chexbert's `bert_labeler` (layout and forward) with its BERT built from a config (default:
-    bert-base-uncased's shape): its own __init__ downloads bert-base-uncased even when weights follow."""
+    """f1chexbert's bert_labeler, its BERT built from a config: its own __init__ downloads bert-base-uncased."""
     import warnings
     with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
         from f1chexbert.f1chexbert import bert_labeler
@@ -737,7 +733,7 @@ def load_chexbert_weights(model, path=None):
         state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
     except (RuntimeError, OSError, EOFError, AttributeError, pickle.UnpicklingError) as e:
         raise ValueError(f"{path}: not a CheXbert checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-    if "bert.embeddings.position_ids" not in model.state_dict():  # a buffer once, rebuilt today
+    if "bert.embeddings.position_ids" not in model.state_dict():  # older transformers saved this buffer
         state.pop("bert.embeddings.position_ids", None)
     try:
         model.load_state_dict(state, strict=True)
@@ -783,21 +779,18 @@ class CheXbertLabeler:
         return ids if len(ids) <= CHEXBERT_MAX_PIECES else ids[:CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
 
     @torch.inference_mode()
-    def _label_encoded(self, seqs: list[list[int]]) -> np.ndarray:
-        ids, mask = pad_completions(seqs, self.tokenizer.pad_token_id, self.device)  # (B, L) each, right-padded
-        # the reward runs inside the policy's bf16 autocast: labels must not depend on it
-        with torch.autocast(ids.device.type, enabled=False):
-            logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
-        classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14)
-        return np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]  # 0 blank, 1 pos, 2 neg, 3 unc
-
     def __call__(self, reports: list[str]) -> np.ndarray:
         out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)  # empty reports stay blank
         encoded = [(i, s) for i, s in enumerate(map(self.encode, reports)) if s is not None]
         encoded.sort(key=lambda x: len(x[1]))  # similar lengths share a batch: little padding
         for b in range(0, len(encoded), self.batch_size):
             chunk = encoded[b:b + self.batch_size]
-            out[[i for i, _ in chunk]] = self._label_encoded([s for _, s in chunk])
+            ids, mask = pad_completions([s for _, s in chunk], self.tokenizer.pad_token_id, self.device)  # (B, L) each
+            # the reward runs inside the policy's bf16 autocast: labels must not depend on it
+            with torch.autocast(ids.device.type, enabled=False):
+                logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
+            classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14) 0 blank, 1 pos, 2 neg, 3 unc
+            out[[i for i, _ in chunk]] = np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]
         return out
 
 
@@ -848,8 +841,8 @@ def _rouge_l(hyp: list[str], ref: list[str], beta: float = ROUGE_BETA) -> float:
 
 def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA) -> np.ndarray:
     """CIDEr-D per pair, as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf)
-    times a Gaussian length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is
-    0-based). Document frequencies from the references scored (one pair: all 0), or from cider_df (mrg_r1.py)."""
+    times a Gaussian length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based).
+    Document frequencies from the references scored (one pair: all 0), or cider_df = (df, documents) of a corpus."""
     df, n_docs = cider_df or (Counter(g for ref in refs_counts for c in ref for g in c), len(refs_counts))
     log_n = math.log(n_docs)
     idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
@@ -886,15 +879,13 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
         raise ValueError(f"need as many references as hypotheses, at least one: got {len(hyps)} and {len(refs)}")
     hyp_toks, ref_toks = [h.split() for h in hyps], [r.split() for r in refs]
     hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
-    # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; per report from
-    # each pair's statistics, corpus from their sums
+    # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
     correct = np.array([[sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
                         for hc, rc in zip(hyp_counts, ref_counts)], dtype=float)  # (N, 4)
     guess = np.array([[max(0, len(t) - k) for k in range(NGRAM_N)] for t in hyp_toks], dtype=float)  # (N, 4)
     hyp_len, ref_len = np.array([len(t) for t in hyp_toks], float), np.array([len(t) for t in ref_toks], float)
     each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], _bleu_scores(correct, guess, hyp_len, ref_len).T))
-    corpus = _bleu_scores(correct.sum(0, keepdims=True), guess.sum(0, keepdims=True), hyp_len.sum(keepdims=True),
-                          ref_len.sum(keepdims=True))[0]
+    corpus = _bleu_scores(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
     out = {f"BLEU-{k + 1}": float(corpus[k]) for k in range(NGRAM_N)}
     # ROUGE-L and CIDEr-D: the corpus score is the mean of the per-report scores
     each["ROUGE-L"] = np.array([_rouge_l(h, r) for h, r in zip(hyp_toks, ref_toks)])
@@ -915,8 +906,7 @@ CHEXBERT_5 = ["Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural 
 
 
 def _prf(tp, fp, fn):
-    """Precision, recall, F1 = 2TP / (2TP + FP + FN), each 0 when undefined (scikit-learn's
-    precision_recall_fscore_support with zero_division=0)."""
+    """Precision, recall, F1 = 2TP / (2TP + FP + FN), each 0 when undefined (scikit-learn's zero_division=0)."""
     div = lambda a, b: np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)  # noqa: E731
     return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
 
@@ -929,13 +919,11 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     tp, fp, fn = (hyp & ref).astype(float), (hyp & ~ref).astype(float), (~hyp & ref).astype(float)  # (N, 14) each
     # Micro: TP/FP/FN pooled over reports and labels
     out = dict(zip(("micro_precision", "micro_recall", "micro_f1"), _prf(tp.sum(), fp.sum(), fn.sum())))
-    # Macro: per label, then the plain mean over the 14 (a label never positive counts 0, as
-    # scikit-learn's average="macro")
+    # Macro: per label, then the plain mean over the 14 (a label never positive counts 0: scikit-learn's "macro")
     p_lab, r_lab, f_lab = _prf(tp.sum(0), fp.sum(0), fn.sum(0))  # (14,) each
     out.update(macro_precision=p_lab.mean(), macro_recall=r_lab.mean(), macro_f1=f_lab.mean())
-    # Example-based (PromptMRG, modules/metrics_clinical.py): per report, then the mean over all
-    # reports; a report with no predicted (or no reference) positive scores 0 there, as PromptMRG's
-    # nan_to_num and scikit-learn's average="samples", zero_division=0 (kept for comparable numbers)
+    # Example-based (PromptMRG, modules/metrics_clinical.py): per report, then the mean over all reports; a report with
+    # no predicted (or no reference) positive scores 0, as PromptMRG's nan_to_num and scikit-learn's "samples" average
     p_ex, r_ex, f_ex = _prf(tp.sum(1), fp.sum(1), fn.sum(1))  # (N,) each
     out.update(example_precision=p_ex.mean(), example_recall=r_ex.mean(), example_f1=f_ex.mean())
     # F1-CheXbert: micro over the 5 common observations
@@ -949,12 +937,10 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 
 
 # ==== 5. Models: one small policy interface, a tiny built-in VLM and Hugging Face VLMs ============
-# Every script talks to a policy through the same methods (N = B prompts x G samples, each group
-# contiguous; T completion tokens):
+# Every script talks to a policy through the same methods (N = B prompts x G samples, groups contiguous; T tokens):
 #   prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
 #   repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
-#   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND
-#                                              including the first EOS
+#   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
 #   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
 #   encode_targets(texts) -> ids, mask;  decode(ids, mask) -> texts;  sft_loss(prompts, texts)
 #   save(dir); load_policy(dir)
@@ -1009,8 +995,7 @@ class TinyVLM(torch.nn.Module):
         self.decoder = GPT2LMHeadModel(config)
 
     def prefix(self, pixel_values, view_mask, bos_id: int):
-        """(N, V, 1, S, S) zero-padded views, view_mask (N, V) -> (N, g*g + 1, D): the views' projected features
-        averaged, then BOS's embedding."""
+        """(N, V, 1, S, S) zero-padded views, view_mask (N, V) -> (N, g*g + 1, D): the views' mean features, BOS."""
         N, V = pixel_values.shape[:2]
         feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
         feats = self.project(feats.flatten(2).transpose(1, 2)).view(N, V, -1, self.hparams["n_embd"])  # (N, V, g*g, D)
@@ -1029,8 +1014,7 @@ class TinyPolicy:
         self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
 
     def prompt_batch(self, images, text=None) -> dict:
-        """images: one list of PIL views per study (any number) -> {"pixel_values": (B, V, 1, S, S) in [-1, 1],
-        zero-padded to the most views, "view_mask": (B, V)}."""
+        """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
         import torchvision.transforms.functional as F
         pixels, mask = pad_views([torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1
                                                for im in study]) for study in images])
@@ -1076,10 +1060,9 @@ class TinyPolicy:
 
 
 class HFPolicy:
-    """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL) through AutoProcessor and
-    AutoModelForImageTextToText: the chat template with one image per view, left-padded; completions right-padded.
-    The hub's top_k / top_p / repetition penalty give way to plain temperature sampling (sampled log-probs equal
-    scored ones). Weights load in `dtype`; max_pixels bounds the image tokens per view (one per 28 x 28 pixels)."""
+    """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL): the chat template with one image per view,
+    left-padded; completions right-padded. The hub's top_k / top_p / repetition penalty give way to plain temperature
+    sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
 
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
@@ -1114,8 +1097,7 @@ class HFPolicy:
             enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
             self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
-        # from_pretrained returns eval mode, where gradient checkpointing and LoRA dropout are off;
-        # the policy trains, and generate() switches to eval and back itself
+        # from_pretrained gives eval mode (checkpointing and LoRA dropout off); generate() switches to eval and back
         self.model.train()
 
     def vision_and_language(self):
@@ -1363,8 +1345,7 @@ def apply_lora(model: torch.nn.Module, target_modules: list[str], r: int = 8, al
         raise ValueError(f"no nn.Linear layer name ends with one of the LoRA targets {target_modules}")
     model.requires_grad_(False)
     for name, module in matched:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, LoRALinear(module, r, alpha, dropout))
+        model.set_submodule(name, LoRALinear(module, r, alpha, dropout))
     return [name for name, _ in matched]
 
 
@@ -1389,8 +1370,7 @@ def merge_lora(model: torch.nn.Module) -> list[str]:
     merged = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, m in merged:
         m.base.weight += m.delta_weight()
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, m.base)
+        model.set_submodule(name, m.base)
     return [name for name, _ in merged]
 
 
@@ -1428,18 +1408,14 @@ def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0,
               loss_type="grpo", max_completion_length=None):
-    """Clipped GRPO surrogate plus the k3 KL. Returns (loss, stats). Equals TRL's GRPOTrainer loss
-    with use_bias_correction_kl=False (TRL's default has been True since 1.10: it multiplies the
-    KL term by the differentiable ratio).
-
-    logp, old_logp, ref_logp, mask: (N, T). old_logp=None means one update per rollout: old =
-    logp.detach(), the ratio is exactly 1, clipping never acts (the loss is ~ -mean A, its
-    gradient is not 0). ref_logp may be None when beta == 0. advantages: (N,) or (N, T).
-    Normalisation of the masked per-token loss L_it, where the variants differ:
+    """Clipped GRPO surrogate plus the k3 KL -> (loss, stats). Equals TRL's GRPOTrainer loss with
+    use_bias_correction_kl=False (TRL's default since 1.10, True, multiplies the KL term by the differentiable ratio).
+    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp may be None when beta == 0.
+    old_logp=None means one update per rollout: old = logp.detach(), the ratio is exactly 1, clipping never acts
+    (the loss is ~ -mean A, its gradient is not 0). Normalisation of the masked per-token loss L_it, where they differ:
       "grpo":    mean over each sequence's tokens, then over the N sequences
       "bnpo":    sum over all tokens / number of completion tokens in the batch
-      "dr_grpo": sum over all tokens / (N * max_completion_length): a constant, so every token
-                 weighs the same whatever its sequence's length (max_completion_length required)
+      "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: every token weighs the same
     A sequence with an empty mask contributes 0 and still counts among the N."""
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("dr_grpo needs max_completion_length (its constant normaliser)")
@@ -1475,10 +1451,9 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1, length_normalize=False,
              chosen_mask=None, rejected_mask=None):
-    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per
-    token (N, T) with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens
-    (TRL's "sigmoid"); length_normalize=True takes their mean, which equals TRL's loss_type="sigmoid_norm":
-    the margin is then |y| times smaller, so beta must exceed TRL's 0.1 (SimPO uses 2-2.5)."""
+    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
+    with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
+    length_normalize takes their mean (TRL's "sigmoid_norm"): a margin |y| times smaller, beta above TRL's 0.1."""
     def seq_logp(lp, m):  # (N, T) + mask -> (N,), or (N,) as it is
         if m is None:
             return lp
@@ -1583,8 +1558,7 @@ def barrier():
 
 def end_process(message: str | None = None):
     """The end of a script (`message`: an error, exit 1). A torchrun process leaves its group after the others, then
-    skips the interpreter's teardown (os._exit): there gloo's threads aborted 1 finished run in ~70 here, with no
-    Python frame left ("terminate called without an active exception", exit -6)."""
+    skips the interpreter's teardown (os._exit), where gloo's threads aborted ~1 finished run in 70 (exit -6)."""
     if not _distributed():
         if message:
             raise SystemExit(message)
@@ -1644,10 +1618,9 @@ def all_reduce_gradients(params, world_size: int):
 
 
 def shard(model: torch.nn.Module, dtype=torch.float32):
-    """FSDP2 (PyTorch's fully_shard), for full fine-tuning that does not fit one GPU: each block (HF's
-    _no_split_modules: decoder layers, vision blocks), then the rest, split over the ranks. A rank keeps 1/world of
-    the weights, gradients and AdamW states, and gathers one block's weights (in `dtype`) for its forward and backward.
-    Every rank must run as many forward passes: generate() runs on until all ranks are done (synced_gpus)."""
+    """FSDP2 (PyTorch's fully_shard) for full fine-tuning beyond one GPU: each block (HF's _no_split_modules), then
+    the rest, split over the ranks; a rank keeps 1/world of the weights, gradients and AdamW states and gathers a
+    block's weights (in `dtype`) as it runs. Ranks run as many forwards: generate() waits for all (synced_gpus)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
         fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
