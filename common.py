@@ -104,10 +104,8 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:
     if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
         t = collapse(collapse(t.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
     t = collapse(t, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
-    for k in "2345":
-        t = t.replace(f". {k}. ", ". ")
-    for k in "2345":
-        t = t.replace(f" {k}. ", ". ")
+    for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
+        t = t.replace(marker, ". ")
     sentences = t.strip().lower().split(". ")
     return " . ".join(R2GEN_PUNCT.sub("", s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
                                        .strip().lower()) for s in sentences) + " ."
@@ -199,8 +197,7 @@ def load_image(path: str, record_id: str = "?"):
 
 
 def default_transform(size: int = 224, channels: int = 3):
-    """Resize to size x size and ImageNet's normalisation, grey repeated over `channels` (R2Gen's test
-    transform; its training flip would swap the sides the reports name)."""
+    """R2Gen's test transform, grey over `channels` (its training flip would swap the sides the reports name)."""
     import torchvision.transforms as T
     return T.Compose([T.Grayscale(channels), T.Resize((size, size)), T.ToTensor(),
                       T.Normalize([0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels])])
@@ -501,8 +498,7 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
 
 def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128,
                    seed: int = 0) -> Path:
-    """Write a synthetic set in R2Gen's layout, out_dir/images/<id>.png and out_dir/annotation.json
-    (records with "labels" and the drawn "findings"), deterministic from `seed`. Returns out_dir."""
+    """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
     rng, annotation = np.random.default_rng(seed), {}
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
@@ -615,7 +611,6 @@ class RuleLabeler:
         "Cardiomegaly": [_words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
                          _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _HEART + r"\b"],
         "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")]}
-
     # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's patterns/
     # {pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases. kind: "pre_neg_unc" (uncertain
     # although it contains a negation), "neg", "unc"; direction: "pre" applies to mentions after the cue, "post" to
@@ -1010,7 +1005,7 @@ class TinyPolicy:
 
     def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
         self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
-        self.device = torch.device(device)
+        self.device, self.eos_token_ids = torch.device(device), [tokenizer.eos_id]  # as HFPolicy's, a list
         self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
 
     def prompt_batch(self, images, text=None) -> dict:
@@ -1025,11 +1020,10 @@ class TinyPolicy:
 
     def generate(self, prompts: dict, max_new_tokens: int = 80, temperature: float = 1.0, do_sample: bool = True,
                  return_logprobs: bool = False, top_p: float = 1.0):
-        """Completions after the image prefix (generate_completions)."""
         embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
         inputs = dict(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device))
         return generate_completions(self, self.model.decoder, inputs, 0, min(max_new_tokens, self.model.hparams["max_len"]),
-                                    temperature, do_sample, return_logprobs, top_p, [self.eos_token_id])
+                                    temperature, do_sample, return_logprobs, top_p, self.eos_token_ids)
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
@@ -1131,7 +1125,6 @@ class HFPolicy:
 
     def generate(self, prompts: dict, max_new_tokens: int = 256, temperature: float = 1.0, do_sample: bool = True,
                  return_logprobs: bool = False, top_p: float = 1.0):
-        """Completions after the chat prompt (see generate_completions)."""
         with self._forward_context():
             return generate_completions(self, self.model, {k: v for k, v in prompts.items() if k in self.MODEL_KEYS},
                                         prompts["input_ids"].shape[1], max_new_tokens, temperature, do_sample,
@@ -1308,8 +1301,6 @@ def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_le
 # LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's LoraLayer: h = W0 x + (alpha / r) B A dropout(x), W0
 # frozen, B = 0 at the start. LoRA switched off gives the base back: the reference, without a second copy.
 class LoRALinear(torch.nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank update (alpha / r) * B A."""
-
     def __init__(self, base: torch.nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0):
         super().__init__()
         self.base, (out_f, in_f) = base, base.weight.shape
@@ -1532,8 +1523,7 @@ MAY_CHANGE_ON_RESUME = ("resume", "out")  # another --steps would move the lr sc
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device): one process without RANK, else join the group (NCCL on GPUs, gloo
-    on CPUs), each process on the GPU of its LOCAL_RANK (so each node of --nnodes counts from 0)."""
+    """(rank, world size, device): one process without RANK, else join the group, on the GPU of LOCAL_RANK."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" not in os.environ:
         return 0, 1, device
@@ -1592,7 +1582,6 @@ def all_gather_objects(obj) -> list:
 
 
 def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s python object on every rank."""
     box = [obj]
     if _distributed():
         torch.distributed.broadcast_object_list(box, src=src)
@@ -1608,9 +1597,8 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 
 
 def all_reduce_gradients(params, world_size: int):
-    """Average the gradients over ranks after backward, as DDP does (the policies call generate(), which DDP's hook
-    never sees). A parameter without a gradient this step sends zeros, so every rank makes the same calls. A sharded
-    parameter (FSDP2) is skipped: its backward already averaged its gradient shard over the ranks."""
+    """Average the gradients over ranks after backward, as DDP does (DDP's hook never sees generate()); no gradient this
+    step: zeros, so that every rank makes the same calls. FSDP2's sharded parameters come averaged by their backward."""
     for p in [p for p in params if not isinstance(p, DTensor)] if world_size > 1 else []:
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         torch.distributed.all_reduce(p.grad)
@@ -1640,9 +1628,9 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
 
 
 def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """(B, ...) on each rank -> (world_size * B, ...) in rank order on every rank, for a loss over the global batch
-    (a contrastive softmax). The gradient reaches this rank's part only, times world_size: every rank computes the
-    same loss, so all_reduce_gradients gives the single-process gradient exactly."""
+    """(B, ...) on each rank -> (world_size * B, ...) in rank order on every rank, for a loss over the global batch (a
+    contrastive softmax); the gradient reaches this rank's part x world_size, so all_reduce_gradients gives exactly
+    the one-process gradient."""
     if world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world_size)]
@@ -1723,8 +1711,7 @@ class Run:
         """A global batch (studies over all ranks, as the papers count) -> this rank's share."""
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
 
-    def autocast(self):
-        """bf16 matmuls under torch.autocast; nothing in fp32."""
+    def autocast(self):  # bf16 matmuls under torch.autocast
         return contextlib.nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, self.dtype)
 
     # Steps and checkpoints ---------------------------------------------------------------------
@@ -1816,10 +1803,9 @@ class Run:
     # Evaluation and the end --------------------------------------------------------------------
     def evaluate(self, policy, records, name: str, prompt: str, max_new_tokens: int, report=None, score=None,
                  meteor=False, ce: dict | None = None) -> dict:
-        """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it),
-        the NLG and CE metrics (`ce`: the paper's convention, see evaluate_generations) and score(rows, labeler) (the
-        method's numbers; may add fields to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed
-        run reads back what it wrote."""
+        """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
+        NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
+        to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
         path = self.out / f"eval_{name}.json"
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
@@ -1861,10 +1847,6 @@ def resolve_defaults(args):
     return args
 
 
-RULE_NOTE = ("labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
-             "CE numbers do not compare with published ones (--labeler chexbert)")
-
-
 def start_run(args, stages: bool = False, notes=()) -> Run:
     """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
     --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
@@ -1877,7 +1859,9 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     if args.clean == "auto":
         args.clean = clean_style([r for records in data.values() for r in records])
     labeler = make_labeler(args.labeler, args.chexbert_weights, device)
-    notes = [RULE_NOTE] * (args.labeler == "rule") + list(notes)
+    rule = ("labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
+            "CE numbers do not compare with published ones (--labeler chexbert)")
+    notes = [rule] * (args.labeler == "rule") + list(notes)
     for note in notes if rank == 0 else ():
         log.warning("note: %s", note)
     run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
@@ -1886,8 +1870,7 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
 
 
 def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
-    """A script's main(): parse the flags (a first word picks one of `commands`, the first by
-    default), train, and turn bad input or Ctrl-C into one line without a traceback."""
+    """A script's main(): flags (a first word picks one of `commands`), train; bad input or Ctrl-C: one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if commands and argv and not argv[0].startswith("-") else (commands or [None])[0]
     if commands and command not in commands:
@@ -1955,8 +1938,7 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
 
 
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
-    """AdamW and an lr schedule over `total` steps: constant, linear (to 0: TRL's default) or cosine
-    (to 0), after a linear warm-up over the first `warmup` share of the steps."""
+    """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
     optimizer, w = torch.optim.AdamW(list(params), lr=lr, **kwargs), int(warmup * total)
 
     def factor(step):
@@ -2065,8 +2047,7 @@ class LabelCache:
         return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
 
 
-def make_labeler(name: str, chexbert_weights=None, device="cpu"):
-    """`--labeler rule|chexbert` of every script."""
+def make_labeler(name: str, chexbert_weights=None, device="cpu"):  # --labeler rule|chexbert
     return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
 
 
@@ -2085,14 +2066,12 @@ def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_c
             "nlg": nlg_metrics(*cleaned, meteor=meteor), "ce": ce_metrics(labeler(hyps), labeler(refs), uncertain_as=uncertain_as)}
 
 
-STOP_WORDS = set("a an the and or of in on at to is are was were be been there no not with without for as by this that "
-                 "it its from has have".split())
-
-
 def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
     scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
-    words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - STOP_WORDS  # noqa: E731
+    stop = set("a an the and or of in on at to is are was were be been there no not with without for as by this "
+               "that it its from has have".split())
+    words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - stop  # noqa: E731
     vocab, (top, count) = set().union(*map(words, refs)), Counter(hyps).most_common(1)[0]
     n, contentless = len(hyps), sum(not words(h) & vocab for h in hyps)
     signs = [f"{len(set(hyps))} distinct report(s) of {n}, {count} identical ({top[:40]!r})"] * (n >= 5 and count > n / 2) + \
