@@ -895,8 +895,7 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     return out
 
 
-# --- CE metrics ------------------------------------------------------------
-# F1-CheXbert (R2Gen/CMN/... tables): micro F1 over these 5 observations only
+# --- CE metrics. F1-CheXbert (R2Gen/CMN/... tables): micro F1 over these 5 observations only ---
 CHEXBERT_5 = ["Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion"]
 
 
@@ -982,8 +981,7 @@ class TinyVLM(torch.nn.Module):
         self.encoder = torch.nn.Sequential(*block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c),
                                            torch.nn.AdaptiveAvgPool2d(grid))
         self.project = torch.nn.Linear(2 * c, n_embd)
-        # No dropout, and GroupNorm rather than BatchNorm: a completion's log-probs must not depend
-        # on train/eval mode or on the batch, or the GRPO ratio is off before any update.
+        # No dropout, GroupNorm not BatchNorm: log-probs that hang on train/eval mode or the batch put GRPO's ratio off
         config = GPT2Config(vocab_size=vocab_size, n_positions=grid * grid + 1 + max_len, n_embd=n_embd,
                             n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             pad_token_id=0, bos_token_id=1, eos_token_id=2)  # WordTokenizer.PAD, BOS, EOS
@@ -1079,9 +1077,8 @@ class HFPolicy:
         self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
         self.eos_token_ids = list(dict.fromkeys(([eos] if isinstance(eos, int) else list(eos)) + [self.eos_token_id]))
         self.pad_token_id = self.eos_token_ids[0] if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
-        # A vision placeholder (<|image_pad|> ...) sampled into a completion would be taken for an image
-        # slot by the next forward ("Image features and image tokens do not match"): a trained model never
-        # writes one, a random one can. They are never sampled, and scored at probability 0 to match.
+        # A vision placeholder (<|image_pad|> ...) in a completion (a random model writes them) would be taken for an
+        # image slot by the next forward ("Image features and image tokens do not match"): never sampled, probability 0.
         self.suppressed = [i for i in (getattr(cfg, n, None) for n in ("image_token_id", "video_token_id",
                            "vision_start_token_id", "vision_end_token_id")) if i is not None]
         self.model.generation_config = GenerationConfig(
@@ -1419,9 +1416,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
     per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
     kl = None
     if ref_logp is not None:
-        # DeepSeekMath Eq. 4, the k3 estimator: KL = exp(ref - logp) - (ref - logp) - 1 >= 0
-        # (unbiased, always positive: http://joschu.net/blog/kl-approx.html)
-        log_r = ref_logp - logp  # (N, T)
+        # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
+        log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
         kl = torch.exp(log_r) - log_r - 1  # (N, T)
         per_token = per_token + beta * kl if beta else per_token  # (N, T)
     n_tokens = mask.sum().clamp(min=1)  # ()
@@ -1695,12 +1691,9 @@ class Run:
             return f"--resume: {config} not found; is --out the folder of the run to resume?"
 
     def write(self, name: str, text: str):
-        """Rank 0 writes out/<name> atomically (a reader never sees half a file)."""
+        """Rank 0 writes out/<name> (it may hold a folder: "ablation/x.json") atomically: no reader sees half a file."""
         if self.is_main:
-            tmp = (self.out / name).with_name(f".{Path(name).name}.tmp")  # name may hold a folder: "ablation/x.json"
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(text)
-            os.replace(tmp, self.out / name)
+            atomic_save(text, self.out / name)
 
     def stage(self, name: str, flags) -> "Run":
         """A run in out/<name> (config, log, checkpoint) sharing processes, data and labeler; --resume checks `flags`."""
@@ -1950,10 +1943,11 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
 
 
 def atomic_save(obj, path: Path):
-    """torch.save to a temporary file beside `path`, then renamed: a crash while saving leaves the old one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(obj, path.with_name(f".{path.name}.tmp"))
-    os.replace(path.with_name(f".{path.name}.tmp"), path)
+    """torch.save (a str: its text) to a temporary file beside `path`, then renamed: a crash leaves the old file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(obj) if isinstance(obj, str) else torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None):
@@ -2093,9 +2087,7 @@ def plot_run(out) -> list[Path]:
     """<folder>/figures/training.png for out and every stage folder below it, from its metrics.jsonl: a panel per
     logged number against the step (keys "a/b" share panel a), with a running mean. Needs matplotlib."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib import figure  # not pyplot: no global backend to set, no figure to close
     except ImportError:
         log.warning("figures skipped: they need `pip install matplotlib` (then: python common.py plot %s)", out)
         return []
@@ -2105,8 +2097,9 @@ def plot_run(out) -> list[Path]:
         for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
             panel, _, line = key.partition("/")
             panels[panel][line or panel] = np.array([(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))])
-        cols = min(4, len(panels))
-        fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(3.2 * cols, 2.3 * -(-len(panels) // cols)), squeeze=False)
+        cols, n_rows = min(4, len(panels)), -(-len(panels) // 4)  # at most 4 panels a row
+        fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
+        axes = fig.subplots(n_rows, cols, squeeze=False)
         for ax, (panel, lines) in zip(axes.flat, panels.items()):
             for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
                 w = max(1, len(x) // 15)  # running mean over w steps
@@ -2120,10 +2113,10 @@ def plot_run(out) -> list[Path]:
             ax.axis("off")
         fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
         fig.tight_layout()
-        (metrics.parent / "figures").mkdir(exist_ok=True)
-        fig.savefig(metrics.parent / "figures" / "training.png", dpi=80)
-        plt.close(fig)
-        drawn.append(metrics.parent / "figures" / "training.png")
+        png = metrics.parent / "figures" / "training.png"
+        png.parent.mkdir(exist_ok=True)
+        fig.savefig(png, dpi=80)
+        drawn.append(png)
     return drawn
 
 
