@@ -981,7 +981,7 @@ class TinyVLM(torch.nn.Module):
         self.encoder = torch.nn.Sequential(*block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c),
                                            torch.nn.AdaptiveAvgPool2d(grid))
         self.project = torch.nn.Linear(2 * c, n_embd)
-        # No dropout, GroupNorm not BatchNorm: log-probs that hang on train/eval mode or the batch put GRPO's ratio off
+        # No dropout, GroupNorm not BatchNorm: log-probs must not depend on train/eval mode or the batch (GRPO's ratio)
         config = GPT2Config(vocab_size=vocab_size, n_positions=grid * grid + 1 + max_len, n_embd=n_embd,
                             n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             pad_token_id=0, bos_token_id=1, eos_token_id=2)  # WordTokenizer.PAD, BOS, EOS
@@ -1403,7 +1403,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
     (the loss is ~ -mean A, its gradient is not 0). Normalisation of the masked per-token loss L_it, where they differ:
       "grpo":    mean over each sequence's tokens, then over the N sequences
       "bnpo":    sum over all tokens / number of completion tokens in the batch
-      "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: every token weighs the same
+      "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
     A sequence with an empty mask contributes 0 and still counts among the N."""
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("dr_grpo needs max_completion_length (its constant normaliser)")
@@ -1440,7 +1440,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1,
              chosen_mask=None, rejected_mask=None):
     """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
     with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
-    length_normalize takes their mean (TRL's "sigmoid_norm"): a margin |y| times smaller, beta above TRL's 0.1."""
+    length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
     def seq_logp(lp, m):  # (N, T) + mask -> (N,), or (N,) as it is
         if m is None:
             return lp
@@ -1543,8 +1543,8 @@ def barrier():
 
 
 def end_process(message: str | None = None):
-    """The end of a script (`message`: an error, exit 1). A torchrun process leaves its group after the others, then
-    skips the interpreter's teardown (os._exit), where gloo's threads aborted ~1 finished run in 70 (exit -6)."""
+    """The end of a script (`message`: an error, exit 1). Under torchrun: leave the group after the others, then skip
+    the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception")."""
     if not _distributed():
         if message:
             raise SystemExit(message)
@@ -1624,9 +1624,9 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
 
 
 def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """(B, ...) on each rank -> (world_size * B, ...) in rank order on every rank, for a loss over the global batch (a
-    contrastive softmax); the gradient reaches this rank's part x world_size, so all_reduce_gradients gives exactly
-    the one-process gradient."""
+    """(B, ...) on each rank -> (world_size * B, ...) in rank order on every rank, for a loss over the global batch
+    (a contrastive softmax). The gradient reaches this rank's part only, times world_size: every rank computes the
+    same loss, so all_reduce_gradients gives the single-process gradient exactly."""
     if world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world_size)]
