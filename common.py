@@ -104,10 +104,8 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:
     if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
         t = collapse(collapse(t.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
     t = collapse(t, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
-    for k in "2345":
-        t = t.replace(f". {k}. ", ". ")
-    for k in "2345":
-        t = t.replace(f" {k}. ", ". ")
+    for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
+        t = t.replace(marker, ". ")
     sentences = t.strip().lower().split(". ")
     return " . ".join(R2GEN_PUNCT.sub("", s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
                                        .strip().lower()) for s in sentences) + " ."
@@ -128,9 +126,8 @@ def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Rec
 
 
 def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
-    """R2Gen's annotation.json, {"train": [{"id", "report", "image_path": [...], "labels" (optional: 14 of 1, 0,
-    -1, null)}], "val": [...], "test": [...]} -> {split: [Record]}; images under its 'images' folder (if any).
-    Bad records raise one error that lists them (file, split, index, id); drop_invalid skips them, logged."""
+    """R2Gen's annotation.json, {split: [{"id", "report", "image_path": [...], "labels" (optional: 14 of 1/0/-1/null)}]}
+    -> {split: [Record]}, images under its 'images' folder if any. Bad records: one error listing them, or dropped."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"annotation file not found: {path}")
@@ -200,8 +197,7 @@ def load_image(path: str, record_id: str = "?"):
 
 
 def default_transform(size: int = 224, channels: int = 3):
-    """Resize to size x size and ImageNet's normalisation, grey repeated over `channels` (R2Gen's test
-    transform; its training flip would swap the sides the reports name)."""
+    """R2Gen's test transform, grey over `channels` (its training flip would swap the sides the reports name)."""
     import torchvision.transforms as T
     return T.Compose([T.Grayscale(channels), T.Resize((size, size)), T.ToTensor(),
                       T.Normalize([0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels])])
@@ -355,8 +351,8 @@ def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
 
 
 def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
-    """A study's report in anatomical order (devices, heart and mediastinum, lungs, pleura, bones);
-    negated findings go into "No A, B, or C." sentences of 1-4 items."""
+    """A study's report, a sentence per finding in FINDINGS order (mediastinum, heart, lungs, pleura, bones, devices),
+    then the negated ones in "No A, B, or C." sentences of 1-4 items."""
     pick = lambda variants: str(rng.choice(variants.split(" | ")))  # noqa: E731
     sentences, negated = [], []
     for name in FINDINGS:
@@ -502,8 +498,7 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
 
 def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128,
                    seed: int = 0) -> Path:
-    """Write a synthetic set in R2Gen's layout, out_dir/images/<id>.png and out_dir/annotation.json
-    (records with "labels" and the drawn "findings"), deterministic from `seed`. Returns out_dir."""
+    """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
     rng, annotation = np.random.default_rng(seed), {}
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
@@ -552,13 +547,12 @@ _STABLE = r"(?:stable|unchanged)\b"
 
 
 class RuleLabeler:
-    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as
-    regular expressions: its mention phrases, negation and uncertainty cues scoped to the clause, its aggregation
-    and No Finding rule. Offline and fast, but not CheXbert (README, "The rule labeler on real reports").
-
-    A mention is, in CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude")
-    in reach, else negative with a negation cue, else uncertain with an uncertainty cue, else positive.
-    A report: 1 if any mention is positive, else -1 if any is uncertain, else 0 if any, else blank."""
+    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
+    expressions: its mention phrases, negation and uncertainty cues scoped to the clause, its aggregation and No
+    Finding rule. Offline and fast, but not CheXbert (README, "The rule labeler on real reports"). A mention is, in
+    CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude") in reach, else negative with a
+    negation cue, else uncertain with an uncertainty cue, else positive. A report: 1 if any mention is positive, else
+    -1 if any is uncertain, else 0 if any, else blank."""
 
     # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
     # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
@@ -617,12 +611,10 @@ class RuleLabeler:
         "Cardiomegaly": [_words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
                          _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _HEART + r"\b"],
         "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")]}
-
-    # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's
-    # patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases.
-    # kind: "pre_neg_unc" (uncertain although it contains a negation), "neg", "unc".
-    # direction: "pre" applies to mentions after the cue, "post" to mentions before it.
-    # Any cue inside a mention's span applies whatever its direction.
+    # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's patterns/
+    # {pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases. kind: "pre_neg_unc" (uncertain
+    # although it contains a negation), "neg", "unc"; direction: "pre" applies to mentions after the cue, "post" to
+    # mentions before it. Any cue inside a mention's span applies whatever its direction.
     CLAUSE = 1000  # reach to the end of the clause
     CUES = [
         (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
@@ -704,8 +696,7 @@ CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
 
 
 def chexbert_model(config=None):
-    """f1chexbert's `bert_labeler` (layout and forward) with its BERT built from a config (default:
-    bert-base-uncased's shape): its own __init__ downloads bert-base-uncased even when weights follow."""
+    """f1chexbert's bert_labeler, its BERT built from a config: its own __init__ downloads bert-base-uncased."""
     import warnings
     with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
         from f1chexbert.f1chexbert import bert_labeler
@@ -737,7 +728,7 @@ def load_chexbert_weights(model, path=None):
         state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
     except (RuntimeError, OSError, EOFError, AttributeError, pickle.UnpicklingError) as e:
         raise ValueError(f"{path}: not a CheXbert checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-    if "bert.embeddings.position_ids" not in model.state_dict():  # a buffer once, rebuilt today
+    if "bert.embeddings.position_ids" not in model.state_dict():  # older transformers saved this buffer
         state.pop("bert.embeddings.position_ids", None)
     try:
         model.load_state_dict(state, strict=True)
@@ -783,21 +774,18 @@ class CheXbertLabeler:
         return ids if len(ids) <= CHEXBERT_MAX_PIECES else ids[:CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
 
     @torch.inference_mode()
-    def _label_encoded(self, seqs: list[list[int]]) -> np.ndarray:
-        ids, mask = pad_completions(seqs, self.tokenizer.pad_token_id, self.device)  # (B, L) each, right-padded
-        # the reward runs inside the policy's bf16 autocast: labels must not depend on it
-        with torch.autocast(ids.device.type, enabled=False):
-            logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
-        classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14)
-        return np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]  # 0 blank, 1 pos, 2 neg, 3 unc
-
     def __call__(self, reports: list[str]) -> np.ndarray:
         out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)  # empty reports stay blank
         encoded = [(i, s) for i, s in enumerate(map(self.encode, reports)) if s is not None]
         encoded.sort(key=lambda x: len(x[1]))  # similar lengths share a batch: little padding
         for b in range(0, len(encoded), self.batch_size):
             chunk = encoded[b:b + self.batch_size]
-            out[[i for i, _ in chunk]] = self._label_encoded([s for _, s in chunk])
+            ids, mask = pad_completions([s for _, s in chunk], self.tokenizer.pad_token_id, self.device)  # (B, L) each
+            # the reward runs inside the policy's bf16 autocast: labels must not depend on it
+            with torch.autocast(ids.device.type, enabled=False):
+                logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
+            classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14) 0 blank, 1 pos, 2 neg, 3 unc
+            out[[i for i, _ in chunk]] = np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]
         return out
 
 
@@ -807,7 +795,7 @@ class CheXbertLabeler:
 NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
 
 
-def _ngram_counts(tokens: list[str]) -> list[Counter]:
+def ngram_counts(tokens: list[str]) -> list[Counter]:
     """counts[k - 1] = Counter of the k-grams of `tokens`: precook() of bleu_scorer.py / cider_scorer.py."""
     return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, NGRAM_N + 1)]
 
@@ -848,8 +836,8 @@ def _rouge_l(hyp: list[str], ref: list[str], beta: float = ROUGE_BETA) -> float:
 
 def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA) -> np.ndarray:
     """CIDEr-D per pair, as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf)
-    times a Gaussian length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is
-    0-based). Document frequencies from the references scored (one pair: all 0), or from cider_df."""
+    times a Gaussian length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based).
+    Document frequencies from the references scored (one pair: all 0), or cider_df = (df, documents) of a corpus."""
     df, n_docs = cider_df or (Counter(g for ref in refs_counts for c in ref for g in c), len(refs_counts))
     log_n = math.log(n_docs)
     idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
@@ -861,12 +849,6 @@ def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA
                 for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))]
         scores.append(10.0 * np.mean(sims) * penalty)
     return np.array(scores)
-
-
-def cider_document_frequency(refs: list[str]) -> tuple[Counter, int]:
-    """CIDEr-D document frequencies of a fixed corpus, a document per reference (ViLMedic's reward joins them:
-    every df 1), so that a reward does not depend on what else shares the batch (SCST's practice)."""
-    return Counter(g for r in refs for c in _ngram_counts(r.split()) for g in c), len(refs)
 
 
 _METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
@@ -891,16 +873,14 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     if len(hyps) != len(refs) or not hyps:
         raise ValueError(f"need as many references as hypotheses, at least one: got {len(hyps)} and {len(refs)}")
     hyp_toks, ref_toks = [h.split() for h in hyps], [r.split() for r in refs]
-    hyp_counts, ref_counts = [_ngram_counts(t) for t in hyp_toks], [_ngram_counts(t) for t in ref_toks]
-    # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; per report from
-    # each pair's statistics, corpus from their sums
+    hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
+    # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
     correct = np.array([[sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
                         for hc, rc in zip(hyp_counts, ref_counts)], dtype=float)  # (N, 4)
     guess = np.array([[max(0, len(t) - k) for k in range(NGRAM_N)] for t in hyp_toks], dtype=float)  # (N, 4)
     hyp_len, ref_len = np.array([len(t) for t in hyp_toks], float), np.array([len(t) for t in ref_toks], float)
     each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], _bleu_scores(correct, guess, hyp_len, ref_len).T))
-    corpus = _bleu_scores(correct.sum(0, keepdims=True), guess.sum(0, keepdims=True), hyp_len.sum(keepdims=True),
-                          ref_len.sum(keepdims=True))[0]
+    corpus = _bleu_scores(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
     out = {f"BLEU-{k + 1}": float(corpus[k]) for k in range(NGRAM_N)}
     # ROUGE-L and CIDEr-D: the corpus score is the mean of the per-report scores
     each["ROUGE-L"] = np.array([_rouge_l(h, r) for h, r in zip(hyp_toks, ref_toks)])
@@ -915,14 +895,12 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     return out
 
 
-# --- CE metrics ------------------------------------------------------------
-# F1-CheXbert (R2Gen/CMN/... tables): micro F1 over these 5 observations only
+# --- CE metrics. F1-CheXbert (R2Gen/CMN/... tables): micro F1 over these 5 observations only ---
 CHEXBERT_5 = ["Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion"]
 
 
 def _prf(tp, fp, fn):
-    """Precision, recall, F1 = 2TP / (2TP + FP + FN), each 0 when undefined (scikit-learn's
-    precision_recall_fscore_support with zero_division=0)."""
+    """Precision, recall, F1 = 2TP / (2TP + FP + FN), each 0 when undefined (scikit-learn's zero_division=0)."""
     div = lambda a, b: np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)  # noqa: E731
     return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
 
@@ -935,13 +913,11 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     tp, fp, fn = (hyp & ref).astype(float), (hyp & ~ref).astype(float), (~hyp & ref).astype(float)  # (N, 14) each
     # Micro: TP/FP/FN pooled over reports and labels
     out = dict(zip(("micro_precision", "micro_recall", "micro_f1"), _prf(tp.sum(), fp.sum(), fn.sum())))
-    # Macro: per label, then the plain mean over the 14 (a label never positive counts 0, as
-    # scikit-learn's average="macro")
+    # Macro: per label, then the plain mean over the 14 (a label never positive counts 0: scikit-learn's "macro")
     p_lab, r_lab, f_lab = _prf(tp.sum(0), fp.sum(0), fn.sum(0))  # (14,) each
     out.update(macro_precision=p_lab.mean(), macro_recall=r_lab.mean(), macro_f1=f_lab.mean())
-    # Example-based (PromptMRG, modules/metrics_clinical.py): per report, then the mean over all
-    # reports; a report with no predicted (or no reference) positive scores 0 there, as PromptMRG's
-    # nan_to_num and scikit-learn's average="samples", zero_division=0 (kept for comparable numbers)
+    # Example-based (PromptMRG, modules/metrics_clinical.py): per report, then the mean over all reports; a report with
+    # no predicted (or no reference) positive scores 0, as PromptMRG's nan_to_num and scikit-learn's "samples" average
     p_ex, r_ex, f_ex = _prf(tp.sum(1), fp.sum(1), fn.sum(1))  # (N,) each
     out.update(example_precision=p_ex.mean(), example_recall=r_ex.mean(), example_f1=f_ex.mean())
     # F1-CheXbert: micro over the 5 common observations
@@ -955,12 +931,10 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 
 
 # ==== 5. Models: one small policy interface, a tiny built-in VLM and Hugging Face VLMs ============
-# Every script talks to a policy through the same methods (N = B prompts x G samples, each group
-# contiguous; T completion tokens):
+# Every script talks to a policy through the same methods (N = B prompts x G samples, groups contiguous; T tokens):
 #   prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
 #   repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
-#   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND
-#                                              including the first EOS
+#   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
 #   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
 #   encode_targets(texts) -> ids, mask;  decode(ids, mask) -> texts;  sft_loss(prompts, texts)
 #   save(dir); load_policy(dir)
@@ -1007,16 +981,14 @@ class TinyVLM(torch.nn.Module):
         self.encoder = torch.nn.Sequential(*block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c),
                                            torch.nn.AdaptiveAvgPool2d(grid))
         self.project = torch.nn.Linear(2 * c, n_embd)
-        # No dropout, and GroupNorm rather than BatchNorm: a completion's log-probs must not depend
-        # on train/eval mode or on the batch, or the GRPO ratio is off before any update.
+        # No dropout, GroupNorm not BatchNorm: log-probs must not depend on train/eval mode or the batch (GRPO's ratio)
         config = GPT2Config(vocab_size=vocab_size, n_positions=grid * grid + 1 + max_len, n_embd=n_embd,
                             n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             pad_token_id=0, bos_token_id=1, eos_token_id=2)  # WordTokenizer.PAD, BOS, EOS
         self.decoder = GPT2LMHeadModel(config)
 
     def prefix(self, pixel_values, view_mask, bos_id: int):
-        """(N, V, 1, S, S) zero-padded views, view_mask (N, V) -> (N, g*g + 1, D): the views' projected features
-        averaged, then BOS's embedding."""
+        """(N, V, 1, S, S) zero-padded views, view_mask (N, V) -> (N, g*g + 1, D): the views' mean features, BOS."""
         N, V = pixel_values.shape[:2]
         feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
         feats = self.project(feats.flatten(2).transpose(1, 2)).view(N, V, -1, self.hparams["n_embd"])  # (N, V, g*g, D)
@@ -1031,12 +1003,11 @@ class TinyPolicy:
 
     def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
         self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
-        self.device = torch.device(device)
+        self.device, self.eos_token_ids = torch.device(device), [tokenizer.eos_id]  # as HFPolicy's, a list
         self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
 
     def prompt_batch(self, images, text=None) -> dict:
-        """images: one list of PIL views per study (any number) -> {"pixel_values": (B, V, 1, S, S) in [-1, 1],
-        zero-padded to the most views, "view_mask": (B, V)}."""
+        """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
         import torchvision.transforms.functional as F
         pixels, mask = pad_views([torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1
                                                for im in study]) for study in images])
@@ -1047,11 +1018,10 @@ class TinyPolicy:
 
     def generate(self, prompts: dict, max_new_tokens: int = 80, temperature: float = 1.0, do_sample: bool = True,
                  return_logprobs: bool = False, top_p: float = 1.0):
-        """Completions after the image prefix (generate_completions)."""
         embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
         inputs = dict(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device))
         return generate_completions(self, self.model.decoder, inputs, 0, min(max_new_tokens, self.model.hparams["max_len"]),
-                                    temperature, do_sample, return_logprobs, top_p, [self.eos_token_id])
+                                    temperature, do_sample, return_logprobs, top_p, self.eos_token_ids)
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
@@ -1082,10 +1052,9 @@ class TinyPolicy:
 
 
 class HFPolicy:
-    """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL) through AutoProcessor and
-    AutoModelForImageTextToText: the chat template with one image per view, left-padded; completions right-padded.
-    The hub's top_k / top_p / repetition penalty give way to plain temperature sampling (sampled log-probs equal
-    scored ones). Weights load in `dtype`; max_pixels bounds the image tokens per view (one per 28 x 28 pixels)."""
+    """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL): the chat template with one image per view,
+    left-padded; completions right-padded. The hub's top_k / top_p / repetition penalty give way to plain temperature
+    sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
 
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
@@ -1108,9 +1077,8 @@ class HFPolicy:
         self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
         self.eos_token_ids = list(dict.fromkeys(([eos] if isinstance(eos, int) else list(eos)) + [self.eos_token_id]))
         self.pad_token_id = self.eos_token_ids[0] if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
-        # A vision placeholder (<|image_pad|> ...) sampled into a completion would be taken for an image
-        # slot by the next forward ("Image features and image tokens do not match"): a trained model never
-        # writes one, a random one can. They are never sampled, and scored at probability 0 to match.
+        # A vision placeholder (<|image_pad|> ...) in a completion (a random model writes them) would be taken for an
+        # image slot by the next forward ("Image features and image tokens do not match"): never sampled, probability 0.
         self.suppressed = [i for i in (getattr(cfg, n, None) for n in ("image_token_id", "video_token_id",
                            "vision_start_token_id", "vision_end_token_id")) if i is not None]
         self.model.generation_config = GenerationConfig(
@@ -1120,8 +1088,7 @@ class HFPolicy:
             enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
             self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
-        # from_pretrained returns eval mode, where gradient checkpointing and LoRA dropout are off;
-        # the policy trains, and generate() switches to eval and back itself
+        # from_pretrained gives eval mode (checkpointing and LoRA dropout off); generate() switches to eval and back
         self.model.train()
 
     def vision_and_language(self):
@@ -1155,7 +1122,6 @@ class HFPolicy:
 
     def generate(self, prompts: dict, max_new_tokens: int = 256, temperature: float = 1.0, do_sample: bool = True,
                  return_logprobs: bool = False, top_p: float = 1.0):
-        """Completions after the chat prompt (see generate_completions)."""
         with self._forward_context():
             return generate_completions(self, self.model, {k: v for k, v in prompts.items() if k in self.MODEL_KEYS},
                                         prompts["input_ids"].shape[1], max_new_tokens, temperature, do_sample,
@@ -1332,8 +1298,6 @@ def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_le
 # LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's LoraLayer: h = W0 x + (alpha / r) B A dropout(x), W0
 # frozen, B = 0 at the start. LoRA switched off gives the base back: the reference, without a second copy.
 class LoRALinear(torch.nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank update (alpha / r) * B A."""
-
     def __init__(self, base: torch.nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0):
         super().__init__()
         self.base, (out_f, in_f) = base, base.weight.shape
@@ -1369,8 +1333,7 @@ def apply_lora(model: torch.nn.Module, target_modules: list[str], r: int = 8, al
         raise ValueError(f"no nn.Linear layer name ends with one of the LoRA targets {target_modules}")
     model.requires_grad_(False)
     for name, module in matched:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, LoRALinear(module, r, alpha, dropout))
+        model.set_submodule(name, LoRALinear(module, r, alpha, dropout))
     return [name for name, _ in matched]
 
 
@@ -1395,8 +1358,7 @@ def merge_lora(model: torch.nn.Module) -> list[str]:
     merged = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, m in merged:
         m.base.weight += m.delta_weight()
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, m.base)
+        model.set_submodule(name, m.base)
     return [name for name, _ in merged]
 
 
@@ -1434,18 +1396,14 @@ def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0,
               loss_type="grpo", max_completion_length=None):
-    """Clipped GRPO surrogate plus the k3 KL. Returns (loss, stats). Equals TRL's GRPOTrainer loss
-    with use_bias_correction_kl=False (TRL's default has been True since 1.10: it multiplies the
-    KL term by the differentiable ratio).
-
-    logp, old_logp, ref_logp, mask: (N, T). old_logp=None means one update per rollout: old =
-    logp.detach(), the ratio is exactly 1, clipping never acts (the loss is ~ -mean A, its
-    gradient is not 0). ref_logp may be None when beta == 0. advantages: (N,) or (N, T).
-    Normalisation of the masked per-token loss L_it, where the variants differ:
+    """Clipped GRPO surrogate plus the k3 KL -> (loss, stats). Equals TRL's GRPOTrainer loss with
+    use_bias_correction_kl=False (TRL's default since 1.10, True, multiplies the KL term by the differentiable ratio).
+    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp may be None when beta == 0.
+    old_logp=None means one update per rollout: old = logp.detach(), the ratio is exactly 1, clipping never acts
+    (the loss is ~ -mean A, its gradient is not 0). Normalisation of the masked per-token loss L_it, where they differ:
       "grpo":    mean over each sequence's tokens, then over the N sequences
       "bnpo":    sum over all tokens / number of completion tokens in the batch
-      "dr_grpo": sum over all tokens / (N * max_completion_length): a constant, so every token
-                 weighs the same whatever its sequence's length (max_completion_length required)
+      "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
     A sequence with an empty mask contributes 0 and still counts among the N."""
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("dr_grpo needs max_completion_length (its constant normaliser)")
@@ -1458,9 +1416,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
     per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
     kl = None
     if ref_logp is not None:
-        # DeepSeekMath Eq. 4, the k3 estimator: KL = exp(ref - logp) - (ref - logp) - 1 >= 0
-        # (unbiased, always positive: http://joschu.net/blog/kl-approx.html)
-        log_r = ref_logp - logp  # (N, T)
+        # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
+        log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
         kl = torch.exp(log_r) - log_r - 1  # (N, T)
         per_token = per_token + beta * kl if beta else per_token  # (N, T)
     n_tokens = mask.sum().clamp(min=1)  # ()
@@ -1481,10 +1438,9 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1, length_normalize=False,
              chosen_mask=None, rejected_mask=None):
-    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per
-    token (N, T) with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens
-    (TRL's "sigmoid"); length_normalize=True takes their mean, which equals TRL's loss_type="sigmoid_norm":
-    the margin is then |y| times smaller, so beta must exceed TRL's 0.1 (SimPO uses 2-2.5)."""
+    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
+    with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
+    length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
     def seq_logp(lp, m):  # (N, T) + mask -> (N,), or (N,) as it is
         if m is None:
             return lp
@@ -1563,8 +1519,7 @@ MAY_CHANGE_ON_RESUME = ("resume", "out")  # another --steps would move the lr sc
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device): one process without RANK, else join the group (NCCL on GPUs, gloo
-    on CPUs), each process on the GPU of its LOCAL_RANK (so each node of --nnodes counts from 0)."""
+    """(rank, world size, device): one process without RANK, else join the group, on the GPU of LOCAL_RANK."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" not in os.environ:
         return 0, 1, device
@@ -1588,9 +1543,8 @@ def barrier():
 
 
 def end_process(message: str | None = None):
-    """The end of a script (`message`: an error, exit 1). A torchrun process leaves its group after the others, then
-    skips the interpreter's teardown (os._exit): there gloo's threads aborted 1 finished run in ~70 here, with no
-    Python frame left ("terminate called without an active exception", exit -6)."""
+    """The end of a script (`message`: an error, exit 1). Under torchrun: leave the group after the others, then skip
+    the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception")."""
     if not _distributed():
         if message:
             raise SystemExit(message)
@@ -1624,7 +1578,6 @@ def all_gather_objects(obj) -> list:
 
 
 def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s python object on every rank."""
     box = [obj]
     if _distributed():
         torch.distributed.broadcast_object_list(box, src=src)
@@ -1640,9 +1593,8 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 
 
 def all_reduce_gradients(params, world_size: int):
-    """Average the gradients over ranks after backward, as DDP does (the policies call generate(), which DDP's hook
-    never sees). A parameter without a gradient this step sends zeros, so every rank makes the same calls. A sharded
-    parameter (FSDP2) is skipped: its backward already averaged its gradient shard over the ranks."""
+    """Average the gradients over ranks after backward, as DDP does (DDP's hook never sees generate()); no gradient this
+    step: zeros, so that every rank makes the same calls. FSDP2's sharded parameters come averaged by their backward."""
     for p in [p for p in params if not isinstance(p, DTensor)] if world_size > 1 else []:
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         torch.distributed.all_reduce(p.grad)
@@ -1650,10 +1602,9 @@ def all_reduce_gradients(params, world_size: int):
 
 
 def shard(model: torch.nn.Module, dtype=torch.float32):
-    """FSDP2 (PyTorch's fully_shard), for full fine-tuning that does not fit one GPU: each block (HF's
-    _no_split_modules: decoder layers, vision blocks), then the rest, split over the ranks. A rank keeps 1/world of
-    the weights, gradients and AdamW states, and gathers one block's weights (in `dtype`) for its forward and backward.
-    Every rank must run as many forward passes: generate() runs on until all ranks are done (synced_gpus)."""
+    """FSDP2 (PyTorch's fully_shard) for full fine-tuning beyond one GPU: each block (HF's _no_split_modules), then
+    the rest, split over the ranks; a rank keeps 1/world of the weights, gradients and AdamW states and gathers a
+    block's weights (in `dtype`) as it runs. Ranks run as many forwards: generate() waits for all (synced_gpus)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
         fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
@@ -1740,12 +1691,9 @@ class Run:
             return f"--resume: {config} not found; is --out the folder of the run to resume?"
 
     def write(self, name: str, text: str):
-        """Rank 0 writes out/<name> atomically (a reader never sees half a file)."""
+        """Rank 0 writes out/<name> (it may hold a folder: "ablation/x.json") atomically: no reader sees half a file."""
         if self.is_main:
-            tmp = (self.out / name).with_name(f".{Path(name).name}.tmp")  # name may hold a folder: "ablation/x.json"
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(text)
-            os.replace(tmp, self.out / name)
+            atomic_save(text, self.out / name)
 
     def stage(self, name: str, flags) -> "Run":
         """A run in out/<name> (config, log, checkpoint) sharing processes, data and labeler; --resume checks `flags`."""
@@ -1756,8 +1704,7 @@ class Run:
         """A global batch (studies over all ranks, as the papers count) -> this rank's share."""
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
 
-    def autocast(self):
-        """bf16 matmuls under torch.autocast; nothing in fp32."""
+    def autocast(self):  # bf16 matmuls under torch.autocast
         return contextlib.nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, self.dtype)
 
     # Steps and checkpoints ---------------------------------------------------------------------
@@ -1849,10 +1796,9 @@ class Run:
     # Evaluation and the end --------------------------------------------------------------------
     def evaluate(self, policy, records, name: str, prompt: str, max_new_tokens: int, report=None, score=None,
                  meteor=False, ce: dict | None = None) -> dict:
-        """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it),
-        the NLG and CE metrics (`ce`: the paper's convention, see evaluate_generations) and score(rows, labeler) (the
-        method's numbers; may add fields to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed
-        run reads back what it wrote."""
+        """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
+        NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
+        to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
         path = self.out / f"eval_{name}.json"
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
@@ -1894,10 +1840,6 @@ def resolve_defaults(args):
     return args
 
 
-RULE_NOTE = ("labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
-             "CE numbers do not compare with published ones (--labeler chexbert)")
-
-
 def start_run(args, stages: bool = False, notes=()) -> Run:
     """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
     --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
@@ -1910,7 +1852,9 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     if args.clean == "auto":
         args.clean = clean_style([r for records in data.values() for r in records])
     labeler = make_labeler(args.labeler, args.chexbert_weights, device)
-    notes = [RULE_NOTE] * (args.labeler == "rule") + list(notes)
+    rule = ("labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
+            "CE numbers do not compare with published ones (--labeler chexbert)")
+    notes = [rule] * (args.labeler == "rule") + list(notes)
     for note in notes if rank == 0 else ():
         log.warning("note: %s", note)
     run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
@@ -1919,8 +1863,7 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
 
 
 def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
-    """A script's main(): parse the flags (a first word picks one of `commands`, the first by
-    default), train, and turn bad input or Ctrl-C into one line without a traceback."""
+    """A script's main(): flags (a first word picks one of `commands`), train; bad input or Ctrl-C: one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if commands and argv and not argv[0].startswith("-") else (commands or [None])[0]
     if commands and command not in commands:
@@ -1988,8 +1931,7 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
 
 
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
-    """AdamW and an lr schedule over `total` steps: constant, linear (to 0: TRL's default) or cosine
-    (to 0), after a linear warm-up over the first `warmup` share of the steps."""
+    """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
     optimizer, w = torch.optim.AdamW(list(params), lr=lr, **kwargs), int(warmup * total)
 
     def factor(step):
@@ -2001,10 +1943,11 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
 
 
 def atomic_save(obj, path: Path):
-    """torch.save to a temporary file beside `path`, then renamed: a crash while saving leaves the old one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(obj, path.with_name(f".{path.name}.tmp"))
-    os.replace(path.with_name(f".{path.name}.tmp"), path)
+    """torch.save (a str: its text) to a temporary file beside `path`, then renamed: a crash leaves the old file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(obj) if isinstance(obj, str) else torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None):
@@ -2098,8 +2041,7 @@ class LabelCache:
         return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
 
 
-def make_labeler(name: str, chexbert_weights=None, device="cpu"):
-    """`--labeler rule|chexbert` of every script."""
+def make_labeler(name: str, chexbert_weights=None, device="cpu"):  # --labeler rule|chexbert
     return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
 
 
@@ -2118,14 +2060,12 @@ def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_c
             "nlg": nlg_metrics(*cleaned, meteor=meteor), "ce": ce_metrics(labeler(hyps), labeler(refs), uncertain_as=uncertain_as)}
 
 
-STOP_WORDS = set("a an the and or of in on at to is are was were be been there no not with without for as by this that "
-                 "it its from has have".split())
-
-
 def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
     scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
-    words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - STOP_WORDS  # noqa: E731
+    stop = set("a an the and or of in on at to is are was were be been there no not with without for as by this "
+               "that it its from has have".split())
+    words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - stop  # noqa: E731
     vocab, (top, count) = set().union(*map(words, refs)), Counter(hyps).most_common(1)[0]
     n, contentless = len(hyps), sum(not words(h) & vocab for h in hyps)
     signs = [f"{len(set(hyps))} distinct report(s) of {n}, {count} identical ({top[:40]!r})"] * (n >= 5 and count > n / 2) + \
@@ -2147,9 +2087,7 @@ def plot_run(out) -> list[Path]:
     """<folder>/figures/training.png for out and every stage folder below it, from its metrics.jsonl: a panel per
     logged number against the step (keys "a/b" share panel a), with a running mean. Needs matplotlib."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib import figure  # not pyplot: no global backend to set, no figure to close
     except ImportError:
         log.warning("figures skipped: they need `pip install matplotlib` (then: python common.py plot %s)", out)
         return []
@@ -2159,8 +2097,9 @@ def plot_run(out) -> list[Path]:
         for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
             panel, _, line = key.partition("/")
             panels[panel][line or panel] = np.array([(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))])
-        cols = min(4, len(panels))
-        fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(3.2 * cols, 2.3 * -(-len(panels) // cols)), squeeze=False)
+        cols, n_rows = min(4, len(panels)), -(-len(panels) // 4)  # at most 4 panels a row
+        fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
+        axes = fig.subplots(n_rows, cols, squeeze=False)
         for ax, (panel, lines) in zip(axes.flat, panels.items()):
             for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
                 w = max(1, len(x) // 15)  # running mean over w steps
@@ -2174,10 +2113,10 @@ def plot_run(out) -> list[Path]:
             ax.axis("off")
         fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
         fig.tight_layout()
-        (metrics.parent / "figures").mkdir(exist_ok=True)
-        fig.savefig(metrics.parent / "figures" / "training.png", dpi=80)
-        plt.close(fig)
-        drawn.append(metrics.parent / "figures" / "training.png")
+        png = metrics.parent / "figures" / "training.png"
+        png.parent.mkdir(exist_ok=True)
+        fig.savefig(png, dpi=80)
+        drawn.append(png)
     return drawn
 
 

@@ -92,14 +92,12 @@ def report_f1(hyp_labels: np.ndarray, ref_labels: np.ndarray, both_empty: float 
 
 
 def reward(texts: list[str], refs: list[str], ref_labels: np.ndarray, labeler, gamma: float, style: str = "mimic_cxr"):
-    """Eq. 1 -> (r (N,), each term's mean); BLEU-2 on text cleaned as the evaluation's (`style`, R2Gen's rule of the
-    data set), neither computed nor logged at gamma 0."""
+    """Eq. 1 -> (r (N,), each term's mean); BLEU-2 (on text cleaned by `style`, as in evaluation) only at gamma > 0."""
     f1 = report_f1(labeler(texts), ref_labels)  # (N,)
     if not gamma:
         return f1, {"f1": float(f1.mean())}
-    clean = lambda t: common.clean_report(t, style) if t.strip() else ""  # noqa: E731
-    b2 = np.asarray(common.nlg_metrics([clean(t) for t in texts], [clean(r) for r in refs], meteor=False,
-                                       per_sample=True)["per_sample"]["BLEU-2"])  # (N,)
+    hyps, refs = ([common.clean_report(t, style) if t.strip() else "" for t in x] for x in (texts, refs))
+    b2 = np.asarray(common.nlg_metrics(hyps, refs, meteor=False, per_sample=True)["per_sample"]["BLEU-2"])  # (N,)
     return f1 + gamma * b2, {"f1": float(f1.mean()), "bleu2": float(b2.mean())}
 
 
@@ -221,8 +219,7 @@ def token_weights(weighting: str, args: Args, policy, labeler, ids, mask, ref_la
     if weighting == "none":
         return torch.ones(mask.shape, device=mask.device)
     if weighting == "rule":
-        eos = getattr(policy, "eos_token_ids", [policy.eos_token_id])
-        return tfidf_weights(ids, mask, args.group_size, args.alpha, special=set(eos))
+        return tfidf_weights(ids, mask, args.group_size, args.alpha, special=set(policy.eos_token_ids))
     texts, spans = token_spans(policy, ids, mask)
     return gradient_weights(labeler, texts, spans, mask, reference_targets(ref_labels), args.beta)
 
@@ -392,8 +389,7 @@ def mask_top_tokens(weights: torch.Tensor, candidates: torch.Tensor, frac: float
 def masking_effect(policy, labeler, ids, mask, w, labels: np.ndarray, frac: float, rng) -> dict[str, list]:
     """Table 6 for one weighting: remove the top `frac` of each report's tokens by w (never EOS), label the rest -> per
     report: labels changed (NaN = NaN), changed after binarising, F1 of the masked report's labels against `labels`."""
-    eos = torch.tensor(getattr(policy, "eos_token_ids", [policy.eos_token_id]), device=ids.device)
-    candidates = mask.bool() & ~torch.isin(ids, eos)  # (N, T)
+    candidates = mask.bool() & ~torch.isin(ids, torch.tensor(policy.eos_token_ids, device=ids.device))  # (N, T)
     masked = labeler(policy.decode(ids, mask_top_tokens(w, candidates, frac, rng).to(ids.device)))  # (N, 14)
     same = (masked == labels) | (np.isnan(masked) & np.isnan(labels))
     return {"label_mod_ratio": (~same).any(1).tolist(), "post_mask_f1": report_f1(masked, labels, both_empty=1.0).tolist(),
@@ -402,7 +398,7 @@ def masking_effect(policy, labeler, ids, mask, w, labels: np.ndarray, frac: floa
 
 @torch.no_grad()
 def sample_groups(run: common.Run, args: Args, s: dict, records, rng):
-    """The SFT model's G rollouts (temperature sampling, as in RL) for --analysis-n studies drawn from `records`."""
+    """The SFT model's G rollouts (temperature sampling, as in RL) for ANALYSIS_N studies drawn from `records`."""
     policy, drawn = sft_policy(run, args), sorted(rng.choice(len(records), min(ANALYSIS_N, len(records)), replace=False))
     for b in range(0, len(drawn), DD_CHUNK):
         chunk = [records[i] for i in drawn[b:b + DD_CHUNK]]

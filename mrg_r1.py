@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -121,6 +122,12 @@ def ce_f1_reward(hyp_labels: np.ndarray, ref_labels: np.ndarray) -> np.ndarray:
     return np.where(denom > 0, 2 * (h & r).sum(1) / np.maximum(denom, 1), 0.0)
 
 
+def cider_document_frequency(refs: list[str]) -> tuple[Counter, int]:
+    """CIDEr-D document frequencies of a fixed corpus, a document per reference (ViLMedic's reward joins them:
+    every df 1), so that a reward does not depend on what else shares the batch (SCST's practice)."""
+    return Counter(g for r in refs for c in common.ngram_counts(r.split()) for g in c), len(refs)
+
+
 def total_reward(completions: list[str], references: list[str], labeler, args: Args, cider_df=None):
     """Sec. IV-B: 0.75 * clinical + 0.25 * format, or the Table II row in --reward. Returns the
     rewards (N,) and each term's mean. cider_df: the training corpus's CIDEr document frequencies."""
@@ -204,7 +211,7 @@ def train(args: Args) -> dict:
     data = {split: split_views(records) for split, records in run.data.items()}  # Sec. IV-A
     train_set, test_set = data["train"], data["test"]
     # CIDEr's document frequencies from the training references: a reward must not depend on the batch
-    cider_df = common.cider_document_frequency([r.report for r in train_set]) if args.reward == "nlg" else None
+    cider_df = cider_document_frequency([r.report for r in train_set]) if args.reward == "nlg" else None
 
     # The policy (HF: LoRA on the language model, Sec. IV-B; tiny: all of it) and its frozen reference
     warm_start = dict(steps=sft_steps, lr=WARM_START["lr_tiny" if tiny else "lr_hf"], prompt=prompt,

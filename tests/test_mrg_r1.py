@@ -86,12 +86,26 @@ def test_table_ii_rows_by_hand():
 
 def test_nlg_reward_uses_the_training_corpus_frequencies():
     args = mrg_r1.Args(reward="nlg")
-    df = common.cider_document_frequency(["mild pulmonary edema .", "no pleural effusion .", "heart size is normal ."])
+    df = mrg_r1.cider_document_frequency(["mild pulmonary edema .", "no pleural effusion .", "heart size is normal ."])
     hyp = "mild pulmonary edema ."
     alone = mrg_r1.total_reward([hyp], [hyp], None, args, df)[0][0]
     batched = mrg_r1.total_reward([hyp, "no effusion ."], [hyp, "heart size is normal ."], None, args, df)[0][0]
     # BLEU-4 1 + ROUGE-L 1 + CIDEr-D: idf of each n-gram log(3 / df); every n-gram of the pair matches
     assert alone == pytest.approx(batched) and alone > 2 + 1
+
+
+def test_cider_with_document_frequencies_of_a_fixed_corpus():
+    texts = ["the heart is normal", "small left pleural effusion seen"]
+    corpus = mrg_r1.cider_document_frequency(texts)
+    df, n = corpus
+    assert n == 2 and df["heart"] == 1 and df[("the", "heart")] == 1  # unigrams are plain strings
+    # with the scored references as the corpus, nothing changes
+    assert common.nlg_metrics(texts, texts, meteor=False, cider_df=corpus)["CIDEr"] == pytest.approx(10.0)
+    # a single pair now scores like it does inside the corpus (without a corpus it is 0)
+    assert common.nlg_metrics(texts[:1], texts[:1], meteor=False, cider_df=corpus)["CIDEr"] == pytest.approx(10.0)
+    # each reference is its own document: an n-gram in both references has df 2 and idf 0
+    df2, _ = mrg_r1.cider_document_frequency(["no effusion", "no pneumothorax"])
+    assert df2["no"] == 2
 
 
 def test_split_views_and_warm_start_targets():
