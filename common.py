@@ -1726,17 +1726,18 @@ class Run:
         n = self.per_rank(batch_size, flag)
         return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform))
 
-    def steps(self, total: int, batches, desc: str = ""):
-        """(step, batch) for step = start .. total - 1, with a bar; after each a metrics.jsonl line (log()'s means over
-        the step and ranks), last.pt every CHECKPOINT_EVERY steps and at the end; Ctrl-C or SIGTERM saves and stops."""
+    def steps(self, total: int, batches, desc: str = "", start: int | None = None):
+        """(step, batch) for step = start (default: restore()'s) .. total - 1, with a bar; after each a metrics.jsonl
+        line (log()'s means over the step and ranks), last.pt every CHECKPOINT_EVERY steps and at the end; Ctrl-C or
+        SIGTERM saves and stops."""
         import signal
-        stop = []
+        stop, start = [], self.start if start is None else start
         old = {s: signal.signal(s, lambda *_: stop.append(1)) for s in (signal.SIGINT, signal.SIGTERM)} \
             if threading.current_thread() is threading.main_thread() else {}
-        bar = tqdm(total=total, initial=self.start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
-        clock, data, optimizer = time.time(), batches(self.start), self._saved[1] if self._saved else None
+        bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
+        clock, data, optimizer = time.time(), batches(start), self._saved[1] if self._saved else None
         try:
-            for step in range(self.start, total):
+            for step in range(start, total):
                 lr = {"lr": optimizer.param_groups[0]["lr"]} if optimizer is not None else {}
                 yield step, next(data)
                 row = {"step": step + 1, "time": round(time.time() - clock, 2), **lr,
@@ -1746,7 +1747,8 @@ class Run:
                     with open(self.out / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(row) + "\n")
                     bar.update(1)
-                    bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k not in ("step", "time", "lr")}, refresh=False)
+                    bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k not in ("step", "time", "lr") and "/" not in k},
+                                    refresh=False)  # keys "a/b" (a class each) stay in the file
                 interrupted = all_reduce_mean(float(bool(stop))) > 0  # every rank stops at the same step
                 if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == total or interrupted):
                     self.checkpoint(step + 1)
@@ -2120,40 +2122,10 @@ def plot_run(out) -> list[Path]:
     return drawn
 
 
-# NegBio's Open-i gold standard (its examples/openi_gld_std14.csv joined with the reports on the CXR id): ChestX-ray14
-# names, 1 = stated present (uncertain and negated are 0, so our uncertain counts absent here), `normal` = no finding.
-GOLD_COLUMNS = {n: (n,) for n in ("Atelectasis", "Cardiomegaly", "Pneumonia", "Pneumothorax", "Consolidation", "Edema")} | {
-    "Pleural Effusion": ("Effusion",), "Lung Lesion": ("Mass", "Nodule"), "No Finding": ("normal",)}  # No Finding last
-
-
-def gold_agreement(path, labeler) -> dict:
-    """Per label precision, recall, F1 and counts of `labeler` against a gold CSV (columns report, the
-    ChestX-ray14 findings, normal), the micro F1 over the 8 findings and the No Finding rate."""
-    import csv
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"gold CSV not found: {path}")
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    for column in ["report"] + [c for cols in GOLD_COLUMNS.values() for c in cols]:
-        if not rows or column not in rows[0]:
-            raise ValueError(f"{path}: no column {column!r} (needs report, the ChestX-ray14 findings and normal)")
-        bad = next((n for n, r in enumerate(rows, 2) if column != "report" and r[column] not in ("0", "1")), None)
-        if bad:
-            raise ValueError(f"{path}:{bad}: column {column!r} is {rows[bad - 2][column]!r}, not 0 or 1")
-    gold = np.array([[any(r[c] == "1" for c in cols) for cols in GOLD_COLUMNS.values()] for r in rows])  # (N, 9)
-    ours = binarize(labeler([r["report"] for r in rows]), uncertain_as=0)[:, [LABEL_INDEX[n] for n in GOLD_COLUMNS]] == 1
-    tp, fp, fn = (ours & gold).sum(0), (ours & ~gold).sum(0), (~ours & gold).sum(0)  # (9,) each
-    out = {name: dict(zip(("precision", "recall", "f1"), map(float, prf)), gold=int(gold[:, i].sum()), ours=int(ours[:, i].sum()))
-           for i, (name, *prf) in enumerate(zip(GOLD_COLUMNS, *_prf(tp, fp, fn)))}
-    return out | {"micro_f1": float(_prf(tp[:8].sum(), fp[:8].sum(), fn[:8].sum())[2]), "n": len(rows),
-                  "no_finding_rate": float(ours[:, -1].mean()), "normal_rate": float(gold[:, -1].mean())}
-
-
 def main(argv=None):
     """`python common.py evaluate --generations FILE.jsonl`: score any generations file;
     `python common.py synthetic --out DIR`: write the synthetic set to a folder;
-    `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too);
-    `python common.py labels --gold FILE.csv`: a labeler's agreement with radiologists' labels."""
+    `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
     p = argparse.ArgumentParser(description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
@@ -2169,10 +2141,6 @@ def main(argv=None):
     s.add_argument("--out", required=True)
     for name, default in (("n_train", 2000), ("n_val", 200), ("n_test", 500), ("size", 128), ("seed", 0)):
         s.add_argument("--" + name.replace("_", "-"), type=int, default=default)
-    g = sub.add_parser("labels", help="per-finding agreement with a gold CSV in NegBio's Open-i layout")
-    g.add_argument("--gold", required=True, help="CSV: report, the 14 ChestX-ray14 findings (0/1), normal")
-    g.add_argument("--labeler", default="rule", choices=["rule", "chexbert"])
-    g.add_argument("--chexbert-weights", default=None, help="a local chexbert.pth (else downloaded once)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "plot":
@@ -2182,17 +2150,6 @@ def main(argv=None):
     if args.command == "synthetic":
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
         return print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
-    if args.command == "labels":
-        try:
-            out = gold_agreement(args.gold, make_labeler(args.labeler, args.chexbert_weights))
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"error: {e}") from None
-        print(f"{'':<17} precision recall   F1  gold ours")
-        for name in GOLD_COLUMNS:
-            print(f"{name:<17} {out[name]['precision']:9.3f} {out[name]['recall']:6.3f} {out[name]['f1']:6.3f} "
-                  f"{out[name]['gold']:5d} {out[name]['ours']:4d}" + ("  (gold: normal)" if name == "No Finding" else ""))
-        return print(f"micro F1 over the 8 findings: {out['micro_f1']:.3f}; No Finding on {out['no_finding_rate']:.1%} of "
-                     f"{out['n']} reports (gold normal: {out['normal_rate']:.1%}); uncertain counts as absent")
     try:
         results = evaluate_generations(read_generations(args.generations), make_labeler(args.labeler, args.chexbert_weights),
                                        None if args.clean == "none" else args.clean, args.uncertain_as, not args.no_meteor)

@@ -252,10 +252,10 @@ def train(args: Args) -> dict:
         # lines 7-10: D_sub(t) = the easiest lambda_n(t) of each D_n, united (Table 2's schedulers: a global slice)
         d_sub = rrgcl_subset(plan["class_orders"], lam) if args.scheduler == "rrgcl" else epoch_subset(args.scheduler, t, T, plan)
         first, end = int(ends[e - 1]) if e else 0, int(ends[e])
-        run.start = max(start, first)  # (a resumed run goes on from its checkpoint)
-        if run.start >= end:
+        if max(start, first) >= end:
             continue  # trained before --resume, or no step of --steps falls in this epoch
-        for step, batch in run.steps(end, epoch_batches(run, d_sub, first, end, e), f"RRGCL t = {t}"):  # line 11: train G on D_sub(t)
+        batches = epoch_batches(run, d_sub, first, end, e)
+        for step, batch in run.steps(end, batches, f"RRGCL t = {t}", start=max(start, first)):  # line 11: train G on D_sub(t)
             if step == first:
                 run.log(epoch=t, subset=len(d_sub), **{f"lambda/{n}": x for n, x in zip(plan["classes"], lam) if args.scheduler == "rrgcl"})
             with run.autocast():
@@ -427,7 +427,7 @@ def q1_analysis(rows: list[dict], labels: np.ndarray, classes: list[dict], style
 
 def q1_command(args: Args) -> dict:
     """`python rrgcl.py q1 --out DIR`: Fig. 1 for DIR/generations_test.jsonl (any model's: id, generated)."""
-    data, out = common.load_data(common.resolve_defaults(args).data), Path(args.out)
+    data, out = common.load_data(args.data), Path(common.resolve_defaults(args).out)  # (resolves --labeler auto)
     test, rows = {r.id: r for r in data["test"]}, common.read_generations(out / "generations_test.jsonl")
     if any(row["id"] not in test for row in rows):
         raise ValueError(f"{out / 'generations_test.jsonl'}: ids that are not test studies of --data {args.data}")

@@ -2,6 +2,7 @@
 
     python tests/reproduce.py NAME --seeds 100-107 [--jobs 2] [--out runs/reproduce] [--figures tests/figures]
     python tests/reproduce.py NAME --seeds 100-107 --dry-run      # the commands, nothing run
+    python tests/reproduce.py labels --gold FILE.csv              # the rule labeler against radiologists' labels
 
 For NAME (mrg_r1, deer, orapo, rrgcl, dcrrg) it runs exactly what the README's table claims: every arm with its
 flags and budgets, the same seeds in every arm (paired), each run a script's own command line in its own folder
@@ -30,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 
 
 @dataclass
@@ -161,6 +164,46 @@ def dcrrg_read(root, seed):
         out[f"Model {model}"] = {"CE micro F1": ce(r), "BLEU-4": r["nlg"]["BLEU-4"], "CIDEr": r["nlg"]["CIDEr"],
                                  "distinct reports": r["degenerate"]["distinct"]}
     return out
+
+
+# --- the rule labeler against radiologists (NegBio's Open-i gold) ------------------------------------------
+# NegBio's Open-i gold standard (its examples/openi_gld_std14.csv joined with the reports on the CXR id): ChestX-ray14
+# names, 1 = stated present (uncertain and negated are 0, so our uncertain counts absent here), `normal` = no finding.
+GOLD_COLUMNS = {n: (n,) for n in ("Atelectasis", "Cardiomegaly", "Pneumonia", "Pneumothorax", "Consolidation", "Edema")} | {
+    "Pleural Effusion": ("Effusion",), "Lung Lesion": ("Mass", "Nodule"), "No Finding": ("normal",)}  # No Finding last
+
+
+def gold_agreement(path, labeler) -> dict:
+    """Per label precision, recall, F1 and counts of `labeler` against a gold CSV (columns report, the
+    ChestX-ray14 findings, normal), the micro F1 over the 8 findings and the No Finding rate."""
+    import csv
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"gold CSV not found: {path}")
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    for column in ["report"] + [c for cols in GOLD_COLUMNS.values() for c in cols]:
+        if not rows or column not in rows[0]:
+            raise ValueError(f"{path}: no column {column!r} (needs report, the ChestX-ray14 findings and normal)")
+        bad = next((n for n, r in enumerate(rows, 2) if column != "report" and r[column] not in ("0", "1")), None)
+        if bad:
+            raise ValueError(f"{path}:{bad}: column {column!r} is {rows[bad - 2][column]!r}, not 0 or 1")
+    gold = np.array([[any(r[c] == "1" for c in cols) for cols in GOLD_COLUMNS.values()] for r in rows])  # (N, 9)
+    ours = common.binarize(labeler([r["report"] for r in rows]), uncertain_as=0)[:, [common.LABEL_INDEX[n] for n in GOLD_COLUMNS]] == 1
+    tp, fp, fn = (ours & gold).sum(0), (ours & ~gold).sum(0), (~ours & gold).sum(0)  # (9,) each
+    out = {name: dict(zip(("precision", "recall", "f1"), map(float, prf)), gold=int(gold[:, i].sum()), ours=int(ours[:, i].sum()))
+           for i, (name, *prf) in enumerate(zip(GOLD_COLUMNS, *common._prf(tp, fp, fn)))}
+    return out | {"micro_f1": float(common._prf(tp[:8].sum(), fp[:8].sum(), fn[:8].sum())[2]), "n": len(rows),
+                  "no_finding_rate": float(ours[:, -1].mean()), "normal_rate": float(gold[:, -1].mean())}
+
+def labels_table(gold: str, labeler) -> list[str]:
+    """The README's rule-labeler table: `python tests/reproduce.py labels --gold FILE.csv [--labeler chexbert]`."""
+    out = gold_agreement(gold, labeler)
+    lines = [f"{'':<17} precision recall   F1  gold ours"]
+    for name in GOLD_COLUMNS:
+        lines.append(f"{name:<17} {out[name]['precision']:9.3f} {out[name]['recall']:6.3f} {out[name]['f1']:6.3f} "
+                     f"{out[name]['gold']:5d} {out[name]['ours']:4d}" + ("  (gold: normal)" if name == "No Finding" else ""))
+    return lines + [f"micro F1 over the 8 findings: {out['micro_f1']:.3f}; No Finding on {out['no_finding_rate']:.1%} of "
+                    f"{out['n']} reports (gold normal: {out['normal_rate']:.1%}); uncertain counts as absent"]
 
 
 # --- statistics and tables --------------------------------------------------------------------------------------
@@ -359,13 +402,23 @@ def run_all(jobs: list[Job], root: Path, n_jobs: int, dry_run: bool):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=sorted(EXPERIMENTS))
-    p.add_argument("--seeds", required=True, help="declared before running, e.g. 100-107")
+    p.add_argument("name", choices=sorted(EXPERIMENTS) + ["labels"])
+    p.add_argument("--seeds", help="declared before running, e.g. 100-107")
+    p.add_argument("--gold", help="labels: a gold CSV in NegBio's Open-i layout (id, report, ChestX-ray14 findings, normal)")
+    p.add_argument("--labeler", default="rule", choices=["rule", "chexbert"], help="labels: the labeler to score")
+    p.add_argument("--chexbert-weights", help="labels: a local chexbert.pth")
     p.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     p.add_argument("--out", default=str(ROOT / "runs" / "reproduce"))
     p.add_argument("--figures", default=str(ROOT / "tests" / "figures"))
     p.add_argument("--dry-run", action="store_true", help="print the commands still to run")
     args = p.parse_args(argv)
+    if args.name == "labels":
+        try:
+            return print("\n".join(labels_table(args.gold, common.make_labeler(args.labeler, args.chexbert_weights))))
+        except (FileNotFoundError, ValueError, TypeError) as e:
+            raise SystemExit(f"error: {e}" if args.gold else "error: labels needs --gold FILE.csv") from None
+    if not args.seeds:
+        raise SystemExit(f"error: {args.name} needs --seeds, declared before running (e.g. 100-107)")
     exp, seeds, root = EXPERIMENTS[args.name], parse_seeds(args.seeds), Path(args.out) / args.name
     jobs = [j for s in seeds for j in exp.jobs(s, seeds)]
     run_all(jobs, root, args.jobs, args.dry_run)

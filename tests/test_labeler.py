@@ -1,11 +1,12 @@
-"""RuleLabeler: exact on the synthetic reports, right on real-style report text; `common.py labels`."""
+"""RuleLabeler: exact on the synthetic reports, right on real-style report text; `tests/reproduce.py labels`."""
 import csv
 import time
 
 import numpy as np
 import pytest
 
-from common import CHEXPERT_LABELS, LABEL_INDEX, RuleLabeler, apply_no_finding_rule, gold_agreement, main, \
+import reproduce
+from common import CHEXPERT_LABELS, LABEL_INDEX, RuleLabeler, apply_no_finding_rule, \
     sample_synthetic_study, write_synthetic_report
 
 # Real-style report text with labels we are sure of. Labels not listed are blank; No Finding, unless listed,
@@ -210,7 +211,7 @@ def test_labels_command_against_a_gold_csv(tmp_path, capsys):
         ("Left basilar atelectasis. No pneumothorax.", {"Atelectasis", "Pneumothorax"}),  # we miss Pneumothorax
         ("No acute disease. Thoracic spondylosis.", {"normal"}),  # we: an abnormal finding, not No Finding
         ("Stable mild edema.", set())])  # we: Edema the gold does not mark
-    out = gold_agreement(tmp_path / "gold.csv", RuleLabeler())
+    out = reproduce.gold_agreement(tmp_path / "gold.csv", RuleLabeler())
     # by hand: TP Atelectasis, Cardiomegaly, Effusion, Lung Lesion (4); FP Edema (1); FN Pneumothorax (1)
     for name in ("Atelectasis", "Cardiomegaly", "Pleural Effusion", "Lung Lesion"):
         assert out[name] == {"precision": 1.0, "recall": 1.0, "f1": 1.0, "gold": 1, "ours": 1}
@@ -221,7 +222,7 @@ def test_labels_command_against_a_gold_csv(tmp_path, capsys):
     # No Finding against normal: TP report 1, FN report 4
     assert out["No Finding"] == pytest.approx({"precision": 1.0, "recall": 0.5, "f1": 2 / 3, "gold": 2, "ours": 1})
     assert (out["no_finding_rate"], out["normal_rate"], out["n"]) == pytest.approx((1 / 6, 2 / 6, 6))
-    main(["labels", "--gold", str(tmp_path / "gold.csv")])
+    reproduce.main(["labels", "--gold", str(tmp_path / "gold.csv")])
     printed = capsys.readouterr().out
     assert "micro F1 over the 8 findings: 0.800" in printed and "No Finding on 16.7% of 6 reports" in printed
     assert [line.split()[1:] for line in printed.splitlines() if line.startswith("Edema")] == [["0.000"] * 3 + ["0", "1"]]
@@ -232,12 +233,12 @@ def test_labels_command_names_the_bad_column(tmp_path):
     text = (tmp_path / "gold.csv").read_text()
     (tmp_path / "no_normal.csv").write_text(text.replace(",normal", ",Normal"))
     with pytest.raises(SystemExit, match=r"^error: .*no_normal.csv: no column 'normal'"):
-        main(["labels", "--gold", str(tmp_path / "no_normal.csv")])
+        reproduce.main(["labels", "--gold", str(tmp_path / "no_normal.csv")])
     (tmp_path / "bad_value.csv").write_text(text.replace("No effusion.,0", "No effusion.,yes"))
     with pytest.raises(SystemExit, match=r"^error: .*bad_value.csv:2: column 'Atelectasis' is 'yes', not 0 or 1$"):
-        main(["labels", "--gold", str(tmp_path / "bad_value.csv")])
+        reproduce.main(["labels", "--gold", str(tmp_path / "bad_value.csv")])
     with pytest.raises(SystemExit, match=r"^error: gold CSV not found: .*missing.csv$"):
-        main(["labels", "--gold", str(tmp_path / "missing.csv")])
+        reproduce.main(["labels", "--gold", str(tmp_path / "missing.csv")])
 
 
 @pytest.mark.slow
