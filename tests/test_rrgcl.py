@@ -14,7 +14,7 @@ import torch
 
 import common
 import rrgcl
-from conftest import Crash, metrics_rows, torchrun
+from conftest import Crash, metrics_rows, torchrun, update_relative_difference
 from rrgcl import (class_difficulty, class_members, dv_bound, pacing, rrgcl_lambda, rrgcl_subset, sample_difficulty,
                    scheduling_exponents, vns_gap)
 
@@ -425,7 +425,8 @@ def test_one_step_feeds_the_loss_the_lambda0_studies_and_their_token_mean(tmp_pa
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast_measure, monkeypatch, crash_after_checkpoint):
     """Stopped after the step-4 checkpoint and resumed, a run ends with the weights and log of one never stopped; the
-    resumed run reads its own difficulty.json instead of measuring again, and refuses a changed flag."""
+    resumed run reads its own difficulty.json instead of measuring again, and refuses a changed flag.
+    Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 4)
     flags = ["--data", str(small_synthetic), "--epochs", "1", "--batch-size", "8", "--steps", "9"]
     crash_after_checkpoint(4)
@@ -443,18 +444,24 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast_mea
     assert rows("full") == rows("part") and len(rows("part")) == 9
 
 
-def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, difficulty_file):
-    """2 ranks x 4 studies against 1 process x 8: the same studies every step, the same token-mean losses, the same
-    weights (float noise that Adam magnifies to ~1e-5); both ranks' test reports, in order."""
+def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, difficulty_file, starting_weights):
+    """2 ranks x 4 studies against 1 process x 8: the same studies every step and the same token-mean losses; both
+    ranks' test reports, in order. Step 1's loss (the same weights, float32 sums of positive terms in another order and
+    split: relative error <= n 2^-24 = 5e-5 for the n <= 8 x 96 tokens) within rtol 1e-4; later steps' within 1e-3 (the
+    weights then differ as below; seen 2e-7 at every step). The weights, as the total difference over the total update
+    (conftest's update_relative_difference; not element by element: Adam moves an element whose gradient is rounding
+    noise by its full lr either way): under 1e-3, seen 1e-6. Token weights that ignore the ranks (rrgcl.sft_step) halve
+    the loss.
+    Checked under ATEN_CPU_CAPABILITY=default and avx2."""
     flags = ["--data", str(small_synthetic), "--difficulty", str(difficulty_file), "--epochs", "1", "--batch-size", "8",
              "--steps", "6"]
     torchrun("rrgcl.py", *flags, "--out", str(tmp_path / "ddp"))
     rrgcl.main(flags + ["--out", str(tmp_path / "one")])
     ddp, one = read_jsonl(tmp_path / "ddp" / "metrics.jsonl"), read_jsonl(tmp_path / "one" / "metrics.jsonl")
-    np.testing.assert_allclose([x["loss"] for x in ddp], [x["loss"] for x in one], rtol=1e-5)
+    assert ddp[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-4)
+    np.testing.assert_allclose([x["loss"] for x in ddp], [x["loss"] for x in one], rtol=1e-3)
     a, b = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("ddp", "one"))
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4)
+    assert update_relative_difference(a, b, starting_weights[0]) < 1e-3
     gens = read_jsonl(tmp_path / "ddp" / "generations_test.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
 

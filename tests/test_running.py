@@ -118,7 +118,7 @@ out = sys.argv[1]
 rank, world, device = common.setup_distributed()
 args = common.RunArgs(out=out + "/run")
 run = common.Run(args, rank, world, device, data=None, labeler=None)
-model = tiny_gpt2(seed=rank)  # different inits on purpose: rank 0's must reach every rank
+model = tiny_gpt2(seed=rank).double()  # different inits on purpose: rank 0's must reach every rank
 common.broadcast_parameters(model)
 ids, mask, rewards = _grpo_batch()
 rows = slice(4 * rank, 4 * rank + 4)  # 2 prompts x G=2
@@ -151,12 +151,14 @@ def _check_two_ranks(tmp_path):
         torch.testing.assert_close(r["redraws"], r["draws"], rtol=0, atol=0)  # each rank's own stream back
     assert not torch.equal(r0["draws"], r1["draws"])  # seed + rank
     # "grpo" is a mean over sequences and the all-reduce averages over ranks: with 4 sequences on each
-    # rank, the mean of the two rank means is the mean over all 8, the single-process loss.
-    model = tiny_gpt2(seed=0)
+    # rank, the mean of the two rank means is the mean over all 8, the single-process loss. In float64, so the two
+    # differ only by sums in another order: <= n 2^-53 sum|terms|, ~1e-13 for n <= 100 terms summing to <= 10 (seen
+    # 6e-17), on any CPU kernel (checked under ATEN_CPU_CAPABILITY=default and avx2); a gradient not averaged is 2x.
+    model = tiny_gpt2(seed=0).double()
     _grpo_gradient(model, *_grpo_batch())
     for n, p in model.named_parameters():
-        torch.testing.assert_close(r0["grads"][n], p.grad, rtol=0, atol=1e-6, msg=n)
-        torch.testing.assert_close(r1["grads"][n], p.grad, rtol=0, atol=1e-6, msg=n)
+        torch.testing.assert_close(r0["grads"][n], p.grad, rtol=0, atol=1e-12, msg=n)
+        torch.testing.assert_close(r1["grads"][n], p.grad, rtol=0, atol=1e-12, msg=n)
     return r0, r1
 
 
@@ -269,6 +271,7 @@ def _same_weights(a, b):
 
 
 def test_crashed_run_resumes_exactly(toy_args, tmp_path, monkeypatch, crash_after_checkpoint):
+    """Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     straight, model = toy_train(toy_args(out=str(tmp_path / "straight")))
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
     crash_after_checkpoint(4)
@@ -288,6 +291,7 @@ def test_crashed_run_resumes_exactly(toy_args, tmp_path, monkeypatch, crash_afte
 
 
 def test_ctrl_c_saves_and_the_same_command_with_resume_continues(toy_args, tmp_path):
+    """Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     _, model = toy_train(toy_args(out=str(tmp_path / "straight")))
     with pytest.raises(KeyboardInterrupt, match=r"stopped after step 3, with .*last.pt saved: the same command "
                                                 r"with --resume continues"):
