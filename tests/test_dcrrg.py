@@ -99,6 +99,55 @@ def test_csm_loss_by_hand_and_symmetric_as_eq9():
     assert v_p.grad.abs().sum() > 0 and scale.grad is not None
 
 
+def _np_softmax(z):
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def _np_cos(a, b):
+    a, b = a / np.linalg.norm(a, axis=1, keepdims=True), b / np.linalg.norm(b, axis=1, keepdims=True)
+    return a @ b.T
+
+
+def test_csm_loss_calibrates_each_direction_by_the_candidates_modality():
+    """Eq. 3-9 in numpy (float64) where images and texts disagree: Eq. 4 (image anchors over text candidates) is
+    calibrated by text-text similarity, Eq. 5 (text anchors over image candidates) by image-image similarity. Images 0
+    and 1 look alike while their texts are opposite; labels differ between the modalities."""
+    v = np.array([[1.0, 0.0, 0.0], [0.9, 0.1, 0.0], [0.0, 0.2, 1.0]])  # images 0 and 1 alike
+    t = np.array([[1.0, 0.0], [-1.0, 0.1], [0.3, 1.0]])  # texts 0 and 1 opposite
+    l_img = np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    l_txt = np.array([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    rng = np.random.default_rng(0)
+    v_p, t_p, tau = rng.normal(size=(3, 4)), rng.normal(size=(3, 4)), 0.1
+    logits = _np_cos(v_p, t_p) / tau  # Eq. 6-7
+    y_vt = _np_softmax((_np_cos(t, t) / 2 + 0.5) * _np_cos(l_img, l_txt))  # Eq. 4: anchor image i, candidate text j
+    y_tv = _np_softmax((_np_cos(v, v) / 2 + 0.5) * _np_cos(l_txt, l_img))  # Eq. 5: anchor text i, candidate image j
+    l_vt = -(y_vt * np.log(_np_softmax(logits))).sum(1).mean()  # Eq. 8
+    l_tv = -(y_tv * np.log(_np_softmax(logits.T))).sum(1).mean()
+    T = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    loss, _ = csm_loss(T(v_p), T(t_p), T(v), T(t), T(l_img), T(l_txt), torch.tensor(math.log(1 / tau), dtype=torch.float64))
+    assert loss.item() == pytest.approx((l_vt + l_tv) / 2, rel=1e-5)  # Eq. 9 (in float32: a few ulp per exp and log)
+    swapped = -(_np_softmax((_np_cos(v, v) / 2 + 0.5) * _np_cos(l_img, l_txt)) * np.log(_np_softmax(logits))).sum(1).mean()
+    assert abs(swapped - l_vt) > 1e-3  # the test can fail: the anchor's own modality gives another loss
+
+
+def test_step2_label_vectors_hold_positive_and_uncertain(tmp_path, monkeypatch):
+    """Eq. 3's l from a batch's labels: 1 for positive and uncertain, 0 for negative and blank, in both modalities."""
+    tok = dcrrg.build_tokenizer(dcrrg.Args(), ["no pleural effusion.", "mild cardiomegaly."], Rank0(tmp_path))
+    torch.manual_seed(0)
+    model = dcrrg.DCRRG(dcrrg.Args(), tok).eval()
+    labels = torch.full((3, 14), float("nan"))
+    labels[0, :4] = torch.tensor([1.0, -1.0, 0.0, float("nan")])
+    labels[1, 13], labels[2, 5] = 1.0, -1.0
+    seen, real = [], dcrrg.csm_loss
+    monkeypatch.setattr(dcrrg, "csm_loss", lambda *a: seen.append(a) or real(*a))
+    dcrrg.step2_loss(model, {"images": torch.randn(3, 1, 1, 64, 64), "report": ["mild cardiomegaly."] * 3,
+                             "labels": labels}, world_size=1)
+    expected = torch.zeros(3, 14)
+    expected[0, :2], expected[1, 13], expected[2, 5] = 1.0, 1.0, 1.0
+    assert len(seen) == 14 and all(torch.equal(a[4], expected) and torch.equal(a[5], expected) for a in seen)
+
+
 # Step 1 ----------------------------------------------------------------------------------------
 def test_observation_targets_unmentioned_negative_uncertain_out():
     t = observation_targets(np.array([[1.0, 0.0, -1.0, N] + [N] * 10]))
@@ -222,6 +271,56 @@ def test_decoder_causal_prefixed_and_batch_independent(decoder):
                                    plain(tokens, (f_I - decoder.memory_mean) / decoder.memory_std, prefix, obs=obs))
 
 
+def _reference_decoder(dec, tokens, f_I, prefix, obs):
+    """Eq. 10-13 with P-Tuning v2 written out (float64): post-LN layers; in every layer i, prefix[i][0] holds the keys
+    and values put before the self-attention's, prefix[i][1] the cross-attention's, visible to every position; the
+    self-attention is causal over the tokens."""
+    def linear(m, x):
+        return x @ m.weight.T + m.bias
+
+    def attention(m, x, source, causal, pre):
+        B, T, d = x.shape
+        H = m.heads
+        heads = lambda z: z.reshape(B, -1, H, d // H).transpose(1, 2)  # noqa: E731
+        q = heads(linear(m.q, x))
+        k = heads(torch.cat([pre[0].expand(B, -1, -1), linear(m.k, source)], 1))
+        v = heads(torch.cat([pre[1].expand(B, -1, -1), linear(m.v, source)], 1))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // H)  # (B, H, T, L_p + S)
+        if causal:  # token i sees the prefix and tokens j <= i
+            L_p = pre.shape[1]
+            blocked = torch.arange(T)[None, :] > torch.arange(T)[:, None]  # (T, T) j > i
+            scores[..., L_p:] = scores[..., L_p:].masked_fill(blocked, -math.inf)
+        return linear(m.o, (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(B, T, d))
+
+    def ln(m, x):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], m.weight, m.bias, m.eps)
+    y = dec.embed.weight[tokens].clone()
+    y[:, 0] += dec.prompts.weight[obs]  # Step 3's observation prompt on the first input
+    memory = (f_I - dec.memory_mean) / dec.memory_std + dec.slots
+    for layer, pre in zip(dec.layers, prefix):
+        y = ln(layer.ln1, y + attention(layer.self_attn, y, y, True, pre[0]))  # Eq. 12
+        y = ln(layer.ln2, y + attention(layer.cross_attn, y, memory, False, pre[1]))  # Eq. 11
+        ffn = linear(layer.ffn[3], torch.relu(linear(layer.ffn[0], y)))
+        y = ln(layer.ln3, y + ffn)  # Eq. 10
+    return linear(dec.head, y)
+
+
+def test_decoder_with_prefixes_equals_the_equations(decoder):
+    """Each layer reads its own prefixes, self-attention's and cross-attention's apart, keys and values apart; every
+    token sees the whole prefix. Float64, so the bound is float64 rounding."""
+    dec = decoder.double()
+    torch.manual_seed(1)
+    prefix = torch.randn(2, 2, 2, 3, 16, dtype=torch.float64)  # (layer, self/cross, key/value, L_p, d)
+    tokens, f_I, obs = torch.randint(0, 30, (2, 6)), torch.randn(2, 14, 16, dtype=torch.float64), torch.tensor([3, 9])
+    with torch.no_grad():
+        got, expected = dec(tokens, f_I, prefix, obs=obs), _reference_decoder(dec, tokens, f_I, prefix, obs)
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        for part in ((1, 0, 0), (1, 1, 1), (0, 0, 1)):  # layer 1's own prefixes, and each part, matter
+            changed = prefix.clone()
+            changed[part] += 1.0
+            assert not torch.allclose(dec(tokens, f_I, changed, obs=obs), got)
+
+
 def test_beam_of_one_is_greedy(decoder):
     f_I = torch.randn(3, 14, 16)
     got = dcrrg.beam_search(decoder, f_I, bos=1, eos=2, pad=0, beam=1, max_len=6)
@@ -250,6 +349,16 @@ def test_beam_search_by_hand():
     # width 3 keeps "b" (.4), which ends at once (.95): log(.38) / 2 = -0.48 beats "a b eos"
     # (log(.5 * .34 * .95) / 3 = -0.61) and "a a a" (-0.91)
     assert dcrrg.beam_search(Markov(), f_I, bos=1, eos=2, pad=0, beam=3, max_len=3) == [[4]]
+
+
+def test_beam_answer_is_the_best_log_prob_per_token():
+    """Width 2, 3 steps. From BOS: a .7, b .3; after b: EOS 1; after a: a .6, EOS .4. Beams: {a, b}, then {a a (.42),
+    b EOS (.3)}, then {b EOS (.3), a a a (.252)}. Per token, a a a (log .252 / 3 = -0.46) beats b EOS (log .3 / 2 =
+    -0.60), though its summed log-prob is lower."""
+    class Short(Markov):
+        P = torch.tensor([[.2, .2, .2, .2, .2], [0, 0, 0, .7, .3], [.2, .2, .2, .2, .2],
+                          [0, 0, .4, .6, 0], [0, 0, 1, 0, 0]]).clamp_min(1e-12)
+    assert dcrrg.beam_search(Short(), torch.zeros(1, 14, 4), bos=1, eos=2, pad=0, beam=2, max_len=3) == [[3, 3, 3]]
 
 
 def test_beam_search_never_emits_special_tokens():
@@ -315,6 +424,28 @@ def test_p_tuning_trains_only_prefixes_and_head_and_keeps_batchnorm(tmp_path):
                   prefix=model.prefix, head=model.prompt_head).backward()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.prefix.grad.abs().sum() > 0 and model.image_encoder.body.conv1.weight.grad is None
+
+
+def test_generate_gathers_each_ranks_texts_in_record_order(tmp_path, monkeypatch):
+    """dcrrg.generate under 2 ranks, each in turn (the gather simulated): a stand-in decoder that says the word its f_I
+    names, then [SEP]; the gathered texts come back in the records' order."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    tok = dcrrg.build_tokenizer(dcrrg.Args(), [" ".join(words)], Rank0(tmp_path))
+    V = len(tok)
+
+    def says(tokens, f_I, prefix=None, head=None, obs=None):  # log-probs (N, t, V): the word first, then [SEP]
+        out = torch.full((*tokens.shape, V), -30.0)
+        out[torch.arange(len(tokens)), -1, f_I[:, 0, 0].long() if tokens.shape[1] == 1 else tok.sep_token_id] = 0.0
+        return out
+    model = type("Model", (), {"tokenizer": tok, "decoder": staticmethod(says)})
+    inputs = lambda rs: {"f_I": torch.tensor([float(tok.convert_tokens_to_ids(w)) for w in rs])[:, None, None].expand(-1, 14, 4)}  # noqa: E731
+    sent = []
+    monkeypatch.setattr(common, "all_gather_objects", lambda mine: sent.append(mine) or [mine, mine])
+    rank = lambda r: type("Stage", (), {"rank": r, "world_size": 2})  # noqa: E731
+    dcrrg.generate(model, inputs, words, rank(1), 4)
+    assert sent == [["beta", "delta"]]
+    monkeypatch.setattr(common, "all_gather_objects", lambda mine: [mine, sent[0]])
+    assert dcrrg.generate(model, inputs, words, rank(0), 4) == words
 
 
 class Rank0:

@@ -41,6 +41,17 @@ def test_eq10_by_hand_and_the_itas_sign():
     np.testing.assert_allclose(sample_difficulty(dif1, dif2, 0.0, 1.0), -z2)  # (b): --alpha 0, ITAS alone
 
 
+def test_schedule_weighs_vns_gap_by_alpha_and_itas_by_1_minus_alpha():
+    """--alpha 0.8 reaches Eq. 10 as alpha 0.8, beta 0.2: z(dif1) = (-3, -1, 1, 3) / sqrt 5, z(dif2) = (3, -3, -1, 1) / sqrt 5,
+    dif = 0.8 z1 - 0.2 z2 = (-3, -0.2, 1, 2.2) / sqrt 5: easy to hard 0, 1, 2, 3 (alpha and beta swapped: 0, 3, 2, 1)."""
+    m = {"dif1": np.array([0.0, 1.0, 2.0, 3.0]), "dif2": np.array([3.0, 0.0, 1.0, 2.0]),
+         "labels": label_rows(*[{"Edema": 1}] * 4)}
+    plan, ts, subsets = rrgcl.schedule(rrgcl.Args(alpha=0.8, scheduler="linear", epochs=2), m)
+    assert plan["order"].tolist() == [0, 1, 2, 3] and plan["class_orders"][0].tolist() == [0, 1, 2, 3]
+    np.testing.assert_allclose(plan["difficulty"], [np.mean([-3, -0.2, 1, 2.2]) / math.sqrt(5)], atol=1e-12)
+    assert ts == [0, 1, 2] and subsets[-1].tolist() == [0, 1, 2, 3]
+
+
 # Classes, class difficulty, Eq. 11-13 ----------------------------------------------------------------
 def test_classes_are_13_keywords_multilabel_and_other():
     assert len(rrgcl.CLASSES) == 13 and "Support Devices" not in rrgcl.CLASSES and "No Finding" in rrgcl.CLASSES
