@@ -411,6 +411,18 @@ def test_auroc_five_competition_tasks_and_mean():
     assert got["mean_5"] == pytest.approx(np.mean([got[n] for n in dcrrg.FIVE]))
 
 
+def test_lm_loss_is_the_mean_over_real_tokens(tmp_path):
+    """Eq. 14 by hand with a stand-in decoder whose next-token logits are a fixed table of the last token: the mean of
+    -log p(y_t | y_{t-1}) over each text's tokens and its [SEP], never over padding."""
+    tok = dcrrg.build_tokenizer(dcrrg.Args(), ["alpha beta gamma"], Rank0(tmp_path))
+    table = torch.randn(len(tok), len(tok), generator=torch.Generator().manual_seed(0))
+    decoder = lambda tokens, f_I, prefix=None, head=None, obs=None: table[tokens]  # noqa: E731  (N, T, V)
+    loss = dcrrg.lm_loss(decoder, torch.zeros(2, 14, 4), ["alpha", "alpha beta gamma"], tok, 16)
+    ids = lambda t: [tok.cls_token_id] + tok(t, add_special_tokens=False)["input_ids"] + [tok.sep_token_id]  # noqa: E731
+    nll = [-torch.log_softmax(table[a], 0)[b] for t in ("alpha", "alpha beta gamma") for a, b in zip(ids(t), ids(t)[1:])]
+    assert len(nll) == 6 and loss.item() == pytest.approx(torch.stack(nll).mean().item(), rel=1e-6)
+
+
 def test_p_tuning_trains_only_prefixes_and_head_and_keeps_batchnorm(tmp_path):
     """A ResNet (BatchNorm) under P-Tuning: a training forward must not move its frozen statistics."""
     tok = dcrrg.build_tokenizer(dcrrg.Args(), ["No pleural effusion.", "Mild cardiomegaly."], Rank0(tmp_path))

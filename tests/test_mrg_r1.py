@@ -144,6 +144,9 @@ def test_split_views_and_warm_start_targets():
         "<think> cardiomegaly </think> <report> Heart size is normal. </report>",
         "<think> edema </think> <report> Mild pulmonary edema. </report>"]
     assert mrg_r1.warm_start_targets(batch, common.RuleLabeler(), tags=False) == batch["report"]
+    lab[0, L["Pleural Effusion"]], lab[0, L["Edema"]] = -1.0, 0.0  # uncertain is a finding to reason about, negative not
+    assert mrg_r1.warm_start_targets(batch, common.RuleLabeler(), tags=True)[0] == \
+        "<think> cardiomegaly, pleural effusion </think> <report> Heart size is normal. </report>"
 
 
 @pytest.fixture

@@ -252,6 +252,15 @@ def test_balanced_subset_takes_rare_labels_first():
     assert len(balanced_subset(lab, 0, 0)) == 200 and len(balanced_subset(lab, 500, 0)) == 200
 
 
+def test_balanced_subset_takes_the_label_with_fewest_positives_so_far():
+    """Cardiomegaly 100 studies, Edema 10, Fracture 3, disjoint; 9 drawn: the label with the fewest positives so far
+    (ties: CheXbert order) gets the next study, so the three take turns: 3 each."""
+    lab = np.full((113, 14), np.nan)
+    lab[:100, L["Cardiomegaly"]], lab[100:110, L["Edema"]], lab[110:, L["Fracture"]] = 1.0, 1.0, 1.0
+    keep = balanced_subset(lab, 9, seed=0)
+    assert (np.nansum(lab[keep], 0)[[L["Cardiomegaly"], L["Edema"], L["Fracture"]]] == 3).all()
+
+
 def test_drop_missing_sections():
     R = lambda i, **meta: common.Record(str(i), ["x.png"], "report", "train", None, meta)  # noqa: E731
     records = [R(0, section_findings="Clear.", section_impression="Normal."), R(1, section_findings="Clear."),
