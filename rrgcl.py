@@ -145,9 +145,9 @@ def zscore(x) -> np.ndarray:
     return (np.asarray(x, float) - np.mean(x)) / (np.std(x) or 1.0)  # population std (the paper names mu, sigma only)
 
 
-def sample_difficulty(dif1, dif2, alpha: float = 0.6, beta: float = 0.4, itas_sign: int = -1) -> np.ndarray:
-    """Eq. 10, ITAS entering with itas_sign: -1 (ours) as Sec. 3.2.1 calls aligned pairs easier."""
-    return alpha * zscore(dif1) + itas_sign * beta * zscore(dif2)
+def sample_difficulty(dif1, dif2, alpha: float = 0.6, itas_sign: int = -1) -> np.ndarray:
+    """Eq. 10 with beta = 1 - alpha, ITAS entering with itas_sign: -1 (ours) as Sec. 3.2.1 calls aligned pairs easier."""
+    return alpha * zscore(dif1) + itas_sign * (1 - alpha) * zscore(dif2)
 
 
 def class_members(labels: np.ndarray) -> tuple[list[str], list[np.ndarray]]:
@@ -224,7 +224,7 @@ def train(args: Args) -> dict:
 
     # The learning difficulty measurer (Sec. 3.2), Eq. 10, then Algorithm 1 lines 1-4
     m, path = difficulty_scores(run, args)  # labels, dif1 (Eq. 1-4), dif2 (Eq. 5-9): read, or measured on rank 0
-    dif = sample_difficulty(m["dif1"], m["dif2"], args.alpha, 1 - args.alpha, args.itas_sign)  # Eq. 10
+    dif = sample_difficulty(m["dif1"], m["dif2"], args.alpha, args.itas_sign)  # Eq. 10
     plan = curriculum_plan(dif, m["labels"])  # D_n sorted easy to hard, diff_C(n), gamma_n, lambda_n(0)
     T, ts = args.epochs, list(range(0 if args.t0 else 1, args.epochs + 1))
     sizes = [len(epoch_subset(args.scheduler, t, T, plan)) for t in ts]  # |D_sub(t)|: the step budget needs them first
@@ -433,7 +433,7 @@ def q1_command(args: Args) -> dict:
         raise ValueError(f"{out / 'generations_test.jsonl'}: ids that are not test studies of --data {args.data}")
     labels = class_labels([test[row["id"]] for row in rows], common.make_labeler(args.labeler, args.chexbert_weights))
     m = read_difficulty(Path(args.difficulty or out / "difficulty.json"), data["train"])
-    plan = curriculum_plan(sample_difficulty(m["dif1"], m["dif2"], args.alpha, 1 - args.alpha, args.itas_sign), m["labels"])
+    plan = curriculum_plan(sample_difficulty(m["dif1"], m["dif2"], args.alpha, args.itas_sign), m["labels"])
     result = q1_analysis(rows, labels, plan["table"], common.clean_style(data["train"]) if args.clean == "auto" else args.clean)
     (out / "q1.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "per_class"}, indent=1))

@@ -112,7 +112,10 @@ class Crash(Exception):
 @pytest.fixture
 def crash_after_checkpoint(monkeypatch):
     """arm(k): from now on Run.checkpoint writes its checkpoint and then raises Crash when it saved
-    step k; arm(None) puts the real one back."""
+    step k; arm(None) puts the real one back. The resume tests compare a resumed run with one never stopped bit for
+    bit, with no tolerance, and that holds on any CPU: both run in this process, on the same kernels, and the resumed
+    one repeats the same float operations in the same order and shapes, from weights, optimiser state and RNG states
+    that the checkpoint gives back exactly (checked under ATEN_CPU_CAPABILITY=default and avx2)."""
     import common
     real = common.Run.checkpoint
 
@@ -209,3 +212,26 @@ def iu_xray(tmp_path_factory):
 def iu_xray_r2gen(tmp_path_factory):
     """IU X-Ray in R2Gen's own layout (2 views per study, images/<id>/0.png, "split" fields), text ours."""
     return write_iu_xray(tmp_path_factory.mktemp("iu_xray_r2gen"), layout="r2gen")
+
+
+def update_relative_difference(a: dict, b: dict, start: dict) -> float:
+    """sum |a - b| / sum |b - start| over the floating tensors of three state dicts: how far apart two runs ended,
+    against how far one of them moved. Tolerances that hold on any CPU compare this, not elements: Adam's first steps
+    divide by |gradient|, so an element whose gradient is rounding noise (a bias before a GroupNorm, whose gradient is
+    0 in exact arithmetic) moves by its full lr in a direction rounding picks, on any kernel."""
+    keys = [k for k in b if b[k].is_floating_point()]
+    moved = sum(float((b[k].double() - start[k].double()).abs().sum()) for k in keys)
+    return sum(float((a[k].double() - b[k].double()).abs().sum()) for k in keys) / moved
+
+
+@pytest.fixture
+def starting_weights(monkeypatch):
+    """A copy of the state dict of each model given to Run.restore (the weights its steps start from), in call order."""
+    import common
+    seen, restore = [], common.Run.restore
+
+    def keep(self, model, *a, **k):
+        seen.append({n: t.detach().clone() for n, t in model.state_dict().items()})
+        return restore(self, model, *a, **k)
+    monkeypatch.setattr(common.Run, "restore", keep)
+    return seen

@@ -208,6 +208,12 @@ def test_eq1_reward_and_two_phases():
     r, terms = deer.reward(texts, [ref] * 3, lab([ref] * 3), lab, gamma=0.25)
     assert r[0] == pytest.approx(1.25) and terms["bleu2"] > 0 and r[1] > 2 / 3 and r[2] == 0
     assert report_f1(labels(), labels(), both_empty=1.0)[0] == 1.0
+    # an empty completion earns nothing, also against a reference that names no finding (no label on either side)
+    for gamma in (0.0, 0.25):
+        r, _ = deer.reward(["", " "], ["", "No acute findings."], np.full((2, 14), np.nan), lab, gamma)
+        np.testing.assert_array_equal(r, [0.0, 0.0])
+        r, _ = deer.reward([""], ["Heart size is normal."], lab(["Heart size is normal."]), lab, gamma)
+        assert r[0] == 0.0
     assert [gamma_at(s, 10, 0.25) for s in range(10)] == [0.0] * 5 + [0.25] * 5
     assert gamma_at(0, 10, 0.25, switch=0.0) == 0.25 and gamma_at(9, 10, 0.25, switch=1.0) == 0.0
 
@@ -258,6 +264,41 @@ def test_ddsampling_is_label_free(small_synthetic, monkeypatch):
     blind = [replace(r, report="", labels=None) for r in records]
     np.testing.assert_array_equal(deer.score_chunk(policy, blind, common.RuleLabeler(), 12), D)
     assert D.shape == (4,)
+
+
+class SamplesByStudy:
+    """A stand-in policy: sample k of study b reads EDEMA or NORMAL as PATTERNS[b][k] says (E or N); prompts are the
+    study's index, repeated as the policy interface does."""
+    EDEMA, NORMAL, PATTERNS = "Mild pulmonary edema.", "No pleural effusion.", ["EEEE", "ENEN", "ENNN"]
+
+    def __init__(self):
+        self.calls = []
+
+    def prompt_batch(self, images, text):
+        return {"study": torch.arange(len(images))}
+
+    def repeat(self, prompts, n):
+        return {"study": prompts["study"].repeat_interleave(n)}  # row i -> rows i n .. i n + n - 1
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
+        self.calls.append((max_new_tokens, temperature, top_p))
+        study = prompts["study"]
+        k = torch.arange(len(study)) - torch.searchsorted(study, study)  # the sample's index within its study
+        return torch.stack([study, k], 1), None
+
+    def decode(self, ids, mask):
+        return [self.EDEMA if self.PATTERNS[b][k] == "E" else self.NORMAL for b, k in ids.tolist()]
+
+
+def test_ddsampling_scores_each_studys_own_k_samples(small_synthetic, monkeypatch):
+    """Eq. 3-4 on each study's own K = 4 samples. Study 0 writes one report 4 times: D = 0. Study 1 alternates edema /
+    "no pleural effusion": Edema p = (1, 0, 1, 0), No Finding (0, 1, 0, 1), std 0.5 each, Pleural Effusion p 0: D = 1.
+    Study 2 writes edema once, then 3 normal reports: p = (1, 0, 0, 0) and (0, 1, 1, 1), std sqrt(3) / 4 each: D =
+    sqrt(3) / 2. Samples of different studies grouped together give other values."""
+    monkeypatch.setattr(deer, "K", 4)
+    policy, records = SamplesByStudy(), common.load_data(str(small_synthetic))["train"][:3]
+    np.testing.assert_allclose(deer.score_chunk(policy, records, common.RuleLabeler(), 12), [0.0, 1.0, math.sqrt(3) / 2])
+    assert policy.calls == [(12, deer.TEMPERATURE, deer.TOP_P)]  # nucleus sampling (Sec. 3.2)
 
 
 def test_bad_flags(tmp_path, small_synthetic):
@@ -314,7 +355,8 @@ def test_sft_and_sample_stages(staged, small):
 
 
 def test_ddsampling_resume_draws_the_same(tmp_path, staged, small, monkeypatch, crash_after_checkpoint):
-    """Stopped after chunk 2 and resumed, DDSampling ends with the scores and selection of a run never stopped."""
+    """Stopped after chunk 2 and resumed, DDSampling ends with the scores and selection of a run never stopped.
+    Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     out, base = staged
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
     part = tmp_path / "part"
@@ -371,11 +413,11 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
 def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monkeypatch, crash_after_checkpoint):
     """Stopped after the step-2 checkpoint and resumed, an RL run ends with the weights and the log of a run never
     stopped; a resume with another --steps (which moves the phase switch) or --lr is refused. Reward: the text's
-    length mod 7, so every step updates."""
+    length mod 7, so every step updates. Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     out, base = staged
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
-    monkeypatch.setattr(deer, "reward", lambda texts, refs, ref_labels, labeler, gamma, style:
-                        (np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0}))
+    monkeypatch.setattr(deer, "reward", lambda texts, refs, ref_labels, labeler, gamma, style:  # logs the gamma it is given
+                        (np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0, "reward_gamma": gamma}))
     for d in ("full", "part"):
         shutil.copytree(out / "sft", tmp_path / d / "sft")
         shutil.copytree(out / "ddsampling", tmp_path / d / "ddsampling")
@@ -397,7 +439,7 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     assert any(not torch.equal(full[k], sft[k]) for k in full)  # RL changed the weights
     rows = lambda d: metrics_rows(tmp_path / d / "rl_rule" / "metrics.jsonl")  # noqa: E731
     assert rows("full") == rows("part") and [x["step"] for x in rows("part")] == [1, 2, 3, 4]
-    assert [x["gamma"] for x in rows("part")] == [0, 0, 0.25, 0.25]
+    assert [x["gamma"] for x in rows("part")] == [x["reward_gamma"] for x in rows("part")] == [0, 0, 0.25, 0.25]
     # GRPO from the same SFT model and subset, beside it; `all --resume` skips the finished stages
     stamp = (tmp_path / "full" / "sft" / "final" / "tiny_policy.pt").stat().st_mtime_ns
     deer.main(rl("full")[:-1] + ["2", "--weighting", "none"])
@@ -437,7 +479,9 @@ def test_grad_weighting_with_chexbert(tmp_path, staged, small, chexbert, monkeyp
 
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):
-    """All three stages under two processes: global batches split over the ranks, DDSampling's chunks shared."""
+    """All three stages under two processes: global batches split over the ranks, DDSampling's chunks shared. With
+    RRG_SLOW_FSDP, the RL stage sharded against unsharded within rel 1e-4: tests/test_orapo.py's
+    test_torchrun_two_processes says why that bound holds on any CPU."""
     out = tmp_path / "ddp"
     torchrun("deer.py", "all", "--data", str(small_synthetic), "--out", str(out), "--max-new-tokens", "8",
              "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "2")

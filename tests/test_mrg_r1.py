@@ -56,9 +56,40 @@ def test_format_reward(text, score):
     assert format_reward(text, partial=0.5) == score
 
 
+GOOD = "<think> effusion </think> <report> Small effusion. </report>"
+
+
+def _malformed():
+    """Every way an answer can be malformed, from GOOD, with the credit format_reward's docstring gives (partial 0.3)."""
+    out = []
+    for tag in mrg_r1.TAGS:  # each tag missing, or repeated (before itself and at the end)
+        out += [(GOOD.replace(tag, ""), 0.0), (GOOD.replace(tag, tag + " " + tag), 0.0), (GOOD + " " + tag, 0.0)]
+    order = [("<think>", " effusion "), ("</think>", " "), ("<report>", " Small effusion. "), ("</report>", "")]
+    for i in range(3):  # two neighbouring tags exchanged
+        o = list(order)
+        o[i], o[i + 1] = (o[i + 1][0], o[i][1]), (o[i][0], o[i + 1][1])
+        out.append(("".join(t + x for t, x in o), 0.0))
+    out += [("<think> effusion </think> <report>  \n </report>", 0.0),  # empty report
+            ("<think> a <report> b </report> </think>", 0.0),  # nested: </think> after the report
+            ("<think> \n </think> <report> Small effusion. </report>", 0.3),  # empty think: minor
+            ("Sure. " + GOOD, 0.3), (GOOD + " Done.", 0.3),  # text before or after the tags: minor
+            ("<think> effusion </think> so <report> Small effusion. </report>", 0.3),  # text between: minor
+            ("Sure. <think> </think> <report> x </report> Done.", 0.3),  # several minor violations: still partial
+            ("Small effusion.", 0.0), ("", 0.0), (GOOD, 1.0), ("\n<think>a</think><report>b</report>\n", 1.0)]
+    return out
+
+
+@pytest.mark.parametrize("text, score", _malformed())
+def test_format_reward_every_malformation(text, score):
+    assert format_reward(text, partial=0.3) == score
+
+
 def test_extract_report():
     assert extract_report("<think> x </think> <report> Small effusion. </report>") == "Small effusion."
     assert extract_report("Small effusion.") == ""
+    assert extract_report("<report>\nSmall effusion.\nNo pneumothorax.\n</report>") == "Small effusion.\nNo pneumothorax."
+    assert extract_report("<report> a </report> <report> b </report>") == "a"  # the first one
+    assert extract_report("<think> x </think> <report> unclosed") == "" and extract_report("<report></report>") == ""
 
 
 def test_eq2_advantages_population_std_eps_inside():
@@ -66,6 +97,10 @@ def test_eq2_advantages_population_std_eps_inside():
     sd = math.sqrt(0.1875 + 1e-6)  # group 1: mean 0.25, population variance (0.5625 + 3 x 0.0625) / 4
     torch.testing.assert_close(A[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / sd)
     assert (A[4:] == 0).all()  # identical rewards: exactly zero, no NaN
+    # a group whose spread is below eps: eps inside the root dominates. Mean 2.5e-4, population variance 1.875e-7:
+    # A = (-2.5e-4, 7.5e-4, -2.5e-4, -2.5e-4) / sqrt(1.875e-7 + 1e-6), not / (sqrt(1.875e-7) + 1e-6) (2.5 times larger)
+    A = grpo_advantages(torch.tensor([0.0, 1e-3, 0.0, 0.0], dtype=torch.float64), 4, eps=1e-6)
+    torch.testing.assert_close(A, torch.tensor([-2.5e-4, 7.5e-4, -2.5e-4, -2.5e-4], dtype=torch.float64) / math.sqrt(1.1875e-6))
 
 
 def test_table_ii_rows_by_hand():
@@ -82,6 +117,10 @@ def test_table_ii_rows_by_hand():
     assert mrg_r1.total_reward([two], ref, lab, mrg_r1.Args(reward="ce_f1"))[0] == pytest.approx([2 / 3])
     r, _ = mrg_r1.total_reward([f"<think> a </think> <report> {two} </report>"], ref, lab, mrg_r1.Args(reward="ce_f1+format"))
     assert r == pytest.approx([0.75 * 2 / 3 + 0.25])
+    # clinical 1 with format 0.5 (text outside the tags): 0.75 x 1 + 0.25 x 0.5, and the reverse
+    r, terms = mrg_r1.total_reward(["Sure. " + tagged, "<think> x </think> <report> No pleural effusion. </report>"],
+                                   ref * 2, lab, mrg_r1.Args(margin=0.0))
+    np.testing.assert_allclose(r, [0.75 + 0.25 * 0.5, 0.25])  # the second: MCCS 0 (no shared finding), format 1
 
 
 def test_nlg_reward_uses_the_training_corpus_frequencies():
@@ -119,6 +158,9 @@ def test_split_views_and_warm_start_targets():
         "<think> cardiomegaly </think> <report> Heart size is normal. </report>",
         "<think> edema </think> <report> Mild pulmonary edema. </report>"]
     assert mrg_r1.warm_start_targets(batch, common.RuleLabeler(), tags=False) == batch["report"]
+    lab[0, L["Pleural Effusion"]], lab[0, L["Edema"]] = -1.0, 0.0  # uncertain is a finding to reason about, negative not
+    assert mrg_r1.warm_start_targets(batch, common.RuleLabeler(), tags=True)[0] == \
+        "<think> cardiomegaly, pleural effusion </think> <report> Heart size is normal. </report>"
 
 
 @pytest.fixture
@@ -241,7 +283,8 @@ def test_bad_input_is_one_line(tmp_path, small_synthetic, capsys):
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, monkeypatch, crash_after_checkpoint):
-    """Stopped after the step-2 checkpoint and resumed, a run ends with the weights of one never stopped."""
+    """Stopped after the step-2 checkpoint and resumed, a run ends with the weights of one never stopped.
+    Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
     flags = ["--data", str(small_synthetic), "--steps", "4", "--sft-steps", "10"] + fast
     mrg_r1.main(flags + ["--out", str(tmp_path / "full")])

@@ -47,7 +47,10 @@ def test_completion_mask_runs_through_first_eos():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_recorded_logprobs_equal_forward_logprobs(policy, temperature):
     # PITFALLS: the log-probs recorded while sampling and those of a training forward must
-    # agree (same temperature), or the GRPO ratio is off before any update.
+    # agree (same temperature), or the GRPO ratio is off before any update. The two run other shapes (one token at a
+    # time with a cache, the whole sequence at once), so float32 rounding differs: a few ulp of |logp| <= ~5 and of
+    # the d = 32 term dot products, ~1e-5 at worst, 5e-7 seen under ATEN_CPU_CAPABILITY=default and avx2; a wrong
+    # temperature, position or mask is off by 1e-2 or more.
     torch.manual_seed(1)
     prompts = policy.repeat(policy.prompt_batch(images(2)), 3)
     ids, mask, sampled = policy.generate(prompts, 20, temperature, return_logprobs=True)
@@ -151,8 +154,10 @@ def test_grpo_steps_raise_the_reward(policy):
         loss.backward()
         opt.step()
         means.append(r.rewards.mean().item())
+    # Seeds 0-7 rose by 0.20-0.35 (torch 2.14) and 0.18-0.33 (torch 2.6: another sampler stream); with lr 0 the two
+    # 5-step means (80 completions each) differ by 0.025 at most. 0.1 tells learning from noise on either.
     assert target > 0
-    assert np.mean(means[-5:]) > np.mean(means[:5]) + 0.2
+    assert np.mean(means[-5:]) > np.mean(means[:5]) + 0.1
 
 
 @pytest.mark.slow

@@ -153,7 +153,7 @@ def test_all_five_scripts_on_iu_xray(tmp_path, layout, request, monkeypatch):
     orapo.main(rl + ["--out", str(tmp_path / "o"), "--group-size", "2"])
     deer.main(rl + ["--out", str(tmp_path / "d"), "--group-size", "2"])
     rrgcl.main(["--data", data, "--out", str(tmp_path / "r"), "--steps", "2", "--epochs", "1", "--batch-size", "8"])
-    dcrrg.main(["--data", data, "--out", str(tmp_path / "c"), "--batch-size", "8", "--decoder-batch-size", "4", "--no-probes",
+    dcrrg.main(["--data", data, "--out", str(tmp_path / "c"), "--batch-size", "8", "--decoder-batch-size", "4",
                 *[f for k in range(1, 5) for f in (f"--step{k}-steps", "2")]])
     for out in ("m", "o", "d/rl_rule", "r", "c/step4"):
         text = (tmp_path / out / "eval.json").read_text()

@@ -97,9 +97,14 @@ def test_grpo_loss_gradient_zero_on_clipped_tokens():
 
 def test_grpo_loss_asymmetric_clip():
     # DAPO clip-higher: eps_high 0.6 lets ratio 1.5 through -> row 0 token 0 gives -1.5
-    loss, stats = grpo_loss(_logp(), OLD, None, ADV, MASK, clip_eps_high=0.6, loss_type="bnpo")
+    logp = _logp()
+    loss, stats = grpo_loss(logp, OLD, None, ADV, MASK, clip_eps_high=0.6, loss_type="bnpo")
     assert loss.item() == pytest.approx((-1.5 - 0.5 - 1.1 + 0.8 + 1.5) / 5, abs=1e-12)
     assert stats["clip_fraction"] == pytest.approx(1 / 5)
+    # where the surrogate is clipped, no gradient: only row 1 token 0 (0.5 below 1 - 0.2 with A < 0); with the bounds
+    # exchanged (0.4, 1.2) the loss happens to be the same number, but row 0 token 0 (1.5 above 1.2) would get none
+    loss.backward()
+    torch.testing.assert_close(logp.grad, t([[-1.5, -0.5, -1.1], [0.0, 1.5, 0.0]]) / 5, rtol=0, atol=1e-12)
 
 
 def test_grpo_loss_k3_kl_hand_value():

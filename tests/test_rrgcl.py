@@ -15,7 +15,7 @@ import torch
 
 import common
 import rrgcl
-from conftest import Crash, metrics_rows, torchrun, fake_eval
+from conftest import Crash, metrics_rows, torchrun, fake_eval, update_relative_difference
 from rrgcl import (class_difficulty, class_members, dv_bound, pacing, rrgcl_lambda, rrgcl_subset, sample_difficulty,
                    scheduling_exponents, vns_gap)
 
@@ -36,10 +36,20 @@ def test_eq10_by_hand_and_the_itas_sign():
     dif1, dif2 = np.array([1.0, 2.0, 3.0]), np.array([3.0, 1.0, 2.0])
     s = math.sqrt(1.5)  # z of (1, 2, 3) with the population std sqrt(2/3): (-1, 0, 1) * sqrt(3/2)
     z1, z2 = np.array([-s, 0, s]), np.array([s, -s, 0])
-    np.testing.assert_allclose(sample_difficulty(dif1, dif2, 0.6, 0.4, -1), 0.6 * z1 - 0.4 * z2)  # [-1.2247, 0.4899, 0.7348]
-    np.testing.assert_allclose(sample_difficulty(dif1, dif2, 0.6, 0.4, +1), [-0.2449, -0.4899, 0.7348], atol=1e-4)
-    np.testing.assert_allclose(sample_difficulty(dif1, dif2, 1.0, 0.0), z1)  # Table 2 (a): --alpha 1, VNS-Gap alone
-    np.testing.assert_allclose(sample_difficulty(dif1, dif2, 0.0, 1.0), -z2)  # (b): --alpha 0, ITAS alone
+    np.testing.assert_allclose(sample_difficulty(dif1, dif2, 0.6, -1), 0.6 * z1 - 0.4 * z2)  # [-1.2247, 0.4899, 0.7348]
+    np.testing.assert_allclose(sample_difficulty(dif1, dif2, 0.6, +1), [-0.2449, -0.4899, 0.7348], atol=1e-4)
+    np.testing.assert_allclose(sample_difficulty(dif1, dif2, 1.0), z1)  # Table 2 (a): --alpha 1, VNS-Gap alone
+    np.testing.assert_allclose(sample_difficulty(dif1, dif2, 0.0), -z2)  # (b): --alpha 0, ITAS alone
+
+
+def test_alpha_weighs_vns_gap_and_1_minus_alpha_itas():
+    """alpha 0.8 is Eq. 10 with alpha 0.8, beta 0.2: z(dif1) = (-3, -1, 1, 3) / sqrt 5, z(dif2) = (3, -3, -1, 1) / sqrt 5,
+    dif = 0.8 z1 - 0.2 z2 = (-3, -0.2, 1, 2.2) / sqrt 5: easy to hard 0, 1, 2, 3 (alpha and beta swapped: 0, 3, 2, 1)."""
+    dif = sample_difficulty(np.array([0.0, 1.0, 2.0, 3.0]), np.array([3.0, 0.0, 1.0, 2.0]), 0.8)
+    np.testing.assert_allclose(dif, np.array([-3, -0.2, 1, 2.2]) / math.sqrt(5), atol=1e-12)
+    plan = rrgcl.curriculum_plan(dif, label_rows(*[{"Edema": 1}] * 4))
+    assert plan["order"].tolist() == [0, 1, 2, 3] and plan["class_orders"][0].tolist() == [0, 1, 2, 3]
+    np.testing.assert_allclose(plan["table"][0]["difficulty"], np.mean([-3, -0.2, 1, 2.2]) / math.sqrt(5), atol=1e-12)
 
 
 # Classes, class difficulty, Eq. 11-13 ----------------------------------------------------------------
@@ -443,7 +453,8 @@ def test_resume_matches_an_uninterrupted_run_on_real_format_iu_xray(tmp_path, iu
     """IU X-Ray as users have it (R2GenGPT layout, 1-5 views per study): the measurer reads R2Gen's two views of every
     study, the run cleans as R2Gen does IU X-Ray and scores every test study. Stopped after the step-4 checkpoint and
     resumed, a run ends with the weights and log of one never stopped; the resumed run reads its own difficulty.json
-    instead of measuring again, and refuses a changed flag."""
+    instead of measuring again, and refuses a changed flag.
+    Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 4)
     views, forward = [], common.ViewMean.forward  # the measurer's image encoders see (B, V, C, H, W)
     monkeypatch.setattr(common.ViewMean, "forward", lambda self, x: views.append(x.shape[1]) or forward(self, x))
@@ -492,18 +503,24 @@ def test_itas_encoder_is_a_pre_trained_resnet18_from_a_state_dict(tmp_path, iu_x
         rrgcl.features(rrgcl.Args(itas_encoder=str(tmp_path / "other.pt")), records, np.zeros((5, 14)), "cpu")
 
 
-def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, difficulty_file):
-    """2 ranks x 4 studies against 1 process x 8: the same studies every step, the same token-mean losses, the same
-    weights (float noise that Adam magnifies to ~1e-5); both ranks' test reports, in order."""
+def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, difficulty_file, starting_weights):
+    """2 ranks x 4 studies against 1 process x 8: the same studies every step and the same token-mean losses; both
+    ranks' test reports, in order. Step 1's loss (the same weights, float32 sums of positive terms in another order and
+    split: relative error <= n 2^-24 = 5e-5 for the n <= 8 x 96 tokens) within rtol 1e-4; later steps' within 1e-3 (the
+    weights then differ as below; seen 2e-7 at every step). The weights, as the total difference over the total update
+    (conftest's update_relative_difference; not element by element: Adam moves an element whose gradient is rounding
+    noise by its full lr either way): under 1e-3, seen 1e-6. Token weights that ignore the ranks (rrgcl.sft_step) halve
+    the loss.
+    Checked under ATEN_CPU_CAPABILITY=default and avx2."""
     flags = ["--data", str(small_synthetic), "--difficulty", str(difficulty_file), "--epochs", "1", "--batch-size", "8",
              "--steps", "6"]
     torchrun("rrgcl.py", *flags, "--out", str(tmp_path / "ddp"))
     rrgcl.main(flags + ["--out", str(tmp_path / "one")])
     ddp, one = read_jsonl(tmp_path / "ddp" / "metrics.jsonl"), read_jsonl(tmp_path / "one" / "metrics.jsonl")
-    np.testing.assert_allclose([x["loss"] for x in ddp], [x["loss"] for x in one], rtol=1e-5)
+    assert ddp[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-4)
+    np.testing.assert_allclose([x["loss"] for x in ddp], [x["loss"] for x in one], rtol=1e-3)
     a, b = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("ddp", "one"))
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4)
+    assert update_relative_difference(a, b, starting_weights[0]) < 1e-3
     gens = read_jsonl(tmp_path / "ddp" / "generations_test.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
 

@@ -2,7 +2,9 @@
 (gloo on CPU), seeding, the run folder (refusals, config, metrics), checkpoints with an exact
 resume, Ctrl-C, and the flags built from an Args dataclass."""
 import copy
+import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -118,7 +120,7 @@ out = sys.argv[1]
 rank, world, device = common.setup_distributed()
 args = common.RunArgs(out=out + "/run")
 run = common.Run(args, rank, world, device, data=None, labeler=None)
-model = tiny_gpt2(seed=rank)  # different inits on purpose: rank 0's must reach every rank
+model = tiny_gpt2(seed=rank).double()  # different inits on purpose: rank 0's must reach every rank
 common.broadcast_parameters(model)
 ids, mask, rewards = _grpo_batch()
 rows = slice(4 * rank, 4 * rank + 4)  # 2 prompts x G=2
@@ -151,12 +153,14 @@ def _check_two_ranks(tmp_path):
         torch.testing.assert_close(r["redraws"], r["draws"], rtol=0, atol=0)  # each rank's own stream back
     assert not torch.equal(r0["draws"], r1["draws"])  # seed + rank
     # "grpo" is a mean over sequences and the all-reduce averages over ranks: with 4 sequences on each
-    # rank, the mean of the two rank means is the mean over all 8, the single-process loss.
-    model = tiny_gpt2(seed=0)
+    # rank, the mean of the two rank means is the mean over all 8, the single-process loss. In float64, so the two
+    # differ only by sums in another order: <= n 2^-53 sum|terms|, ~1e-13 for n <= 100 terms summing to <= 10 (seen
+    # 6e-17), on any CPU kernel (checked under ATEN_CPU_CAPABILITY=default and avx2); a gradient not averaged is 2x.
+    model = tiny_gpt2(seed=0).double()
     _grpo_gradient(model, *_grpo_batch())
     for n, p in model.named_parameters():
-        torch.testing.assert_close(r0["grads"][n], p.grad, rtol=0, atol=1e-6, msg=n)
-        torch.testing.assert_close(r1["grads"][n], p.grad, rtol=0, atol=1e-6, msg=n)
+        torch.testing.assert_close(r0["grads"][n], p.grad, rtol=0, atol=1e-12, msg=n)
+        torch.testing.assert_close(r1["grads"][n], p.grad, rtol=0, atol=1e-12, msg=n)
     return r0, r1
 
 
@@ -269,6 +273,7 @@ def _same_weights(a, b):
 
 
 def test_crashed_run_resumes_exactly(toy_args, tmp_path, monkeypatch, crash_after_checkpoint):
+    """Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     straight, model = toy_train(toy_args(out=str(tmp_path / "straight")))
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
     crash_after_checkpoint(4)
@@ -288,6 +293,7 @@ def test_crashed_run_resumes_exactly(toy_args, tmp_path, monkeypatch, crash_afte
 
 
 def test_ctrl_c_saves_and_the_same_command_with_resume_continues(toy_args, tmp_path):
+    """Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     _, model = toy_train(toy_args(out=str(tmp_path / "straight")))
     with pytest.raises(KeyboardInterrupt, match=r"stopped after step 3, with .*last.pt saved: the same command "
                                                 r"with --resume continues"):
@@ -351,3 +357,122 @@ def test_flags_from_the_args_dataclass(capsys):
     assert common.exact_div(16, 4, "x") == 4
     with pytest.raises(ValueError, match="--prompts-per-step: 6 is not divisible by 4"):
         common.exact_div(6, 4, "--prompts-per-step")
+
+
+# --- the optimiser step and the schedule --------------------------------------------------------------
+def _run(tmp_path, rank=0, world_size=1, labeler=None):
+    return common.Run(common.RunArgs(out=str(tmp_path / "run")), rank, world_size, torch.device("cpu"), None, labeler)
+
+
+def test_the_first_update_uses_the_schedules_step_0_lr(tmp_path):
+    """AdamW's first step moves each weight by lr x factor(0) (m_hat / sqrt(v_hat) = g / |g| = 1 up to eps): with a
+    warm-up over 5 of 10 steps, 0.1 x 1/5 = 0.02, then 0.1 x 2/5 = 0.04 under a constant gradient. A scheduler stepped
+    before the optimiser would move 0.04 first; one never stepped, 0.02 twice."""
+    run = _run(tmp_path)
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer, scheduler = common.adamw([p], 0.1, 10, "linear", warmup=0.5, weight_decay=0.0)
+    moves = []
+    for _ in range(2):
+        before = p.detach().clone()
+        p.grad = torch.tensor([2.0, -0.5, 1e-3])
+        run.optimizer_step([p], optimizer, scheduler)
+        moves.append((p.detach() - before).tolist())
+        assert p.grad is None  # cleared for the next step
+    np.testing.assert_allclose(moves, [[-0.02, 0.02, -0.02], [-0.04, 0.04, -0.04]], rtol=1e-4)
+
+
+def test_optimizer_step_clips_and_returns_the_norm_before_clipping(tmp_path):
+    run = _run(tmp_path)
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, 4.0])  # norm 5
+    assert run.optimizer_step([p], torch.optim.SGD([p], lr=1.0), max_grad_norm=1.0) == pytest.approx(5.0)
+    torch.testing.assert_close(p.detach(), torch.tensor([-0.6, -0.8]))  # the gradient scaled to norm 1
+    p.grad = torch.tensor([0.3, 0.4])  # norm 0.5 < 1: untouched
+    assert run.optimizer_step([p], torch.optim.SGD([p], lr=1.0), max_grad_norm=1.0) == pytest.approx(0.5)
+    torch.testing.assert_close(p.detach(), torch.tensor([-0.9, -1.2]))
+
+
+@pytest.mark.parametrize("schedule, warmup, expected", [
+    # total 10, w = int(warmup x 10): (s + 1) / w during the warm-up, then
+    ("linear", 0.2, [0.5, 1.0] + [(10 - s) / 8 for s in range(2, 10)]),  # (T - s) / (T - w)
+    ("cosine", 0.2, [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)]),
+    ("cosine", 0.0, [0.5 * (1 + math.cos(math.pi * s / 10)) for s in range(10)]),
+    ("constant", 0.3, [1 / 3, 2 / 3] + [1.0] * 8),
+])
+def test_lr_schedule_by_hand(schedule, warmup, expected):
+    p = torch.nn.Parameter(torch.zeros(1))
+    optimizer, scheduler = common.adamw([p], 2.0, 10, schedule, warmup)
+    lrs = []
+    for _ in range(10):
+        lrs.append(optimizer.param_groups[0]["lr"])  # what step s trains with
+        optimizer.step()
+        scheduler.step()
+    np.testing.assert_allclose(lrs, [2.0 * f for f in expected], rtol=1e-12)
+
+
+# --- gathers, with the other ranks simulated in one process ------------------------------------------------
+def test_gather_strided_puts_every_ranks_share_back_in_order(monkeypatch):
+    records = [f"r{k}" for k in range(7)]
+    shares = [records[r::3] for r in range(3)]  # 3 ranks: r0 r3 r6 | r1 r4 | r2 r5
+    monkeypatch.setattr(common, "all_gather_objects", lambda mine: shares)
+    assert common.gather_strided(shares[1], 3) == records
+    monkeypatch.setattr(common, "all_gather_objects", lambda mine: [mine])
+    assert common.gather_strided(records, 1) == records
+
+
+class ImageEcho:
+    """A stand-in policy whose greedy "report" names the pixels it was shown: each record's text is known beforehand."""
+
+    def prompt_batch(self, images, text):
+        return {"texts": [hashlib.md5(views[0].tobytes()).hexdigest() for views in images]}
+
+    def generate(self, prompts, max_new_tokens, do_sample=True):
+        assert not do_sample
+        return prompts["texts"], None
+
+    def decode(self, ids, mask):
+        return list(ids)
+
+
+def test_evaluation_pairs_each_report_with_its_own_reference_under_two_ranks(tmp_path, small_synthetic, monkeypatch):
+    """Run.evaluate with 2 ranks, each in turn (the gather simulated): rank 1 pads its share to rank 0's length and drops
+    the padding; rank 0 writes one row per record, in order, each generated report (report(completion)) next to its
+    own id, reference and completion."""
+    records = common.load_annotation(small_synthetic)["test"][:5]  # odd: rank 1 holds 2, pads to 3
+    expected = {r.id: hashlib.md5(common.load_image(r.image_paths[0]).tobytes()).hexdigest() for r in records}
+    sent = []
+    monkeypatch.setattr(common, "all_gather_objects", lambda mine: sent.append(mine) or [mine, mine])
+    _run(tmp_path, rank=1, world_size=2).evaluate(ImageEcho(), records, "test", "", 8)
+    assert sent[0] == [expected[r.id] for r in records[1::2]]  # rank 1's share without its padding
+    monkeypatch.setattr(common, "all_gather_objects", lambda mine: [mine, sent[0]])
+    _run(tmp_path, rank=0, world_size=2, labeler=common.RuleLabeler()).evaluate(ImageEcho(), records, "test", "", 8,
+                                                                                report=str.upper)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "generations_test.jsonl").read_text().splitlines()]
+    assert [(row["id"], row["reference"], row["completion"], row["generated"]) for row in rows] == \
+        [(r.id, r.report, expected[r.id], expected[r.id].upper()) for r in records]
+
+
+def test_all_reduce_gradients_averages_over_ranks(monkeypatch):
+    other = [torch.tensor([1.0, -3.0]), torch.tensor([4.0]), torch.tensor([6.0])]  # rank 1's gradients, in order
+    w, b, frozen = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 1, 1))
+    w.grad, b.grad = torch.tensor([3.0, 1.0]), torch.tensor([2.0])  # `frozen` has none on this rank
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t: t.add_(other.pop(0)))  # gloo's SUM over 2 ranks
+    common.all_reduce_gradients([w, b, frozen], 2)
+    torch.testing.assert_close(w.grad, torch.tensor([2.0, -1.0]))
+    torch.testing.assert_close(b.grad, torch.tensor([3.0]))
+    torch.testing.assert_close(frozen.grad, torch.tensor([3.0]))  # sent zeros: every rank makes the same calls
+    assert not other
+
+
+def test_gather_batch_in_rank_order_with_the_gradient_to_this_ranks_part(monkeypatch):
+    """On rank 1 of 3: the global batch is rank 0's, this rank's, rank 2's rows, in order; the loss's gradient reaches
+    this rank's rows only, times 3 (every rank computes the same loss; the all-reduce then averages)."""
+    others = {0: torch.tensor([[1.0, 2.0]]), 2: torch.tensor([[5.0, 6.0]])}
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "all_gather", lambda parts, x: [
+        p.copy_(others.get(r, x)) for r, p in enumerate(parts)])
+    x = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    out = common.gather_batch(x, 3)
+    torch.testing.assert_close(out, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
+    (out * torch.tensor([[1.0, 1.0], [2.0, -1.0], [7.0, 7.0]])).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([[6.0, -3.0]]))
