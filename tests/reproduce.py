@@ -381,9 +381,11 @@ def run_all(jobs: list[Job], root: Path, n_jobs: int, dry_run: bool):
     running, finished = {}, {j.name for j in jobs if done(j)} - {j.name for j in todo}
     with ThreadPoolExecutor(n_jobs) as pool:
         while todo or running:
-            for j in [j for j in todo if set(j.after) <= finished and j.name not in {r.name for r in running.values()}]:
+            for j in [j for j in todo if set(j.after) <= finished]:
                 if len(running) >= n_jobs:
                     break
+                if j.name in {r.name for r in running.values()}:  # one folder's jobs one after another
+                    continue
                 todo.remove(j)
                 j.folder(root).parent.mkdir(parents=True, exist_ok=True)
                 log = open(str(j.folder(root)) + ".log", "a")

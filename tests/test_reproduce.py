@@ -49,3 +49,15 @@ def test_runner_order_skips_finished_and_resumes_started(tmp_path, monkeypatch):
     lines = order.read_text().splitlines()
     assert lines.index("measure") < [x.split()[0] for x in lines].index("train") and "old" not in lines
     assert sorted(lines) in (["measure", "table resume", "train"], ["measure", "table", "train resume"])
+
+
+def test_runner_never_runs_two_jobs_of_one_folder_at_once(tmp_path, monkeypatch):
+    """DEER's stages share a folder (sft, then rl, then the tables): with free slots, they still run one at a time."""
+    log = tmp_path / "log.txt"
+    script = ("import sys, time; log = open(sys.argv[2], 'a', buffering=1); log.write('start ' + sys.argv[1] + '\\n'); "
+              "time.sleep(0.3); log.write('end ' + sys.argv[1] + '\\n')")
+    monkeypatch.setattr(reproduce, "command", lambda job, root: [sys.executable, "-c", script, job.argv[0], str(log)])
+    jobs = [reproduce.Job("s1", [stage], done=stage) for stage in ("all", "rl", "table6")]
+    reproduce.run_all(jobs, tmp_path, 3, dry_run=False)
+    lines = log.read_text().splitlines()
+    assert [x.split()[0] for x in lines] == ["start", "end"] * 3, lines
