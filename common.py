@@ -1,16 +1,13 @@
 """common.py: the small shared part of rrg-from-scratch, in reading order.
 
   1. Labels    the 14 CheXpert observations (CheXbert order) and the value conventions
-  2. Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR) and report cleaning, a torch Dataset,
-               and the synthetic chest X-ray set used offline
+  2. Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, a torch Dataset, the synthetic set
   3. Labelers  RuleLabeler (CheXpert-style rules) and CheXbertLabeler (f1chexbert's model)
-  4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (equal to pycocoevalcap), METEOR through
-               pycocoevalcap's Java scorer, clinical-efficacy (CE) precision/recall/F1
-  5. Models    one policy interface: TinyPolicy (offline) and HFPolicy (Qwen2.5-VL and kin);
-               image and text encoders; LoRA
+  4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its Java scorer), clinical efficacy (CE) P/R/F1
+  5. Models    one policy interface: TinyPolicy (offline), HFPolicy (Qwen2.5-VL and kin); image and text encoders; LoRA
   6. RL core   group advantages, GRPO loss (grpo / bnpo / dr_grpo, k3 KL), DPO loss, rollouts
-  7. Running   the scaffold of every train(): torchrun, seed, threads, run folder, resume,
-               logging, evaluation; the RL policy, optimiser and schedule; checkpoints
+  7. Running   the scaffold of every train(): torchrun, seed, threads, run folder, resume, logging, evaluation,
+               checkpoints; the RL policy, optimiser and schedule
   8. Command line  flags from an Args dataclass; `python common.py evaluate --generations FILE.jsonl`
 
 Label arrays are float (N, 14): 1 positive, 0 negative, -1 uncertain, NaN not mentioned.
@@ -140,11 +137,19 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
                          f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
     root = path.parent / "images" if (path.parent / "images").is_dir() else path.parent
     out, problems = {split: [] for split in splits}, []
+    def image_problem(name: str) -> str | None:  # its header only: a 0-byte or foreign file fails at load, not mid-run
+        try:
+            with Image.open(root / name) as im:
+                return None if min(im.size) > 0 else f"empty image {name}"
+        except FileNotFoundError:
+            return f"image not found: {name}"
+        except (UnidentifiedImageError, OSError) as e:
+            return f"cannot read image {name} ({type(e).__name__})"
     names = {p for split in splits for row in raw[split] if isinstance(row, dict)  # every image's header, in threads
              for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
              if isinstance(p, str)}
     with ThreadPoolExecutor(8) as pool:
-        unreadable = dict(zip(names, pool.map(lambda p: image_problem(root, p), names)))
+        unreadable = dict(zip(names, pool.map(image_problem, names)))
     for split in splits:
         for n, row in enumerate(raw[split]):
             where = f"{path} [{split}][{n}]" + (f" id={row.get('id')!r}" if isinstance(row, dict) else "")
@@ -172,17 +177,6 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
     for p in problems:
         log.warning("dropped: %s", p)
     return out
-
-
-def image_problem(root: Path, name: str) -> str | None:
-    """None if root/name opens as an image (its header only: a 0-byte or foreign file fails at load, not mid-run)."""
-    try:
-        with Image.open(root / name) as im:
-            return None if min(im.size) > 0 else f"empty image {name}"
-    except FileNotFoundError:
-        return f"image not found: {name}"
-    except (UnidentifiedImageError, OSError) as e:
-        return f"cannot read image {name} ({type(e).__name__})"
 
 
 def load_image(path: str, record_id: str = "?"):
@@ -583,13 +577,12 @@ class RuleLabeler:
         "Pleural Other": [_words(r"pleural (?:thickening|plaques?|calcifications?)", r"fibrothorax", r"fibrosis",
                                  r"pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?")],
         "Fracture": [_words(r"fractur(?:e|es|ed)")],
-        "Support Devices": [_words(
-            r"endotracheal tube", r"et tube", r"ett", r"tracheostomy(?: tube)?", r"(?:naso|oro)gastric tube",
-            r"ng tube", r"og tube", r"enteric tube", r"feeding tube", r"dobhoff(?: tube)?", r"chest tubes?",
-            r"(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?", r"central (?:venous )?line",
-            r"picc(?: line)?", r"port-a-cath", r"portacath", r"mediport", r"pacemaker", r"pacer", r"icd",
-            r"defibrillator", r"pacing leads?", r"sternotomy wires", r"intra-aortic balloon pump", r"iabp",
-            r"stents?", r"drains?", r"prosthetic valve", r"valve replacement", r"lvad")],
+        "Support Devices": [_words(r"endotracheal tube", r"et tube", r"ett", r"tracheostomy(?: tube)?",
+            r"(?:naso|oro)gastric tube", r"ng tube", r"og tube", r"enteric tube", r"feeding tube", r"dobhoff(?: tube)?",
+            r"chest tubes?", r"(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?",
+            r"central (?:venous )?line", r"picc(?: line)?", r"port-a-cath", r"portacath", r"mediport", r"pacemaker",
+            r"pacer", r"icd", r"defibrillator", r"pacing leads?", r"sternotomy wires", r"intra-aortic balloon pump",
+            r"iabp", r"stents?", r"drains?", r"prosthetic valve", r"valve replacement", r"lvad")],
         # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
         # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
         "No Finding": [r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
@@ -620,9 +613,9 @@ class RuleLabeler:
         (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
          r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
          r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)", "pre_neg_unc", "both", CLAUSE),
-        (r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent|are absent"
-         r"|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged|widened)",
-         "neg", "post", 40),
+        (r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
+         r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
+         r"|widened)", "neg", "post", 40),
         (r"not well[- ](?:seen|visualized|evaluated|appreciated)|poorly evaluated", "unc", "post", 40),
         (r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
          r"|history of|disappearance of|rather than|without|no|not|nor|neither|never", "neg", "pre", CLAUSE),
@@ -631,11 +624,10 @@ class RuleLabeler:
          r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration", "unc", "post", 30),
         (r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
          r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
-         r"|suggestion of|maybe|favou?r(?:s|ing|ed)?"
-         r"|differential|consider(?:ed)?|equivocal|presumed|presumably|indeterminate|evaluate for|evaluation for"
-         r"|assess for|rule out|r/o|correlate clinically for", "unc", "pre", CLAUSE),
-        (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
-    ]
+         r"|suggestion of|maybe|favou?r(?:s|ing|ed)?|differential|consider(?:ed)?|equivocal|presumed|presumably"
+         r"|indeterminate|evaluate for|evaluation for|assess for|rule out|r/o|correlate clinically for",
+         "unc", "pre", CLAUSE),
+        (r"\?", "unc", "both", CLAUSE)]  # last: the one cue that need not start a word
     # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
     TERMINATORS = (r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
                    r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b")
@@ -695,8 +687,9 @@ CHEXBERT_MAX_PIECES = 512  # including [CLS] and [SEP]: longer reports keep thei
 CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
 
 
-def chexbert_model(config=None):
-    """f1chexbert's bert_labeler, its BERT built from a config: its own __init__ downloads bert-base-uncased."""
+def chexbert_model(config=None, path=None):
+    """f1chexbert's bert_labeler, its BERT built from a config (its own __init__ downloads bert-base-uncased); `path`:
+    chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) loaded strictly (f1chexbert: strict=False)."""
     import warnings
     with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
         from f1chexbert.f1chexbert import bert_labeler
@@ -711,15 +704,9 @@ def chexbert_model(config=None):
             heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
             self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
 
-    return CheXbertModel()
-
-
-def load_chexbert_weights(model, path=None):
-    """Load chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) strictly (f1chexbert: strict=False);
-    without a path, from the Hub (f1chexbert 0.0.2's own download passes the removed `force_filename`)."""
+    model = CheXbertModel()
     if path is None:
-        from huggingface_hub import hf_hub_download
-        path = from_hub(lambda offline: hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline))
+        return model
     if not Path(path).is_file():
         raise FileNotFoundError(f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
                                 f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})")
@@ -759,8 +746,10 @@ class CheXbertLabeler:
 
     def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
         from transformers import BertTokenizerFast
-        if model is None:
-            model = load_chexbert_weights(chexbert_model(), weights)
+        if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
+            from huggingface_hub import hf_hub_download
+            hub = lambda offline: hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)  # noqa: E731
+            model = chexbert_model(path=from_hub(hub) if weights is None else weights)
         self.tokenizer = tokenizer or from_hub(lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased",
                                                                                                   local_files_only=offline))
         self.model = model.to(device).eval().requires_grad_(False)
@@ -1198,7 +1187,7 @@ def generate_completions(policy, model, inputs: dict, prompt_len: int, max_new_t
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, use_cache=True, return_dict_in_generate=True,
                          output_logits=return_logprobs, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id,
-                         synced_gpus=is_sharded(policy.model), **sampling)
+                         synced_gpus=isinstance(policy.model, FSDPModule), **sampling)
     policy.model.train(was_training)
     ids = out.sequences[:, prompt_len:]  # (N, T) the completion only
     mask = completion_mask(ids, eos_ids)  # (N, T)
@@ -1612,12 +1601,8 @@ def shard(model: torch.nn.Module, dtype=torch.float32):
         register_fsdp_forward_method(model, name)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:  # by shard(): fully_shard turns the model's class into an FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
-    """A sharded model's (and optimiser's) full state dicts on the CPU; every rank calls it (the shards are gathered)."""
+    """A shard()ed model's (an FSDPModule's) and optimiser's full state dicts on the CPU; every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options), optimizer and get_optimizer_state_dict(model, optimizer, options=options)
@@ -1786,7 +1771,7 @@ class Run:
             keys.astype(np.int64)), pos, has_gauss, gauss], **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
         states, params = all_gather_objects(rng), dict(model.named_parameters())
         partial = not all(p.requires_grad for p in params.values())
-        weights, optim = full_state_dicts(model, optimizer) if is_sharded(model) else (None, None)  # gathered: loadable alone
+        weights, optim = full_state_dicts(model, optimizer) if isinstance(model, FSDPModule) else (None, None)
         if self.is_main:
             weights = weights or {k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad}
             atomic_save({"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {},
@@ -1823,7 +1808,7 @@ class Run:
 
     def finish(self, results: dict, policy=None) -> dict:
         """The trained policy to out/final/, the results to out/eval.json (--resume's sign that the run is done)."""
-        weights = full_state_dicts(policy.model)[0] if policy is not None and is_sharded(policy.model) else None
+        weights = full_state_dicts(policy.model)[0] if isinstance(getattr(policy, "model", None), FSDPModule) else None
         if self.is_main and policy is not None:
             policy.save(self.out / "final", weights)
         self.write("eval.json", json.dumps(results, indent=2))
@@ -1958,7 +1943,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-    if is_sharded(model):  # full state dicts (Run.checkpoint), each rank keeping its shards
+    if isinstance(model, FSDPModule):  # shard()'s: full state dicts (Run.checkpoint), each rank keeping its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
