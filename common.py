@@ -813,16 +813,6 @@ def _lcs_length(a: list[str], b: list[str]) -> int:
     return len(a) - (v & full).bit_count()
 
 
-def _rouge_l(hyp: list[str], ref: list[str], beta: float = ROUGE_BETA) -> float:
-    """Rouge.calc_score() of rouge.py: F_beta of LCS precision and recall (0 for an empty text;
-    pycocoevalcap would give 1.0 to an empty hypothesis against an empty reference)."""
-    lcs = _lcs_length(hyp, ref) if hyp and ref else 0
-    if lcs == 0:
-        return 0.0
-    p, r = lcs / len(hyp), lcs / len(ref)
-    return ((1 + beta**2) * p * r) / float(r + beta**2 * p)  # pycocoevalcap's operation order
-
-
 def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA) -> np.ndarray:
     """CIDEr-D per pair, as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf)
     times a Gaussian length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based).
@@ -843,19 +833,6 @@ def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA
 _METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
 
 
-def _meteor(hyps: list[str], refs: list[str]):
-    """Corpus METEOR (the jar's own aggregate, not the mean per report) and per-report scores. One line per text:
-    a newline ends a jar command and "|||" separates fields (pycocoevalcap cleans the hypothesis only)."""
-    global _METEOR_SCORER
-    if _METEOR_SCORER is None:
-        from pycocoevalcap.meteor.meteor import Meteor
-        _METEOR_SCORER = Meteor()
-    one_line = lambda t: " ".join(t.replace("|||", " ").split())  # noqa: E731
-    score, scores = _METEOR_SCORER.compute_score({i: [one_line(r)] for i, r in enumerate(refs)},
-                                                 {i: [one_line(h)] for i, h in enumerate(hyps)})
-    return float(score), [float(s) for s in scores]
-
-
 def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool = False, cider_df=None) -> dict:
     """BLEU-1..4, ROUGE-L, CIDEr(-D) and METEOR (with pycocoevalcap and java, unless RRG_METEOR=0) of each text
     against its one reference, as pycocoevalcap; per_sample adds per-report scores; cider_df: see above."""
@@ -871,21 +848,29 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], _bleu_scores(correct, guess, hyp_len, ref_len).T))
     corpus = _bleu_scores(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
     out = {f"BLEU-{k + 1}": float(corpus[k]) for k in range(NGRAM_N)}
-    # ROUGE-L and CIDEr-D: the corpus score is the mean of the per-report scores
-    each["ROUGE-L"] = np.array([_rouge_l(h, r) for h, r in zip(hyp_toks, ref_toks)])
+    # ROUGE-L (Rouge.calc_score() of rouge.py): F_beta of LCS precision and recall in pycocoevalcap's operation order,
+    # 0 for an empty text (pycocoevalcap would give 1.0 to an empty hypothesis against an empty reference)
+    lcs = np.array([_lcs_length(h, r) if h and r else 0 for h, r in zip(hyp_toks, ref_toks)], float)  # (N,)
+    p, r = lcs / np.maximum(hyp_len, 1), lcs / np.maximum(ref_len, 1)  # (N,) each
+    with np.errstate(invalid="ignore"):  # 0 / 0 where lcs == 0
+        each["ROUGE-L"] = np.where(lcs > 0, ((1 + ROUGE_BETA**2) * p * r) / (r + ROUGE_BETA**2 * p), 0.0)
     each["CIDEr"] = _cider_d(hyp_counts, ref_counts, cider_df)
-    out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})
+    out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})  # the mean of the per-report scores
     if meteor and os.environ.get("RRG_METEOR") != "0" and importlib.util.find_spec("pycocoevalcap") and shutil.which("java"):
-        out["METEOR"], each["METEOR"] = _meteor(hyps, refs)
+        global _METEOR_SCORER  # corpus METEOR: the jar's own aggregate, not the mean per report
+        if _METEOR_SCORER is None:
+            from pycocoevalcap.meteor.meteor import Meteor
+            _METEOR_SCORER = Meteor()
+        # one line per text: a newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)
+        one_line = lambda t: " ".join(t.replace("|||", " ").split())  # noqa: E731
+        score, scores = _METEOR_SCORER.compute_score({i: [one_line(r)] for i, r in enumerate(refs)},
+                                                     {i: [one_line(h)] for i, h in enumerate(hyps)})
+        out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
     elif meteor:
         log.warning("METEOR skipped: it needs `pip install pycocoevalcap` and java on PATH")
     if per_sample:
         out["per_sample"] = {k: [float(x) for x in v] for k, v in each.items()}
     return out
-
-
-# --- CE metrics. F1-CheXbert (R2Gen/CMN/... tables): micro F1 over these 5 observations only ---
-CHEXBERT_5 = ["Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion"]
 
 
 def _prf(tp, fp, fn):
@@ -909,8 +894,8 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     # no predicted (or no reference) positive scores 0, as PromptMRG's nan_to_num and scikit-learn's "samples" average
     p_ex, r_ex, f_ex = _prf(tp.sum(1), fp.sum(1), fn.sum(1))  # (N,) each
     out.update(example_precision=p_ex.mean(), example_recall=r_ex.mean(), example_f1=f_ex.mean())
-    # F1-CheXbert: micro over the 5 common observations
-    cols = [LABEL_INDEX[name] for name in CHEXBERT_5]
+    # F1-CheXbert (R2Gen/CMN/... tables): micro over the 5 common observations only
+    cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
     p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
     out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
     out = {k: float(v) for k, v in out.items()}
