@@ -66,9 +66,8 @@ def binarize(labels, uncertain_as: int = 1) -> np.ndarray:
 
 def apply_no_finding_rule(labels: np.ndarray) -> np.ndarray:
     """CheXpert's No Finding, in place: 1 when nothing but Support Devices is positive or uncertain, else blank."""
-    others = labels[..., [LABEL_INDEX[n] for n in FINDINGS if n != "Support Devices"]]
-    found = np.any((others == 1) | (others == -1), axis=-1)
-    labels[..., LABEL_INDEX["No Finding"]] = np.where(found, np.nan, 1.0)
+    others = [LABEL_INDEX[n] for n in FINDINGS if n != "Support Devices"]
+    labels[..., LABEL_INDEX["No Finding"]] = np.where(np.isin(labels[..., others], (1, -1)).any(-1), np.nan, 1.0)
     return labels
 
 
@@ -97,10 +96,9 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:
         for _ in range(times):
             t = t.replace(old, new)
         return t
-    t = report
     if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
-        t = collapse(collapse(t.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
-    t = collapse(t, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
+        report = collapse(collapse(report.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
+    t = collapse(report, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
     for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
         t = t.replace(marker, ". ")
     sentences = t.strip().lower().split(". ")
@@ -179,8 +177,7 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
     return out
 
 
-def load_image(path: str, record_id: str = "?"):
-    """Open an image as 8-bit grey-scale PIL; a clear error names the file and the record."""
+def load_image(path: str, record_id: str = "?"):  # 8-bit grey-scale PIL; a clear error names the file and the record
     try:
         with Image.open(path) as im:
             return im.convert("L")
@@ -199,7 +196,6 @@ def default_transform(size: int = 224, channels: int = 3):
 
 class ReportDataset(torch.utils.data.Dataset):
     """{"id", "images": (V, C, H, W) (PIL views with transform="pil"), "report", "labels": (14,), NaN blank}."""
-
     def __init__(self, records: list[Record], transform="pil"):
         self.records, self.transform = records, transform
 
@@ -224,15 +220,13 @@ def collate(batch: list[dict]) -> dict:
     return out
 
 
-def pad_views(studies: list[torch.Tensor]):
-    """(V_i, ...) per study -> (B, V, ...) zero-padded, view mask (B, V) float."""
+def pad_views(studies: list[torch.Tensor]):  # (V_i, ...) per study -> (B, V, ...) zero-padded, view mask (B, V) float
     V = max(len(x) for x in studies)
     mask = torch.tensor([[1.0] * len(x) + [0.0] * (V - len(x)) for x in studies])
     return torch.stack([torch.cat([x, x.new_zeros((V - len(x), *x.shape[1:]))]) for x in studies]), mask
 
 
-def split_batch(batch: dict, n: int) -> list[dict]:
-    """A batch of B studies -> n micro-batches of B / n (gradient accumulation)."""
+def split_batch(batch: dict, n: int) -> list[dict]:  # B studies -> n micro-batches of B / n (gradient accumulation)
     size = exact_div(len(batch["id"]), n, "studies per process / --grad-accum")
     return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(n)]
 
@@ -521,8 +515,7 @@ def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, siz
     return final / "annotation.json"
 
 
-def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
-    """`--data` of every script: "synthetic", or an annotation.json or its folder."""
+def load_data(data: str, **kwargs) -> dict[str, list[Record]]:  # --data: "synthetic", an annotation.json or its folder
     path = synthetic_data() if data == "synthetic" else Path(data) / "annotation.json" if Path(data).is_dir() else data
     return load_annotation(path, **kwargs)
 
@@ -547,7 +540,6 @@ class RuleLabeler:
     CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude") in reach, else negative with a
     negation cue, else uncertain with an uncertainty cue, else positive. A report: 1 if any mention is positive, else
     -1 if any is uncertain, else 0 if any, else blank."""
-
     # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
     # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
     MENTIONS = {
@@ -668,8 +660,7 @@ class RuleLabeler:
                  or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)}
         return UNCERTAIN if "pre_neg_unc" in kinds else NEGATIVE if "neg" in kinds else UNCERTAIN if "unc" in kinds else POSITIVE
 
-    def __call__(self, reports: list[str]) -> np.ndarray:
-        """Label reports -> float (N, 14), 1 / 0 / -1 / NaN, CHEXPERT_LABELS order."""
+    def __call__(self, reports: list[str]) -> np.ndarray:  # (N, 14) float, 1 / 0 / -1 / NaN, CHEXPERT_LABELS order
         if not reports:
             return np.zeros((0, len(CHEXPERT_LABELS)))
         labels = np.stack([self._mentions(r.lower()) for r in reports])
@@ -743,7 +734,6 @@ def from_hub(load):
 class CheXbertLabeler:
     """CheXbert's labels (N, 14) as RuleLabeler's, in batches of reports sorted by length (f1chexbert labels
     one at a time). `model`, `tokenizer`: a tiny BERT for tests; else the real weights and word pieces."""
-
     def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
         from transformers import BertTokenizerFast
         if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
@@ -755,8 +745,7 @@ class CheXbertLabeler:
         self.model = model.to(device).eval().requires_grad_(False)
         self.device, self.batch_size = torch.device(device), batch_size
 
-    def encode(self, report: str) -> list[int] | None:
-        """[CLS] pieces [SEP], cut to 512 as CheXbert does; None for an empty report."""
+    def encode(self, report: str) -> list[int] | None:  # [CLS] pieces [SEP], cut to 512 as CheXbert; None if empty
         if not report.strip():
             return None
         ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
@@ -974,7 +963,6 @@ class TinyVLM(torch.nn.Module):
 
 class TinyPolicy:
     """The tiny built-in policy (`--model tiny`): its prompt is the image prefix + BOS (`text` is ignored)."""
-
     def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
         self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
         self.device, self.eos_token_ids = torch.device(device), [tokenizer.eos_id]  # as HFPolicy's, a list
@@ -1013,8 +1001,7 @@ class TinyPolicy:
     def decode(self, completion_ids, completion_mask) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
 
-    def sft_loss(self, prompts: dict, texts: list[str]):
-        """Teacher-forced negative log-likelihood of the texts: token sum / token count."""
+    def sft_loss(self, prompts: dict, texts: list[str]):  # teacher-forced NLL of the texts: token sum / token count
         ids, mask = self.encode_targets(texts)
         return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
 
@@ -1029,7 +1016,6 @@ class HFPolicy:
     """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL): the chat template with one image per view,
     left-padded; completions right-padded. The hub's top_k / top_p / repetition penalty give way to plain temperature
     sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
-
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
     def __init__(self, name_or_path: str, device="cpu", dtype=torch.float32, gradient_checkpointing: bool = False,
@@ -1065,15 +1051,13 @@ class HFPolicy:
         # from_pretrained gives eval mode (checkpointing and LoRA dropout off); generate() switches to eval and back
         self.model.train()
 
-    def vision_and_language(self):
-        """(the vision tower with its merger, the language model with its LM head) as modules."""
+    def vision_and_language(self):  # (the vision tower and merger, the LM with its head) as modules
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
 
     def _forward_context(self):  # bf16 weights with fp32 parts (fp32_trainable, LoRA) need autocast to mix them
         return contextlib.nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, dtype=self.dtype)
 
-    def prompt_batch(self, images, text) -> dict:
-        """images: one list of PIL views per study; text: one instruction, or one per study."""
+    def prompt_batch(self, images, text) -> dict:  # images: PIL views per study; text: one instruction or one per study
         texts = [text] * len(images) if isinstance(text, str) or text is None else list(text)
         chats = [[{"role": "user", "content": [{"type": "image"} for _ in views] + [{"type": "text", "text": t or ""}]}]
                  for views, t in zip(images, texts)]
@@ -1202,8 +1186,7 @@ def completion_mask(ids, eos_id):
     return ((is_eos.cumsum(1) - is_eos) == 0).float()  # (N, T) no EOS strictly before
 
 
-def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
-    """Right-pad token lists -> ids (N, T) long, mask (N, T) float."""
+def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):  # right-padded: ids (N, T) long, mask (N, T)
     T = max(1, max(len(s) for s in seqs))
     ids, mask = torch.full((len(seqs), T), pad_id, dtype=torch.long), torch.zeros(len(seqs), T)
     for i, s in enumerate(seqs):
@@ -1214,7 +1197,6 @@ def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
 # Image and text encoders of DCRRG and RRGCL (neither uses the policy interface for them) ----------
 class ViewMean(torch.nn.Module):
     """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d)."""
-
     def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None, dim: int | None = None):
         super().__init__()
         self.body, self.head, self.dim = body, head, dim or getattr(body, "dim", None)
@@ -1226,7 +1208,6 @@ class ViewMean(torch.nn.Module):
 class SmallCNN(torch.nn.Module):
     """Offline image encoder (B, 1, S, S) -> (B, dim): 3 x 3 conv blocks (GroupNorm: no batch statistics),
     average-pooled to grid x grid (where a sign lies stays visible), flattened, then Linear + ReLU to `dim`."""
-
     def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
         super().__init__()
         c = [1, *widths]
@@ -1291,8 +1272,7 @@ class LoRALinear(torch.nn.Module):
         return out + (torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B)
                       * self.scaling).to(out.dtype)
 
-    def delta_weight(self):
-        """(alpha / r) * B A, (out, in) as the base weight (computed in fp32)."""
+    def delta_weight(self):  # (alpha / r) * B A, (out, in) as the base weight (computed in fp32)
         return ((self.lora_B.float() @ self.lora_A.float()) * self.scaling).to(self.base.weight.dtype)
 
 
@@ -1337,8 +1317,7 @@ def merge_lora(model: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def lora_disabled(model: torch.nn.Module):
-    """Inside the block the model is its base (LoRA paths off): the reference policy for free."""
+def lora_disabled(model: torch.nn.Module):  # inside the block, LoRA off: the base model, the reference for free
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
     for m in layers:
         m.enabled = False
@@ -1531,8 +1510,7 @@ def end_process(message: str | None = None):
     os._exit(1 if message else 0)
 
 
-def all_reduce_mean(x):
-    """Mean over ranks of a number, a list or a dict of numbers (the same keys on every rank)."""
+def all_reduce_mean(x):  # mean over ranks of a number, a list or a dict of numbers (the same keys on every rank)
     if isinstance(x, dict):
         return dict(zip(x.keys(), all_reduce_mean([float(v) for v in x.values()]) if x else []))
     t = torch.as_tensor(x, dtype=torch.float64)
@@ -1543,8 +1521,7 @@ def all_reduce_mean(x):
     return t.item() if t.dim() == 0 else t.tolist()
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's python object, in rank order, on every rank ([obj] in one process)."""
+def all_gather_objects(obj) -> list:  # every rank's object, in rank order, on every rank ([obj] in one process)
     out = [obj] * (torch.distributed.get_world_size() if _distributed() else 1)
     if _distributed():
         torch.distributed.all_gather_object(out, obj)
@@ -1593,33 +1570,19 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
     return get_model_state_dict(model, options=options), optimizer and get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """(B, ...) on each rank -> (world_size * B, ...) in rank order on every rank, for a loss over the global batch
-    (a contrastive softmax). The gradient reaches this rank's part only, times world_size: every rank computes the
-    same loss, so all_reduce_gradients gives the single-process gradient exactly."""
-    if world_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world_size)]
-    torch.distributed.all_gather(parts, x.detach().contiguous())
-    parts[torch.distributed.get_rank()] = x + (x - x.detach()) * (world_size - 1)  # value x, gradient x world_size
-    return torch.cat(parts)
-
-
 def gather_strided(mine: list, world_size: int) -> list:
     """Each rank's strided share of a list (records[rank::world_size]) -> the whole list in order, on every rank."""
     shards = all_gather_objects(mine)
     return [shards[k % world_size][k // world_size] for k in range(sum(map(len, shards)))]
 
 
-def seed_everything(seed: int, rank: int = 0):
-    """Seed python, numpy and torch (every CUDA device too) with seed + rank (nanoGPT's offset)."""
+def seed_everything(seed: int, rank: int = 0):  # python, numpy, torch (all CUDA devices too): seed + rank (nanoGPT)
     random.seed(seed + rank)
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)
 
 
-def exact_div(a: int, b: int, what: str) -> int:
-    """a / b for batch arithmetic that must come out whole (lm-human-preference-details)."""
+def exact_div(a: int, b: int, what: str) -> int:  # a / b, batch sizes that must be whole (lm-human-preference-details)
     if b <= 0 or a % b:
         raise ValueError(f"{what}: {a} is not divisible by {b}")
     return a // b
@@ -1628,7 +1591,6 @@ def exact_div(a: int, b: int, what: str) -> int:
 class Run:
     """One run: its processes (rank, world size, device, dtype), inputs (data, labeler) and folder
     (config.json, metrics.jsonl, last.pt, eval_*.json, generations_*.jsonl, eval.json, final/)."""
-
     def __init__(self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True, notes=()):
         self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
@@ -1670,8 +1632,7 @@ class Run:
         return Run(dataclasses.replace(self.args, out=str(self.out / name)), self.rank, self.world_size, self.device,
                    self.data, self.labeler, resume_flags=tuple(flags), notes=self.notes)
 
-    def per_rank(self, batch_size: int, flag: str) -> int:
-        """A global batch (studies over all ranks, as the papers count) -> this rank's share."""
+    def per_rank(self, batch_size: int, flag: str) -> int:  # a global batch (as the papers count) -> this rank's share
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
 
     def autocast(self):  # bf16 matmuls under torch.autocast
@@ -1730,8 +1691,7 @@ class Run:
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def log(self, **stats):
-        """Numbers for this step's line in metrics.jsonl (several calls in a step are averaged)."""
+    def log(self, **stats):  # numbers for this step's line in metrics.jsonl (several calls in a step are averaged)
         for k, v in stats.items():
             self._stats[k].append(float(v))
 
@@ -1863,11 +1823,8 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
     saved = run.out / "warm_start"
     if warm_start and run.resuming and saved.is_dir():
         init, warm_start = saved, None
-    if init is not None:
-        policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
-    else:
-        policy = make_policy(run.args.model, [r.report for r in records], run.device, run.dtype, max_new_tokens,
-                             extra_tokens, max_pixels)
+    policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels) if init is not None else make_policy(
+        run.args.model, [r.report for r in records], run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
     broadcast_parameters(policy.model)
     add_lora = lambda: apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"],  # noqa: E731
                                   exclude=policy.vision_and_language()[0])  # its MLP shares the LM's names
@@ -1905,7 +1862,6 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
     """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
     optimizer, w = torch.optim.AdamW(list(params), lr=lr, **kwargs), int(warmup * total)
-
     def factor(step):
         if step < w:
             return (step + 1) / w
@@ -1962,9 +1918,8 @@ def parse_args(args_class, argv=None, description: str | None = None):
     """Flags from an Args dataclass: `--flag-name` per field, typed by its annotation (a bool as --flag /
     --no-flag, Literal[...] as choices), its help the comment after the field: a knob is written once."""
     import inspect
-    helps = {}
-    for cls in reversed(args_class.__mro__[:-1]):
-        helps.update(re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", inspect.getsource(cls), flags=re.M))
+    helps = {k: v for cls in reversed(args_class.__mro__[:-1])  # a subclass's help wins
+             for k, v in re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", inspect.getsource(cls), flags=re.M)}
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     casts = {"int": int, "float": float, "str": str}
     for f in dataclasses.fields(args_class):
@@ -1981,8 +1936,7 @@ def parse_args(args_class, argv=None, description: str | None = None):
     return args_class(**vars(p.parse_args(argv)))
 
 
-def read_generations(path) -> list[dict]:
-    """generations.jsonl: one {"id", "reference", "generated", ...} object per line."""
+def read_generations(path) -> list[dict]:  # generations.jsonl: a {"id", "reference", "generated", ...} per line
     if not Path(path).is_file():
         raise FileNotFoundError(f"generations file not found: {path}")
     rows = []
@@ -2002,7 +1956,6 @@ def read_generations(path) -> list[dict]:
 class LabelCache:
     """A labeler that labels each distinct text once: the G copies of a reference in a step, repeated
     completions, texts scored for a reward and again for the CE metrics. One per step or evaluation."""
-
     def __init__(self, labeler):
         self.labeler, self.labels = labeler, {}
 
@@ -2048,8 +2001,7 @@ def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     return {"distinct": len(set(hyps)), "most_common_share": count / n, "contentless_share": contentless / n, "warning": warning}
 
 
-def summary(results: dict) -> str:
-    """One line: the paper's headline CE metric and BLEU-4, the degenerate-output warning beside them."""
+def summary(results: dict) -> str:  # the paper's headline CE metric, BLEU-4 and the degenerate-output warning
     h, unc = results["headline"], "positive" if results["uncertain_as"] else "negative"
     line = f"CE {h.replace('_', ' ')} {results['ce'][h]:.3f} (uncertain = {unc}), BLEU-4 {results['nlg']['BLEU-4']:.3f}"
     return line + (f"  [{results['degenerate']['warning']}]" if results["degenerate"]["warning"] else "")
