@@ -1,16 +1,13 @@
 """common.py: the small shared part of rrg-from-scratch, in reading order.
 
-  1. Labels    the 14 CheXpert observations (CheXbert order) and the value conventions
+  1. Labels    the 14 CheXpert observations (CheXbert order); label arrays (N, 14) float: 1, 0, -1 uncertain, NaN blank
   2. Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, a torch Dataset, the synthetic set
   3. Labelers  RuleLabeler (CheXpert-style rules) and CheXbertLabeler (f1chexbert's model)
   4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its Java scorer), clinical efficacy (CE) P/R/F1
   5. Models    one policy interface: TinyPolicy (offline), HFPolicy (Qwen2.5-VL and kin); image and text encoders; LoRA
   6. RL core   group advantages, GRPO loss (grpo / bnpo / dr_grpo, k3 KL), DPO loss, rollouts
-  7. Running   the scaffold of every train(): torchrun, seed, threads, run folder, resume, logging, evaluation,
-               checkpoints; the RL policy, optimiser and schedule
+  7. Running   train()'s scaffold: torchrun, seed, threads, run folder, resume, logs, evaluation, RL policy, checkpoints
   8. Command line  flags from an Args dataclass; `python common.py evaluate --generations FILE.jsonl`
-
-Label arrays are float (N, 14): 1 positive, 0 negative, -1 uncertain, NaN not mentioned.
 """
 from __future__ import annotations
 
@@ -83,10 +80,9 @@ class Record:
     meta: dict = field(default_factory=dict)  # any other fields of the record, kept as is
 
 
-# Report cleaning as R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py), as in the papers' NLG numbers:
-# lower-case, split sentences on ". ", delete punctuation, join with " . ". Its quirks stay, for comparable numbers:
-# it deletes every "1. " (list markers, but also in "11. " and "1.5"), its punctuation class holds the range ":-\["
-# (0x3A-0x5B), which also deletes ";<=>?@" while "-" stays, and empty sentences stay (". .").
+# Report cleaning as R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py), as in the papers' NLG numbers, quirks
+# and all: it deletes every "1. " (list markers, but also in "11. " and "1.5"), its punctuation class holds the range
+# ":-\[" (0x3A-0x5B), which also deletes ";<=>?@" while "-" stays, and empty sentences stay (". .").
 R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: see above
 
 
@@ -216,14 +212,9 @@ def collate(batch: list[dict]) -> dict:
     out = {k: [b[k] for b in batch] for k in ("id", "report", "images")}
     out["labels"] = torch.stack([b["labels"] for b in batch])
     if isinstance(out["images"][0], torch.Tensor):
-        out["images"], out["view_mask"] = pad_views(out["images"])
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # noqa: E731  zeros after the last view
+        out["images"], out["view_mask"] = pad(out["images"]), pad([torch.ones(len(x)) for x in out["images"]])
     return out
-
-
-def pad_views(studies: list[torch.Tensor]):  # (V_i, ...) per study -> (B, V, ...) zero-padded, view mask (B, V) float
-    V = max(len(x) for x in studies)
-    mask = torch.tensor([[1.0] * len(x) + [0.0] * (V - len(x)) for x in studies])
-    return torch.stack([torch.cat([x, x.new_zeros((V - len(x), *x.shape[1:]))]) for x in studies]), mask
 
 
 def split_batch(batch: dict, n: int) -> list[dict]:  # B studies -> n micro-batches of B / n (gradient accumulation)
@@ -233,8 +224,7 @@ def split_batch(batch: dict, n: int) -> list[dict]:  # B studies -> n micro-batc
 
 def study_batches(records: list[Record], batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                   start_step: int = 0, transform="pil"):
-    """Endless shuffled batches of studies, (epoch, batch), each rank its own shard (DistributedSampler,
-    reshuffled each epoch from `seed`): a run resumed at `start_step` sees the same batches."""
+    """Endless (epoch, batch) of shuffled studies, each rank its shard: resumed at `start_step`, the same batches."""
     if len(records) < batch_size * world_size:
         raise ValueError(f"{len(records)} studies cannot fill one batch of {batch_size} on each of {world_size} ranks")
     dataset = ReportDataset(records, transform)
@@ -390,10 +380,8 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     ramp = lambda d, edge: np.clip(d / edge + 0.5, 0.0, 1.0)  # noqa: E731  soft step of a signed distance
     gauss = lambda cx, cy, sx, sy: np.exp(-0.5 * ((x - cx) / sx) ** 2 - 0.5 * ((y - cy) / sy) ** 2)  # noqa: E731
     radius = lambda cx, cy, a, b: np.sqrt(((x - cx) / a) ** 2 + ((y - cy) / b) ** 2)  # noqa: E731  < 1 inside
-
     # Normal anatomy: the body, two dark lung fields with diaphragm domes (the right one higher)
-    img = 0.03 + 0.47 * ramp((1 - radius(0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02)
-    L = {}
+    img, L = 0.03 + 0.47 * ramp((1 - radius(0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02), {}
     for s in (-1, 1):
         cx = 0.5 + s * lx
         r = radius(cx, ly, ax, ay)
@@ -525,8 +513,7 @@ def _words(*phrases: str) -> str:  # RuleLabeler puts one \b before all of a lab
     return r"(?:" + "|".join(phrases) + r")\b"
 
 
-# A gap inside one mention (e.g. "heart ... enlarged"): stays within the clause.
-_GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"
+_GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"  # a gap inside one mention ("heart ... enlarged"), within the clause
 _HEART = r"(?:heart(?: size)?|cardiac (?:silhouette|size|contour|contours|shadow))"
 _MEDIASTINUM = r"(?:cardiomediastinal (?:silhouette|contours?)|mediastinal (?:contours?|silhouette)|mediastinum)"
 _NORMAL = r"(?:normal|within normal limits|unremarkable)"  # "heart size ... limits of normal" reaches "normal"
@@ -690,8 +677,7 @@ def chexbert_model(config=None, path=None):
     class CheXbertModel(bert_labeler):
         def __init__(self):
             torch.nn.Module.__init__(self)
-            self.bert = BertModel(config)
-            self.dropout = torch.nn.Dropout(0.1)
+            self.bert, self.dropout = BertModel(config), torch.nn.Dropout(0.1)
             heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
             self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
 
@@ -716,8 +702,7 @@ def chexbert_model(config=None, path=None):
 
 
 def from_hub(load):
-    """load(offline=True) from the Hugging Face cache, else load(False) if the Hub answers; unreachable, one error at
-    once (the Hub client retries for minutes) naming the flags that do without it."""
+    """load(True) from the HF cache, else load(False) if the Hub answers, else an error now (not minutes of retries)."""
     import socket
     try:
         return load(True)
@@ -732,8 +717,7 @@ def from_hub(load):
 
 
 class CheXbertLabeler:
-    """CheXbert's labels (N, 14) as RuleLabeler's, in batches of reports sorted by length (f1chexbert labels
-    one at a time). `model`, `tokenizer`: a tiny BERT for tests; else the real weights and word pieces."""
+    """CheXbert's labels (N, 14) as RuleLabeler's, in batches sorted by length (f1chexbert labels one at a time)."""
     def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
         from transformers import BertTokenizerFast
         if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
@@ -771,6 +755,7 @@ class CheXbertLabeler:
 # BLEU, ROUGE-L and CIDEr-D equal pycocoevalcap 1.2 (tests/test_metrics.py), written here because rewards score
 # thousands of pairs a step; one reference per report. METEOR is pycocoevalcap's Java jar: no port matches it.
 NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
+_METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
 
 
 def ngram_counts(tokens: list[str]) -> list[Counter]:
@@ -778,20 +763,8 @@ def ngram_counts(tokens: list[str]) -> list[Counter]:
     return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, NGRAM_N + 1)]
 
 
-def _bleu_scores(correct, guess, hyp_len, ref_len) -> np.ndarray:
-    """BLEU-1..4 per row of clipped matches and guesses (N, 4), with BleuScorer.compute_score()'s
-    smoothing constants (an empty hypothesis gives 0, not NaN) and product order."""
-    tiny, small = 1e-15, 1e-9
-    # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
-    bleu = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
-    ratio = (hyp_len + tiny) / (ref_len + small)  # brevity penalty exp(1 - r/c) when the hypothesis is shorter
-    with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
-        return bleu * np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)[:, None]
-
-
 def _lcs_length(a: list[str], b: list[str]) -> int:
-    """Length of the longest common subsequence: my_lcs() of rouge.py, bit-parallel (Allison & Dix
-    1986, as Hyyro 2004): one Python big int holds a DP column, so O(len(b)) big-int steps."""
+    """LCS length, my_lcs() of rouge.py bit-parallel (Allison & Dix 1986; Hyyro 2004): a big int holds a DP column."""
     match = {}  # match[t] has bit i set where a[i] == t
     for i, tok in enumerate(a):
         match[tok] = match.get(tok, 0) | (1 << i)
@@ -802,48 +775,47 @@ def _lcs_length(a: list[str], b: list[str]) -> int:
     return len(a) - (v & full).bit_count()
 
 
-def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA) -> np.ndarray:
-    """CIDEr-D per pair, as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf)
-    times a Gaussian length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based).
-    Document frequencies from the references scored (one pair: all 0), or cider_df = (df, documents) of a corpus."""
-    df, n_docs = cider_df or (Counter(g for ref in refs_counts for c in ref for g in c), len(refs_counts))
-    log_n = math.log(n_docs)
-    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
-    norm = lambda counts: [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]  # noqa: E731
-    scores = []
-    for h, r in zip(hyps_counts, refs_counts):
-        penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * sigma**2))
-        sims = [sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc.keys() & rc.keys()) / (hn * rn if hn and rn else 1)
-                for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))]
-        scores.append(10.0 * np.mean(sims) * penalty)
-    return np.array(scores)
-
-
-_METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
-
-
 def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool = False, cider_df=None) -> dict:
-    """BLEU-1..4, ROUGE-L, CIDEr(-D) and METEOR (with pycocoevalcap and java, unless RRG_METEOR=0) of each text
-    against its one reference, as pycocoevalcap; per_sample adds per-report scores; cider_df: see above."""
+    """BLEU-1..4, ROUGE-L, CIDEr-D and METEOR (with java, unless RRG_METEOR=0) of each text against its one reference,
+    as pycocoevalcap; per_sample adds per-report scores; cider_df: (df, documents) of a corpus, for CIDEr-D."""
     if len(hyps) != len(refs) or not hyps:
         raise ValueError(f"need as many references as hypotheses, at least one: got {len(hyps)} and {len(refs)}")
     hyp_toks, ref_toks = [h.split() for h in hyps], [r.split() for r in refs]
     hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
     # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
+    def bleu(correct, guess, hyp_len, ref_len):  # BLEU-1..4 per row (N, 4) in BleuScorer.compute_score()'s order
+        tiny, small = 1e-15, 1e-9  # its smoothing: an empty hypothesis gives 0, not NaN
+        # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
+        b = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
+        ratio = (hyp_len + tiny) / (ref_len + small)  # brevity penalty exp(1 - r/c) when the hypothesis is shorter
+        with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
+            return b * np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)[:, None]
     correct = np.array([[sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
                         for hc, rc in zip(hyp_counts, ref_counts)], dtype=float)  # (N, 4)
     guess = np.array([[max(0, len(t) - k) for k in range(NGRAM_N)] for t in hyp_toks], dtype=float)  # (N, 4)
     hyp_len, ref_len = np.array([len(t) for t in hyp_toks], float), np.array([len(t) for t in ref_toks], float)
-    each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], _bleu_scores(correct, guess, hyp_len, ref_len).T))
-    corpus = _bleu_scores(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
+    each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], bleu(correct, guess, hyp_len, ref_len).T))
+    corpus = bleu(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
     out = {f"BLEU-{k + 1}": float(corpus[k]) for k in range(NGRAM_N)}
     # ROUGE-L (Rouge.calc_score() of rouge.py): F_beta of LCS precision and recall in pycocoevalcap's operation order,
     # 0 for an empty text (pycocoevalcap would give 1.0 to an empty hypothesis against an empty reference)
     lcs = np.array([_lcs_length(h, r) if h and r else 0 for h, r in zip(hyp_toks, ref_toks)], float)  # (N,)
-    p, r = lcs / np.maximum(hyp_len, 1), lcs / np.maximum(ref_len, 1)  # (N,) each
+    prec, rec = lcs / np.maximum(hyp_len, 1), lcs / np.maximum(ref_len, 1)  # (N,) each
     with np.errstate(invalid="ignore"):  # 0 / 0 where lcs == 0
-        each["ROUGE-L"] = np.where(lcs > 0, ((1 + ROUGE_BETA**2) * p * r) / (r + ROUGE_BETA**2 * p), 0.0)
-    each["CIDEr"] = _cider_d(hyp_counts, ref_counts, cider_df)
+        each["ROUGE-L"] = np.where(lcs > 0, ((1 + ROUGE_BETA**2) * prec * rec) / (rec + ROUGE_BETA**2 * prec), 0.0)
+    # CIDEr-D as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf) times a Gaussian
+    # length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based). Document
+    # frequencies from the references scored (one pair: all 0), or cider_df's of a corpus
+    df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
+    log_n = math.log(n_docs)
+    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
+    norm = lambda counts: [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]  # noqa: E731
+    each["CIDEr"] = []
+    for h, r in zip(hyp_counts, ref_counts):
+        penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
+        sims = [sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc.keys() & rc.keys()) / (hn * rn if hn and rn else 1)
+                for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))]
+        each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
     out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})  # the mean of the per-report scores
     if meteor and os.environ.get("RRG_METEOR") != "0" and importlib.util.find_spec("pycocoevalcap") and shutil.which("java"):
         global _METEOR_SCORER  # corpus METEOR: the jar's own aggregate, not the mean per report
@@ -869,10 +841,9 @@ def _prf(tp, fp, fn):
 
 
 def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
-    """Clinical efficacy of generated (hyp) vs reference labels (N, 14). Uncertain is positive with
-    uncertain_as=1 (CheXpert's "U-ones", DEER; ours), not with 0 (PromptMRG's code)."""
-    hyp = binarize(hyp_labels, uncertain_as).astype(bool)  # (N, 14)
-    ref = binarize(ref_labels, uncertain_as).astype(bool)  # (N, 14)
+    """Clinical efficacy of generated (hyp) vs reference labels (N, 14), uncertain positive (uncertain_as=1) or not."""
+    hyp = binarize(hyp_labels, uncertain_as).astype(bool)  # (N, 14); uncertain_as=1: CheXpert's "U-ones" (DEER; ours)
+    ref = binarize(ref_labels, uncertain_as).astype(bool)  # (N, 14); uncertain_as=0: PromptMRG's code
     tp, fp, fn = (hyp & ref).astype(float), (hyp & ~ref).astype(float), (~hyp & ref).astype(float)  # (N, 14) each
     # Micro: TP/FP/FN pooled over reports and labels
     out = dict(zip(("micro_precision", "micro_recall", "micro_f1"), _prf(tp.sum(), fp.sum(), fn.sum())))
@@ -899,8 +870,7 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 #   repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
 #   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
 #   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
-#   encode_targets(texts) -> ids, mask;  decode(ids, mask) -> texts;  sft_loss(prompts, texts)
-#   save(dir); load_policy(dir)
+#   encode_targets(texts) -> ids, mask; decode(ids, mask) -> texts; sft_loss(prompts, texts); save(dir); load_policy
 # Sampling is plain temperature sampling: top-k / top-p would make the recorded log-probs differ from the policy's.
 _WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
 
@@ -971,9 +941,10 @@ class TinyPolicy:
     def prompt_batch(self, images, text=None) -> dict:
         """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
         import torchvision.transforms.functional as F
-        pixels, mask = pad_views([torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1
-                                               for im in study]) for study in images])
-        return {"pixel_values": pixels.to(self.device), "view_mask": mask.to(self.device)}
+        views = [torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
+                 for study in images]  # (V, 1, S, S) each
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True).to(self.device)  # noqa: E731  zeros
+        return {"pixel_values": pad(views), "view_mask": pad([torch.ones(len(v)) for v in views])}
 
     def repeat(self, prompts: dict, G: int) -> dict:
         return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
@@ -1048,8 +1019,7 @@ class HFPolicy:
             enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
             self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
-        # from_pretrained gives eval mode (checkpointing and LoRA dropout off); generate() switches to eval and back
-        self.model.train()
+        self.model.train()  # from_pretrained gives eval mode (no checkpointing, no LoRA dropout); generate() toggles it
 
     def vision_and_language(self):  # (the vision tower and merger, the LM with its head) as modules
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
@@ -1087,8 +1057,7 @@ class HFPolicy:
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T)."""
-        T = completion_ids.shape[1]
-        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
+        T, inputs = completion_ids.shape[1], {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
         inputs["input_ids"] = torch.cat([prompts["input_ids"], completion_ids], dim=1)  # (N, P+T)
         inputs["attention_mask"] = torch.cat([prompts["attention_mask"], completion_mask.to(prompts["attention_mask"].dtype)], 1)
         if "mm_token_type_ids" in prompts:  # completions are text (type 0)
@@ -1139,8 +1108,7 @@ def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
 
 
 def fp32_trainable(model: torch.nn.Module):
-    """Cast what trains to float32 (master weights): in bf16, AdamW steps of ~lr = 1e-6 on weights of
-    ~0.02 round away. Call after freezing, before building the optimiser."""
+    """Cast what trains to fp32 (bf16 rounds away AdamW's ~1e-6 steps on ~0.02): after freezing, before AdamW."""
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -1179,9 +1147,8 @@ def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
     return torch.stack(rows)  # (N, T)
 
 
-def completion_mask(ids, eos_id):
-    """(N, T) float: 1 up to and including the first EOS, 0 after (all 1 without one). eos_id:
-    one id or a list (chat models end a turn with <|im_end|> but may stop on <|endoftext|>)."""
+def completion_mask(ids, eos_id):  # a list of ids: chat models end a turn with <|im_end|> but may stop on <|endoftext|>
+    """(N, T) float: 1 up to and including the first EOS (an id, or any of a list), 0 after; all 1 without one."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_id, device=ids.device)).int()  # (N, T)
     return ((is_eos.cumsum(1) - is_eos) == 0).float()  # (N, T) no EOS strictly before
 
@@ -1295,14 +1262,11 @@ def apply_lora(model: torch.nn.Module, target_modules: list[str], r: int = 8, al
 def lora_merged_state_dict(model: torch.nn.Module) -> dict:
     """The state dict with every LoRA folded into its base layer (names as without LoRA), on the side."""
     state = model.state_dict()
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            for key in ("lora_A", "lora_B"):
-                state.pop(f"{name}.{key}")
-            for key in ("weight", "bias"):
-                if f"{name}.base.{key}" in state:
-                    state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
-            state[f"{name}.weight"] = state[f"{name}.weight"] + m.delta_weight()
+    for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
+        del state[f"{name}.lora_A"], state[f"{name}.lora_B"]
+        for key in [k for k in ("weight", "bias") if f"{name}.base.{k}" in state]:
+            state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
+        state[f"{name}.weight"] = state[f"{name}.weight"] + m.delta_weight()
     return state
 
 
@@ -1334,8 +1298,7 @@ def lora_disabled(model: torch.nn.Module):  # inside the block, LoRA off: the ba
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
     std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
-    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-    if bad:
+    if bad := (~torch.isfinite(rewards)).nonzero().flatten().tolist():
         raise ValueError(f"the reward function returned NaN or inf at completions {bad}")
     if group_size < 2:  # one completion per prompt: every advantage is 0 and nothing would be learned
         raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
@@ -1432,13 +1395,9 @@ def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temper
     texts = policy.decode(ids, mask)
     rewards = torch.as_tensor(reward_fn(texts, [n // G for n in range(len(texts))]), dtype=torch.float32,
                               device=ids.device)  # (N,)
-    ref_logp = None
-    with torch.no_grad():
-        if ref == "lora":
-            with lora_disabled(policy.model):
-                ref_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
-        elif ref != "none":
-            ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
+    ref_policy = None if ref == "none" else policy if ref == "lora" else ref
+    with torch.no_grad(), lora_disabled(policy.model) if ref == "lora" else contextlib.nullcontext():
+        ref_logp = ref_policy.completion_logprobs(prompts, ids, mask, temperature) if ref_policy is not None else None
     return Rollout(prompts, ids, mask, texts, rewards, ref_logp)
 
 
@@ -1528,7 +1487,7 @@ def all_gather_objects(obj) -> list:  # every rank's object, in rank order, on e
     return out
 
 
-def broadcast_object(obj, src: int = 0):
+def broadcast_object(obj, src: int = 0):  # rank src's object on every rank
     box = [obj]
     if _distributed():
         torch.distributed.broadcast_object_list(box, src=src)
@@ -1538,9 +1497,8 @@ def broadcast_object(obj, src: int = 0):
 @torch.no_grad()
 def broadcast_parameters(model: torch.nn.Module, src: int = 0):
     """Rank `src`'s parameters and buffers on every rank (what DDP does when it wraps a model)."""
-    if _distributed():
-        for t in list(model.parameters()) + list(model.buffers()):
-            torch.distributed.broadcast(t.data, src=src)
+    for t in list(model.parameters()) + list(model.buffers()) if _distributed() else []:
+        torch.distributed.broadcast(t.data, src=src)
 
 
 def all_reduce_gradients(params, world_size: int):
@@ -1740,8 +1698,7 @@ class Run:
             prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in padded[b:b + 32]], prompt)
             with torch.no_grad(), self.autocast():
                 completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
-        completions = gather_strided(completions[:len(mine)], self.world_size)
-        results = None
+        completions, results = gather_strided(completions[:len(mine)], self.world_size), None
         if self.is_main:
             rows = [{"id": r.id, "reference": r.report, "generated": report(c) if report else c}
                     | ({"completion": c} if report else {}) for r, c in zip(records, completions)]
@@ -1789,9 +1746,8 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     notes = [rule] * (args.labeler == "rule") + list(notes)
     for note in notes if rank == 0 else ():
         log.warning("note: %s", note)
-    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
     seed_everything(args.seed)
-    return run
+    return Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
 
 
 def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
@@ -1960,8 +1916,7 @@ class LabelCache:
         self.labeler, self.labels = labeler, {}
 
     def __call__(self, texts: list[str]) -> np.ndarray:
-        new = [t for t in dict.fromkeys(texts) if t not in self.labels]
-        if new:
+        if new := [t for t in dict.fromkeys(texts) if t not in self.labels]:
             self.labels.update(zip(new, self.labeler(new)))
         return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
 
@@ -1976,8 +1931,7 @@ def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_c
     (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
     every metric. Degenerate output (most reports alike, or none with a word of the references) is called out."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
-    n_empty = sum(not h.strip() for h in hyps)
-    if n_empty:
+    if n_empty := sum(not h.strip() for h in hyps):
         log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
     cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
     return {"n": len(rows), "n_empty_generations": n_empty, "degenerate": degenerate_output(hyps, refs), "clean": clean,
