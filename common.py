@@ -86,8 +86,7 @@ class Record:
 R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: see above
 
 
-def clean_report(report: str, style: str = "mimic_cxr") -> str:
-    """Clean a report as R2Gen's clean_report_mimic_cxr ("mimic_cxr") or clean_report_iu_xray ("iu_xray")."""
+def clean_report(report: str, style: str = "mimic_cxr") -> str:  # as R2Gen's clean_report_mimic_cxr / _iu_xray (style)
     def collapse(t, old, new, times):  # R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes
         for _ in range(times):
             t = t.replace(old, new)
@@ -102,8 +101,7 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:
                                        .strip().lower()) for s in sentences) + " ."
 
 
-def clean_style(records: list[Record]) -> str:
-    """R2Gen's cleaning rule for the data: "iu_xray" for IU X-Ray (Open-i image names CXR<n>_IM-...), else "mimic_cxr"."""
+def clean_style(records: list[Record]) -> str:  # "iu_xray" for Open-i image names (CXR<n>_IM-...), else "mimic_cxr"
     iu = re.compile(r"(?:^|/)CXR\d+_IM-\d+")
     return "iu_xray" if any(iu.search(p) for r in records for p in r.image_paths) else "mimic_cxr"
 
@@ -452,8 +450,7 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
         band = ramp(L[s]["r"] - 1 + th, 0.05) * L[s]["thorax"] * ramp(s * (x - L[s]["cx"]) - 0.3 * ax, 0.03)
         img += (0.68 - img) * band * ramp(y - ly + 0.55 * ay, 0.05) * ramp(ly + 0.45 * ay - y, 0.05) * (0.6 + 0.4 * a)
     if "Support Devices" in findings:  # thin, very bright tubes along a few segments
-        j = lambda: U(-0.015, 0.015)  # noqa: E731
-        kind = findings["Support Devices"]["kind"]
+        j, kind = lambda: U(-0.015, 0.015), findings["Support Devices"]["kind"]  # noqa: E731
         curves = {"endotracheal tube": [[(0.5 + j(), -0.02), (0.5 + j(), 0.12), (0.5, 0.27 + j())]],  # above the carina
                   "central venous catheter": [[(0.35 + j(), -0.02), (0.42 + j(), 0.14), (0.47, 0.2 + j()), (0.47 + j(), 0.42)]],
                   "nasogastric tube": [[(0.49 + j(), -0.02), (0.49, 0.5), (0.5 + j(), 0.85), (0.66 + j(), 0.8 + j())]],
@@ -701,8 +698,7 @@ def chexbert_model(config=None, path=None):
     return model
 
 
-def from_hub(load):
-    """load(True) from the HF cache, else load(False) if the Hub answers, else an error now (not minutes of retries)."""
+def from_hub(load):  # load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)
     import socket
     try:
         return load(True)
@@ -758,8 +754,7 @@ NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rou
 _METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
 
 
-def ngram_counts(tokens: list[str]) -> list[Counter]:
-    """counts[k - 1] = Counter of the k-grams of `tokens`: precook() of bleu_scorer.py / cider_scorer.py."""
+def ngram_counts(tokens: list[str]) -> list[Counter]:  # [k-gram Counter, k = 1..4]: precook() of bleu/cider_scorer.py
     return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, NGRAM_N + 1)]
 
 
@@ -834,8 +829,7 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     return out
 
 
-def _prf(tp, fp, fn):
-    """Precision, recall, F1 = 2TP / (2TP + FP + FN), each 0 when undefined (scikit-learn's zero_division=0)."""
+def _prf(tp, fp, fn):  # precision, recall, F1 = 2TP / (2TP + FP + FN), 0 if undefined (scikit-learn's zero_division=0)
     div = lambda a, b: np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)  # noqa: E731
     return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
 
@@ -880,8 +874,7 @@ class WordTokenizer:
     PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
     def __init__(self, vocab: list[str]):
-        self.vocab = list(vocab)
-        self.index = {w: i for i, w in enumerate(self.vocab)}
+        self.vocab, self.index = list(vocab), {w: i for i, w in enumerate(vocab)}
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = (self.index[t] for t in (self.PAD, self.BOS, self.EOS, self.UNK))
 
     @classmethod
@@ -1109,9 +1102,8 @@ def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
 
 def fp32_trainable(model: torch.nn.Module):
     """Cast what trains to fp32 (bf16 rounds away AdamW's ~1e-6 steps on ~0.02): after freezing, before AdamW."""
-    for p in model.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
+    for p in [p for p in model.parameters() if p.requires_grad and p.dtype != torch.float32]:
+        p.data = p.data.float()
 
 
 @torch.no_grad()
@@ -1181,8 +1173,7 @@ class SmallCNN(torch.nn.Module):
         blocks = [m for i, o, s in zip(c, c[1:], strides)
                   for m in (torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU())]
         blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
-        if dim is not None:
-            blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
+        blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()] if dim is not None else []
         self.net, self.dim = torch.nn.Sequential(*blocks), dim or c[-1] * grid * grid
 
     def forward(self, x):
@@ -1304,8 +1295,7 @@ def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 
         raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
     r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
     A = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    if scale == "std":
-        A = A / (r.std(dim=1, keepdim=True) + eps)  # (B, G), Bessel's std (N - 1)
+    A = A / (r.std(dim=1, keepdim=True) + eps) if scale == "std" else A  # (B, G), Bessel's std (N - 1)
     same = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) every reward of the group equal
     return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
 
@@ -1362,7 +1352,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1,
             return lp
         total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
         return total / m.sum(-1).clamp(min=1) if length_normalize else total
-
     c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
     r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
     # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
@@ -1720,8 +1709,7 @@ class Run:
         return results
 
 
-def resolve_defaults(args):
-    """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
+def resolve_defaults(args):  # the "auto" flags made concrete as config.json records them: labeler, dtype (clean: data)
     if args.labeler == "auto":  # the papers' CheXbert for a real run; our rules offline, for the sandbox
         args.labeler = "rule" if args.data == "synthetic" or args.model == "tiny" else "chexbert"
     if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
@@ -1826,8 +1814,7 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def atomic_save(obj, path: Path):
-    """torch.save (a str: its text) to a temporary file beside `path`, then renamed: a crash leaves the old file."""
+def atomic_save(obj, path: Path):  # torch.save (a str: its text) beside `path`, then renamed: a crash keeps the old one
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_text(obj) if isinstance(obj, str) else torch.save(obj, tmp)
