@@ -205,8 +205,7 @@ class ReportDataset(torch.utils.data.Dataset):
         return {"id": r.id, "images": images, "report": r.report, "labels": torch.as_tensor(labels, dtype=torch.float32)}
 
 
-def collate(batch: list[dict]) -> dict:
-    """A batch of studies: images (B, V, C, H, W) zero-padded to the most views, "view_mask" (B, V) 1 for a real view."""
+def collate(batch: list[dict]) -> dict:  # images (B, V, C, H, W) zero-padded, "view_mask" (B, V): 1 for a real view
     out = {k: [b[k] for b in batch] for k in ("id", "report", "images")}
     out["labels"] = torch.stack([b["labels"] for b in batch])
     if isinstance(out["images"][0], torch.Tensor):
@@ -292,8 +291,7 @@ UNCERTAIN_TEMPLATES = {
     "Atelectasis": "Probable {side} basilar atelectasis. | Possible minimal atelectasis at the {side} base.",
     "Pneumothorax": "Possible tiny {side} apical pneumothorax. | A tiny {side} pneumothorax cannot be excluded.",
     "Pleural Effusion": "Possible {sev} {side} pleural effusion. | A trace {side} pleural effusion is not excluded.",
-    "Pleural Other": "Possible {side} pleural thickening.",
-}
+    "Pleural Other": "Possible {side} pleural thickening."}
 NEGATED_PHRASES = {  # the noun phrase of a finding listed as absent
     "Enlarged Cardiomediastinum": "mediastinal widening", "Lung Opacity": "focal opacity",
     "Lung Lesion": "suspicious pulmonary nodule", "Edema": "pulmonary edema", "Consolidation": "focal consolidation",
@@ -327,8 +325,7 @@ def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
 
 
 def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
-    """A study's report, a sentence per finding in FINDINGS order (mediastinum, heart, lungs, pleura, bones, devices),
-    then the negated ones in "No A, B, or C." sentences of 1-4 items."""
+    """A study's report: a sentence per finding in FINDINGS order, then the negated in "No A, B, or C." sentences."""
     pick = lambda variants: str(rng.choice(variants.split(" | ")))  # noqa: E731
     sentences, negated = [], []
     for name in FINDINGS:
@@ -677,7 +674,6 @@ def chexbert_model(config=None, path=None):
             self.bert, self.dropout = BertModel(config), torch.nn.Dropout(0.1)
             heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
             self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
-
     model = CheXbertModel()
     if path is None:
         return model
@@ -958,9 +954,8 @@ class TinyPolicy:
         return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
-        max_len = self.model.hparams["max_len"]
-        return pad_completions([self.tokenizer.encode(t)[:max_len - 1] + [self.eos_token_id] for t in texts],
-                               self.pad_token_id, self.device)
+        return pad_completions([self.tokenizer.encode(t)[:self.model.hparams["max_len"] - 1] + [self.eos_token_id]
+                                for t in texts], self.pad_token_id, self.device)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
@@ -1027,9 +1022,8 @@ class HFPolicy:
         prompt_text = [self.processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         flat = [im.convert("RGB") for views in images for im in views]
         inputs = self.processor(text=prompt_text, images=flat, padding=True, return_tensors="pt")  # never truncated
-        prompts = {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
-        prompts["n_images"] = torch.tensor([len(v) for v in images])  # (B,) views per study, for repeat()
-        return prompts
+        return ({k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
+                | {"n_images": torch.tensor([len(v) for v in images])})  # (B,) views per study, for repeat()
 
     def repeat(self, prompts: dict, G: int) -> dict:
         """Each study G times in a row; pixel_values (every image's t*h*w patch rows in turn) is cut per study."""
@@ -1061,9 +1055,8 @@ class HFPolicy:
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
-        seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:self.max_target_tokens - 1] + [self.eos_token_id]
-                for t in texts]
-        return pad_completions(seqs, self.pad_token_id, self.device)
+        return pad_completions([self.tokenizer(t, add_special_tokens=False)["input_ids"][:self.max_target_tokens - 1]
+                                + [self.eos_token_id] for t in texts], self.pad_token_id, self.device)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
@@ -1284,8 +1277,7 @@ def lora_disabled(model: torch.nn.Module):  # inside the block, LoRA off: the ba
 
 
 # ==== 6. RL core: group advantages, the GRPO clipped loss (three normalisations), DPO, rollouts ====
-# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer. N = B prompts x G samples (groups contiguous),
-# T completion tokens. The losses are pure: tensors in, (loss, stats) out.
+# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N, T as in section 5; tensors in, (loss, stats) out.
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
     std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
@@ -1319,8 +1311,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
     # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old per token, L = -min(ratio A, clip(ratio) A)
     ratio = torch.exp(logp - old_logp)  # (N, T)
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
-    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
-    kl = None
+    per_token, kl = -torch.min(ratio * A, clipped * A), None  # (N, T); kl (N, T) with a reference
     if ref_logp is not None:
         # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
         log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
@@ -1446,16 +1437,15 @@ def barrier():
 def end_process(message: str | None = None):
     """The end of a script (`message`: an error, exit 1). Under torchrun: leave the group after the others, then skip
     the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception")."""
-    if not _distributed():
-        if message:
-            raise SystemExit(message)
-        return
-    barrier()
-    torch.distributed.destroy_process_group()
-    sys.stderr.write(f"{message}\n" if message else "")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if message else 0)
+    if _distributed():
+        barrier()
+        torch.distributed.destroy_process_group()
+        sys.stderr.write(f"{message}\n" if message else "")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if message else 0)
+    if message:
+        raise SystemExit(message)
 
 
 def all_reduce_mean(x):  # mean over ranks of a number, a list or a dict of numbers (the same keys on every rank)
@@ -1484,8 +1474,7 @@ def broadcast_object(obj, src: int = 0):  # rank src's object on every rank
 
 
 @torch.no_grad()
-def broadcast_parameters(model: torch.nn.Module, src: int = 0):
-    """Rank `src`'s parameters and buffers on every rank (what DDP does when it wraps a model)."""
+def broadcast_parameters(model: torch.nn.Module, src: int = 0):  # rank src's parameters and buffers, as DDP's wrap
     for t in list(model.parameters()) + list(model.buffers()) if _distributed() else []:
         torch.distributed.broadcast(t.data, src=src)
 
@@ -1517,16 +1506,14 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
     return get_model_state_dict(model, options=options), optimizer and get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def gather_strided(mine: list, world_size: int) -> list:
-    """Each rank's strided share of a list (records[rank::world_size]) -> the whole list in order, on every rank."""
+def gather_strided(mine: list, world_size: int) -> list:  # each rank's x[rank::world_size] -> all x on every rank
     shards = all_gather_objects(mine)
     return [shards[k % world_size][k // world_size] for k in range(sum(map(len, shards)))]
 
 
 def seed_everything(seed: int, rank: int = 0):  # python, numpy, torch (all CUDA devices too): seed + rank (nanoGPT)
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
+    for seed_rng in (random.seed, np.random.seed, torch.manual_seed):
+        seed_rng(seed + rank)
 
 
 def exact_div(a: int, b: int, what: str) -> int:  # a / b, batch sizes that must be whole (lm-human-preference-details)
@@ -1569,8 +1556,7 @@ class Run:
         elif self.resume_flags is None:
             return f"--resume: {config} not found; is --out the folder of the run to resume?"
 
-    def write(self, name: str, text: str):
-        """Rank 0 writes out/<name> (it may hold a folder: "ablation/x.json") atomically: no reader sees half a file."""
+    def write(self, name: str, text: str):  # rank 0 writes out/<name> ("a/x.json" too) atomically: no half-written file
         if self.is_main:
             atomic_save(text, self.out / name)
 
@@ -1605,9 +1591,8 @@ class Run:
         return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform))
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None):
-        """(step, batch) for step = start (default: restore()'s) .. total - 1, with a bar; after each a metrics.jsonl
-        line (log()'s means over the step and ranks), last.pt every CHECKPOINT_EVERY steps and at the end; Ctrl-C or
-        SIGTERM saves and stops."""
+        """(step, batch), step = start (default: restore()'s) .. total - 1, with a bar; after each, a metrics.jsonl line
+        (log()'s means over ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C, SIGTERM: save, stop."""
         import signal
         stop, start = [], self.start if start is None else start
         old = {s: signal.signal(s, lambda *_: stop.append(1)) for s in (signal.SIGINT, signal.SIGTERM)} \
@@ -1806,10 +1791,8 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
     """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
     optimizer, w = torch.optim.AdamW(list(params), lr=lr, **kwargs), int(warmup * total)
-    def factor(step):
-        if step < w:
-            return (step + 1) / w
-        return {"linear": (total - step) / max(1, total - w), "constant": 1.0,
+    def factor(step):  # the lr's multiplier at `step`
+        return (step + 1) / w if step < w else {"linear": (total - step) / max(1, total - w), "constant": 1.0,
                 "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))}[schedule]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
