@@ -96,9 +96,8 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:  # as R2Gen's cl
     t = collapse(report, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
     for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
         t = t.replace(marker, ". ")
-    sentences = t.strip().lower().split(". ")
     return " . ".join(R2GEN_PUNCT.sub("", s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
-                                       .strip().lower()) for s in sentences) + " ."
+                                       .strip().lower()) for s in t.strip().lower().split(". ")) + " ."
 
 
 def clean_style(records: list[Record]) -> str:  # "iu_xray" for Open-i image names (CXR<n>_IM-...), else "mimic_cxr"
@@ -516,11 +515,10 @@ _STABLE = r"(?:stable|unchanged)\b"
 
 class RuleLabeler:
     """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
-    expressions: its mention phrases, negation and uncertainty cues scoped to the clause, its aggregation and No
-    Finding rule. Offline and fast, but not CheXbert (README, "The rule labeler on real reports"). A mention is, in
-    CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude") in reach, else negative with a
-    negation cue, else uncertain with an uncertainty cue, else positive. A report: 1 if any mention is positive, else
-    -1 if any is uncertain, else 0 if any, else blank."""
+    expressions: its mention phrases, negation and uncertainty cues, aggregation and No Finding rule; offline, fast, not
+    CheXbert (README, "The rule labeler on real reports"). A mention (CheXpert's order) is uncertain with a pre-negation
+    uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
+    cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
     # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
     # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
     MENTIONS = {
@@ -569,18 +567,16 @@ class RuleLabeler:
     # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
     # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
     UNMENTIONS = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
-    # Mentions that are at most uncertain (positive -> uncertain; negated stays negative): CheXpert's post-negation
-    # uncertainty patterns (a stable heart or mediastinum, "borderline heart size", "vascular congestion", ...) and
-    # its aggregation exception, "chf" and "heart failure" as uncertain Cardiomegaly.
+    # At most uncertain (positive -> uncertain, negative stays): CheXpert's post-negation uncertainty patterns (a stable
+    # heart, "vascular congestion", ...) and, from its aggregation, "chf" and "heart failure" as uncertain Cardiomegaly.
     HEDGED = {
         "Enlarged Cardiomediastinum": [_MEDIASTINUM + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _MEDIASTINUM],
         "Cardiomegaly": [_words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
                          _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _HEART + r"\b"],
         "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")]}
-    # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's patterns/
-    # {pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases. kind: "pre_neg_unc" (uncertain
-    # although it contains a negation), "neg", "unc"; direction: "pre" applies to mentions after the cue, "post" to
-    # mentions before it. Any cue inside a mention's span applies whatever its direction.
+    # Cues (CheXpert's patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt): (pattern, kind,
+    # direction, reach: characters from cue to mention). kind: "pre_neg_unc" (uncertain despite a negation), "neg",
+    # "unc"; direction: "pre" acts on mentions after the cue, "post" on those before; one inside a mention acts on it.
     CLAUSE = 1000  # reach to the end of the clause
     CUES = [
         (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
@@ -1074,8 +1070,7 @@ class HFPolicy:
 
 def make_policy(model: str, train_reports: list[str], device, dtype=torch.float32, max_new_tokens: int = 128,
                 extra_tokens=(), max_pixels: int | None = 512 * 512, gradient_checkpointing=True):
-    """`--model tiny` -> TinyPolicy (its words from the training reports); else HFPolicy (a hub id or folder),
-    max_pixels per view: 512 x 512 gives at most 334 Qwen tokens, the processor's default thousands."""
+    """`--model tiny`: TinyPolicy (training reports' words), else HFPolicy (max_pixels 512^2: <= 334 tokens a view)."""
     if model == "tiny":
         tok = WordTokenizer.build(list(train_reports), extra_tokens)
         return TinyPolicy(TinyVLM(len(tok.vocab), max_len=max_new_tokens), tok, device=device)
@@ -1120,9 +1115,8 @@ def generate_completions(policy, model, inputs: dict, prompt_len: int, max_new_t
 
 
 def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
-    """log softmax(logits / temperature) at ids: (N, T, V), (N, T) -> (N, T) float32, a sequence at a time. Without
-    grad this avoids an fp32 (N, T, V) copy of a 150k vocabulary; with grad each row's copy is saved for backward
-    (608 KB per token at 151,936 words: README, memory table). `suppressed` ids get probability 0."""
+    """log softmax(logits / temperature) at ids -> (N, T) float32, row by row: without grad no fp32 (N, T, V) copy; with
+    grad each row's copy is saved (608 KB a token at 151,936 words: README, memory table). `suppressed` ids: p = 0."""
     rows = []
     for lg, tok in zip(logits, ids):  # (T, V), (T,)
         lg = lg.float() / temperature
@@ -1201,8 +1195,7 @@ def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_le
     return (h * m).sum(1) / m.sum(1)
 
 
-# LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's LoraLayer: h = W0 x + (alpha / r) B A dropout(x), W0
-# frozen, B = 0 at the start. LoRA switched off gives the base back: the reference, without a second copy.
+# LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's LoraLayer: W0 frozen, B = 0 at first; switched off, the reference.
 class LoRALinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0):
         super().__init__()
@@ -1523,8 +1516,7 @@ def exact_div(a: int, b: int, what: str) -> int:  # a / b, batch sizes that must
 
 
 class Run:
-    """One run: its processes (rank, world size, device, dtype), inputs (data, labeler) and folder
-    (config.json, metrics.jsonl, last.pt, eval_*.json, generations_*.jsonl, eval.json, final/)."""
+    """One run: processes (rank, world size, device, dtype), inputs (data, labeler), folder (README, "Run folders")."""
     def __init__(self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True, notes=()):
         self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
@@ -1880,8 +1872,7 @@ def read_generations(path) -> list[dict]:  # generations.jsonl: a {"id", "refere
 
 
 class LabelCache:
-    """A labeler that labels each distinct text once: the G copies of a reference in a step, repeated
-    completions, texts scored for a reward and again for the CE metrics. One per step or evaluation."""
+    """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
     def __init__(self, labeler):
         self.labeler, self.labels = labeler, {}
 
