@@ -469,9 +469,8 @@ def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int =
                    seed: int = 0) -> Path:
     """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
-    rng, annotation = np.random.default_rng(seed), {}
+    rng, annotation = np.random.default_rng(seed), {"train": [], "val": [], "test": []}
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
-        annotation[split] = []
         for k in range(n):
             findings, labels = sample_synthetic_study(rng)
             report, name = write_synthetic_report(findings, labels, rng), f"{split}_{k:05d}"
