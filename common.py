@@ -843,10 +843,9 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
     p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
     out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
-    out = {k: float(v) for k, v in out.items()}
-    out["per_label"] = {name: {"precision": float(p_lab[i]), "recall": float(r_lab[i]), "f1": float(f_lab[i]),
-                               "support": int(ref[:, i].sum())} for i, name in enumerate(CHEXPERT_LABELS)}
-    return out
+    return {k: float(v) for k, v in out.items()} | {"per_label": {name: {
+        "precision": float(p_lab[i]), "recall": float(r_lab[i]), "f1": float(f_lab[i]), "support": int(ref[:, i].sum())}
+        for i, name in enumerate(CHEXPERT_LABELS)}}
 
 
 # ==== 5. Models: one small policy interface, a tiny built-in VLM and Hugging Face VLMs ============
@@ -1783,8 +1782,9 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
     """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
     optimizer, w = torch.optim.AdamW(list(params), lr=lr, **kwargs), int(warmup * total)
     def factor(step):  # the lr's multiplier at `step`
-        return (step + 1) / w if step < w else {"linear": (total - step) / max(1, total - w), "constant": 1.0,
-                "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))}[schedule]
+        decay = {"linear": (total - step) / max(1, total - w), "constant": 1.0,
+                 "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))}
+        return (step + 1) / w if step < w else decay[schedule]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
