@@ -1,19 +1,13 @@
 """common.py: the small shared part of rrg-from-scratch, in reading order.
 
-  1. Labels    the 14 CheXpert observations (CheXbert order) and the value conventions
-  2. Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR) and report cleaning, a torch Dataset,
-               and the synthetic chest X-ray set used offline
+  1. Labels    the 14 CheXpert observations (CheXbert order); label arrays (N, 14) float: 1, 0, -1 uncertain, NaN blank
+  2. Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, a torch Dataset, the synthetic set
   3. Labelers  RuleLabeler (CheXpert-style rules) and CheXbertLabeler (f1chexbert's model)
-  4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (equal to pycocoevalcap), METEOR through
-               pycocoevalcap's Java scorer, clinical-efficacy (CE) precision/recall/F1
-  5. Models    one policy interface: TinyPolicy (offline) and HFPolicy (Qwen2.5-VL and kin);
-               image and text encoders; LoRA
+  4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its Java scorer), clinical efficacy (CE) P/R/F1
+  5. Models    one policy interface: TinyPolicy (offline), HFPolicy (Qwen2.5-VL and kin); image and text encoders; LoRA
   6. RL core   group advantages, GRPO loss (grpo / bnpo / dr_grpo, k3 KL), DPO loss, rollouts
-  7. Running   the scaffold of every train(): torchrun, seed, threads, run folder, resume,
-               logging, evaluation; the RL policy, optimiser and schedule; checkpoints
+  7. Running   train()'s scaffold: torchrun, seed, threads, run folder, resume, logs, evaluation, RL policy, checkpoints
   8. Command line  flags from an Args dataclass; `python common.py evaluate --generations FILE.jsonl`
-
-Label arrays are float (N, 14): 1 positive, 0 negative, -1 uncertain, NaN not mentioned.
 """
 from __future__ import annotations
 
@@ -69,9 +63,8 @@ def binarize(labels, uncertain_as: int = 1) -> np.ndarray:
 
 def apply_no_finding_rule(labels: np.ndarray) -> np.ndarray:
     """CheXpert's No Finding, in place: 1 when nothing but Support Devices is positive or uncertain, else blank."""
-    others = labels[..., [LABEL_INDEX[n] for n in FINDINGS if n != "Support Devices"]]
-    found = np.any((others == 1) | (others == -1), axis=-1)
-    labels[..., LABEL_INDEX["No Finding"]] = np.where(found, np.nan, 1.0)
+    others = [LABEL_INDEX[n] for n in FINDINGS if n != "Support Devices"]
+    labels[..., LABEL_INDEX["No Finding"]] = np.where(np.isin(labels[..., others], (1, -1)).any(-1), np.nan, 1.0)
     return labels
 
 
@@ -87,32 +80,27 @@ class Record:
     meta: dict = field(default_factory=dict)  # any other fields of the record, kept as is
 
 
-# Report cleaning as R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py), as in the papers' NLG numbers:
-# lower-case, split sentences on ". ", delete punctuation, join with " . ". Its quirks stay, for comparable numbers:
-# it deletes every "1. " (list markers, but also in "11. " and "1.5"), its punctuation class holds the range ":-\["
-# (0x3A-0x5B), which also deletes ";<=>?@" while "-" stays, and empty sentences stay (". .").
+# Report cleaning as R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py), as in the papers' NLG numbers, quirks
+# and all: it deletes every "1. " (list markers, but also in "11. " and "1.5"), its punctuation class holds the range
+# ":-\[" (0x3A-0x5B), which also deletes ";<=>?@" while "-" stays, and empty sentences stay (". .").
 R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: see above
 
 
-def clean_report(report: str, style: str = "mimic_cxr") -> str:
-    """Clean a report as R2Gen's clean_report_mimic_cxr ("mimic_cxr") or clean_report_iu_xray ("iu_xray")."""
+def clean_report(report: str, style: str = "mimic_cxr") -> str:  # as R2Gen's clean_report_mimic_cxr / _iu_xray (style)
     def collapse(t, old, new, times):  # R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes
         for _ in range(times):
             t = t.replace(old, new)
         return t
-    t = report
     if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
-        t = collapse(collapse(t.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
-    t = collapse(t, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
+        report = collapse(collapse(report.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
+    t = collapse(report, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
     for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
         t = t.replace(marker, ". ")
-    sentences = t.strip().lower().split(". ")
     return " . ".join(R2GEN_PUNCT.sub("", s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
-                                       .strip().lower()) for s in sentences) + " ."
+                                       .strip().lower()) for s in t.strip().lower().split(". ")) + " ."
 
 
-def clean_style(records: list[Record]) -> str:
-    """R2Gen's cleaning rule for the data: "iu_xray" for IU X-Ray (Open-i image names CXR<n>_IM-...), else "mimic_cxr"."""
+def clean_style(records: list[Record]) -> str:  # "iu_xray" for Open-i image names (CXR<n>_IM-...), else "mimic_cxr"
     iu = re.compile(r"(?:^|/)CXR\d+_IM-\d+")
     return "iu_xray" if any(iu.search(p) for r in records for p in r.image_paths) else "mimic_cxr"
 
@@ -140,11 +128,19 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
                          f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
     root = path.parent / "images" if (path.parent / "images").is_dir() else path.parent
     out, problems = {split: [] for split in splits}, []
+    def image_problem(name: str) -> str | None:  # its header only: a 0-byte or foreign file fails at load, not mid-run
+        try:
+            with Image.open(root / name) as im:
+                return None if min(im.size) > 0 else f"empty image {name}"
+        except FileNotFoundError:
+            return f"image not found: {name}"
+        except (UnidentifiedImageError, OSError) as e:
+            return f"cannot read image {name} ({type(e).__name__})"
     names = {p for split in splits for row in raw[split] if isinstance(row, dict)  # every image's header, in threads
              for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
              if isinstance(p, str)}
     with ThreadPoolExecutor(8) as pool:
-        unreadable = dict(zip(names, pool.map(lambda p: image_problem(root, p), names)))
+        unreadable = dict(zip(names, pool.map(image_problem, names)))
     for split in splits:
         for n, row in enumerate(raw[split]):
             where = f"{path} [{split}][{n}]" + (f" id={row.get('id')!r}" if isinstance(row, dict) else "")
@@ -174,19 +170,7 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
     return out
 
 
-def image_problem(root: Path, name: str) -> str | None:
-    """None if root/name opens as an image (its header only: a 0-byte or foreign file fails at load, not mid-run)."""
-    try:
-        with Image.open(root / name) as im:
-            return None if min(im.size) > 0 else f"empty image {name}"
-    except FileNotFoundError:
-        return f"image not found: {name}"
-    except (UnidentifiedImageError, OSError) as e:
-        return f"cannot read image {name} ({type(e).__name__})"
-
-
-def load_image(path: str, record_id: str = "?"):
-    """Open an image as 8-bit grey-scale PIL; a clear error names the file and the record."""
+def load_image(path: str, record_id: str = "?"):  # 8-bit grey-scale PIL; a clear error names the file and the record
     try:
         with Image.open(path) as im:
             return im.convert("L")
@@ -205,7 +189,6 @@ def default_transform(size: int = 224, channels: int = 3):
 
 class ReportDataset(torch.utils.data.Dataset):
     """{"id", "images": (V, C, H, W) (PIL views with transform="pil"), "report", "labels": (14,), NaN blank}."""
-
     def __init__(self, records: list[Record], transform="pil"):
         self.records, self.transform = records, transform
 
@@ -221,32 +204,23 @@ class ReportDataset(torch.utils.data.Dataset):
         return {"id": r.id, "images": images, "report": r.report, "labels": torch.as_tensor(labels, dtype=torch.float32)}
 
 
-def collate(batch: list[dict]) -> dict:
-    """A batch of studies: images (B, V, C, H, W) zero-padded to the most views, "view_mask" (B, V) 1 for a real view."""
+def collate(batch: list[dict]) -> dict:  # images (B, V, C, H, W) zero-padded, "view_mask" (B, V): 1 for a real view
     out = {k: [b[k] for b in batch] for k in ("id", "report", "images")}
     out["labels"] = torch.stack([b["labels"] for b in batch])
     if isinstance(out["images"][0], torch.Tensor):
-        out["images"], out["view_mask"] = pad_views(out["images"])
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # noqa: E731  zeros after the last view
+        out["images"], out["view_mask"] = pad(out["images"]), pad([torch.ones(len(x)) for x in out["images"]])
     return out
 
 
-def pad_views(studies: list[torch.Tensor]):
-    """(V_i, ...) per study -> (B, V, ...) zero-padded, view mask (B, V) float."""
-    V = max(len(x) for x in studies)
-    mask = torch.tensor([[1.0] * len(x) + [0.0] * (V - len(x)) for x in studies])
-    return torch.stack([torch.cat([x, x.new_zeros((V - len(x), *x.shape[1:]))]) for x in studies]), mask
-
-
-def split_batch(batch: dict, n: int) -> list[dict]:
-    """A batch of B studies -> n micro-batches of B / n (gradient accumulation)."""
+def split_batch(batch: dict, n: int) -> list[dict]:  # B studies -> n micro-batches of B / n (gradient accumulation)
     size = exact_div(len(batch["id"]), n, "studies per process / --grad-accum")
     return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(n)]
 
 
 def study_batches(records: list[Record], batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                   start_step: int = 0, transform="pil"):
-    """Endless shuffled batches of studies, (epoch, batch), each rank its own shard (DistributedSampler,
-    reshuffled each epoch from `seed`): a run resumed at `start_step` sees the same batches."""
+    """Endless (epoch, batch) of shuffled studies, each rank its shard: resumed at `start_step`, the same batches."""
     if len(records) < batch_size * world_size:
         raise ValueError(f"{len(records)} studies cannot fill one batch of {batch_size} on each of {world_size} ranks")
     dataset = ReportDataset(records, transform)
@@ -316,8 +290,7 @@ UNCERTAIN_TEMPLATES = {
     "Atelectasis": "Probable {side} basilar atelectasis. | Possible minimal atelectasis at the {side} base.",
     "Pneumothorax": "Possible tiny {side} apical pneumothorax. | A tiny {side} pneumothorax cannot be excluded.",
     "Pleural Effusion": "Possible {sev} {side} pleural effusion. | A trace {side} pleural effusion is not excluded.",
-    "Pleural Other": "Possible {side} pleural thickening.",
-}
+    "Pleural Other": "Possible {side} pleural thickening."}
 NEGATED_PHRASES = {  # the noun phrase of a finding listed as absent
     "Enlarged Cardiomediastinum": "mediastinal widening", "Lung Opacity": "focal opacity",
     "Lung Lesion": "suspicious pulmonary nodule", "Edema": "pulmonary edema", "Consolidation": "focal consolidation",
@@ -351,8 +324,7 @@ def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
 
 
 def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
-    """A study's report, a sentence per finding in FINDINGS order (mediastinum, heart, lungs, pleura, bones, devices),
-    then the negated ones in "No A, B, or C." sentences of 1-4 items."""
+    """A study's report: a sentence per finding in FINDINGS order, then the negated in "No A, B, or C." sentences."""
     pick = lambda variants: str(rng.choice(variants.split(" | ")))  # noqa: E731
     sentences, negated = [], []
     for name in FINDINGS:
@@ -402,10 +374,8 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     ramp = lambda d, edge: np.clip(d / edge + 0.5, 0.0, 1.0)  # noqa: E731  soft step of a signed distance
     gauss = lambda cx, cy, sx, sy: np.exp(-0.5 * ((x - cx) / sx) ** 2 - 0.5 * ((y - cy) / sy) ** 2)  # noqa: E731
     radius = lambda cx, cy, a, b: np.sqrt(((x - cx) / a) ** 2 + ((y - cy) / b) ** 2)  # noqa: E731  < 1 inside
-
     # Normal anatomy: the body, two dark lung fields with diaphragm domes (the right one higher)
-    img = 0.03 + 0.47 * ramp((1 - radius(0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02)
-    L = {}
+    img, L = 0.03 + 0.47 * ramp((1 - radius(0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02), {}
     for s in (-1, 1):
         cx = 0.5 + s * lx
         r = radius(cx, ly, ax, ay)
@@ -476,8 +446,7 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
         band = ramp(L[s]["r"] - 1 + th, 0.05) * L[s]["thorax"] * ramp(s * (x - L[s]["cx"]) - 0.3 * ax, 0.03)
         img += (0.68 - img) * band * ramp(y - ly + 0.55 * ay, 0.05) * ramp(ly + 0.45 * ay - y, 0.05) * (0.6 + 0.4 * a)
     if "Support Devices" in findings:  # thin, very bright tubes along a few segments
-        j = lambda: U(-0.015, 0.015)  # noqa: E731
-        kind = findings["Support Devices"]["kind"]
+        j, kind = lambda: U(-0.015, 0.015), findings["Support Devices"]["kind"]  # noqa: E731
         curves = {"endotracheal tube": [[(0.5 + j(), -0.02), (0.5 + j(), 0.12), (0.5, 0.27 + j())]],  # above the carina
                   "central venous catheter": [[(0.35 + j(), -0.02), (0.42 + j(), 0.14), (0.47, 0.2 + j()), (0.47 + j(), 0.42)]],
                   "nasogastric tube": [[(0.49 + j(), -0.02), (0.49, 0.5), (0.5 + j(), 0.85), (0.66 + j(), 0.8 + j())]],
@@ -500,9 +469,8 @@ def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int =
                    seed: int = 0) -> Path:
     """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
-    rng, annotation = np.random.default_rng(seed), {}
+    rng, annotation = np.random.default_rng(seed), {"train": [], "val": [], "test": []}
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
-        annotation[split] = []
         for k in range(n):
             findings, labels = sample_synthetic_study(rng)
             report, name = write_synthetic_report(findings, labels, rng), f"{split}_{k:05d}"
@@ -527,8 +495,7 @@ def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, siz
     return final / "annotation.json"
 
 
-def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
-    """`--data` of every script: "synthetic", or an annotation.json or its folder."""
+def load_data(data: str, **kwargs) -> dict[str, list[Record]]:  # --data: "synthetic", an annotation.json or its folder
     path = synthetic_data() if data == "synthetic" else Path(data) / "annotation.json" if Path(data).is_dir() else data
     return load_annotation(path, **kwargs)
 
@@ -538,8 +505,7 @@ def _words(*phrases: str) -> str:  # RuleLabeler puts one \b before all of a lab
     return r"(?:" + "|".join(phrases) + r")\b"
 
 
-# A gap inside one mention (e.g. "heart ... enlarged"): stays within the clause.
-_GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"
+_GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"  # a gap inside one mention ("heart ... enlarged"), within the clause
 _HEART = r"(?:heart(?: size)?|cardiac (?:silhouette|size|contour|contours|shadow))"
 _MEDIASTINUM = r"(?:cardiomediastinal (?:silhouette|contours?)|mediastinal (?:contours?|silhouette)|mediastinum)"
 _NORMAL = r"(?:normal|within normal limits|unremarkable)"  # "heart size ... limits of normal" reaches "normal"
@@ -548,12 +514,10 @@ _STABLE = r"(?:stable|unchanged)\b"
 
 class RuleLabeler:
     """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
-    expressions: its mention phrases, negation and uncertainty cues scoped to the clause, its aggregation and No
-    Finding rule. Offline and fast, but not CheXbert (README, "The rule labeler on real reports"). A mention is, in
-    CheXpert's order: uncertain with a pre-negation uncertainty cue ("cannot exclude") in reach, else negative with a
-    negation cue, else uncertain with an uncertainty cue, else positive. A report: 1 if any mention is positive, else
-    -1 if any is uncertain, else 0 if any, else blank."""
-
+    expressions: its mention phrases, negation and uncertainty cues, aggregation and No Finding rule; offline, fast, not
+    CheXbert (README, "The rule labeler on real reports"). A mention (CheXpert's order) is uncertain with a pre-negation
+    uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
+    cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
     # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
     # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
     MENTIONS = {
@@ -583,13 +547,12 @@ class RuleLabeler:
         "Pleural Other": [_words(r"pleural (?:thickening|plaques?|calcifications?)", r"fibrothorax", r"fibrosis",
                                  r"pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?")],
         "Fracture": [_words(r"fractur(?:e|es|ed)")],
-        "Support Devices": [_words(
-            r"endotracheal tube", r"et tube", r"ett", r"tracheostomy(?: tube)?", r"(?:naso|oro)gastric tube",
-            r"ng tube", r"og tube", r"enteric tube", r"feeding tube", r"dobhoff(?: tube)?", r"chest tubes?",
-            r"(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?", r"central (?:venous )?line",
-            r"picc(?: line)?", r"port-a-cath", r"portacath", r"mediport", r"pacemaker", r"pacer", r"icd",
-            r"defibrillator", r"pacing leads?", r"sternotomy wires", r"intra-aortic balloon pump", r"iabp",
-            r"stents?", r"drains?", r"prosthetic valve", r"valve replacement", r"lvad")],
+        "Support Devices": [_words(r"endotracheal tube", r"et tube", r"ett", r"tracheostomy(?: tube)?",
+            r"(?:naso|oro)gastric tube", r"ng tube", r"og tube", r"enteric tube", r"feeding tube", r"dobhoff(?: tube)?",
+            r"chest tubes?", r"(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?",
+            r"central (?:venous )?line", r"picc(?: line)?", r"port-a-cath", r"portacath", r"mediport", r"pacemaker",
+            r"pacer", r"icd", r"defibrillator", r"pacing leads?", r"sternotomy wires", r"intra-aortic balloon pump",
+            r"iabp", r"stents?", r"drains?", r"prosthetic valve", r"valve replacement", r"lvad")],
         # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
         # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
         "No Finding": [r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
@@ -603,26 +566,24 @@ class RuleLabeler:
     # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
     # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
     UNMENTIONS = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
-    # Mentions that are at most uncertain (positive -> uncertain; negated stays negative): CheXpert's post-negation
-    # uncertainty patterns (a stable heart or mediastinum, "borderline heart size", "vascular congestion", ...) and
-    # its aggregation exception, "chf" and "heart failure" as uncertain Cardiomegaly.
+    # At most uncertain (positive -> uncertain, negative stays): CheXpert's post-negation uncertainty patterns (a stable
+    # heart, "vascular congestion", ...) and, from its aggregation, "chf" and "heart failure" as uncertain Cardiomegaly.
     HEDGED = {
         "Enlarged Cardiomediastinum": [_MEDIASTINUM + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _MEDIASTINUM],
         "Cardiomegaly": [_words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
                          _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _HEART + r"\b"],
         "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")]}
-    # Cues: (pattern, kind, direction, reach in characters between cue and mention), CheXpert's patterns/
-    # {pre_negation_uncertainty,negation,post_negation_uncertainty}.txt as phrases. kind: "pre_neg_unc" (uncertain
-    # although it contains a negation), "neg", "unc"; direction: "pre" applies to mentions after the cue, "post" to
-    # mentions before it. Any cue inside a mention's span applies whatever its direction.
+    # Cues (CheXpert's patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt): (pattern, kind,
+    # direction, reach: characters from cue to mention). kind: "pre_neg_unc" (uncertain despite a negation), "neg",
+    # "unc"; direction: "pre" acts on mentions after the cue, "post" on those before; one inside a mention acts on it.
     CLAUSE = 1000  # reach to the end of the clause
     CUES = [
         (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
          r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
          r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)", "pre_neg_unc", "both", CLAUSE),
-        (r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent|are absent"
-         r"|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged|widened)",
-         "neg", "post", 40),
+        (r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
+         r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
+         r"|widened)", "neg", "post", 40),
         (r"not well[- ](?:seen|visualized|evaluated|appreciated)|poorly evaluated", "unc", "post", 40),
         (r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
          r"|history of|disappearance of|rather than|without|no|not|nor|neither|never", "neg", "pre", CLAUSE),
@@ -631,11 +592,10 @@ class RuleLabeler:
          r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration", "unc", "post", 30),
         (r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
          r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
-         r"|suggestion of|maybe|favou?r(?:s|ing|ed)?"
-         r"|differential|consider(?:ed)?|equivocal|presumed|presumably|indeterminate|evaluate for|evaluation for"
-         r"|assess for|rule out|r/o|correlate clinically for", "unc", "pre", CLAUSE),
-        (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
-    ]
+         r"|suggestion of|maybe|favou?r(?:s|ing|ed)?|differential|consider(?:ed)?|equivocal|presumed|presumably"
+         r"|indeterminate|evaluate for|evaluation for|assess for|rule out|r/o|correlate clinically for",
+         "unc", "pre", CLAUSE),
+        (r"\?", "unc", "both", CLAUSE)]  # last: the one cue that need not start a word
     # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
     TERMINATORS = (r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
                    r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b")
@@ -676,8 +636,7 @@ class RuleLabeler:
                  or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)}
         return UNCERTAIN if "pre_neg_unc" in kinds else NEGATIVE if "neg" in kinds else UNCERTAIN if "unc" in kinds else POSITIVE
 
-    def __call__(self, reports: list[str]) -> np.ndarray:
-        """Label reports -> float (N, 14), 1 / 0 / -1 / NaN, CHEXPERT_LABELS order."""
+    def __call__(self, reports: list[str]) -> np.ndarray:  # (N, 14) float, 1 / 0 / -1 / NaN, CHEXPERT_LABELS order
         if not reports:
             return np.zeros((0, len(CHEXPERT_LABELS)))
         labels = np.stack([self._mentions(r.lower()) for r in reports])
@@ -695,8 +654,9 @@ CHEXBERT_MAX_PIECES = 512  # including [CLS] and [SEP]: longer reports keep thei
 CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
 
 
-def chexbert_model(config=None):
-    """f1chexbert's bert_labeler, its BERT built from a config: its own __init__ downloads bert-base-uncased."""
+def chexbert_model(config=None, path=None):
+    """f1chexbert's bert_labeler, its BERT built from a config (its own __init__ downloads bert-base-uncased); `path`:
+    chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) loaded strictly (f1chexbert: strict=False)."""
     import warnings
     with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
         from f1chexbert.f1chexbert import bert_labeler
@@ -706,20 +666,12 @@ def chexbert_model(config=None):
     class CheXbertModel(bert_labeler):
         def __init__(self):
             torch.nn.Module.__init__(self)
-            self.bert = BertModel(config)
-            self.dropout = torch.nn.Dropout(0.1)
+            self.bert, self.dropout = BertModel(config), torch.nn.Dropout(0.1)
             heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
             self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
-
-    return CheXbertModel()
-
-
-def load_chexbert_weights(model, path=None):
-    """Load chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) strictly (f1chexbert: strict=False);
-    without a path, from the Hub (f1chexbert 0.0.2's own download passes the removed `force_filename`)."""
+    model = CheXbertModel()
     if path is None:
-        from huggingface_hub import hf_hub_download
-        path = from_hub(lambda offline: hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline))
+        return model
     if not Path(path).is_file():
         raise FileNotFoundError(f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
                                 f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})")
@@ -737,9 +689,7 @@ def load_chexbert_weights(model, path=None):
     return model
 
 
-def from_hub(load):
-    """load(offline=True) from the Hugging Face cache, else load(False) if the Hub answers; unreachable, one error at
-    once (the Hub client retries for minutes) naming the flags that do without it."""
+def from_hub(load):  # load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)
     import socket
     try:
         return load(True)
@@ -754,20 +704,19 @@ def from_hub(load):
 
 
 class CheXbertLabeler:
-    """CheXbert's labels (N, 14) as RuleLabeler's, in batches of reports sorted by length (f1chexbert labels
-    one at a time). `model`, `tokenizer`: a tiny BERT for tests; else the real weights and word pieces."""
-
+    """CheXbert's labels (N, 14) as RuleLabeler's, in batches sorted by length (f1chexbert labels one at a time)."""
     def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
         from transformers import BertTokenizerFast
-        if model is None:
-            model = load_chexbert_weights(chexbert_model(), weights)
+        if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
+            from huggingface_hub import hf_hub_download
+            hub = lambda offline: hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)  # noqa: E731
+            model = chexbert_model(path=from_hub(hub) if weights is None else weights)
         self.tokenizer = tokenizer or from_hub(lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased",
                                                                                                   local_files_only=offline))
         self.model = model.to(device).eval().requires_grad_(False)
         self.device, self.batch_size = torch.device(device), batch_size
 
-    def encode(self, report: str) -> list[int] | None:
-        """[CLS] pieces [SEP], cut to 512 as CheXbert does; None for an empty report."""
+    def encode(self, report: str) -> list[int] | None:  # [CLS] pieces [SEP], cut to 512 as CheXbert; None if empty
         if not report.strip():
             return None
         ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
@@ -793,27 +742,15 @@ class CheXbertLabeler:
 # BLEU, ROUGE-L and CIDEr-D equal pycocoevalcap 1.2 (tests/test_metrics.py), written here because rewards score
 # thousands of pairs a step; one reference per report. METEOR is pycocoevalcap's Java jar: no port matches it.
 NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
+_METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
 
 
-def ngram_counts(tokens: list[str]) -> list[Counter]:
-    """counts[k - 1] = Counter of the k-grams of `tokens`: precook() of bleu_scorer.py / cider_scorer.py."""
+def ngram_counts(tokens: list[str]) -> list[Counter]:  # [k-gram Counter, k = 1..4]: precook() of bleu/cider_scorer.py
     return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, NGRAM_N + 1)]
 
 
-def _bleu_scores(correct, guess, hyp_len, ref_len) -> np.ndarray:
-    """BLEU-1..4 per row of clipped matches and guesses (N, 4), with BleuScorer.compute_score()'s
-    smoothing constants (an empty hypothesis gives 0, not NaN) and product order."""
-    tiny, small = 1e-15, 1e-9
-    # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
-    bleu = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
-    ratio = (hyp_len + tiny) / (ref_len + small)  # brevity penalty exp(1 - r/c) when the hypothesis is shorter
-    with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
-        return bleu * np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)[:, None]
-
-
 def _lcs_length(a: list[str], b: list[str]) -> int:
-    """Length of the longest common subsequence: my_lcs() of rouge.py, bit-parallel (Allison & Dix
-    1986, as Hyyro 2004): one Python big int holds a DP column, so O(len(b)) big-int steps."""
+    """LCS length, my_lcs() of rouge.py bit-parallel (Allison & Dix 1986; Hyyro 2004): a big int holds a DP column."""
     match = {}  # match[t] has bit i set where a[i] == t
     for i, tok in enumerate(a):
         match[tok] = match.get(tok, 0) | (1 << i)
@@ -824,70 +761,58 @@ def _lcs_length(a: list[str], b: list[str]) -> int:
     return len(a) - (v & full).bit_count()
 
 
-def _rouge_l(hyp: list[str], ref: list[str], beta: float = ROUGE_BETA) -> float:
-    """Rouge.calc_score() of rouge.py: F_beta of LCS precision and recall (0 for an empty text;
-    pycocoevalcap would give 1.0 to an empty hypothesis against an empty reference)."""
-    lcs = _lcs_length(hyp, ref) if hyp and ref else 0
-    if lcs == 0:
-        return 0.0
-    p, r = lcs / len(hyp), lcs / len(ref)
-    return ((1 + beta**2) * p * r) / float(r + beta**2 * p)  # pycocoevalcap's operation order
-
-
-def _cider_d(hyps_counts, refs_counts, cider_df=None, sigma: float = CIDER_SIGMA) -> np.ndarray:
-    """CIDEr-D per pair, as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf)
-    times a Gaussian length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based).
-    Document frequencies from the references scored (one pair: all 0), or cider_df = (df, documents) of a corpus."""
-    df, n_docs = cider_df or (Counter(g for ref in refs_counts for c in ref for g in c), len(refs_counts))
-    log_n = math.log(n_docs)
-    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
-    norm = lambda counts: [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]  # noqa: E731
-    scores = []
-    for h, r in zip(hyps_counts, refs_counts):
-        penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * sigma**2))
-        sims = [sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc.keys() & rc.keys()) / (hn * rn if hn and rn else 1)
-                for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))]
-        scores.append(10.0 * np.mean(sims) * penalty)
-    return np.array(scores)
-
-
-_METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
-
-
-def _meteor(hyps: list[str], refs: list[str]):
-    """Corpus METEOR (the jar's own aggregate, not the mean per report) and per-report scores. One line per text:
-    a newline ends a jar command and "|||" separates fields (pycocoevalcap cleans the hypothesis only)."""
-    global _METEOR_SCORER
-    if _METEOR_SCORER is None:
-        from pycocoevalcap.meteor.meteor import Meteor
-        _METEOR_SCORER = Meteor()
-    one_line = lambda t: " ".join(t.replace("|||", " ").split())  # noqa: E731
-    score, scores = _METEOR_SCORER.compute_score({i: [one_line(r)] for i, r in enumerate(refs)},
-                                                 {i: [one_line(h)] for i, h in enumerate(hyps)})
-    return float(score), [float(s) for s in scores]
-
-
 def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool = False, cider_df=None) -> dict:
-    """BLEU-1..4, ROUGE-L, CIDEr(-D) and METEOR (with pycocoevalcap and java, unless RRG_METEOR=0) of each text
-    against its one reference, as pycocoevalcap; per_sample adds per-report scores; cider_df: see above."""
+    """BLEU-1..4, ROUGE-L, CIDEr-D and METEOR (with java, unless RRG_METEOR=0) of each text against its one reference,
+    as pycocoevalcap; per_sample adds per-report scores; cider_df: (df, documents) of a corpus, for CIDEr-D."""
     if len(hyps) != len(refs) or not hyps:
         raise ValueError(f"need as many references as hypotheses, at least one: got {len(hyps)} and {len(refs)}")
     hyp_toks, ref_toks = [h.split() for h in hyps], [r.split() for r in refs]
     hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
     # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
+    def bleu(correct, guess, hyp_len, ref_len):  # BLEU-1..4 per row (N, 4) in BleuScorer.compute_score()'s order
+        tiny, small = 1e-15, 1e-9  # its smoothing: an empty hypothesis gives 0, not NaN
+        # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
+        b = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
+        ratio = (hyp_len + tiny) / (ref_len + small)  # brevity penalty exp(1 - r/c) when the hypothesis is shorter
+        with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
+            return b * np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)[:, None]
     correct = np.array([[sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
                         for hc, rc in zip(hyp_counts, ref_counts)], dtype=float)  # (N, 4)
     guess = np.array([[max(0, len(t) - k) for k in range(NGRAM_N)] for t in hyp_toks], dtype=float)  # (N, 4)
     hyp_len, ref_len = np.array([len(t) for t in hyp_toks], float), np.array([len(t) for t in ref_toks], float)
-    each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], _bleu_scores(correct, guess, hyp_len, ref_len).T))
-    corpus = _bleu_scores(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
+    each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], bleu(correct, guess, hyp_len, ref_len).T))
+    corpus = bleu(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
     out = {f"BLEU-{k + 1}": float(corpus[k]) for k in range(NGRAM_N)}
-    # ROUGE-L and CIDEr-D: the corpus score is the mean of the per-report scores
-    each["ROUGE-L"] = np.array([_rouge_l(h, r) for h, r in zip(hyp_toks, ref_toks)])
-    each["CIDEr"] = _cider_d(hyp_counts, ref_counts, cider_df)
-    out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})
+    # ROUGE-L (Rouge.calc_score() of rouge.py): F_beta of LCS precision and recall in pycocoevalcap's operation order,
+    # 0 for an empty text (pycocoevalcap would give 1.0 to an empty hypothesis against an empty reference)
+    lcs = np.array([_lcs_length(h, r) if h and r else 0 for h, r in zip(hyp_toks, ref_toks)], float)  # (N,)
+    prec, rec = lcs / np.maximum(hyp_len, 1), lcs / np.maximum(ref_len, 1)  # (N,) each
+    with np.errstate(invalid="ignore"):  # 0 / 0 where lcs == 0
+        each["ROUGE-L"] = np.where(lcs > 0, ((1 + ROUGE_BETA**2) * prec * rec) / (rec + ROUGE_BETA**2 * prec), 0.0)
+    # CIDEr-D as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf) times a Gaussian
+    # length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based). Document
+    # frequencies from the references scored (one pair: all 0), or cider_df's of a corpus
+    df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
+    log_n = math.log(n_docs)
+    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
+    norm = lambda counts: [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]  # noqa: E731
+    each["CIDEr"] = []
+    for h, r in zip(hyp_counts, ref_counts):
+        penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
+        sims = [sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc.keys() & rc.keys()) / (hn * rn if hn and rn else 1)
+                for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))]
+        each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
+    out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})  # the mean of the per-report scores
     if meteor and os.environ.get("RRG_METEOR") != "0" and importlib.util.find_spec("pycocoevalcap") and shutil.which("java"):
-        out["METEOR"], each["METEOR"] = _meteor(hyps, refs)
+        global _METEOR_SCORER  # corpus METEOR: the jar's own aggregate, not the mean per report
+        if _METEOR_SCORER is None:
+            from pycocoevalcap.meteor.meteor import Meteor
+            _METEOR_SCORER = Meteor()
+        # one line per text: a newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)
+        one_line = lambda t: " ".join(t.replace("|||", " ").split())  # noqa: E731
+        score, scores = _METEOR_SCORER.compute_score({i: [one_line(r)] for i, r in enumerate(refs)},
+                                                     {i: [one_line(h)] for i, h in enumerate(hyps)})
+        out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
     elif meteor:
         log.warning("METEOR skipped: it needs `pip install pycocoevalcap` and java on PATH")
     if per_sample:
@@ -895,21 +820,15 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     return out
 
 
-# --- CE metrics. F1-CheXbert (R2Gen/CMN/... tables): micro F1 over these 5 observations only ---
-CHEXBERT_5 = ["Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion"]
-
-
-def _prf(tp, fp, fn):
-    """Precision, recall, F1 = 2TP / (2TP + FP + FN), each 0 when undefined (scikit-learn's zero_division=0)."""
+def _prf(tp, fp, fn):  # precision, recall, F1 = 2TP / (2TP + FP + FN), 0 if undefined (scikit-learn's zero_division=0)
     div = lambda a, b: np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)  # noqa: E731
     return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
 
 
 def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
-    """Clinical efficacy of generated (hyp) vs reference labels (N, 14). Uncertain is positive with
-    uncertain_as=1 (CheXpert's "U-ones", DEER; ours), not with 0 (PromptMRG's code)."""
-    hyp = binarize(hyp_labels, uncertain_as).astype(bool)  # (N, 14)
-    ref = binarize(ref_labels, uncertain_as).astype(bool)  # (N, 14)
+    """Clinical efficacy of generated (hyp) vs reference labels (N, 14), uncertain positive (uncertain_as=1) or not."""
+    hyp = binarize(hyp_labels, uncertain_as).astype(bool)  # (N, 14); uncertain_as=1: CheXpert's "U-ones" (DEER; ours)
+    ref = binarize(ref_labels, uncertain_as).astype(bool)  # (N, 14); uncertain_as=0: PromptMRG's code
     tp, fp, fn = (hyp & ref).astype(float), (hyp & ~ref).astype(float), (~hyp & ref).astype(float)  # (N, 14) each
     # Micro: TP/FP/FN pooled over reports and labels
     out = dict(zip(("micro_precision", "micro_recall", "micro_f1"), _prf(tp.sum(), fp.sum(), fn.sum())))
@@ -920,14 +839,13 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     # no predicted (or no reference) positive scores 0, as PromptMRG's nan_to_num and scikit-learn's "samples" average
     p_ex, r_ex, f_ex = _prf(tp.sum(1), fp.sum(1), fn.sum(1))  # (N,) each
     out.update(example_precision=p_ex.mean(), example_recall=r_ex.mean(), example_f1=f_ex.mean())
-    # F1-CheXbert: micro over the 5 common observations
-    cols = [LABEL_INDEX[name] for name in CHEXBERT_5]
+    # F1-CheXbert (R2Gen/CMN/... tables): micro over the 5 common observations only
+    cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
     p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
     out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
-    out = {k: float(v) for k, v in out.items()}
-    out["per_label"] = {name: {"precision": float(p_lab[i]), "recall": float(r_lab[i]), "f1": float(f_lab[i]),
-                               "support": int(ref[:, i].sum())} for i, name in enumerate(CHEXPERT_LABELS)}
-    return out
+    return {k: float(v) for k, v in out.items()} | {"per_label": {name: {
+        "precision": float(p_lab[i]), "recall": float(r_lab[i]), "f1": float(f_lab[i]), "support": int(ref[:, i].sum())}
+        for i, name in enumerate(CHEXPERT_LABELS)}}
 
 
 # ==== 5. Models: one small policy interface, a tiny built-in VLM and Hugging Face VLMs ============
@@ -936,8 +854,7 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 #   repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
 #   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
 #   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
-#   encode_targets(texts) -> ids, mask;  decode(ids, mask) -> texts;  sft_loss(prompts, texts)
-#   save(dir); load_policy(dir)
+#   encode_targets(texts) -> ids, mask; decode(ids, mask) -> texts; sft_loss(prompts, texts); save(dir); load_policy
 # Sampling is plain temperature sampling: top-k / top-p would make the recorded log-probs differ from the policy's.
 _WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
 
@@ -947,8 +864,7 @@ class WordTokenizer:
     PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
     def __init__(self, vocab: list[str]):
-        self.vocab = list(vocab)
-        self.index = {w: i for i, w in enumerate(self.vocab)}
+        self.vocab, self.index = list(vocab), {w: i for i, w in enumerate(vocab)}
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = (self.index[t] for t in (self.PAD, self.BOS, self.EOS, self.UNK))
 
     @classmethod
@@ -1000,7 +916,6 @@ class TinyVLM(torch.nn.Module):
 
 class TinyPolicy:
     """The tiny built-in policy (`--model tiny`): its prompt is the image prefix + BOS (`text` is ignored)."""
-
     def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
         self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
         self.device, self.eos_token_ids = torch.device(device), [tokenizer.eos_id]  # as HFPolicy's, a list
@@ -1009,9 +924,10 @@ class TinyPolicy:
     def prompt_batch(self, images, text=None) -> dict:
         """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
         import torchvision.transforms.functional as F
-        pixels, mask = pad_views([torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1
-                                               for im in study]) for study in images])
-        return {"pixel_values": pixels.to(self.device), "view_mask": mask.to(self.device)}
+        views = [torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
+                 for study in images]  # (V, 1, S, S) each
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True).to(self.device)  # noqa: E731  zeros
+        return {"pixel_values": pad(views), "view_mask": pad([torch.ones(len(v)) for v in views])}
 
     def repeat(self, prompts: dict, G: int) -> dict:
         return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
@@ -1032,15 +948,13 @@ class TinyPolicy:
         return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
-        max_len = self.model.hparams["max_len"]
-        return pad_completions([self.tokenizer.encode(t)[:max_len - 1] + [self.eos_token_id] for t in texts],
-                               self.pad_token_id, self.device)
+        return pad_completions([self.tokenizer.encode(t)[:self.model.hparams["max_len"] - 1] + [self.eos_token_id]
+                                for t in texts], self.pad_token_id, self.device)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
 
-    def sft_loss(self, prompts: dict, texts: list[str]):
-        """Teacher-forced negative log-likelihood of the texts: token sum / token count."""
+    def sft_loss(self, prompts: dict, texts: list[str]):  # teacher-forced NLL of the texts: token sum / token count
         ids, mask = self.encode_targets(texts)
         return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
 
@@ -1055,7 +969,6 @@ class HFPolicy:
     """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL): the chat template with one image per view,
     left-padded; completions right-padded. The hub's top_k / top_p / repetition penalty give way to plain temperature
     sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
-
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
     def __init__(self, name_or_path: str, device="cpu", dtype=torch.float32, gradient_checkpointing: bool = False,
@@ -1088,27 +1001,23 @@ class HFPolicy:
             enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
             self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
-        # from_pretrained gives eval mode (checkpointing and LoRA dropout off); generate() switches to eval and back
-        self.model.train()
+        self.model.train()  # from_pretrained gives eval mode (no checkpointing, no LoRA dropout); generate() toggles it
 
-    def vision_and_language(self):
-        """(the vision tower with its merger, the language model with its LM head) as modules."""
+    def vision_and_language(self):  # (the vision tower and merger, the LM with its head) as modules
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
 
     def _forward_context(self):  # bf16 weights with fp32 parts (fp32_trainable, LoRA) need autocast to mix them
         return contextlib.nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, dtype=self.dtype)
 
-    def prompt_batch(self, images, text) -> dict:
-        """images: one list of PIL views per study; text: one instruction, or one per study."""
+    def prompt_batch(self, images, text) -> dict:  # images: PIL views per study; text: one instruction or one per study
         texts = [text] * len(images) if isinstance(text, str) or text is None else list(text)
         chats = [[{"role": "user", "content": [{"type": "image"} for _ in views] + [{"type": "text", "text": t or ""}]}]
                  for views, t in zip(images, texts)]
         prompt_text = [self.processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         flat = [im.convert("RGB") for views in images for im in views]
         inputs = self.processor(text=prompt_text, images=flat, padding=True, return_tensors="pt")  # never truncated
-        prompts = {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
-        prompts["n_images"] = torch.tensor([len(v) for v in images])  # (B,) views per study, for repeat()
-        return prompts
+        return ({k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
+                | {"n_images": torch.tensor([len(v) for v in images])})  # (B,) views per study, for repeat()
 
     def repeat(self, prompts: dict, G: int) -> dict:
         """Each study G times in a row; pixel_values (every image's t*h*w patch rows in turn) is cut per study."""
@@ -1129,8 +1038,7 @@ class HFPolicy:
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T)."""
-        T = completion_ids.shape[1]
-        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
+        T, inputs = completion_ids.shape[1], {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
         inputs["input_ids"] = torch.cat([prompts["input_ids"], completion_ids], dim=1)  # (N, P+T)
         inputs["attention_mask"] = torch.cat([prompts["attention_mask"], completion_mask.to(prompts["attention_mask"].dtype)], 1)
         if "mm_token_type_ids" in prompts:  # completions are text (type 0)
@@ -1141,9 +1049,8 @@ class HFPolicy:
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
-        seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:self.max_target_tokens - 1] + [self.eos_token_id]
-                for t in texts]
-        return pad_completions(seqs, self.pad_token_id, self.device)
+        return pad_completions([self.tokenizer(t, add_special_tokens=False)["input_ids"][:self.max_target_tokens - 1]
+                                + [self.eos_token_id] for t in texts], self.pad_token_id, self.device)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
@@ -1161,8 +1068,7 @@ class HFPolicy:
 
 def make_policy(model: str, train_reports: list[str], device, dtype=torch.float32, max_new_tokens: int = 128,
                 extra_tokens=(), max_pixels: int | None = 512 * 512, gradient_checkpointing=True):
-    """`--model tiny` -> TinyPolicy (its words from the training reports); else HFPolicy (a hub id or folder),
-    max_pixels per view: 512 x 512 gives at most 334 Qwen tokens, the processor's default thousands."""
+    """`--model tiny`: TinyPolicy (training reports' words), else HFPolicy (max_pixels 512^2: <= 334 tokens a view)."""
     if model == "tiny":
         tok = WordTokenizer.build(list(train_reports), extra_tokens)
         return TinyPolicy(TinyVLM(len(tok.vocab), max_len=max_new_tokens), tok, device=device)
@@ -1181,11 +1087,9 @@ def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
 
 
 def fp32_trainable(model: torch.nn.Module):
-    """Cast what trains to float32 (master weights): in bf16, AdamW steps of ~lr = 1e-6 on weights of
-    ~0.02 round away. Call after freezing, before building the optimiser."""
-    for p in model.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
+    """Cast what trains to fp32 (bf16 rounds away AdamW's ~1e-6 steps on ~0.02): after freezing, before AdamW."""
+    for p in [p for p in model.parameters() if p.requires_grad and p.dtype != torch.float32]:
+        p.data = p.data.float()
 
 
 @torch.no_grad()
@@ -1198,7 +1102,7 @@ def generate_completions(policy, model, inputs: dict, prompt_len: int, max_new_t
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, use_cache=True, return_dict_in_generate=True,
                          output_logits=return_logprobs, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id,
-                         synced_gpus=is_sharded(policy.model), **sampling)
+                         synced_gpus=isinstance(policy.model, FSDPModule), **sampling)
     policy.model.train(was_training)
     ids = out.sequences[:, prompt_len:]  # (N, T) the completion only
     mask = completion_mask(ids, eos_ids)  # (N, T)
@@ -1209,9 +1113,8 @@ def generate_completions(policy, model, inputs: dict, prompt_len: int, max_new_t
 
 
 def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
-    """log softmax(logits / temperature) at ids: (N, T, V), (N, T) -> (N, T) float32, a sequence at a time. Without
-    grad this avoids an fp32 (N, T, V) copy of a 150k vocabulary; with grad each row's copy is saved for backward
-    (608 KB per token at 151,936 words: README, memory table). `suppressed` ids get probability 0."""
+    """log softmax(logits / temperature) at ids -> (N, T) float32, row by row: without grad no fp32 (N, T, V) copy; with
+    grad each row's copy is saved (608 KB a token at 151,936 words: README, memory table). `suppressed` ids: p = 0."""
     rows = []
     for lg, tok in zip(logits, ids):  # (T, V), (T,)
         lg = lg.float() / temperature
@@ -1221,15 +1124,13 @@ def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
     return torch.stack(rows)  # (N, T)
 
 
-def completion_mask(ids, eos_id):
-    """(N, T) float: 1 up to and including the first EOS, 0 after (all 1 without one). eos_id:
-    one id or a list (chat models end a turn with <|im_end|> but may stop on <|endoftext|>)."""
+def completion_mask(ids, eos_id):  # a list of ids: chat models end a turn with <|im_end|> but may stop on <|endoftext|>
+    """(N, T) float: 1 up to and including the first EOS (an id, or any of a list), 0 after; all 1 without one."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_id, device=ids.device)).int()  # (N, T)
     return ((is_eos.cumsum(1) - is_eos) == 0).float()  # (N, T) no EOS strictly before
 
 
-def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
-    """Right-pad token lists -> ids (N, T) long, mask (N, T) float."""
+def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):  # right-padded: ids (N, T) long, mask (N, T)
     T = max(1, max(len(s) for s in seqs))
     ids, mask = torch.full((len(seqs), T), pad_id, dtype=torch.long), torch.zeros(len(seqs), T)
     for i, s in enumerate(seqs):
@@ -1240,7 +1141,6 @@ def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
 # Image and text encoders of DCRRG and RRGCL (neither uses the policy interface for them) ----------
 class ViewMean(torch.nn.Module):
     """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d)."""
-
     def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None, dim: int | None = None):
         super().__init__()
         self.body, self.head, self.dim = body, head, dim or getattr(body, "dim", None)
@@ -1252,15 +1152,13 @@ class ViewMean(torch.nn.Module):
 class SmallCNN(torch.nn.Module):
     """Offline image encoder (B, 1, S, S) -> (B, dim): 3 x 3 conv blocks (GroupNorm: no batch statistics),
     average-pooled to grid x grid (where a sign lies stays visible), flattened, then Linear + ReLU to `dim`."""
-
     def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
         super().__init__()
         c = [1, *widths]
         blocks = [m for i, o, s in zip(c, c[1:], strides)
                   for m in (torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU())]
         blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
-        if dim is not None:
-            blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
+        blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()] if dim is not None else []
         self.net, self.dim = torch.nn.Sequential(*blocks), dim or c[-1] * grid * grid
 
     def forward(self, x):
@@ -1295,8 +1193,7 @@ def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_le
     return (h * m).sum(1) / m.sum(1)
 
 
-# LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's LoraLayer: h = W0 x + (alpha / r) B A dropout(x), W0
-# frozen, B = 0 at the start. LoRA switched off gives the base back: the reference, without a second copy.
+# LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's LoraLayer: W0 frozen, B = 0 at first; switched off, the reference.
 class LoRALinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0):
         super().__init__()
@@ -1317,8 +1214,7 @@ class LoRALinear(torch.nn.Module):
         return out + (torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B)
                       * self.scaling).to(out.dtype)
 
-    def delta_weight(self):
-        """(alpha / r) * B A, (out, in) as the base weight (computed in fp32)."""
+    def delta_weight(self):  # (alpha / r) * B A, (out, in) as the base weight (computed in fp32)
         return ((self.lora_B.float() @ self.lora_A.float()) * self.scaling).to(self.base.weight.dtype)
 
 
@@ -1341,14 +1237,11 @@ def apply_lora(model: torch.nn.Module, target_modules: list[str], r: int = 8, al
 def lora_merged_state_dict(model: torch.nn.Module) -> dict:
     """The state dict with every LoRA folded into its base layer (names as without LoRA), on the side."""
     state = model.state_dict()
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            for key in ("lora_A", "lora_B"):
-                state.pop(f"{name}.{key}")
-            for key in ("weight", "bias"):
-                if f"{name}.base.{key}" in state:
-                    state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
-            state[f"{name}.weight"] = state[f"{name}.weight"] + m.delta_weight()
+    for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
+        del state[f"{name}.lora_A"], state[f"{name}.lora_B"]
+        for key in [k for k in ("weight", "bias") if f"{name}.base.{k}" in state]:
+            state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
+        state[f"{name}.weight"] = state[f"{name}.weight"] + m.delta_weight()
     return state
 
 
@@ -1363,8 +1256,7 @@ def merge_lora(model: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def lora_disabled(model: torch.nn.Module):
-    """Inside the block the model is its base (LoRA paths off): the reference policy for free."""
+def lora_disabled(model: torch.nn.Module):  # inside the block, LoRA off: the base model, the reference for free
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
     for m in layers:
         m.enabled = False
@@ -1376,20 +1268,17 @@ def lora_disabled(model: torch.nn.Module):
 
 
 # ==== 6. RL core: group advantages, the GRPO clipped loss (three normalisations), DPO, rollouts ====
-# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer. N = B prompts x G samples (groups contiguous),
-# T completion tokens. The losses are pure: tensors in, (loss, stats) out.
+# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N, T as in section 5; tensors in, (loss, stats) out.
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
     std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
-    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-    if bad:
+    if bad := (~torch.isfinite(rewards)).nonzero().flatten().tolist():
         raise ValueError(f"the reward function returned NaN or inf at completions {bad}")
     if group_size < 2:  # one completion per prompt: every advantage is 0 and nothing would be learned
         raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
     r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
     A = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    if scale == "std":
-        A = A / (r.std(dim=1, keepdim=True) + eps)  # (B, G), Bessel's std (N - 1)
+    A = A / (r.std(dim=1, keepdim=True) + eps) if scale == "std" else A  # (B, G), Bessel's std (N - 1)
     same = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) every reward of the group equal
     return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
 
@@ -1413,8 +1302,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
     # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old per token, L = -min(ratio A, clip(ratio) A)
     ratio = torch.exp(logp - old_logp)  # (N, T)
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
-    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
-    kl = None
+    per_token, kl = -torch.min(ratio * A, clipped * A), None  # (N, T); kl (N, T) with a reference
     if ref_logp is not None:
         # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
         log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
@@ -1446,7 +1334,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1,
             return lp
         total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
         return total / m.sum(-1).clamp(min=1) if length_normalize else total
-
     c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
     r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
     # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
@@ -1479,13 +1366,9 @@ def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temper
     texts = policy.decode(ids, mask)
     rewards = torch.as_tensor(reward_fn(texts, [n // G for n in range(len(texts))]), dtype=torch.float32,
                               device=ids.device)  # (N,)
-    ref_logp = None
-    with torch.no_grad():
-        if ref == "lora":
-            with lora_disabled(policy.model):
-                ref_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
-        elif ref != "none":
-            ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
+    ref_policy = None if ref == "none" else policy if ref == "lora" else ref
+    with torch.no_grad(), lora_disabled(policy.model) if ref == "lora" else contextlib.nullcontext():
+        ref_logp = ref_policy.completion_logprobs(prompts, ids, mask, temperature) if ref_policy is not None else None
     return Rollout(prompts, ids, mask, texts, rewards, ref_logp)
 
 
@@ -1545,20 +1428,18 @@ def barrier():
 def end_process(message: str | None = None):
     """The end of a script (`message`: an error, exit 1). Under torchrun: leave the group after the others, then skip
     the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception")."""
-    if not _distributed():
-        if message:
-            raise SystemExit(message)
-        return
-    barrier()
-    torch.distributed.destroy_process_group()
-    sys.stderr.write(f"{message}\n" if message else "")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if message else 0)
+    if _distributed():
+        barrier()
+        torch.distributed.destroy_process_group()
+        sys.stderr.write(f"{message}\n" if message else "")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if message else 0)
+    if message:
+        raise SystemExit(message)
 
 
-def all_reduce_mean(x):
-    """Mean over ranks of a number, a list or a dict of numbers (the same keys on every rank)."""
+def all_reduce_mean(x):  # mean over ranks of a number, a list or a dict of numbers (the same keys on every rank)
     if isinstance(x, dict):
         return dict(zip(x.keys(), all_reduce_mean([float(v) for v in x.values()]) if x else []))
     t = torch.as_tensor(x, dtype=torch.float64)
@@ -1569,15 +1450,14 @@ def all_reduce_mean(x):
     return t.item() if t.dim() == 0 else t.tolist()
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's python object, in rank order, on every rank ([obj] in one process)."""
+def all_gather_objects(obj) -> list:  # every rank's object, in rank order, on every rank ([obj] in one process)
     out = [obj] * (torch.distributed.get_world_size() if _distributed() else 1)
     if _distributed():
         torch.distributed.all_gather_object(out, obj)
     return out
 
 
-def broadcast_object(obj, src: int = 0):
+def broadcast_object(obj, src: int = 0):  # rank src's object on every rank
     box = [obj]
     if _distributed():
         torch.distributed.broadcast_object_list(box, src=src)
@@ -1585,11 +1465,9 @@ def broadcast_object(obj, src: int = 0):
 
 
 @torch.no_grad()
-def broadcast_parameters(model: torch.nn.Module, src: int = 0):
-    """Rank `src`'s parameters and buffers on every rank (what DDP does when it wraps a model)."""
-    if _distributed():
-        for t in list(model.parameters()) + list(model.buffers()):
-            torch.distributed.broadcast(t.data, src=src)
+def broadcast_parameters(model: torch.nn.Module, src: int = 0):  # rank src's parameters and buffers, as DDP's wrap
+    for t in list(model.parameters()) + list(model.buffers()) if _distributed() else []:
+        torch.distributed.broadcast(t.data, src=src)
 
 
 def all_reduce_gradients(params, world_size: int):
@@ -1612,53 +1490,31 @@ def shard(model: torch.nn.Module, dtype=torch.float32):
         register_fsdp_forward_method(model, name)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:  # by shard(): fully_shard turns the model's class into an FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
-    """A sharded model's (and optimiser's) full state dicts on the CPU; every rank calls it (the shards are gathered)."""
+    """A shard()ed model's (an FSDPModule's) and optimiser's full state dicts on the CPU; every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options), optimizer and get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """(B, ...) on each rank -> (world_size * B, ...) in rank order on every rank, for a loss over the global batch
-    (a contrastive softmax). The gradient reaches this rank's part only, times world_size: every rank computes the
-    same loss, so all_reduce_gradients gives the single-process gradient exactly."""
-    if world_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world_size)]
-    torch.distributed.all_gather(parts, x.detach().contiguous())
-    parts[torch.distributed.get_rank()] = x + (x - x.detach()) * (world_size - 1)  # value x, gradient x world_size
-    return torch.cat(parts)
-
-
-def gather_strided(mine: list, world_size: int) -> list:
-    """Each rank's strided share of a list (records[rank::world_size]) -> the whole list in order, on every rank."""
+def gather_strided(mine: list, world_size: int) -> list:  # each rank's x[rank::world_size] -> all x on every rank
     shards = all_gather_objects(mine)
     return [shards[k % world_size][k // world_size] for k in range(sum(map(len, shards)))]
 
 
-def seed_everything(seed: int, rank: int = 0):
-    """Seed python, numpy and torch (every CUDA device too) with seed + rank (nanoGPT's offset)."""
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
+def seed_everything(seed: int, rank: int = 0):  # python, numpy, torch (all CUDA devices too): seed + rank (nanoGPT)
+    for seed_rng in (random.seed, np.random.seed, torch.manual_seed):
+        seed_rng(seed + rank)
 
 
-def exact_div(a: int, b: int, what: str) -> int:
-    """a / b for batch arithmetic that must come out whole (lm-human-preference-details)."""
+def exact_div(a: int, b: int, what: str) -> int:  # a / b, batch sizes that must be whole (lm-human-preference-details)
     if b <= 0 or a % b:
         raise ValueError(f"{what}: {a} is not divisible by {b}")
     return a // b
 
 
 class Run:
-    """One run: its processes (rank, world size, device, dtype), inputs (data, labeler) and folder
-    (config.json, metrics.jsonl, last.pt, eval_*.json, generations_*.jsonl, eval.json, final/)."""
-
+    """One run: processes (rank, world size, device, dtype), inputs (data, labeler), folder (README, "Run folders")."""
     def __init__(self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True, notes=()):
         self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
@@ -1690,8 +1546,7 @@ class Run:
         elif self.resume_flags is None:
             return f"--resume: {config} not found; is --out the folder of the run to resume?"
 
-    def write(self, name: str, text: str):
-        """Rank 0 writes out/<name> (it may hold a folder: "ablation/x.json") atomically: no reader sees half a file."""
+    def write(self, name: str, text: str):  # rank 0 writes out/<name> ("a/x.json" too) atomically: no half-written file
         if self.is_main:
             atomic_save(text, self.out / name)
 
@@ -1700,8 +1555,7 @@ class Run:
         return Run(dataclasses.replace(self.args, out=str(self.out / name)), self.rank, self.world_size, self.device,
                    self.data, self.labeler, resume_flags=tuple(flags), notes=self.notes)
 
-    def per_rank(self, batch_size: int, flag: str) -> int:
-        """A global batch (studies over all ranks, as the papers count) -> this rank's share."""
+    def per_rank(self, batch_size: int, flag: str) -> int:  # a global batch (as the papers count) -> this rank's share
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
 
     def autocast(self):  # bf16 matmuls under torch.autocast
@@ -1727,9 +1581,8 @@ class Run:
         return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform))
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None):
-        """(step, batch) for step = start (default: restore()'s) .. total - 1, with a bar; after each a metrics.jsonl
-        line (log()'s means over the step and ranks), last.pt every CHECKPOINT_EVERY steps and at the end; Ctrl-C or
-        SIGTERM saves and stops."""
+        """(step, batch), step = start (default: restore()'s) .. total - 1, with a bar; after each, a metrics.jsonl line
+        (log()'s means over ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C, SIGTERM: save, stop."""
         import signal
         stop, start = [], self.start if start is None else start
         old = {s: signal.signal(s, lambda *_: stop.append(1)) for s in (signal.SIGINT, signal.SIGTERM)} \
@@ -1760,8 +1613,7 @@ class Run:
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def log(self, **stats):
-        """Numbers for this step's line in metrics.jsonl (several calls in a step are averaged)."""
+    def log(self, **stats):  # numbers for this step's line in metrics.jsonl (several calls in a step are averaged)
         for k, v in stats.items():
             self._stats[k].append(float(v))
 
@@ -1786,7 +1638,7 @@ class Run:
             keys.astype(np.int64)), pos, has_gauss, gauss], **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
         states, params = all_gather_objects(rng), dict(model.named_parameters())
         partial = not all(p.requires_grad for p in params.values())
-        weights, optim = full_state_dicts(model, optimizer) if is_sharded(model) else (None, None)  # gathered: loadable alone
+        weights, optim = full_state_dicts(model, optimizer) if isinstance(model, FSDPModule) else (None, None)
         if self.is_main:
             weights = weights or {k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad}
             atomic_save({"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {},
@@ -1810,8 +1662,7 @@ class Run:
             prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in padded[b:b + 32]], prompt)
             with torch.no_grad(), self.autocast():
                 completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
-        completions = gather_strided(completions[:len(mine)], self.world_size)
-        results = None
+        completions, results = gather_strided(completions[:len(mine)], self.world_size), None
         if self.is_main:
             rows = [{"id": r.id, "reference": r.report, "generated": report(c) if report else c}
                     | ({"completion": c} if report else {}) for r, c in zip(records, completions)]
@@ -1823,7 +1674,7 @@ class Run:
 
     def finish(self, results: dict, policy=None) -> dict:
         """The trained policy to out/final/, the results to out/eval.json (--resume's sign that the run is done)."""
-        weights = full_state_dicts(policy.model)[0] if policy is not None and is_sharded(policy.model) else None
+        weights = full_state_dicts(policy.model)[0] if isinstance(getattr(policy, "model", None), FSDPModule) else None
         if self.is_main and policy is not None:
             policy.save(self.out / "final", weights)
         self.write("eval.json", json.dumps(results, indent=2))
@@ -1833,8 +1684,7 @@ class Run:
         return results
 
 
-def resolve_defaults(args):
-    """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
+def resolve_defaults(args):  # the "auto" flags made concrete as config.json records them: labeler, dtype (clean: data)
     if args.labeler == "auto":  # the papers' CheXbert for a real run; our rules offline, for the sandbox
         args.labeler = "rule" if args.data == "synthetic" or args.model == "tiny" else "chexbert"
     if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
@@ -1859,9 +1709,8 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     notes = [rule] * (args.labeler == "rule") + list(notes)
     for note in notes if rank == 0 else ():
         log.warning("note: %s", note)
-    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
     seed_everything(args.seed)
-    return run
+    return Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
 
 
 def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
@@ -1893,11 +1742,8 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
     saved = run.out / "warm_start"
     if warm_start and run.resuming and saved.is_dir():
         init, warm_start = saved, None
-    if init is not None:
-        policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
-    else:
-        policy = make_policy(run.args.model, [r.report for r in records], run.device, run.dtype, max_new_tokens,
-                             extra_tokens, max_pixels)
+    policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels) if init is not None else make_policy(
+        run.args.model, [r.report for r in records], run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
     broadcast_parameters(policy.model)
     add_lora = lambda: apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"],  # noqa: E731
                                   exclude=policy.vision_and_language()[0])  # its MLP shares the LM's names
@@ -1935,17 +1781,14 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
     """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
     optimizer, w = torch.optim.AdamW(list(params), lr=lr, **kwargs), int(warmup * total)
-
-    def factor(step):
-        if step < w:
-            return (step + 1) / w
-        return {"linear": (total - step) / max(1, total - w), "constant": 1.0,
-                "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))}[schedule]
+    def factor(step):  # the lr's multiplier at `step`
+        decay = {"linear": (total - step) / max(1, total - w), "constant": 1.0,
+                 "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))}
+        return (step + 1) / w if step < w else decay[schedule]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def atomic_save(obj, path: Path):
-    """torch.save (a str: its text) to a temporary file beside `path`, then renamed: a crash leaves the old file."""
+def atomic_save(obj, path: Path):  # torch.save (a str: its text) beside `path`, then renamed: a crash keeps the old one
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_text(obj) if isinstance(obj, str) else torch.save(obj, tmp)
@@ -1958,7 +1801,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-    if is_sharded(model):  # full state dicts (Run.checkpoint), each rank keeping its shards
+    if isinstance(model, FSDPModule):  # shard()'s: full state dicts (Run.checkpoint), each rank keeping its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
@@ -1992,9 +1835,8 @@ def parse_args(args_class, argv=None, description: str | None = None):
     """Flags from an Args dataclass: `--flag-name` per field, typed by its annotation (a bool as --flag /
     --no-flag, Literal[...] as choices), its help the comment after the field: a knob is written once."""
     import inspect
-    helps = {}
-    for cls in reversed(args_class.__mro__[:-1]):
-        helps.update(re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", inspect.getsource(cls), flags=re.M))
+    helps = {k: v for cls in reversed(args_class.__mro__[:-1])  # a subclass's help wins
+             for k, v in re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", inspect.getsource(cls), flags=re.M)}
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     casts = {"int": int, "float": float, "str": str}
     for f in dataclasses.fields(args_class):
@@ -2011,8 +1853,7 @@ def parse_args(args_class, argv=None, description: str | None = None):
     return args_class(**vars(p.parse_args(argv)))
 
 
-def read_generations(path) -> list[dict]:
-    """generations.jsonl: one {"id", "reference", "generated", ...} object per line."""
+def read_generations(path) -> list[dict]:  # generations.jsonl: a {"id", "reference", "generated", ...} per line
     if not Path(path).is_file():
         raise FileNotFoundError(f"generations file not found: {path}")
     rows = []
@@ -2030,15 +1871,12 @@ def read_generations(path) -> list[dict]:
 
 
 class LabelCache:
-    """A labeler that labels each distinct text once: the G copies of a reference in a step, repeated
-    completions, texts scored for a reward and again for the CE metrics. One per step or evaluation."""
-
+    """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
     def __init__(self, labeler):
         self.labeler, self.labels = labeler, {}
 
     def __call__(self, texts: list[str]) -> np.ndarray:
-        new = [t for t in dict.fromkeys(texts) if t not in self.labels]
-        if new:
+        if new := [t for t in dict.fromkeys(texts) if t not in self.labels]:
             self.labels.update(zip(new, self.labeler(new)))
         return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
 
@@ -2053,8 +1891,7 @@ def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_c
     (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
     every metric. Degenerate output (most reports alike, or none with a word of the references) is called out."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
-    n_empty = sum(not h.strip() for h in hyps)
-    if n_empty:
+    if n_empty := sum(not h.strip() for h in hyps):
         log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
     cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
     return {"n": len(rows), "n_empty_generations": n_empty, "degenerate": degenerate_output(hyps, refs), "clean": clean,
@@ -2078,8 +1915,7 @@ def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     return {"distinct": len(set(hyps)), "most_common_share": count / n, "contentless_share": contentless / n, "warning": warning}
 
 
-def summary(results: dict) -> str:
-    """One line: the paper's headline CE metric and BLEU-4, the degenerate-output warning beside them."""
+def summary(results: dict) -> str:  # the paper's headline CE metric, BLEU-4 and the degenerate-output warning
     h, unc = results["headline"], "positive" if results["uncertain_as"] else "negative"
     line = f"CE {h.replace('_', ' ')} {results['ce'][h]:.3f} (uncertain = {unc}), BLEU-4 {results['nlg']['BLEU-4']:.3f}"
     return line + (f"  [{results['degenerate']['warning']}]" if results["degenerate"]["warning"] else "")

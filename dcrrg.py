@@ -145,7 +145,6 @@ def description_records(records, labeler) -> list[common.Record]:
 class ProjectionHead(nn.Module):
     """Eq. 1b / 2b: f(concat(x, e_prompt)), f not given: LayerNorm, Linear to 4P, GELU, Linear to P (a linear f makes
     the prompt a shift the classifier cannot use); prompt weights start at unit scale (else ~sqrt(D) times weaker)."""
-
     def __init__(self, dim: int, width: int):
         super().__init__()
         self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim + K, 4 * width), nn.Linear(4 * width, width)
@@ -257,8 +256,7 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
 # Step 2: calibrated semantic matching loss (Eq. 3-9) and its loop ---------------------------------
 def soft_targets(l_anchor, l_cand, x_cand):
-    """Eq. 3-5: anchors i against candidates j; x_cand (N, D) the candidates' raw embeddings (t for Eq. 4, v for
-    Eq. 5). -> (N, N), row i a distribution over j, no gradient."""
+    """Eq. 3-5 -> (N, N): row i a distribution over candidates j (no gradient); x_cand (N, D): their raw embeddings."""
     # Eq. 3: s_ij = l_i . l_j / (|l_i| |l_j|)  (an all-zero label vector gives s = 0)
     s = F.normalize(l_anchor, dim=1) @ F.normalize(l_cand, dim=1).T
     # Eq. 4: w_ij = sim(t_i, t_j) / 2 + 0.5; Eq. 5 likewise with images (its "sim(v_i, v_i)" read as v_j, v_i)
@@ -268,8 +266,7 @@ def soft_targets(l_anchor, l_cand, x_cand):
 
 
 def csm_loss(v_p, t_p, v, t, l_img, l_txt, logit_scale):
-    """Eq. 6-9: v_p, t_p (N, P) under one prompt, v (N, D), t (N, M), labels (N, 14). CE summed over
-    candidates, mean over anchors."""
+    """Eq. 6-9: v_p, t_p (N, P) under one prompt, v (N, D), t (N, M), labels (N, 14); CE summed over j, mean over i."""
     y_vt = soft_targets(l_img, l_txt, t)  # Eq. 4: image i over texts j
     y_tv = soft_targets(l_txt, l_img, v)  # Eq. 5: text j over images i
     # Eq. 6: s^_ij = v~_i . t~_j; Eq. 7: softmax of s^ / tau. Eq. 7 sums over i in both directions; we
@@ -282,12 +279,23 @@ def csm_loss(v_p, t_p, v, t, l_img, l_txt, logit_scale):
     return (loss_vl + loss_lv) / 2, {"tau": 1 / logit_scale.exp().item()}  # Eq. 9
 
 
+def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """(B, ...) on each rank -> (world_size * B, ...) in rank order, on every rank. The gradient reaches this rank's
+    part only, times world_size: every rank computes the same loss, so all_reduce_gradients gives one process's."""
+    if world_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    torch.distributed.all_gather(parts, x.detach().contiguous())
+    parts[torch.distributed.get_rank()] = x + (x - x.detach()) * (world_size - 1)  # value x, gradient x world_size
+    return torch.cat(parts)
+
+
 def step2_loss(model: DCRRG, batch, world_size: int):
     """Eq. 1-2 then Eq. 3-9 on the global batch of image-report pairs (every rank gathers all candidates)."""
     v, t = model.embed_images(batch["images"]), model.embed_texts(batch["report"])  # Eq. 1a, 2a
     v_p, t_p = model.f_v(v), model.f_t(t)  # Eq. 1b, 2b: (B, 14, P), under every prompt
     l = ((batch["labels"] == 1) | (batch["labels"] == -1)).float().to(v.device)  # Eq. 3's l: positive, uncertain (paper silent); l_img = l_txt
-    v_p, t_p, v, t, l = (common.gather_batch(x, world_size) for x in (v_p, t_p, v, t, l))
+    v_p, t_p, v, t, l = (gather_batch(x, world_size) for x in (v_p, t_p, v, t, l))
     # Which prompt feeds Eq. 6 is not said: the loss is averaged over all 14, so each is aligned (Steps 3-4 read all)
     per_prompt = [csm_loss(v_p[:, k], t_p[:, k], v, t, l, l, model.logit_scale) for k in range(K)]
     return torch.stack([loss for loss, _ in per_prompt]).mean(), per_prompt[0][1]
@@ -345,7 +353,6 @@ class Decoder(nn.Module):
     alone, softmax over one key is 1: cross-attention never learns); Step 3 adds the observation's prompt embedding to
     the first input. Step 2 pulls all projections together (cosine ~0.9), so f_I is standardised per slot and feature
     by fixed training-image statistics (fit(); BatchNorm's would differ in Step 3's image + text batches)."""
-
     def __init__(self, vocab: int, d: int, heads: int, dropout: float, layers: int = 2):
         super().__init__()
         self.embed, self.prompts = nn.Embedding(vocab, d), nn.Embedding(K, d)  # prompts: Step 3, one per observation
@@ -453,8 +460,7 @@ def generate(model: DCRRG, inputs_fn, records, st, max_len: int, **decoder_kw) -
 
 
 def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
-    """Sec. 3.4: P-Tuning v2 (or --step4 fft) writes the report from f_I as in Step 3 (no observation prompt:
-    the prefixes ask for the report); then NLG and CE of the test reports."""
+    """Sec. 3.4: P-Tuning v2 (or --step4 fft) writes the report from f_I, no observation prompt; then test NLG, CE."""
     tok, transform, pt = env["tokenizer"], env["transform"], args.step4 == "pt"
     decoder_kw = lambda model: dict(prefix=model.prefix, head=model.prompt_head) if pt else {}  # noqa: E731
     f_I = lambda model, images: model.f_v(model.embed_images(images))  # noqa: E731  (B, 14, P)
@@ -502,8 +508,7 @@ def precision_at_k(sim: torch.Tensor, query_cls, cand_cls, ks=(1, 2, 5, 10)) -> 
 
 
 def retrieval(model: DCRRG, records, transform) -> dict:
-    """Image-to-text P@K on the 5 x N set, by the mean over the 14 prompts of cos(v_p^k, t_p^k); "skipped": the
-    classes left out, P@K over the others (none for one class: every candidate would match)."""
+    """Image-to-text P@K on the 5 x N set by the 14 prompts' mean cos(v_p^k, t_p^k); "skipped": the classes left out."""
     rows, classes = retrieval_set(np.stack([r.labels for r in records]), RETRIEVAL_PER_CLASS)
     kept = sorted(set(classes.tolist()))
     out = {"n_per_class": len(rows) // max(len(kept), 1), "skipped": [c for i, c in enumerate(FIVE) if i not in kept]}
@@ -597,8 +602,7 @@ def ablation(run, args: Args, env: dict) -> dict:
 
 
 def prepare(run, args: Args) -> dict:
-    """App. A's ImageNet weights (--model paper), then the splits labelled by --labeler (--extra-data keeps stored
-    labels), the tokenizer and the image transform."""
+    """App. A's ImageNet weights (--model paper) first; the splits labelled by --labeler (--extra-data: its labels)."""
     if args.model == "paper" and args.pretrained == "imagenet":  # now, not after hours of labelling
         import torchvision
         try:  # torchvision's weights API: downloaded once into torch's cache, where every DCRRG() finds them

@@ -10,7 +10,7 @@ import torch
 from transformers import BertConfig, BertTokenizerFast
 
 import common
-from common import CHEXPERT_LABELS, CheXbertLabeler, chexbert_model, load_chexbert_weights
+from common import CHEXPERT_LABELS, CheXbertLabeler, chexbert_model
 
 SENTENCES = [
     "There is a small left pleural effusion.", "No pneumothorax.", "Heart size is normal.",
@@ -145,7 +145,7 @@ def test_strict_loading(labeler, vocab_file, tmp_path):
     tok = labeler.tokenizer
     path = tmp_path / "chexbert.pth"
     state = save_as_chexbert_checkpoint(labeler.model, path)
-    fresh = load_chexbert_weights(chexbert_model(tiny_config(tok.vocab_size)), path)
+    fresh = chexbert_model(tiny_config(tok.vocab_size), path)
     again = CheXbertLabeler(model=fresh, tokenizer=tok)
     r = reports()
     np.testing.assert_array_equal(again(r), labeler(r))
@@ -153,9 +153,9 @@ def test_strict_loading(labeler, vocab_file, tmp_path):
     del state["module.linear_heads.13.bias"]
     torch.save({"model_state_dict": state}, tmp_path / "broken.pth")
     with pytest.raises(ValueError, match=r"(?s)broken.pth: does not match CheXbert's model .*Missing key.*linear_heads.13.bias"):
-        load_chexbert_weights(chexbert_model(tiny_config(tok.vocab_size)), tmp_path / "broken.pth")
+        chexbert_model(tiny_config(tok.vocab_size), tmp_path / "broken.pth")
     with pytest.raises(ValueError, match="does not match"):  # same names, other shapes
-        load_chexbert_weights(chexbert_model(tiny_config(tok.vocab_size + 1)), path)
+        chexbert_model(tiny_config(tok.vocab_size + 1), path)
     with pytest.raises(FileNotFoundError, match="--chexbert-weights"):
         CheXbertLabeler(weights=tmp_path / "nope.pth", tokenizer=tok)
 
