@@ -10,7 +10,7 @@ import torch
 from transformers import BertConfig, BertTokenizerFast
 
 import common
-from common import CHEXPERT_LABELS, CheXbertLabeler, chexbert_model
+from common import CheXbertLabeler, chexbert_model
 
 SENTENCES = [
     "There is a small left pleural effusion.", "No pneumothorax.", "Heart size is normal.",

@@ -1,5 +1,4 @@
 """tests/reproduce.py's machinery: seeds, paired statistics, the table, the runner's order and its skipping."""
-import json
 import sys
 
 import numpy as np
