@@ -1935,7 +1935,7 @@ def plot_run(out) -> list[Path]:
         for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
             panel, _, line = key.partition("/")
             panels[panel][line or panel] = np.array([(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))])
-        cols, n_rows = min(4, len(panels)), -(-len(panels) // 4)  # at most 4 panels a row
+        cols, n_rows = max(1, min(4, len(panels))), max(1, -(-len(panels) // 4))  # at most 4 a row; none: a blank
         fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
         axes = fig.subplots(n_rows, cols, squeeze=False)
         for ax, (panel, lines) in zip(axes.flat, panels.items()):

@@ -86,6 +86,9 @@ def test_plot_draws_every_logged_number_of_a_run_and_its_stages(tmp_path, monkey
     for folder in (tmp_path, tmp_path / "sft"):
         with Image.open(folder / "figures" / "training.png") as im:
             assert im.size[0] == 2 * 3.2 * 80 and im.size[1] == 2.3 * 80  # 2 panels: loss, lambda
+    (tmp_path / "stopped").mkdir()  # a run stopped before its first number: step and time only, a blank figure
+    (tmp_path / "stopped" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 0.1}) + "\n")
+    assert common.plot_run(tmp_path / "stopped") == [tmp_path / "stopped" / "figures" / "training.png"]
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         common.main(["plot", str(tmp_path / "nothing")])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as when it is not installed
