@@ -260,11 +260,8 @@ def bars(exp: Experiment, results: dict, seeds: list, path: Path, metrics=None):
             ax.plot([k] * len(seeds), v[:, k], ".", color="#333", ms=3)
         ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=7)
         ax.set_title(m, fontsize=8)
-        ax.tick_params(labelsize=7)
     fig.suptitle(f"{exp.title}: mean ± SE over seeds {seeds[0]}-{seeds[-1]} (dots: seeds)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    p.close(fig)
+    save(p, fig, axes[0], path)
 
 
 def orapo_figure(exp, results, seeds, path):
@@ -280,17 +277,25 @@ def orapo_figure(exp, results, seeds, path):
         axes[0].fill_between(x, m - se, m + se, color=color, alpha=0.2, lw=0)
     axes[0].set(xlabel="step", ylabel="zero-reward groups (10-step mean)")
     axes[0].legend(fontsize=7)
-    bars_ax = axes[1]
-    for k, m in enumerate(("test macro F1", "test FactS")):
-        d = [results[s]["orapo"][m] - results[s]["grpo"][m] for s in seeds]
-        bars_ax.bar(k, np.mean(d), yerr=np.std(d, ddof=1) / math.sqrt(len(d)), color="#8aa", capsize=3)
-        bars_ax.plot([k] * len(d), d, ".", color="#333", ms=3)
-    bars_ax.axhline(0, color="k", lw=0.5)
-    bars_ax.set_xticks([0, 1], ["test macro F1", "test FactS"], fontsize=7)
-    bars_ax.set_title("OraPO - GRPO, paired by seed", fontsize=8)
+    paired_bars(axes[1], {m: [results[s]["orapo"][m] - results[s]["grpo"][m] for s in seeds]
+                          for m in ("test macro F1", "test FactS")}, "OraPO - GRPO, paired by seed")
+    fig.suptitle(f"OraPO Fig. 2 on the synthetic set, seeds {seeds[0]}-{seeds[-1]} (mean ± SE)", fontsize=8)
+    save(p, fig, axes, path)
+
+
+def paired_bars(ax, differences: dict, title: str):
+    """A bar per paired difference (mean ± SE over seeds), each seed a dot."""
+    for k, d in enumerate(differences.values()):
+        ax.bar(k, np.mean(d), yerr=np.std(d, ddof=1) / math.sqrt(len(d)), color="#8aa", capsize=3)
+        ax.plot([k] * len(d), d, ".", color="#333", ms=3)
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xticks(range(len(differences)), list(differences), fontsize=7)
+    ax.set_title(title, fontsize=8)
+
+
+def save(p, fig, axes, path):
     for ax in axes:
         ax.tick_params(labelsize=7)
-    fig.suptitle(f"OraPO Fig. 2 on the synthetic set, seeds {seeds[0]}-{seeds[-1]} (mean ± SE)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     p.close(fig)
@@ -305,19 +310,11 @@ def rrgcl_figure(exp, results, seeds, path):
         axes[0].plot(range(len(c["lambda"])), c["lambda"], lw=0.8, label=f"{c['name'][:14]} ({c['gamma']:.1f})")
     axes[0].set(xlabel="epoch t", ylabel="lambda_n(t)")
     axes[0].legend(fontsize=4.5, ncol=2, title="class (gamma_n)", title_fontsize=5)
-    for k, (a, label) in enumerate((("rrgcl", "own file"), ("rrgcl_first_file", "first seed's file"), ("root", "Root"))):
-        d = [results[s][a]["CE micro F1"] - results[s]["none"]["CE micro F1"] for s in seeds]
-        axes[1].bar(k, np.mean(d), yerr=np.std(d, ddof=1) / math.sqrt(len(d)), color="#8aa", capsize=3)
-        axes[1].plot([k] * len(d), d, ".", color="#333", ms=3)
-    axes[1].axhline(0, color="k", lw=0.5)
-    axes[1].set_xticks(range(3), ["RRGCL, own file", "RRGCL, one file", "Root"], fontsize=7)
-    axes[1].set_title("CE micro F1 minus random order, paired by seed", fontsize=8)
-    for ax in axes:
-        ax.tick_params(labelsize=7)
+    paired_bars(axes[1], {label: [results[s][a]["CE micro F1"] - results[s]["none"]["CE micro F1"] for s in seeds] for a, label in
+                          (("rrgcl", "RRGCL, own file"), ("rrgcl_first_file", "RRGCL, one file"), ("root", "Root"))},
+                "CE micro F1 minus random order, paired by seed")
     fig.suptitle(f"RRGCL Fig. 3 (seed {seeds[0]}) and the curriculum's effect, seeds {seeds[0]}-{seeds[-1]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    p.close(fig)
+    save(p, fig, axes, path)
 
 
 EXPERIMENTS = {
