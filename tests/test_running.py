@@ -462,17 +462,3 @@ def test_all_reduce_gradients_averages_over_ranks(monkeypatch):
     torch.testing.assert_close(b.grad, torch.tensor([3.0]))
     torch.testing.assert_close(frozen.grad, torch.tensor([3.0]))  # sent zeros: every rank makes the same calls
     assert not other
-
-
-def test_gather_batch_in_rank_order_with_the_gradient_to_this_ranks_part(monkeypatch):
-    """On rank 1 of 3: the global batch is rank 0's, this rank's, rank 2's rows, in order; the loss's gradient reaches
-    this rank's rows only, times 3 (every rank computes the same loss; the all-reduce then averages)."""
-    others = {0: torch.tensor([[1.0, 2.0]]), 2: torch.tensor([[5.0, 6.0]])}
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    monkeypatch.setattr(torch.distributed, "all_gather", lambda parts, x: [
-        p.copy_(others.get(r, x)) for r, p in enumerate(parts)])
-    x = torch.tensor([[3.0, 4.0]], requires_grad=True)
-    out = common.gather_batch(x, 3)
-    torch.testing.assert_close(out, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
-    (out * torch.tensor([[1.0, 1.0], [2.0, -1.0], [7.0, 7.0]])).sum().backward()
-    torch.testing.assert_close(x.grad, torch.tensor([[6.0, -3.0]]))
