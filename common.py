@@ -1,14 +1,15 @@
 """common.py: the small shared part of rrg-from-scratch, in reading order.
 
-  1. Labels    the 14 CheXpert observations (CheXbert order); label arrays (N, 14) float: 1, 0, -1 uncertain, NaN blank
-  2. Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, a torch Dataset, the synthetic set
-  3. Labelers  RuleLabeler (CheXpert-style rules) and CheXbertLabeler (f1chexbert's model)
-  4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its Java scorer), clinical efficacy (CE) P/R/F1
-  5. Models    one policy interface: TinyPolicy (offline), HFPolicy (Qwen2.5-VL and kin); image and text encoders; LoRA
-  6. RL core   group advantages, GRPO loss (grpo / bnpo / dr_grpo, k3 KL), DPO loss, rollouts
-  7. Running   train()'s scaffold: torchrun, seed, threads, run folder, resume, logs, evaluation, RL policy, checkpoints
-  8. Command line  flags from an Args dataclass; `python common.py evaluate --generations FILE.jsonl`
+1. Labels    the 14 CheXpert observations (CheXbert order); label arrays (N, 14) float: 1, 0, -1 uncertain, NaN blank
+2. Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, a torch Dataset, the synthetic set
+3. Labelers  RuleLabeler (CheXpert-style rules) and CheXbertLabeler (f1chexbert's model)
+4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its Java scorer), clinical efficacy (CE) P/R/F1
+5. Models    one policy interface: TinyPolicy (offline), HFPolicy (Qwen2.5-VL and kin); image and text encoders; LoRA
+6. RL core   group advantages, GRPO loss (grpo / bnpo / dr_grpo, k3 KL), DPO loss, rollouts
+7. Running   train()'s scaffold: torchrun, seed, threads, run folder, resume, logs, evaluation, RL policy, checkpoints
+8. Command line  flags from an Args dataclass; `python common.py evaluate --generations FILE.jsonl`
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,18 +39,31 @@ from typing import Literal
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm, trange
 
 log = logging.getLogger("rrg")
 
 # ==== 1. Labels ===================================================================================
 # CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
-CHEXPERT_LABELS = ["Enlarged Cardiomediastinum", "Cardiomegaly", "Lung Opacity", "Lung Lesion", "Edema", "Consolidation",
-                   "Pneumonia", "Atelectasis", "Pneumothorax", "Pleural Effusion", "Pleural Other", "Fracture",
-                   "Support Devices", "No Finding"]
+CHEXPERT_LABELS = [
+    "Enlarged Cardiomediastinum",
+    "Cardiomegaly",
+    "Lung Opacity",
+    "Lung Lesion",
+    "Edema",
+    "Consolidation",
+    "Pneumonia",
+    "Atelectasis",
+    "Pneumothorax",
+    "Pleural Effusion",
+    "Pleural Other",
+    "Fracture",
+    "Support Devices",
+    "No Finding",
+]
 FINDINGS = CHEXPERT_LABELS[:13]  # the 13 observations other than No Finding
 LABEL_INDEX = {name: i for i, name in enumerate(CHEXPERT_LABELS)}
 POSITIVE, NEGATIVE, UNCERTAIN, BLANK = 1.0, 0.0, -1.0, float("nan")
@@ -72,6 +86,7 @@ def apply_no_finding_rule(labels: np.ndarray) -> np.ndarray:
 @dataclass
 class Record:
     """One study: id, image paths (IU X-Ray: 1-5 views, MIMIC-CXR in R2Gen's file: one), report, labels if given."""
+
     id: str
     image_paths: list[str]
     report: str
@@ -91,13 +106,19 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:  # as R2Gen's cl
         for _ in range(times):
             t = t.replace(old, new)
         return t
+
     if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
         report = collapse(collapse(report.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
     t = collapse(report, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
     for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
         t = t.replace(marker, ". ")
-    return " . ".join(R2GEN_PUNCT.sub("", s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
-                                       .strip().lower()) for s in t.strip().lower().split(". ")) + " ."
+    return (
+        " . ".join(
+            R2GEN_PUNCT.sub("", s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "").strip().lower())
+            for s in t.strip().lower().split(". ")
+        )
+        + " ."
+    )
 
 
 def clean_style(records: list[Record]) -> str:  # "iu_xray" for Open-i image names (CXR<n>_IM-...), else "mimic_cxr"
@@ -109,8 +130,11 @@ def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Rec
     """R2Gen's image input: n views per study (IU X-Ray: 2), the first n of the record; a study with fewer repeats
     its last (R2Gen's own IU file keeps 2-view studies only); n = 1 when no study has more (MIMIC-CXR's file)."""
     n = min(n, max(len(r.image_paths) for records in data.values() for r in records))
-    views = lambda p: (p + [p[-1]] * n)[:n]  # noqa: E731
-    return {split: [dataclasses.replace(r, image_paths=views(r.image_paths)) for r in records] for split, records in data.items()}
+    views = lambda p: (p + [p[-1]] * n)[:n]
+    return {
+        split: [dataclasses.replace(r, image_paths=views(r.image_paths)) for r in records]
+        for split, records in data.items()
+    }
 
 
 def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
@@ -124,10 +148,13 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a JSON file ({e})") from None
     if not isinstance(raw, dict) or any(not isinstance(raw.get(s), list) for s in splits):
-        raise ValueError(f"{path}: expected {{'train': [records], 'val': [...], 'test': [...]}} (R2Gen's layout), "
-                         f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+        raise ValueError(
+            f"{path}: expected {{'train': [records], 'val': [...], 'test': [...]}} (R2Gen's layout), "
+            f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}"
+        )
     root = path.parent / "images" if (path.parent / "images").is_dir() else path.parent
     out, problems = {split: [] for split in splits}, []
+
     def image_problem(name: str) -> str | None:  # its header only: a 0-byte or foreign file fails at load, not mid-run
         try:
             with Image.open(root / name) as im:
@@ -136,9 +163,15 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
             return f"image not found: {name}"
         except (UnidentifiedImageError, OSError) as e:
             return f"cannot read image {name} ({type(e).__name__})"
-    names = {p for split in splits for row in raw[split] if isinstance(row, dict)  # every image's header, in threads
-             for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
-             if isinstance(p, str)}
+
+    names = {
+        p
+        for split in splits
+        for row in raw[split]
+        if isinstance(row, dict)  # every image's header, in threads
+        for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
+        if isinstance(p, str)
+    }
     with ThreadPoolExecutor(8) as pool:
         unreadable = dict(zip(names, pool.map(image_problem, names)))
     for split in splits:
@@ -155,13 +188,25 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
                 problems.append(f"{where}: 'image_path' must be a file name or a list of them, got {paths!r:.200}")
             elif bad := [unreadable[p] for p in paths if unreadable[p]]:
                 problems.append(f"{where}: {bad[0]} (under {root})")
-            elif labels is not None and (not isinstance(labels, list) or len(labels) != len(CHEXPERT_LABELS) or any(
-                    v not in (1, 0, -1, None) or isinstance(v, bool) for v in labels)):
-                problems.append(f"{where}: 'labels' must be 14 values (1, 0, -1 or null) in the order {CHEXPERT_LABELS}")
+            elif labels is not None and (
+                not isinstance(labels, list)
+                or len(labels) != len(CHEXPERT_LABELS)
+                or any(v not in (1, 0, -1, None) or isinstance(v, bool) for v in labels)
+            ):
+                problems.append(
+                    f"{where}: 'labels' must be 14 values (1, 0, -1 or null) in the order {CHEXPERT_LABELS}"
+                )
             else:
-                out[split].append(Record(str(row["id"]), [str(root / p) for p in paths], row["report"], split,
-                                         None if labels is None else np.array([np.nan if v is None else float(v) for v in labels]),
-                                         {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")}))
+                out[split].append(
+                    Record(
+                        str(row["id"]),
+                        [str(root / p) for p in paths],
+                        row["report"],
+                        split,
+                        None if labels is None else np.array([np.nan if v is None else float(v) for v in labels]),
+                        {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")},
+                    )
+                )
     if problems and not drop_invalid:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"{path}: {len(problems)} bad record(s):\n  {shown}\n(--drop-invalid skips them)")
@@ -183,12 +228,20 @@ def load_image(path: str, record_id: str = "?"):  # 8-bit grey-scale PIL; a clea
 def default_transform(size: int = 224, channels: int = 3):
     """R2Gen's test transform, grey over `channels` (its training flip would swap the sides the reports name)."""
     import torchvision.transforms as T
-    return T.Compose([T.Grayscale(channels), T.Resize((size, size)), T.ToTensor(),
-                      T.Normalize([0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels])])
+
+    return T.Compose(
+        [
+            T.Grayscale(channels),
+            T.Resize((size, size)),
+            T.ToTensor(),
+            T.Normalize([0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]),
+        ]
+    )
 
 
 class ReportDataset(torch.utils.data.Dataset):
     """{"id", "images": (V, C, H, W) (PIL views with transform="pil"), "report", "labels": (14,), NaN blank}."""
+
     def __init__(self, records: list[Record], transform="pil"):
         self.records, self.transform = records, transform
 
@@ -201,25 +254,37 @@ class ReportDataset(torch.utils.data.Dataset):
         if self.transform != "pil":
             images = torch.stack([self.transform(im) for im in images])  # (V, C, H, W)
         labels = r.labels if r.labels is not None else np.full(len(CHEXPERT_LABELS), np.nan)
-        return {"id": r.id, "images": images, "report": r.report, "labels": torch.as_tensor(labels, dtype=torch.float32)}
+        return {
+            "id": r.id,
+            "images": images,
+            "report": r.report,
+            "labels": torch.as_tensor(labels, dtype=torch.float32),
+        }
 
 
 def collate(batch: list[dict]) -> dict:  # images (B, V, C, H, W) zero-padded, "view_mask" (B, V): 1 for a real view
     out = {k: [b[k] for b in batch] for k in ("id", "report", "images")}
     out["labels"] = torch.stack([b["labels"] for b in batch])
     if isinstance(out["images"][0], torch.Tensor):
-        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # noqa: E731  zeros after the last view
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
         out["images"], out["view_mask"] = pad(out["images"]), pad([torch.ones(len(x)) for x in out["images"]])
     return out
 
 
 def split_batch(batch: dict, n: int) -> list[dict]:  # B studies -> n micro-batches of B / n (gradient accumulation)
     size = exact_div(len(batch["id"]), n, "studies per process / --grad-accum")
-    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(n)]
+    return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(n)]
 
 
-def study_batches(records: list[Record], batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                  start_step: int = 0, transform="pil"):
+def study_batches(
+    records: list[Record],
+    batch_size: int,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    start_step: int = 0,
+    transform="pil",
+):
     """Endless (epoch, batch) of shuffled studies, each rank its shard: resumed at `start_step`, the same batches."""
     if len(records) < batch_size * world_size:
         raise ValueError(f"{len(records)} studies cannot fill one batch of {batch_size} on each of {world_size} ranks")
@@ -231,22 +296,54 @@ def study_batches(records: list[Record], batch_size: int, seed: int = 0, rank: i
         sampler.set_epoch(epoch)
         order = list(sampler)  # this rank's shuffled indices for the epoch
         for b in range(skip, per_epoch):
-            yield epoch, collate([dataset[i] for i in order[b * batch_size:(b + 1) * batch_size]])
+            yield epoch, collate([dataset[i] for i in order[b * batch_size : (b + 1) * batch_size]])
         epoch, skip = epoch + 1, 0
 
 
 # Synthetic chest X-ray set: a sandbox, not a benchmark. Each finding has a visible sign in the image and templated
 # sentences (varied wording, negations, hedges); labels stored with every record; prevalences roughly MIMIC-CXR's.
-SYNTHETIC_PREVALENCE = {"Support Devices": 0.29, "Pleural Effusion": 0.23, "Lung Opacity": 0.22, "Atelectasis": 0.20,
-                        "Cardiomegaly": 0.19, "Edema": 0.12, "Pneumonia": 0.07, "Consolidation": 0.05, "Pneumothorax": 0.045,
-                        "Enlarged Cardiomediastinum": 0.035, "Lung Lesion": 0.03, "Fracture": 0.02, "Pleural Other": 0.015}
+SYNTHETIC_PREVALENCE = {
+    "Support Devices": 0.29,
+    "Pleural Effusion": 0.23,
+    "Lung Opacity": 0.22,
+    "Atelectasis": 0.20,
+    "Cardiomegaly": 0.19,
+    "Edema": 0.12,
+    "Pneumonia": 0.07,
+    "Consolidation": 0.05,
+    "Pneumothorax": 0.045,
+    "Enlarged Cardiomediastinum": 0.035,
+    "Lung Lesion": 0.03,
+    "Fracture": 0.02,
+    "Pleural Other": 0.015,
+}
 SYNTHETIC_P_UNCERTAIN = 0.15  # of present findings, reported with a hedge (drawn fainter)
 SYNTHETIC_P_NEGATED = {  # chance that an absent finding is mentioned as negative, else not mentioned
-    "Pneumothorax": 0.7, "Pleural Effusion": 0.7, "Consolidation": 0.6, "Cardiomegaly": 0.6, "Edema": 0.4,
-    "Enlarged Cardiomediastinum": 0.4, "Pneumonia": 0.25, "Lung Opacity": 0.2, "Fracture": 0.25, "Lung Lesion": 0.15,
-    "Atelectasis": 0.1, "Pleural Other": 0.05, "Support Devices": 0.0}
-SIDED = {"Lung Opacity", "Lung Lesion", "Consolidation", "Pneumonia", "Atelectasis", "Pneumothorax", "Pleural Effusion",
-         "Pleural Other", "Fracture"}
+    "Pneumothorax": 0.7,
+    "Pleural Effusion": 0.7,
+    "Consolidation": 0.6,
+    "Cardiomegaly": 0.6,
+    "Edema": 0.4,
+    "Enlarged Cardiomediastinum": 0.4,
+    "Pneumonia": 0.25,
+    "Lung Opacity": 0.2,
+    "Fracture": 0.25,
+    "Lung Lesion": 0.15,
+    "Atelectasis": 0.1,
+    "Pleural Other": 0.05,
+    "Support Devices": 0.0,
+}
+SIDED = {
+    "Lung Opacity",
+    "Lung Lesion",
+    "Consolidation",
+    "Pneumonia",
+    "Atelectasis",
+    "Pneumothorax",
+    "Pleural Effusion",
+    "Pleural Other",
+    "Fracture",
+}
 BILATERAL_OK = {"Lung Opacity", "Atelectasis", "Pleural Effusion"}
 GRADED = {"Pleural Effusion", "Pneumothorax", "Cardiomegaly"}
 DEVICE_KINDS = ["endotracheal tube", "central venous catheter", "nasogastric tube", "pacemaker"]
@@ -254,27 +351,27 @@ DEVICE_KINDS = ["endotracheal tube", "central venous catheter", "nasogastric tub
 # {deg} mild/..., {degly} mildly/...; {Side} at a sentence start. One finding per sentence: labels follow from them.
 POSITIVE_TEMPLATES = {
     "Enlarged Cardiomediastinum": "The mediastinum is widened. | There is widening of the mediastinum. | "
-                                  "The cardiomediastinal silhouette is enlarged. | Mediastinal widening is present.",
+    "The cardiomediastinal silhouette is enlarged. | Mediastinal widening is present.",
     "Cardiomegaly": "The heart is {degly} enlarged. | There is {deg} cardiomegaly. | {Deg} cardiomegaly. | "
-                    "The cardiac silhouette is {degly} enlarged.",
+    "The cardiac silhouette is {degly} enlarged.",
     "Lung Opacity": "There is a hazy opacity in the {side} lung. | Hazy {side} lung opacity. | "
-                    "An ill-defined opacity projects over the {side} lung.",
+    "An ill-defined opacity projects over the {side} lung.",
     "Lung Lesion": "There is a nodule in the {side} lung. | A rounded {side} lung nodule is seen. | A {side} lung mass is present.",
     "Edema": "There is mild pulmonary edema. | Mild pulmonary edema. | The lungs show interstitial edema.",
     "Consolidation": "There is dense consolidation in the {side} lower lobe. | Dense {side} lower lobe consolidation. | "
-                     "Consolidation is present in the {side} lung.",
+    "Consolidation is present in the {side} lung.",
     "Pneumonia": "Patchy {side} lower lobe pneumonia. | There is patchy pneumonia in the {side} lung. | "
-                 "Patchy airspace findings represent {side} pneumonia.",
+    "Patchy airspace findings represent {side} pneumonia.",
     "Atelectasis": "There is plate-like atelectasis at the {side} base. | {Side} basilar atelectasis. | "
-                   "Linear atelectasis is seen at the {side} base.",
+    "Linear atelectasis is seen at the {side} base.",
     "Pneumothorax": "There is a {sev} {side} pneumothorax. | {Sev} {side} apical pneumothorax. | A {sev} {side} pneumothorax is present.",
     "Pleural Effusion": "There is a {sev} {side} pleural effusion. | {Sev} {side} pleural effusion. | "
-                        "A {sev} {side} pleural effusion is present.",
+    "A {sev} {side} pleural effusion is present.",
     "Pleural Other": "There is {side} pleural thickening. | {Side} pleural thickening is noted.",
     "Fracture": "There is a displaced {side} rib fracture. | A {side} rib fracture is seen.",
     "endotracheal tube": "An endotracheal tube is in standard position. | The endotracheal tube terminates above the carina.",
     "central venous catheter": "A right internal jugular central venous catheter ends in the lower SVC. | "
-                               "A central venous catheter is in place.",
+    "A central venous catheter is in place.",
     "nasogastric tube": "A nasogastric tube courses below the diaphragm. | The nasogastric tube ends in the stomach.",
     "pacemaker": "A left chest wall pacemaker is in place with leads in the right heart. | A dual-lead pacemaker is present.",
 }
@@ -286,21 +383,32 @@ UNCERTAIN_TEMPLATES = {
     "Edema": "Possible mild pulmonary edema. | Mild pulmonary edema cannot be excluded.",
     "Consolidation": "Possible {side} lower lobe consolidation. | Subtle consolidation in the {side} lung cannot be excluded.",
     "Pneumonia": "Findings are concerning for early {side} pneumonia. | Possible {side} pneumonia. | "
-                 "Cannot exclude pneumonia in the {side} lung.",
+    "Cannot exclude pneumonia in the {side} lung.",
     "Atelectasis": "Probable {side} basilar atelectasis. | Possible minimal atelectasis at the {side} base.",
     "Pneumothorax": "Possible tiny {side} apical pneumothorax. | A tiny {side} pneumothorax cannot be excluded.",
     "Pleural Effusion": "Possible {sev} {side} pleural effusion. | A trace {side} pleural effusion is not excluded.",
-    "Pleural Other": "Possible {side} pleural thickening."}
+    "Pleural Other": "Possible {side} pleural thickening.",
+}
 NEGATED_PHRASES = {  # the noun phrase of a finding listed as absent
-    "Enlarged Cardiomediastinum": "mediastinal widening", "Lung Opacity": "focal opacity",
-    "Lung Lesion": "suspicious pulmonary nodule", "Edema": "pulmonary edema", "Consolidation": "focal consolidation",
-    "Pneumonia": "pneumonia", "Atelectasis": "atelectasis", "Pneumothorax": "pneumothorax",
-    "Pleural Effusion": "pleural effusion", "Pleural Other": "pleural thickening", "Fracture": "acute rib fracture"}
+    "Enlarged Cardiomediastinum": "mediastinal widening",
+    "Lung Opacity": "focal opacity",
+    "Lung Lesion": "suspicious pulmonary nodule",
+    "Edema": "pulmonary edema",
+    "Consolidation": "focal consolidation",
+    "Pneumonia": "pneumonia",
+    "Atelectasis": "atelectasis",
+    "Pneumothorax": "pneumothorax",
+    "Pleural Effusion": "pleural effusion",
+    "Pleural Other": "pleural thickening",
+    "Fracture": "acute rib fracture",
+}
 NEGATED_SINGLE = {  # findings that also have a negative sentence of their own
     "Cardiomegaly": "Heart size is normal. | The heart is not enlarged. | Normal heart size. | "
-                    "The cardiac silhouette is within normal limits.",
+    "The cardiac silhouette is within normal limits.",
     "Enlarged Cardiomediastinum": "The mediastinal contours are normal. | The cardiomediastinal silhouette is within normal limits.",
-    "Pneumothorax": "Pneumothorax is not seen. | No pneumothorax is identified.", "Fracture": "No displaced fracture is seen."}
+    "Pneumothorax": "Pneumothorax is not seen. | No pneumothorax is identified.",
+    "Fracture": "No displaced fracture is seen.",
+}
 NEGATED_LIST_TEMPLATES = "No {list}. | There is no {list}. | No evidence of {list}."
 NORMAL_EXTRAS = "No acute cardiopulmonary process. | The lungs are clear. | The osseous structures are unremarkable."
 
@@ -310,7 +418,9 @@ def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
     labels, findings = np.full(len(CHEXPERT_LABELS), np.nan), {}
     for name in FINDINGS:
         if rng.random() < SYNTHETIC_PREVALENCE[name]:
-            a = findings[name] = {"uncertain": bool(name not in ("Support Devices", "Fracture") and rng.random() < SYNTHETIC_P_UNCERTAIN)}
+            a = findings[name] = {
+                "uncertain": bool(name not in ("Support Devices", "Fracture") and rng.random() < SYNTHETIC_P_UNCERTAIN)
+            }
             if name in SIDED:
                 a["side"] = str(rng.choice(["left", "right"] + (["bilateral"] if name in BILATERAL_OK else [])))
             if name in GRADED:
@@ -325,19 +435,24 @@ def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
 
 def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
     """A study's report: a sentence per finding in FINDINGS order, then the negated in "No A, B, or C." sentences."""
-    pick = lambda variants: str(rng.choice(variants.split(" | ")))  # noqa: E731
+    pick = lambda variants: str(rng.choice(variants.split(" | ")))
     sentences, negated = [], []
     for name in FINDINGS:
         a = findings.get(name)
         if name == "Support Devices" and a:
             sentences.append(pick(POSITIVE_TEMPLATES[a["kind"]]))
         elif a:
-            deg, degly = {"small": ("mild", "mildly"), "moderate": ("moderate", "moderately"),
-                          "large": ("severe", "severely")}[a.get("severity", "small")]
+            deg, degly = {
+                "small": ("mild", "mildly"),
+                "moderate": ("moderate", "moderately"),
+                "large": ("severe", "severely"),
+            }[a.get("severity", "small")]
             fields = {"side": a.get("side", ""), "sev": a.get("severity", ""), "deg": deg, "degly": degly}
             fields |= {k.capitalize(): v.capitalize() for k, v in fields.items()}
             text = pick((UNCERTAIN_TEMPLATES if a["uncertain"] else POSITIVE_TEMPLATES)[name]).format(**fields)
-            sentences.append(text.replace("the bilateral lung", "both lungs").replace("the bilateral base", "both bases"))
+            sentences.append(
+                text.replace("the bilateral lung", "both lungs").replace("the bilateral base", "both bases")
+            )
         elif labels[LABEL_INDEX[name]] == NEGATIVE:
             if name in NEGATED_SINGLE and (name not in NEGATED_PHRASES or rng.random() < 0.5):
                 sentences.append(pick(NEGATED_SINGLE[name]))
@@ -347,7 +462,11 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
     while negated:
         k = int(rng.integers(1, 5))
         phrases, negated = [NEGATED_PHRASES[n] for n in negated[:k]], negated[k:]
-        items = phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + (", or " if len(phrases) > 2 else " or ") + phrases[-1]
+        items = (
+            phrases[0]
+            if len(phrases) == 1
+            else ", ".join(phrases[:-1]) + (", or " if len(phrases) > 2 else " or ") + phrases[-1]
+        )
         sentences.append(pick(NEGATED_LIST_TEMPLATES).format(list=items))
     if labels[LABEL_INDEX["No Finding"]] == 1 and (not sentences or rng.random() < 0.5):
         sentences.append(pick(NORMAL_EXTRAS))
@@ -358,10 +477,10 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
 def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128) -> np.ndarray:
     """A (size, size) uint8 frontal radiograph with one visible sign per finding ({label: attrs}), hedged ones
     fainter. The per-image variation is drawn from `rng` first: adding a finding changes only its region."""
-    U = lambda a, b: float(rng.uniform(a, b))  # noqa: E731  (python floats keep the arrays float32)
+    U = lambda a, b: float(rng.uniform(a, b))
     soft = {n: 0.6 if a.get("uncertain") else 1.0 for n, a in findings.items()}
     grade = {n: ("small", "moderate", "large").index(a["severity"]) for n, a in findings.items() if "severity" in a}
-    sides = lambda n: {"right": (-1,), "left": (1,), "bilateral": (-1, 1)}[findings[n].get("side", "bilateral")]  # noqa: E731
+    sides = lambda n: {"right": (-1,), "left": (1,), "bilateral": (-1, 1)}[findings[n].get("side", "bilateral")]
     dx, dy, zoom = U(-0.03, 0.03), U(-0.03, 0.03), U(0.92, 1.04)  # position and zoom
     t = np.arange(size, dtype=np.float32) / (size - 1) - 0.5
     x, y = ((t - dx) / zoom + 0.5)[None, :], ((t - dy) / zoom + 0.5)[:, None]  # anatomical coordinates
@@ -371,9 +490,9 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     heart_w, medi_w, rib_sp, rib_ph = U(0.14, 0.155), U(0.05, 0.06), U(0.07, 0.08), U(0.0, 1.0)
     contrast, bright = U(0.85, 1.15), U(-0.06, 0.06)
     noise = U(0.01, 0.03) * rng.standard_normal((size, size), dtype=np.float32)
-    ramp = lambda d, edge: np.clip(d / edge + 0.5, 0.0, 1.0)  # noqa: E731  soft step of a signed distance
-    gauss = lambda cx, cy, sx, sy: np.exp(-0.5 * ((x - cx) / sx) ** 2 - 0.5 * ((y - cy) / sy) ** 2)  # noqa: E731
-    radius = lambda cx, cy, a, b: np.sqrt(((x - cx) / a) ** 2 + ((y - cy) / b) ** 2)  # noqa: E731  < 1 inside
+    ramp = lambda d, edge: np.clip(d / edge + 0.5, 0.0, 1.0)
+    gauss = lambda cx, cy, sx, sy: np.exp(-0.5 * ((x - cx) / sx) ** 2 - 0.5 * ((y - cy) / sy) ** 2)
+    radius = lambda cx, cy, a, b: np.sqrt(((x - cx) / a) ** 2 + ((y - cy) / b) ** 2)
     # Normal anatomy: the body, two dark lung fields with diaphragm domes (the right one higher)
     img, L = 0.03 + 0.47 * ramp((1 - radius(0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02), {}
     for s in (-1, 1):
@@ -387,18 +506,29 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     if "Lung Opacity" in findings:  # a large faint hazy patch
         for s in sides("Lung Opacity"):
             sd = U(0.07, 0.1) * (0.85 + 0.15 * soft["Lung Opacity"])
-            img += 0.22 * soft["Lung Opacity"] * gauss(L[s]["cx"] + s * U(-0.3, 0.3) * ax, ly + U(-0.3, 0.3) * ay, sd,
-                                                       1.3 * sd) * L[s]["lung"]
+            img += (
+                0.22
+                * soft["Lung Opacity"]
+                * gauss(L[s]["cx"] + s * U(-0.3, 0.3) * ax, ly + U(-0.3, 0.3) * ay, sd, 1.3 * sd)
+                * L[s]["lung"]
+            )
     if "Edema" in findings:  # bilateral perihilar haze
         img += 0.2 * soft["Edema"] * sum(gauss(0.5 + s * 0.12, ly + 0.05, 0.09, 0.13) * L[s]["lung"] for s in (-1, 1))
     if "Consolidation" in findings:  # a dense, homogeneous lower-zone area
         s, a = sides("Consolidation")[0], soft["Consolidation"]
-        area = ramp((1 - radius(L[s]["cx"] + s * U(0, 0.2) * ax, ly + U(0.3, 0.4) * ay, 0.8 * ax, 0.27 * ay)) * 0.08, 0.006)
+        area = ramp(
+            (1 - radius(L[s]["cx"] + s * U(0, 0.2) * ax, ly + U(0.3, 0.4) * ay, 0.8 * ax, 0.27 * ay)) * 0.08, 0.006
+        )
         img += (0.68 - img) * area * L[s]["lung"] * 0.9 * a
     if "Pneumonia" in findings:  # patchy blotches, mid and lower zone
         s, a = sides("Pneumonia")[0], soft["Pneumonia"]
         for sd in (U(0.016, 0.028) * (0.7 + 0.3 * a) for _ in range(10)):
-            img += a * U(0.15, 0.3) * gauss(L[s]["cx"] + s * U(-0.6, 0.7) * ax, ly + U(-0.2, 0.6) * ay, sd, sd) * L[s]["lung"]
+            img += (
+                a
+                * U(0.15, 0.3)
+                * gauss(L[s]["cx"] + s * U(-0.6, 0.7) * ax, ly + U(-0.2, 0.6) * ay, sd, sd)
+                * L[s]["lung"]
+            )
     if "Lung Lesion" in findings:  # a small, round, sharp-edged bright nodule
         s, a = sides("Lung Lesion")[0], soft["Lung Lesion"]
         cx, cy = L[s]["cx"] + s * U(-0.4, 0.6) * ax, ly + U(-0.6, 0.4) * ay
@@ -426,7 +556,13 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
         lateral = ramp(s * (x - xf), 2 * px) * ramp(0.1 - s * (x - xf), 0.02)
         ribs += lateral * (2.5 * np.exp(-0.5 * ((u - k - 0.4) * rib_sp / rib_w) ** 2) - rib_k)  # shifted fragment
         ribs = np.maximum(ribs - rib_k * np.exp(-0.5 * ((x - xf) / (2 * lw)) ** 2), 0)  # the gap
-    img += 0.1 * ribs * (0.4 + 0.6 * np.minimum(lungs, 1)) * np.maximum(L[-1]["thorax"], L[1]["thorax"]) * ramp(y - 0.08, 0.03)
+    img += (
+        0.1
+        * ribs
+        * (0.4 + 0.6 * np.minimum(lungs, 1))
+        * np.maximum(L[-1]["thorax"], L[1]["thorax"])
+        * ramp(y - 0.08, 0.03)
+    )
     # Mediastinum (its upper part wider with Enlarged Cardiomediastinum), trachea, heart (wider with Cardiomegaly)
     wide = 0.05 * soft.get("Enlarged Cardiomediastinum", 0) * np.exp(-0.5 * ((y - 0.3) / 0.1) ** 2)
     img += (0.72 - img) * ramp(medi_w + wide - np.abs(x - 0.5), 0.01) * ramp(y - 0.08, 0.03) * ramp(0.62 - y, 0.04)
@@ -446,12 +582,18 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
         band = ramp(L[s]["r"] - 1 + th, 0.05) * L[s]["thorax"] * ramp(s * (x - L[s]["cx"]) - 0.3 * ax, 0.03)
         img += (0.68 - img) * band * ramp(y - ly + 0.55 * ay, 0.05) * ramp(ly + 0.45 * ay - y, 0.05) * (0.6 + 0.4 * a)
     if "Support Devices" in findings:  # thin, very bright tubes along a few segments
-        j, kind = lambda: U(-0.015, 0.015), findings["Support Devices"]["kind"]  # noqa: E731
-        curves = {"endotracheal tube": [[(0.5 + j(), -0.02), (0.5 + j(), 0.12), (0.5, 0.27 + j())]],  # above the carina
-                  "central venous catheter": [[(0.35 + j(), -0.02), (0.42 + j(), 0.14), (0.47, 0.2 + j()), (0.47 + j(), 0.42)]],
-                  "nasogastric tube": [[(0.49 + j(), -0.02), (0.49, 0.5), (0.5 + j(), 0.85), (0.66 + j(), 0.8 + j())]],
-                  "pacemaker": [[(0.7, 0.21), (0.6 + j(), 0.2), (0.42 + j(), 0.4), (0.45 + j(), 0.52)],
-                                [(0.7, 0.21), (0.58 + j(), 0.25), (0.44 + j(), 0.5), (0.54 + j(), 0.7 + j())]]}[kind]
+        j, kind = lambda: U(-0.015, 0.015), findings["Support Devices"]["kind"]
+        curves = {
+            "endotracheal tube": [[(0.5 + j(), -0.02), (0.5 + j(), 0.12), (0.5, 0.27 + j())]],  # above the carina
+            "central venous catheter": [
+                [(0.35 + j(), -0.02), (0.42 + j(), 0.14), (0.47, 0.2 + j()), (0.47 + j(), 0.42)]
+            ],
+            "nasogastric tube": [[(0.49 + j(), -0.02), (0.49, 0.5), (0.5 + j(), 0.85), (0.66 + j(), 0.8 + j())]],
+            "pacemaker": [
+                [(0.7, 0.21), (0.6 + j(), 0.2), (0.42 + j(), 0.4), (0.45 + j(), 0.52)],
+                [(0.7, 0.21), (0.58 + j(), 0.25), (0.44 + j(), 0.5), (0.54 + j(), 0.7 + j())],
+            ],
+        }[kind]
         tube = np.zeros((size, size), np.float32)
         for (x0, y0), (x1, y1) in ((a, b) for points in curves for a, b in zip(points, points[1:])):
             t = np.clip(((x - x0) * (x1 - x0) + (y - y0) * (y1 - y0)) / ((x1 - x0) ** 2 + (y1 - y0) ** 2), 0, 1)
@@ -465,8 +607,9 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
-def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128,
-                   seed: int = 0) -> Path:
+def make_synthetic(
+    out_dir, n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128, seed: int = 0
+) -> Path:
     """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
     rng, annotation = np.random.default_rng(seed), {"train": [], "val": [], "test": []}
@@ -475,8 +618,16 @@ def make_synthetic(out_dir, n_train: int = 2000, n_val: int = 200, n_test: int =
             findings, labels = sample_synthetic_study(rng)
             report, name = write_synthetic_report(findings, labels, rng), f"{split}_{k:05d}"
             Image.fromarray(draw_synthetic_cxr(findings, rng, size)).save(Path(out_dir) / "images" / f"{name}.png")
-            annotation[split].append({"id": name, "report": report, "image_path": [f"{name}.png"], "split": split,
-                                      "labels": [None if np.isnan(v) else v for v in labels.tolist()], "findings": findings})
+            annotation[split].append(
+                {
+                    "id": name,
+                    "report": report,
+                    "image_path": [f"{name}.png"],
+                    "split": split,
+                    "labels": [None if np.isnan(v) else v for v in labels.tolist()],
+                    "findings": findings,
+                }
+            )
     (Path(out_dir) / "annotation.json").write_text(json.dumps(annotation, indent=1))
     return Path(out_dir)
 
@@ -518,25 +669,62 @@ class RuleLabeler:
     CheXbert (README, "The rule labeler on real reports"). A mention (CheXpert's order) is uncertain with a pre-negation
     uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
     cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
+
     # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
     # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
     MENTIONS = {
         "Enlarged Cardiomediastinum": [
-            _words("mediastinal widening", r"widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum",
-                   r"enlarged cardiomediastinum", r"enlarged cardiomediastinal silhouette"),
+            _words(
+                "mediastinal widening",
+                r"widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum",
+                r"enlarged cardiomediastinum",
+                r"enlarged cardiomediastinal silhouette",
+            ),
             _MEDIASTINUM + _GAP + r"{0,30}?\b" + _words(r"widened", r"enlarged", _NORMAL),
-            _words("normal") + " " + _MEDIASTINUM],
+            _words("normal") + " " + _MEDIASTINUM,
+        ],
         "Cardiomegaly": [
-            _words("cardiomegaly", r"(?:cardiac|heart) enlargement", r"enlarged (?:heart|cardiac silhouette)",
-                   r"enlargement of the (?:heart|cardiac silhouette)", r"increase in (?:the )?heart size"),
+            _words(
+                "cardiomegaly",
+                r"(?:cardiac|heart) enlargement",
+                r"enlarged (?:heart|cardiac silhouette)",
+                r"enlargement of the (?:heart|cardiac silhouette)",
+                r"increase in (?:the )?heart size",
+            ),
             _HEART + r"\b" + _GAP + r"{0,30}?\b" + _words(r"enlarged", r"increased", r"large", r"borderline", _NORMAL),
-            _words("normal") + " " + _HEART + r"\b"],
-        "Lung Opacity": [_words(r"opacit(?:y|ies)", r"opacification", r"opacified", r"infiltrat(?:e|es|ion)", r"haziness",
-                                r"hazy", r"air ?space (?:disease|process)", r"ground[- ]glass", r"scar(?:s|ring)?",
-                                r"interstitial (?:markings?|pattern)", r"reticular (?:pattern|markings?)", r"reticulation",
-                                r"(?:peribronchial|wall) thickening", r"increased density")],
-        "Lung Lesion": [_words(r"mass(?:es)?", r"mass-?like", r"nodules?", r"lumps?", r"cavitary lesions?", r"carcinoma",
-                               r"nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)", r"neoplasms?", r"tumou?rs?")],
+            _words("normal") + " " + _HEART + r"\b",
+        ],
+        "Lung Opacity": [
+            _words(
+                r"opacit(?:y|ies)",
+                r"opacification",
+                r"opacified",
+                r"infiltrat(?:e|es|ion)",
+                r"haziness",
+                r"hazy",
+                r"air ?space (?:disease|process)",
+                r"ground[- ]glass",
+                r"scar(?:s|ring)?",
+                r"interstitial (?:markings?|pattern)",
+                r"reticular (?:pattern|markings?)",
+                r"reticulation",
+                r"(?:peribronchial|wall) thickening",
+                r"increased density",
+            )
+        ],
+        "Lung Lesion": [
+            _words(
+                r"mass(?:es)?",
+                r"mass-?like",
+                r"nodules?",
+                r"lumps?",
+                r"cavitary lesions?",
+                r"carcinoma",
+                r"nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)",
+                r"neoplasms?",
+                r"tumou?rs?",
+            )
+        ],
         "Edema": [_words(r"edema", r"heart failure", r"chf")],
         "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
         # CheXpert also lists "infection" and "infectious": the radiologists' gold rarely reads them as pneumonia (ours)
@@ -544,25 +732,62 @@ class RuleLabeler:
         "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
         "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
         "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
-        "Pleural Other": [_words(r"pleural (?:thickening|plaques?|calcifications?)", r"fibrothorax", r"fibrosis",
-                                 r"pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?")],
+        "Pleural Other": [
+            _words(
+                r"pleural (?:thickening|plaques?|calcifications?)",
+                r"fibrothorax",
+                r"fibrosis",
+                r"pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?",
+            )
+        ],
         "Fracture": [_words(r"fractur(?:e|es|ed)")],
-        "Support Devices": [_words(r"endotracheal tube", r"et tube", r"ett", r"tracheostomy(?: tube)?",
-            r"(?:naso|oro)gastric tube", r"ng tube", r"og tube", r"enteric tube", r"feeding tube", r"dobhoff(?: tube)?",
-            r"chest tubes?", r"(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?",
-            r"central (?:venous )?line", r"picc(?: line)?", r"port-a-cath", r"portacath", r"mediport", r"pacemaker",
-            r"pacer", r"icd", r"defibrillator", r"pacing leads?", r"sternotomy wires", r"intra-aortic balloon pump",
-            r"iabp", r"stents?", r"drains?", r"prosthetic valve", r"valve replacement", r"lvad")],
+        "Support Devices": [
+            _words(
+                r"endotracheal tube",
+                r"et tube",
+                r"ett",
+                r"tracheostomy(?: tube)?",
+                r"(?:naso|oro)gastric tube",
+                r"ng tube",
+                r"og tube",
+                r"enteric tube",
+                r"feeding tube",
+                r"dobhoff(?: tube)?",
+                r"chest tubes?",
+                r"(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?",
+                r"central (?:venous )?line",
+                r"picc(?: line)?",
+                r"port-a-cath",
+                r"portacath",
+                r"mediport",
+                r"pacemaker",
+                r"pacer",
+                r"icd",
+                r"defibrillator",
+                r"pacing leads?",
+                r"sternotomy wires",
+                r"intra-aortic balloon pump",
+                r"iabp",
+                r"stents?",
+                r"drains?",
+                r"prosthetic valve",
+                r"valve replacement",
+                r"lvad",
+            )
+        ],
         # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
         # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
-        "No Finding": [r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
-                       r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
-                       r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
-                       r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
-                       r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
-                       r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
-                       r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
-                       r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"]}
+        "No Finding": [
+            r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
+            r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
+            r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
+            r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
+            r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
+            r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
+            r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
+            r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
+        ],
+    }
     # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
     # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
     UNMENTIONS = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
@@ -570,43 +795,89 @@ class RuleLabeler:
     # heart, "vascular congestion", ...) and, from its aggregation, "chf" and "heart failure" as uncertain Cardiomegaly.
     HEDGED = {
         "Enlarged Cardiomediastinum": [_MEDIASTINUM + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _MEDIASTINUM],
-        "Cardiomegaly": [_words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
-                         _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _HEART + r"\b"],
-        "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")]}
+        "Cardiomegaly": [
+            _words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
+            _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE,
+            _STABLE + " " + _HEART + r"\b",
+        ],
+        "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")],
+    }
     # Cues (CheXpert's patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt): (pattern, kind,
     # direction, reach: characters from cue to mention). kind: "pre_neg_unc" (uncertain despite a negation), "neg",
     # "unc"; direction: "pre" acts on mentions after the cue, "post" on those before; one inside a mention acts on it.
     CLAUSE = 1000  # reach to the end of the clause
     CUES = [
-        (r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
-         r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
-         r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)", "pre_neg_unc", "both", CLAUSE),
-        (r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
-         r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
-         r"|widened)", "neg", "post", 40),
+        (
+            r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
+            r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
+            r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)",
+            "pre_neg_unc",
+            "both",
+            CLAUSE,
+        ),
+        (
+            r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
+            r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
+            r"|widened)",
+            "neg",
+            "post",
+            40,
+        ),
         (r"not well[- ](?:seen|visualized|evaluated|appreciated)|poorly evaluated", "unc", "post", 40),
-        (r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
-         r"|history of|disappearance of|rather than|without|no|not|nor|neither|never", "neg", "pre", CLAUSE),
+        (
+            r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
+            r"|history of|disappearance of|rather than|without|no|not|nor|neither|never",
+            "neg",
+            "pre",
+            CLAUSE,
+        ),
         (r"normal|within normal limits|unremarkable", "neg", "both", 0),  # only inside "heart size is normal"
-        (r"is possible|are possible|(?:is |are )?suspected|is likely|are likely|is questioned|may be present"
-         r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration", "unc", "post", 30),
-        (r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
-         r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
-         r"|suggestion of|maybe|favou?r(?:s|ing|ed)?|differential|consider(?:ed)?|equivocal|presumed|presumably"
-         r"|indeterminate|evaluate for|evaluation for|assess for|rule out|r/o|correlate clinically for",
-         "unc", "pre", CLAUSE),
-        (r"\?", "unc", "both", CLAUSE)]  # last: the one cue that need not start a word
+        (
+            r"is possible|are possible|(?:is |are )?suspected|is likely|are likely|is questioned|may be present"
+            r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration",
+            "unc",
+            "post",
+            30,
+        ),
+        (
+            r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
+            r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
+            r"|suggestion of|maybe|favou?r(?:s|ing|ed)?|differential|consider(?:ed)?|equivocal|presumed|presumably"
+            r"|indeterminate|evaluate for|evaluation for|assess for|rule out|r/o|correlate clinically for",
+            "unc",
+            "pre",
+            CLAUSE,
+        ),
+        (r"\?", "unc", "both", CLAUSE),
+    ]  # last: the one cue that need not start a word
     # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
-    TERMINATORS = (r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
-                   r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b")
+    TERMINATORS = (
+        r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
+        r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b"
+    )
     SENTENCE_ENDS = r"\.(?<!\bvs\.)(?!\d)|;|\n"  # not "1.2 cm", not "vs."
 
     def __init__(self):
-        self.mentions = [(LABEL_INDEX[name], re.compile(r"\b" * (name != "No Finding") + "(?:" + "|".join(
-            [f"(?:{p})" for p in pats] + [f"(?P<hedged>{'|'.join(h)})" for h in [self.HEDGED.get(name)] if h]) + ")"),
-            re.compile(self.UNMENTIONS.get(name, "(?!)"))) for name, pats in self.MENTIONS.items()]
+        self.mentions = [
+            (
+                LABEL_INDEX[name],
+                re.compile(
+                    r"\b" * (name != "No Finding")
+                    + "(?:"
+                    + "|".join(
+                        [f"(?:{p})" for p in pats]
+                        + [f"(?P<hedged>{'|'.join(h)})" for h in [self.HEDGED.get(name)] if h]
+                    )
+                    + ")"
+                ),
+                re.compile(self.UNMENTIONS.get(name, "(?!)")),
+            )
+            for name, pats in self.MENTIONS.items()
+        ]
         # One pass over the text finds every cue; group i+1 is CUES[i].
-        self.cues = re.compile(r"(?<!\w)(?:" + "|".join(f"({p})" for p, *_ in self.CUES[:-1]) + rf")(?!\w)|({self.CUES[-1][0]})")
+        self.cues = re.compile(
+            r"(?<!\w)(?:" + "|".join(f"({p})" for p, *_ in self.CUES[:-1]) + rf")(?!\w)|({self.CUES[-1][0]})"
+        )
         self.boundaries = re.compile(f"{self.SENTENCE_ENDS}|{self.TERMINATORS}")
 
     def _mentions(self, text: str) -> np.ndarray:
@@ -630,11 +901,22 @@ class RuleLabeler:
 
     @staticmethod
     def _state(start, end, lo, hi, cues) -> float:
-        kinds = {kind for c_start, c_end, (_, kind, direction, reach) in cues
-                 if (start <= c_start and c_end <= end)  # inside the mention's own span
-                 or (lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach)
-                 or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)}
-        return UNCERTAIN if "pre_neg_unc" in kinds else NEGATIVE if "neg" in kinds else UNCERTAIN if "unc" in kinds else POSITIVE
+        kinds = {
+            kind
+            for c_start, c_end, (_, kind, direction, reach) in cues
+            if (start <= c_start and c_end <= end)  # inside the mention's own span
+            or (lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach)
+            or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)
+        }
+        return (
+            UNCERTAIN
+            if "pre_neg_unc" in kinds
+            else NEGATIVE
+            if "neg" in kinds
+            else UNCERTAIN
+            if "unc" in kinds
+            else POSITIVE
+        )
 
     def __call__(self, reports: list[str]) -> np.ndarray:  # (N, 14) float, 1 / 0 / -1 / NaN, CHEXPERT_LABELS order
         if not reports:
@@ -658,9 +940,11 @@ def chexbert_model(config=None, path=None):
     """f1chexbert's bert_labeler, its BERT built from a config (its own __init__ downloads bert-base-uncased); `path`:
     chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) loaded strictly (f1chexbert: strict=False)."""
     import warnings
+
     with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
         from f1chexbert.f1chexbert import bert_labeler
     from transformers import BertConfig, BertModel
+
     config = config or BertConfig()  # bert-base-uncased: 30522 word pieces, 768 hidden, 12 layers
 
     class CheXbertModel(bert_labeler):
@@ -669,12 +953,15 @@ def chexbert_model(config=None, path=None):
             self.bert, self.dropout = BertModel(config), torch.nn.Dropout(0.1)
             heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
             self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
+
     model = CheXbertModel()
     if path is None:
         return model
     if not Path(path).is_file():
-        raise FileNotFoundError(f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
-                                f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})")
+        raise FileNotFoundError(
+            f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
+            f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})"
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
@@ -691,28 +978,35 @@ def chexbert_model(config=None, path=None):
 
 def from_hub(load):  # load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)
     import socket
+
     try:
         return load(True)
     except OSError:  # not cached (transformers and huggingface_hub raise OSError subclasses)
         try:
             socket.create_connection(("huggingface.co", 443), timeout=5).close()
         except OSError as e:
-            raise ValueError(f"--labeler chexbert needs {CHEXBERT_FILE} (Hub repo {CHEXBERT_REPO}) and bert-base-uncased's "
-                             f"tokenizer, and huggingface.co cannot be reached ({e}): give --chexbert-weights FILE (with the "
-                             "tokenizer in the Hugging Face cache), or --labeler rule (offline rules)") from None
+            raise ValueError(
+                f"--labeler chexbert needs {CHEXBERT_FILE} (Hub repo {CHEXBERT_REPO}) and bert-base-uncased's "
+                f"tokenizer, and huggingface.co cannot be reached ({e}): give --chexbert-weights FILE (with the "
+                "tokenizer in the Hugging Face cache), or --labeler rule (offline rules)"
+            ) from None
     return load(False)
 
 
 class CheXbertLabeler:
     """CheXbert's labels (N, 14) as RuleLabeler's, in batches sorted by length (f1chexbert labels one at a time)."""
+
     def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
         from transformers import BertTokenizerFast
+
         if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
             from huggingface_hub import hf_hub_download
-            hub = lambda offline: hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)  # noqa: E731
+
+            hub = lambda offline: hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)
             model = chexbert_model(path=from_hub(hub) if weights is None else weights)
-        self.tokenizer = tokenizer or from_hub(lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased",
-                                                                                                  local_files_only=offline))
+        self.tokenizer = tokenizer or from_hub(
+            lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased", local_files_only=offline)
+        )
         self.model = model.to(device).eval().requires_grad_(False)
         self.device, self.batch_size = torch.device(device), batch_size
 
@@ -720,7 +1014,9 @@ class CheXbertLabeler:
         if not report.strip():
             return None
         ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
-        return ids if len(ids) <= CHEXBERT_MAX_PIECES else ids[:CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
+        return (
+            ids if len(ids) <= CHEXBERT_MAX_PIECES else ids[: CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
+        )
 
     @torch.inference_mode()
     def __call__(self, reports: list[str]) -> np.ndarray:
@@ -728,7 +1024,7 @@ class CheXbertLabeler:
         encoded = [(i, s) for i, s in enumerate(map(self.encode, reports)) if s is not None]
         encoded.sort(key=lambda x: len(x[1]))  # similar lengths share a batch: little padding
         for b in range(0, len(encoded), self.batch_size):
-            chunk = encoded[b:b + self.batch_size]
+            chunk = encoded[b : b + self.batch_size]
             ids, mask = pad_completions([s for _, s in chunk], self.tokenizer.pad_token_id, self.device)  # (B, L) each
             # the reward runs inside the policy's bf16 autocast: labels must not depend on it
             with torch.autocast(ids.device.type, enabled=False):
@@ -768,6 +1064,7 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
         raise ValueError(f"need as many references as hypotheses, at least one: got {len(hyps)} and {len(refs)}")
     hyp_toks, ref_toks = [h.split() for h in hyps], [r.split() for r in refs]
     hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
+
     # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
     def bleu(correct, guess, hyp_len, ref_len):  # BLEU-1..4 per row (N, 4) in BleuScorer.compute_score()'s order
         tiny, small = 1e-15, 1e-9  # its smoothing: an empty hypothesis gives 0, not NaN
@@ -776,8 +1073,14 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
         ratio = (hyp_len + tiny) / (ref_len + small)  # brevity penalty exp(1 - r/c) when the hypothesis is shorter
         with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
             return b * np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)[:, None]
-    correct = np.array([[sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
-                        for hc, rc in zip(hyp_counts, ref_counts)], dtype=float)  # (N, 4)
+
+    correct = np.array(
+        [
+            [sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
+            for hc, rc in zip(hyp_counts, ref_counts)
+        ],
+        dtype=float,
+    )  # (N, 4)
     guess = np.array([[max(0, len(t) - k) for k in range(NGRAM_N)] for t in hyp_toks], dtype=float)  # (N, 4)
     hyp_len, ref_len = np.array([len(t) for t in hyp_toks], float), np.array([len(t) for t in ref_toks], float)
     each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], bleu(correct, guess, hyp_len, ref_len).T))
@@ -795,23 +1098,32 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
     log_n = math.log(n_docs)
     idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
-    norm = lambda counts: [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]  # noqa: E731
+    norm = lambda counts: [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]
     each["CIDEr"] = []
     for h, r in zip(hyp_counts, ref_counts):
         penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
-        sims = [sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc.keys() & rc.keys()) / (hn * rn if hn and rn else 1)
-                for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))]
+        sims = [
+            sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc.keys() & rc.keys()) / (hn * rn if hn and rn else 1)
+            for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))
+        ]
         each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
     out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})  # the mean of the per-report scores
-    if meteor and os.environ.get("RRG_METEOR") != "0" and importlib.util.find_spec("pycocoevalcap") and shutil.which("java"):
+    if (
+        meteor
+        and os.environ.get("RRG_METEOR") != "0"
+        and importlib.util.find_spec("pycocoevalcap")
+        and shutil.which("java")
+    ):
         global _METEOR_SCORER  # corpus METEOR: the jar's own aggregate, not the mean per report
         if _METEOR_SCORER is None:
             from pycocoevalcap.meteor.meteor import Meteor
+
             _METEOR_SCORER = Meteor()
         # one line per text: a newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)
-        one_line = lambda t: " ".join(t.replace("|||", " ").split())  # noqa: E731
-        score, scores = _METEOR_SCORER.compute_score({i: [one_line(r)] for i, r in enumerate(refs)},
-                                                     {i: [one_line(h)] for i, h in enumerate(hyps)})
+        one_line = lambda t: " ".join(t.replace("|||", " ").split())
+        score, scores = _METEOR_SCORER.compute_score(
+            {i: [one_line(r)] for i, r in enumerate(refs)}, {i: [one_line(h)] for i, h in enumerate(hyps)}
+        )
         out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
     elif meteor and os.environ.get("RRG_METEOR") != "0":  # RRG_METEOR=0: left out on purpose, nothing to say
         log.warning("METEOR skipped: it needs `pip install pycocoevalcap` and java on PATH")
@@ -821,7 +1133,7 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
 
 
 def _prf(tp, fp, fn):  # precision, recall, F1 = 2TP / (2TP + FP + FN), 0 if undefined (scikit-learn's zero_division=0)
-    div = lambda a, b: np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)  # noqa: E731
+    div = lambda a, b: np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)
     return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
 
 
@@ -843,9 +1155,17 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
     p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
     out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
-    return {k: float(v) for k, v in out.items()} | {"per_label": {name: {
-        "precision": float(p_lab[i]), "recall": float(r_lab[i]), "f1": float(f_lab[i]), "support": int(ref[:, i].sum())}
-        for i, name in enumerate(CHEXPERT_LABELS)}}
+    return {k: float(v) for k, v in out.items()} | {
+        "per_label": {
+            name: {
+                "precision": float(p_lab[i]),
+                "recall": float(r_lab[i]),
+                "f1": float(f_lab[i]),
+                "support": int(ref[:, i].sum()),
+            }
+            for i, name in enumerate(CHEXPERT_LABELS)
+        }
+    }
 
 
 # ==== 5. Models: one small policy interface, a tiny built-in VLM and Hugging Face VLMs ============
@@ -861,14 +1181,17 @@ _WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
 
 class WordTokenizer:
     """The tiny model's tokenizer from the training reports: lower-cased words, numbers, punctuation; <think> whole."""
+
     PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
     def __init__(self, vocab: list[str]):
         self.vocab, self.index = list(vocab), {w: i for i, w in enumerate(vocab)}
-        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (self.index[t] for t in (self.PAD, self.BOS, self.EOS, self.UNK))
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (
+            self.index[t] for t in (self.PAD, self.BOS, self.EOS, self.UNK)
+        )
 
     @classmethod
-    def build(cls, texts: list[str], extra_tokens=()) -> "WordTokenizer":
+    def build(cls, texts: list[str], extra_tokens=()) -> WordTokenizer:
         words = sorted({w for t in texts for w in _WORD_RE.findall(t.lower())})
         specials = [cls.PAD, cls.BOS, cls.EOS, cls.UNK, *extra_tokens]
         return cls(specials + [w for w in words if w not in specials])
@@ -884,23 +1207,51 @@ class WordTokenizer:
 class TinyVLM(torch.nn.Module):
     """A small CNN turns each view (1, S, S) into g x g features; a study's views are averaged position by position
     (R2GenGPT's way: any number of views) into g x g prefix embeddings read before BOS by a random GPT-2 decoder."""
+
     _no_split_modules = ["GPT2Block"]  # shard()'s blocks
 
-    def __init__(self, vocab_size: int, grid: int = 4, n_embd: int = 128, n_layer: int = 2, n_head: int = 4,
-                 max_len: int = 96, channels: int = 32):
+    def __init__(
+        self,
+        vocab_size: int,
+        grid: int = 4,
+        n_embd: int = 128,
+        n_layer: int = 2,
+        n_head: int = 4,
+        max_len: int = 96,
+        channels: int = 32,
+    ):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
-        self.hparams = dict(vocab_size=vocab_size, grid=grid, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                            max_len=max_len, channels=channels)
+
+        self.hparams = dict(
+            vocab_size=vocab_size,
+            grid=grid,
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_head=n_head,
+            max_len=max_len,
+            channels=channels,
+        )
         c = channels
-        block = lambda i, o: [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]  # noqa: E731
-        self.encoder = torch.nn.Sequential(*block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c),
-                                           torch.nn.AdaptiveAvgPool2d(grid))
+        block = lambda i, o: [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+        self.encoder = torch.nn.Sequential(
+            *block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c), torch.nn.AdaptiveAvgPool2d(grid)
+        )
         self.project = torch.nn.Linear(2 * c, n_embd)
         # No dropout, GroupNorm not BatchNorm: log-probs must not depend on train/eval mode or the batch (GRPO's ratio)
-        config = GPT2Config(vocab_size=vocab_size, n_positions=grid * grid + 1 + max_len, n_embd=n_embd,
-                            n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                            pad_token_id=0, bos_token_id=1, eos_token_id=2)  # WordTokenizer.PAD, BOS, EOS
+        config = GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=grid * grid + 1 + max_len,
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_head=n_head,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )  # WordTokenizer.PAD, BOS, EOS
         self.decoder = GPT2LMHeadModel(config)
 
     def prefix(self, pixel_values, view_mask, bos_id: int):
@@ -916,6 +1267,7 @@ class TinyVLM(torch.nn.Module):
 
 class TinyPolicy:
     """The tiny built-in policy (`--model tiny`): its prompt is the image prefix + BOS (`text` is ignored)."""
+
     def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
         self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
         self.device, self.eos_token_ids = torch.device(device), [tokenizer.eos_id]  # as HFPolicy's, a list
@@ -924,32 +1276,57 @@ class TinyPolicy:
     def prompt_batch(self, images, text=None) -> dict:
         """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
         import torchvision.transforms.functional as F
-        views = [torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
-                 for study in images]  # (V, 1, S, S) each
-        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True).to(self.device)  # noqa: E731  zeros
+
+        views = [
+            torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
+            for study in images
+        ]  # (V, 1, S, S) each
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True).to(self.device)
         return {"pixel_values": pad(views), "view_mask": pad([torch.ones(len(v)) for v in views])}
 
     def repeat(self, prompts: dict, G: int) -> dict:
         return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
 
-    def generate(self, prompts: dict, max_new_tokens: int = 80, temperature: float = 1.0, do_sample: bool = True,
-                 return_logprobs: bool = False, top_p: float = 1.0):
+    def generate(
+        self,
+        prompts: dict,
+        max_new_tokens: int = 80,
+        temperature: float = 1.0,
+        do_sample: bool = True,
+        return_logprobs: bool = False,
+        top_p: float = 1.0,
+    ):
         embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
-        inputs = dict(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device))
-        return generate_completions(self, self.model.decoder, inputs, 0, min(max_new_tokens, self.model.hparams["max_len"]),
-                                    temperature, do_sample, return_logprobs, top_p, self.eos_token_ids)
+        inputs = dict(
+            inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+        )
+        return generate_completions(
+            self,
+            self.model.decoder,
+            inputs,
+            0,
+            min(max_new_tokens, self.model.hparams["max_len"]),
+            temperature,
+            do_sample,
+            return_logprobs,
+            top_p,
+            self.eos_token_ids,
+        )
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
         prefix = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
         P, T = prefix.shape[1], completion_ids.shape[1]
         embeds = torch.cat([prefix, self.model.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
-        logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1:P - 1 + T]  # (N, T, V) predicts token t
+        logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1 : P - 1 + T]  # (N, T, V) predicts token t
         return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
-        return pad_completions([self.tokenizer.encode(t)[:self.model.hparams["max_len"] - 1] + [self.eos_token_id]
-                                for t in texts], self.pad_token_id, self.device)
+        return pad_completions(
+            [self.tokenizer.encode(t)[: self.model.hparams["max_len"] - 1] + [self.eos_token_id] for t in texts],
+            self.pad_token_id,
+            self.device,
+        )
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
@@ -961,20 +1338,41 @@ class TinyPolicy:
     def save(self, path, state_dict: dict | None = None):
         """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's, gathered."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save({"hparams": self.model.hparams, "state_dict": state_dict or lora_merged_state_dict(self.model),
-                    "vocab": self.tokenizer.vocab, "image_size": self.image_size}, Path(path) / "tiny_policy.pt")
+        torch.save(
+            {
+                "hparams": self.model.hparams,
+                "state_dict": state_dict or lora_merged_state_dict(self.model),
+                "vocab": self.tokenizer.vocab,
+                "image_size": self.image_size,
+            },
+            Path(path) / "tiny_policy.pt",
+        )
 
 
 class HFPolicy:
     """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL): the chat template with one image per view,
     left-padded; completions right-padded. The hub's top_k / top_p / repetition penalty give way to plain temperature
     sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
+
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
-    def __init__(self, name_or_path: str, device="cpu", dtype=torch.float32, gradient_checkpointing: bool = False,
-                 max_pixels: int | None = None, max_target_tokens: int = 512):
+    def __init__(
+        self,
+        name_or_path: str,
+        device="cpu",
+        dtype=torch.float32,
+        gradient_checkpointing: bool = False,
+        max_pixels: int | None = None,
+        max_target_tokens: int = 512,
+    ):
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
-        self.name, self.device, self.dtype, self.max_target_tokens = str(name_or_path), torch.device(device), dtype, max_target_tokens
+
+        self.name, self.device, self.dtype, self.max_target_tokens = (
+            str(name_or_path),
+            torch.device(device),
+            dtype,
+            max_target_tokens,
+        )
         size = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)} if max_pixels else None
         try:
             self.processor = AutoProcessor.from_pretrained(name_or_path, **({"size": size} if size else {}))
@@ -984,19 +1382,36 @@ class HFPolicy:
         self.tokenizer.padding_side = "left"  # prompts end where generation starts
         self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype).to(self.device)
         if not hasattr(getattr(self.model, "model", None), "visual"):
-            raise ValueError(f"--model {name_or_path}: a {type(self.model).__name__}; HFPolicy takes the Qwen2-VL family")
+            raise ValueError(
+                f"--model {name_or_path}: a {type(self.model).__name__}; HFPolicy takes the Qwen2-VL family"
+            )
         gen, cfg = self.model.generation_config, self.model.config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
         self.eos_token_ids = list(dict.fromkeys(([eos] if isinstance(eos, int) else list(eos)) + [self.eos_token_id]))
-        self.pad_token_id = self.eos_token_ids[0] if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
+        self.pad_token_id = (
+            self.eos_token_ids[0] if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
+        )
         # A vision placeholder (<|image_pad|> ...) in a completion (a random model writes them) would be taken for an
         # image slot by the next forward ("Image features and image tokens do not match"): never sampled, probability 0.
-        self.suppressed = [i for i in (getattr(cfg, n, None) for n in ("image_token_id", "video_token_id",
-                           "vision_start_token_id", "vision_end_token_id")) if i is not None]
+        self.suppressed = [
+            i
+            for i in (
+                getattr(cfg, n, None)
+                for n in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+            )
+            if i is not None
+        ]
         self.model.generation_config = GenerationConfig(
-            bos_token_id=gen.bos_token_id, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, suppress_tokens=self.suppressed or None)
+            bos_token_id=gen.bos_token_id,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            suppress_tokens=self.suppressed or None,
+        )
         if gradient_checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
@@ -1007,50 +1422,88 @@ class HFPolicy:
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
 
     def _forward_context(self):  # bf16 weights with fp32 parts (fp32_trainable, LoRA) need autocast to mix them
-        return contextlib.nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, dtype=self.dtype)
+        return (
+            contextlib.nullcontext()
+            if self.dtype == torch.float32
+            else torch.autocast(self.device.type, dtype=self.dtype)
+        )
 
     def prompt_batch(self, images, text) -> dict:  # images: PIL views per study; text: one instruction or one per study
         texts = [text] * len(images) if isinstance(text, str) or text is None else list(text)
-        chats = [[{"role": "user", "content": [{"type": "image"} for _ in views] + [{"type": "text", "text": t or ""}]}]
-                 for views, t in zip(images, texts)]
+        chats = [
+            [{"role": "user", "content": [{"type": "image"} for _ in views] + [{"type": "text", "text": t or ""}]}]
+            for views, t in zip(images, texts)
+        ]
         prompt_text = [self.processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         flat = [im.convert("RGB") for views in images for im in views]
         inputs = self.processor(text=prompt_text, images=flat, padding=True, return_tensors="pt")  # never truncated
-        return ({k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
-                | {"n_images": torch.tensor([len(v) for v in images])})  # (B,) views per study, for repeat()
+        return {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS} | {
+            "n_images": torch.tensor([len(v) for v in images])
+        }  # (B,) views per study, for repeat()
 
     def repeat(self, prompts: dict, G: int) -> dict:
         """Each study G times in a row; pixel_values (every image's t*h*w patch rows in turn) is cut per study."""
         n_images = prompts["n_images"].tolist()
         rows = prompts["image_grid_thw"].prod(-1).split(n_images)  # patches per image, per study
-        out = {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items() if k not in ("pixel_values", "image_grid_thw")}
-        out["pixel_values"] = torch.cat([c for c in prompts["pixel_values"].split([int(r.sum()) for r in rows])
-                                         for _ in range(G)])
+        out = {
+            k: v.repeat_interleave(G, dim=0) for k, v in prompts.items() if k not in ("pixel_values", "image_grid_thw")
+        }
+        out["pixel_values"] = torch.cat(
+            [c for c in prompts["pixel_values"].split([int(r.sum()) for r in rows]) for _ in range(G)]
+        )
         out["image_grid_thw"] = torch.cat([c for c in prompts["image_grid_thw"].split(n_images) for _ in range(G)])
         return out
 
-    def generate(self, prompts: dict, max_new_tokens: int = 256, temperature: float = 1.0, do_sample: bool = True,
-                 return_logprobs: bool = False, top_p: float = 1.0):
+    def generate(
+        self,
+        prompts: dict,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        do_sample: bool = True,
+        return_logprobs: bool = False,
+        top_p: float = 1.0,
+    ):
         with self._forward_context():
-            return generate_completions(self, self.model, {k: v for k, v in prompts.items() if k in self.MODEL_KEYS},
-                                        prompts["input_ids"].shape[1], max_new_tokens, temperature, do_sample,
-                                        return_logprobs, top_p, self.eos_token_ids, self.suppressed)
+            return generate_completions(
+                self,
+                self.model,
+                {k: v for k, v in prompts.items() if k in self.MODEL_KEYS},
+                prompts["input_ids"].shape[1],
+                max_new_tokens,
+                temperature,
+                do_sample,
+                return_logprobs,
+                top_p,
+                self.eos_token_ids,
+                self.suppressed,
+            )
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T)."""
         T, inputs = completion_ids.shape[1], {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
         inputs["input_ids"] = torch.cat([prompts["input_ids"], completion_ids], dim=1)  # (N, P+T)
-        inputs["attention_mask"] = torch.cat([prompts["attention_mask"], completion_mask.to(prompts["attention_mask"].dtype)], 1)
+        inputs["attention_mask"] = torch.cat(
+            [prompts["attention_mask"], completion_mask.to(prompts["attention_mask"].dtype)], 1
+        )
         if "mm_token_type_ids" in prompts:  # completions are text (type 0)
             inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
         # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
         with self._forward_context():
-            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V) predicts token t
+            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[
+                :, :-1
+            ]  # (N, T, V) predicts token t
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
-        return pad_completions([self.tokenizer(t, add_special_tokens=False)["input_ids"][:self.max_target_tokens - 1]
-                                + [self.eos_token_id] for t in texts], self.pad_token_id, self.device)
+        return pad_completions(
+            [
+                self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.max_target_tokens - 1]
+                + [self.eos_token_id]
+                for t in texts
+            ],
+            self.pad_token_id,
+            self.device,
+        )
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
@@ -1066,8 +1519,16 @@ class HFPolicy:
         self.processor.save_pretrained(path)
 
 
-def make_policy(model: str, train_reports: list[str], device, dtype=torch.float32, max_new_tokens: int = 128,
-                extra_tokens=(), max_pixels: int | None = 512 * 512, gradient_checkpointing=True):
+def make_policy(
+    model: str,
+    train_reports: list[str],
+    device,
+    dtype=torch.float32,
+    max_new_tokens: int = 128,
+    extra_tokens=(),
+    max_pixels: int | None = 512 * 512,
+    gradient_checkpointing=True,
+):
     """`--model tiny`: TinyPolicy (training reports' words), else HFPolicy (max_pixels 512^2: <= 334 tokens a view)."""
     if model == "tiny":
         tok = WordTokenizer.build(list(train_reports), extra_tokens)
@@ -1093,16 +1554,37 @@ def fp32_trainable(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def generate_completions(policy, model, inputs: dict, prompt_len: int, max_new_tokens: int, temperature: float,
-                         do_sample: bool, return_logprobs: bool, top_p: float, eos_ids: list, suppressed=()):
+def generate_completions(
+    policy,
+    model,
+    inputs: dict,
+    prompt_len: int,
+    max_new_tokens: int,
+    temperature: float,
+    do_sample: bool,
+    return_logprobs: bool,
+    top_p: float,
+    eos_ids: list,
+    suppressed=(),
+):
     """model.generate (KV cache, eval mode) -> ids (N, T) padded after the first EOS, mask (N, T) and the log-probs
     under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses)."""
     was_training = policy.model.training
     policy.model.eval()
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, use_cache=True, return_dict_in_generate=True,
-                         output_logits=return_logprobs, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id,
-                         synced_gpus=isinstance(policy.model, FSDPModule), **sampling)
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
+    )
+    out = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_logits=return_logprobs,
+        eos_token_id=eos_ids,
+        pad_token_id=policy.pad_token_id,
+        synced_gpus=isinstance(policy.model, FSDPModule),
+        **sampling,
+    )
     policy.model.train(was_training)
     ids = out.sequences[:, prompt_len:]  # (N, T) the completion only
     mask = completion_mask(ids, eos_ids)  # (N, T)
@@ -1134,13 +1616,14 @@ def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):  # right-
     T = max(1, max(len(s) for s in seqs))
     ids, mask = torch.full((len(seqs), T), pad_id, dtype=torch.long), torch.zeros(len(seqs), T)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s, dtype=torch.long), 1
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s, dtype=torch.long), 1
     return ids.to(device), mask.to(device)
 
 
 # Image and text encoders of DCRRG and RRGCL (neither uses the policy interface for them) ----------
 class ViewMean(torch.nn.Module):
     """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d)."""
+
     def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None, dim: int | None = None):
         super().__init__()
         self.body, self.head, self.dim = body, head, dim or getattr(body, "dim", None)
@@ -1152,11 +1635,15 @@ class ViewMean(torch.nn.Module):
 class SmallCNN(torch.nn.Module):
     """Offline image encoder (B, 1, S, S) -> (B, dim): 3 x 3 conv blocks (GroupNorm: no batch statistics),
     average-pooled to grid x grid (where a sign lies stays visible), flattened, then Linear + ReLU to `dim`."""
+
     def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
         super().__init__()
         c = [1, *widths]
-        blocks = [m for i, o, s in zip(c, c[1:], strides)
-                  for m in (torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU())]
+        blocks = [
+            m
+            for i, o, s in zip(c, c[1:], strides)
+            for m in (torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU())
+        ]
         blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
         blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()] if dim is not None else []
         self.net, self.dim = torch.nn.Sequential(*blocks), dim or c[-1] * grid * grid
@@ -1169,9 +1656,11 @@ def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--p
     """torchvision ResNet-`depth` without its classifier, as a ViewMean -> (B, 2048). weights: None, "imagenet"
     (downloaded once when asked) or a state-dict file (a checkpoint's "module."/"model." prefixes are dropped)."""
     import torchvision
+
     name = f"resnet{depth}"
-    net = torchvision.models.get_model(name, weights=torchvision.models.get_model_weights(name).DEFAULT
-                                       if weights == "imagenet" else None)
+    net = torchvision.models.get_model(
+        name, weights=torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
+    )
     dim, net.fc = net.fc.in_features, torch.nn.Identity()
     if weights not in (None, "imagenet"):
         if not Path(weights).is_file():
@@ -1181,7 +1670,9 @@ def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--p
         try:
             net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
         except RuntimeError as e:
-            raise ValueError(f"{flag} {weights}: not a torchvision ResNet-{depth} state dict ({str(e)[:300]})") from None
+            raise ValueError(
+                f"{flag} {weights}: not a torchvision ResNet-{depth} state dict ({str(e)[:300]})"
+            ) from None
     return ViewMean(net, dim=dim)
 
 
@@ -1211,20 +1702,32 @@ class LoRALinear(torch.nn.Module):
         if not self.enabled:
             return out
         x = self.dropout(x).to(self.lora_A.dtype)  # h = W0 x + (alpha / r) * B (A dropout(x))
-        return out + (torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B)
-                      * self.scaling).to(out.dtype)
+        return out + (
+            torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B) * self.scaling
+        ).to(out.dtype)
 
     def delta_weight(self):  # (alpha / r) * B A, (out, in) as the base weight (computed in fp32)
         return ((self.lora_B.float() @ self.lora_A.float()) * self.scaling).to(self.base.weight.dtype)
 
 
-def apply_lora(model: torch.nn.Module, target_modules: list[str], r: int = 8, alpha: float = 16.0,
-               dropout: float = 0.0, exclude: torch.nn.Module | None = None) -> list[str]:
+def apply_lora(
+    model: torch.nn.Module,
+    target_modules: list[str],
+    r: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+    exclude: torch.nn.Module | None = None,
+) -> list[str]:
     """Wrap every nn.Linear named ...<target> (["q_proj", "v_proj"]) outside `exclude` (the vision tower,
     whose MLP shares the language model's names) in a LoRALinear, freeze the rest; the wrapped names."""
     skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
-    matched = [(n, m) for n, m in model.named_modules() if id(m) not in skip and isinstance(m, torch.nn.Linear)
-               and any(n == t or n.endswith("." + t) for t in target_modules)]
+    matched = [
+        (n, m)
+        for n, m in model.named_modules()
+        if id(m) not in skip
+        and isinstance(m, torch.nn.Linear)
+        and any(n == t or n.endswith("." + t) for t in target_modules)
+    ]
     if not matched:
         raise ValueError(f"no nn.Linear layer name ends with one of the LoRA targets {target_modules}")
     model.requires_grad_(False)
@@ -1283,8 +1786,18 @@ def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 
     return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0,
-              loss_type="grpo", max_completion_length=None):
+def grpo_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    beta=0.0,
+    loss_type="grpo",
+    max_completion_length=None,
+):
     """Clipped GRPO surrogate plus the k3 KL -> (loss, stats). Equals TRL's GRPOTrainer loss with
     use_bias_correction_kl=False (TRL's default since 1.10, True, multiplies the KL term by the differentiable ratio).
     logp, old_logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp may be None when beta == 0.
@@ -1317,23 +1830,37 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps_low=0.2, clip
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
     with torch.no_grad():  # as TRL counts them: a token is clipped when the min took the clipped branch
         A_t = A.expand_as(ratio)  # (N, T)
-        is_clipped = (((ratio < 1 - clip_eps_low) & (A_t < 0)) | ((ratio > 1 + clip_eps_high) & (A_t > 0))).to(mask.dtype)
-        stats = {"clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
-                 "kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0,
-                 "ratio_mean": ((ratio * mask).sum() / n_tokens).item()}
+        is_clipped = (((ratio < 1 - clip_eps_low) & (A_t < 0)) | ((ratio > 1 + clip_eps_high) & (A_t > 0))).to(
+            mask.dtype
+        )
+        stats = {
+            "clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
+            "kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0,
+            "ratio_mean": ((ratio * mask).sum() / n_tokens).item(),
+        }
     return loss, stats
 
 
-def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1, length_normalize=False,
-             chosen_mask=None, rejected_mask=None):
+def dpo_loss(
+    policy_chosen,
+    policy_rejected,
+    ref_chosen,
+    ref_rejected,
+    beta=0.1,
+    length_normalize=False,
+    chosen_mask=None,
+    rejected_mask=None,
+):
     """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
     with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
     length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
+
     def seq_logp(lp, m):  # (N, T) + mask -> (N,), or (N,) as it is
         if m is None:
             return lp
         total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
         return total / m.sum(-1).clamp(min=1) if length_normalize else total
+
     c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
     r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
     # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
@@ -1341,14 +1868,19 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1,
     margin = chosen_reward - rejected_reward  # (N,)
     loss = -torch.nn.functional.logsigmoid(margin).mean()  # ()
     with torch.no_grad():
-        stats = {"reward_margin": margin.mean().item(), "chosen_reward": chosen_reward.mean().item(),
-                 "rejected_reward": rejected_reward.mean().item(), "accuracy": (margin > 0).float().mean().item()}
+        stats = {
+            "reward_margin": margin.mean().item(),
+            "chosen_reward": chosen_reward.mean().item(),
+            "rejected_reward": rejected_reward.mean().item(),
+            "accuracy": (margin > 0).float().mean().item(),
+        }
     return loss, stats
 
 
 @dataclass
 class Rollout:
     """G sampled completions for each of B prompts (N = B*G rows, groups contiguous)."""
+
     prompts: dict  # model inputs, each prompt repeated G times
     completion_ids: torch.Tensor  # (N, T)
     completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
@@ -1357,15 +1889,17 @@ class Rollout:
     ref_logp: torch.Tensor | None  # (N, T) under the reference policy, when asked for
 
 
-def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temperature: float = 1.0,
-            ref="none") -> Rollout:
+def rollout(
+    policy, images, text, G: int, reward_fn, max_new_tokens: int, temperature: float = 1.0, ref="none"
+) -> Rollout:
     """Sample G completions per study and score them: reward_fn(texts, owners) -> N rewards, owners[n] =
     n // G the study completion n answers. ref: "none", "lora" (LoRA switched off) or a frozen policy."""
     prompts = policy.repeat(policy.prompt_batch(images, text), G)
     ids, mask = policy.generate(prompts, max_new_tokens, temperature)  # (N, T), (N, T)
     texts = policy.decode(ids, mask)
-    rewards = torch.as_tensor(reward_fn(texts, [n // G for n in range(len(texts))]), dtype=torch.float32,
-                              device=ids.device)  # (N,)
+    rewards = torch.as_tensor(
+        reward_fn(texts, [n // G for n in range(len(texts))]), dtype=torch.float32, device=ids.device
+    )  # (N,)
     ref_policy = None if ref == "none" else policy if ref == "lora" else ref
     with torch.no_grad(), lora_disabled(policy.model) if ref == "lora" else contextlib.nullcontext():
         ref_logp = ref_policy.completion_logprobs(prompts, ids, mask, temperature) if ref_policy is not None else None
@@ -1385,16 +1919,28 @@ def rollout(policy, images, text, G: int, reward_fn, max_new_tokens: int, temper
 @dataclass
 class RunArgs:
     """The flags every script shares; a script's Args adds its paper's hyper-parameters."""
-    data: str = "synthetic"  # "synthetic", or an R2Gen-layout annotation.json (IU X-Ray, MIMIC-CXR) or its folder
-    model: str = "tiny"  # "tiny" (built in, offline) or a Hugging Face vision-language model id or folder
-    labeler: Literal["auto", "rule", "chexbert"] = "auto"  # chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert for a real model on real data, else rule
-    chexbert_weights: str | None = None  # a local chexbert.pth (else downloaded once from the Hub)
-    out: str = "runs/run"  # the run's folder: a fresh run needs it empty or absent
-    seed: int = 0  # data order, initial weights and samples (rank r samples with seed + r)
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 (the papers') on a GPU that has it, else fp32; what trains keeps fp32 master weights
-    clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"  # R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's
-    resume: bool = False  # continue the run in --out from its last checkpoint (other flags must be the run's)
-    drop_invalid: bool = False  # skip annotation records with a missing image or an empty report (each is logged)
+
+    data: str = "synthetic"
+    """"synthetic", or an R2Gen-layout annotation.json (IU X-Ray, MIMIC-CXR) or its folder"""
+    model: str = "tiny"
+    """"tiny" (built in, offline) or a Hugging Face vision-language model id or folder"""
+    labeler: Literal["auto", "rule", "chexbert"] = "auto"
+    """chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert for a real model on real data,
+    else rule"""
+    chexbert_weights: str | None = None
+    """a local chexbert.pth (else downloaded once from the Hub)"""
+    out: str = "runs/run"
+    """the run's folder: a fresh run needs it empty or absent"""
+    seed: int = 0
+    """data order, initial weights and samples (rank r samples with seed + r)"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 (the papers') on a GPU that has it, else fp32; what trains keeps fp32 master weights"""
+    clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"
+    """R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's"""
+    resume: bool = False
+    """continue the run in --out from its last checkpoint (other flags must be the run's)"""
+    drop_invalid: bool = False
+    """skip annotation records with a missing image or an empty report (each is logged)"""
 
 
 CHECKPOINT_EVERY = 50  # steps between checkpoints (also at the end, and when stopped by Ctrl-C)
@@ -1407,12 +1953,15 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     if "RANK" not in os.environ:
         return 0, 1, device
     from datetime import timedelta
+
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not _distributed():  # NCCL's default 10-minute timeout is too short while rank 0 evaluates alone
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                             timeout=timedelta(minutes=float(os.environ.get("RRG_DIST_TIMEOUT_MIN", 120))))
+        torch.distributed.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(minutes=float(os.environ.get("RRG_DIST_TIMEOUT_MIN", 120))),
+        )
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
@@ -1484,6 +2033,7 @@ def shard(model: torch.nn.Module, dtype=torch.float32):
     the rest, split over the ranks; a rank keeps 1/world of the weights, gradients and AdamW states and gathers a
     block's weights (in `dtype`) as it runs. Ranks run as many forwards: generate() waits for all (synced_gpus)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
     for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
         fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
     for name in [n for n in ("generate", "prefix") if hasattr(model, n)]:  # entry points besides forward()
@@ -1493,8 +2043,11 @@ def shard(model: torch.nn.Module, dtype=torch.float32):
 def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
     """A shard()ed model's (an FSDPModule's) and optimiser's full state dicts on the CPU; every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), optimizer and get_optimizer_state_dict(model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), optimizer and get_optimizer_state_dict(
+        model, optimizer, options=options
+    )
 
 
 def gather_strided(mine: list, world_size: int) -> list:  # each rank's x[rank::world_size] -> all x on every rank
@@ -1515,7 +2068,10 @@ def exact_div(a: int, b: int, what: str) -> int:  # a / b, batch sizes that must
 
 class Run:
     """One run: processes (rank, world size, device, dtype), inputs (data, labeler), folder (README, "Run folders")."""
-    def __init__(self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True, notes=()):
+
+    def __init__(
+        self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True, notes=()
+    ):
         self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
         self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
@@ -1538,7 +2094,11 @@ class Run:
         elif config.is_file():
             saved, now = json.loads(config.read_text()), json.loads(json.dumps(asdict(self.args), default=str))
             keep = self.resume_flags or [k for k in now if k not in MAY_CHANGE_ON_RESUME]
-            diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the run, {now[k]!r} now" for k in keep if saved.get(k) != now[k]]
+            diff = [
+                f"--{k.replace('_', '-')} {saved.get(k)!r} in the run, {now[k]!r} now"
+                for k in keep
+                if saved.get(k) != now[k]
+            ]
             if diff:
                 return f"--resume with flags that differ from {config}: {'; '.join(diff)}"
             if (self.out / "eval.json").is_file():
@@ -1550,10 +2110,18 @@ class Run:
         if self.is_main:
             atomic_save(text, self.out / name)
 
-    def stage(self, name: str, flags) -> "Run":
+    def stage(self, name: str, flags) -> Run:
         """A run in out/<name> (config, log, checkpoint) sharing processes, data and labeler; --resume checks `flags`."""
-        return Run(dataclasses.replace(self.args, out=str(self.out / name)), self.rank, self.world_size, self.device,
-                   self.data, self.labeler, resume_flags=tuple(flags), notes=self.notes)
+        return Run(
+            dataclasses.replace(self.args, out=str(self.out / name)),
+            self.rank,
+            self.world_size,
+            self.device,
+            self.data,
+            self.labeler,
+            resume_flags=tuple(flags),
+            notes=self.notes,
+        )
 
     def per_rank(self, batch_size: int, flag: str) -> int:  # a global batch (as the papers count) -> this rank's share
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
@@ -1578,36 +2146,50 @@ class Run:
     def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size", transform="pil"):
         """batches(start) for steps(): this rank's share of shuffled global batches of studies (images: `transform`)."""
         n = self.per_rank(batch_size, flag)
-        return lambda start: (b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform))
+        return lambda start: (
+            b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform)
+        )
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None):
         """(step, batch), step = start (default: restore()'s) .. total - 1, with a bar; after each, a metrics.jsonl line
         (log()'s means over ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C, SIGTERM: save, stop."""
         import signal
+
         stop, start = [], self.start if start is None else start
-        old = {s: signal.signal(s, lambda *_: stop.append(1)) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if threading.current_thread() is threading.main_thread() else {}
+        old = (
+            {s: signal.signal(s, lambda *_: stop.append(1)) for s in (signal.SIGINT, signal.SIGTERM)}
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
         bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
         clock, data, optimizer = time.time(), batches(start), self._saved[1] if self._saved else None
         try:
             for step in range(start, total):
                 lr = {"lr": optimizer.param_groups[0]["lr"]} if optimizer is not None else {}
                 yield step, next(data)
-                row = {"step": step + 1, "time": round(time.time() - clock, 2), **lr,
-                       **all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())})}
+                row = {
+                    "step": step + 1,
+                    "time": round(time.time() - clock, 2),
+                    **lr,
+                    **all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())}),
+                }
                 self._stats.clear()
                 if self.is_main:
                     with open(self.out / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(row) + "\n")
                     bar.update(1)
-                    bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k not in ("step", "time", "lr") and "/" not in k},
-                                    refresh=False)  # keys "a/b" (a class each) stay in the file
+                    bar.set_postfix(
+                        {k: f"{v:.3g}" for k, v in row.items() if k not in ("step", "time", "lr") and "/" not in k},
+                        refresh=False,
+                    )  # keys "a/b" (a class each) stay in the file
                 interrupted = all_reduce_mean(float(bool(stop))) > 0  # every rank stops at the same step
                 if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == total or interrupted):
                     self.checkpoint(step + 1)
                 if interrupted:
-                    raise KeyboardInterrupt(f"stopped after step {step + 1}, with {self.out / 'last.pt'} saved: "
-                                            "the same command with --resume continues")
+                    raise KeyboardInterrupt(
+                        f"stopped after step {step + 1}, with {self.out / 'last.pt'} saved: "
+                        "the same command with --resume continues"
+                    )
         finally:
             bar.close()
             for s, h in old.items():
@@ -1634,40 +2216,74 @@ class Run:
         """out/last.pt, atomically. Every rank calls it: its RNG state goes in, so a resume draws as if never stopped."""
         model, optimizer, scheduler, state = self._saved
         kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as tensors and lists: loadable with weights_only
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": [kind, torch.from_numpy(
-            keys.astype(np.int64)), pos, has_gauss, gauss], **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+        rng = {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+            **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}),
+        }
         states, params = all_gather_objects(rng), dict(model.named_parameters())
         partial = not all(p.requires_grad for p in params.values())
         weights, optim = full_state_dicts(model, optimizer) if isinstance(model, FSDPModule) else (None, None)
         if self.is_main:
-            weights = weights or {k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad}
-            atomic_save({"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {},
-                         "optimizer": optim or (optimizer.state_dict() if optimizer is not None else None),
-                         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                         "config": asdict(self.args)}, self.out / "last.pt")
+            weights = weights or {
+                k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad
+            }
+            atomic_save(
+                {
+                    "step": step,
+                    "model": weights,
+                    "partial": partial,
+                    "rng": states,
+                    "extra": state or {},
+                    "optimizer": optim or (optimizer.state_dict() if optimizer is not None else None),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "config": asdict(self.args),
+                },
+                self.out / "last.pt",
+            )
         barrier()
 
     # Evaluation and the end --------------------------------------------------------------------
-    def evaluate(self, policy, records, name: str, prompt: str, max_new_tokens: int, report=None, score=None,
-                 meteor=False, ce: dict | None = None) -> dict:
+    def evaluate(
+        self,
+        policy,
+        records,
+        name: str,
+        prompt: str,
+        max_new_tokens: int,
+        report=None,
+        score=None,
+        meteor=False,
+        ce: dict | None = None,
+    ) -> dict:
         """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
         NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
         to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
         path = self.out / f"eval_{name}.json"
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
-        mine, completions = records[self.rank::self.world_size], []  # each rank a strided share, greedy
-        padded = mine + records[:len(records[::self.world_size]) - len(mine)]  # as long as rank 0's: equal generate() calls (FSDP)
+        mine, completions = records[self.rank :: self.world_size], []  # each rank a strided share, greedy
+        padded = (
+            mine + records[: len(records[:: self.world_size]) - len(mine)]
+        )  # as long as rank 0's: equal generate() calls (FSDP)
         for b in tqdm(range(0, len(padded), 32), desc=name, disable=not self.is_main):
-            prompts = policy.prompt_batch([[load_image(p, r.id) for p in r.image_paths] for r in padded[b:b + 32]], prompt)
+            prompts = policy.prompt_batch(
+                [[load_image(p, r.id) for p in r.image_paths] for r in padded[b : b + 32]], prompt
+            )
             with torch.no_grad(), self.autocast():
                 completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
-        completions, results = gather_strided(completions[:len(mine)], self.world_size), None
+        completions, results = gather_strided(completions[: len(mine)], self.world_size), None
         if self.is_main:
-            rows = [{"id": r.id, "reference": r.report, "generated": report(c) if report else c}
-                    | ({"completion": c} if report else {}) for r, c in zip(records, completions)]
+            rows = [
+                {"id": r.id, "reference": r.report, "generated": report(c) if report else c}
+                | ({"completion": c} if report else {})
+                for r, c in zip(records, completions)
+            ]
             labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
-            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **(ce or {})) | (score(rows, labeler) if score else {})
+            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **(ce or {})) | (
+                score(rows, labeler) if score else {}
+            )
             self.write(f"generations_{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
             self.write(path.name, json.dumps(results, indent=2))
         return broadcast_object(results)
@@ -1704,8 +2320,10 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     if args.clean == "auto":
         args.clean = clean_style([r for records in data.values() for r in records])
     labeler = make_labeler(args.labeler, args.chexbert_weights, device)
-    rule = ("labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
-            "CE numbers do not compare with published ones (--labeler chexbert)")
+    rule = (
+        "labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
+        "CE numbers do not compare with published ones (--labeler chexbert)"
+    )
     notes = [rule] * (args.labeler == "rule") + list(notes)
     for note in notes if rank == 0 else ():
         log.warning("note: %s", note)
@@ -1732,9 +2350,19 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
-def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | None = None, reference: bool = True,
-                 warm_start: dict | None = None, init=None, extra_tokens=(), max_pixels: int | None = 512 * 512,
-                 fsdp: bool = False):
+def build_policy(
+    run: Run,
+    records: list,
+    max_new_tokens: int,
+    *,
+    lora: dict | None = None,
+    reference: bool = True,
+    warm_start: dict | None = None,
+    init=None,
+    extra_tokens=(),
+    max_pixels: int | None = 512 * 512,
+    fsdp: bool = False,
+):
     """(policy, reference): `init` (a saved policy) or --model, equal on every rank. `lora` ({r, alpha, dropout,
     targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none": reference=False).
     `warm_start` ({steps, lr, batch_size, prompt, targets=fn(batch)}) first fine-tunes on the reports (a
@@ -1742,11 +2370,22 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
     saved = run.out / "warm_start"
     if warm_start and run.resuming and saved.is_dir():
         init, warm_start = saved, None
-    policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels) if init is not None else make_policy(
-        run.args.model, [r.report for r in records], run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
+    policy = (
+        load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
+        if init is not None
+        else make_policy(
+            run.args.model, [r.report for r in records], run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels
+        )
+    )
     broadcast_parameters(policy.model)
-    add_lora = lambda: apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"],  # noqa: E731
-                                  exclude=policy.vision_and_language()[0])  # its MLP shares the LM's names
+    add_lora = lambda: apply_lora(
+        policy.model,
+        lora["targets"],
+        lora["r"],
+        lora["alpha"],
+        lora["dropout"],
+        exclude=policy.vision_and_language()[0],
+    )  # its MLP shares the LM's names
     if lora:
         add_lora()
     if warm_start and warm_start["steps"] > 0:  # teacher-forced likelihood of targets(batch), AdamW, constant lr
@@ -1781,10 +2420,15 @@ def build_policy(run: Run, records: list, max_new_tokens: int, *, lora: dict | N
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
     """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
     optimizer, w = torch.optim.AdamW(list(params), lr=lr, **kwargs), int(warmup * total)
+
     def factor(step):  # the lr's multiplier at `step`
-        decay = {"linear": (total - step) / max(1, total - w), "constant": 1.0,
-                 "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))}
+        decay = {
+            "linear": (total - step) / max(1, total - w),
+            "constant": 1.0,
+            "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w))),
+        }
         return (step + 1) / w if step < w else decay[schedule]
+
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -1803,8 +2447,14 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
         raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
     if isinstance(model, FSDPModule):  # shard()'s: full state dicts (Run.checkpoint), each rank keeping its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-        set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=ckpt["model"],
+            optim_state_dict=ckpt["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
     else:
         try:
             missing, unexpected = model.load_state_dict(ckpt["model"], strict=not ckpt["partial"])
@@ -1831,12 +2481,26 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
 
 
 # ==== 8. Command line: flags from an Args dataclass, and `python common.py evaluate` ==============
+def field_helps(args_class) -> dict[str, str]:
+    """{field: help} from each class of args_class: the string under a field (CleanRL's attribute doc strings), so a
+    knob is written once, with its help and its source beside it. A subclass's help wins."""
+    import inspect
+    import textwrap
+
+    helps = {}
+    for cls in reversed(args_class.__mro__[:-1]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        for node, after in zip(body, body[1:]):
+            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            if isinstance(node, ast.AnnAssign) and is_doc and isinstance(after.value.value, str):
+                helps[node.target.id] = " ".join(after.value.value.split())
+    return helps
+
+
 def parse_args(args_class, argv=None, description: str | None = None):
     """Flags from an Args dataclass: `--flag-name` per field, typed by its annotation (a bool as --flag /
-    --no-flag, Literal[...] as choices), its help the comment after the field: a knob is written once."""
-    import inspect
-    helps = {k: v for cls in reversed(args_class.__mro__[:-1])  # a subclass's help wins
-             for k, v in re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", inspect.getsource(cls), flags=re.M)}
+    --no-flag, Literal[...] as choices), its help the doc string under the field."""
+    helps = field_helps(args_class)
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     casts = {"int": int, "float": float, "str": str}
     for f in dataclasses.fields(args_class):
@@ -1846,7 +2510,7 @@ def parse_args(args_class, argv=None, description: str | None = None):
         if kind == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         elif kind.startswith("Literal["):
-            choices = ast.literal_eval(kind[len("Literal"):].replace("[", "(", 1).rsplit("]", 1)[0] + ",)")
+            choices = ast.literal_eval(kind[len("Literal") :].replace("[", "(", 1).rsplit("]", 1)[0] + ",)")
             p.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
         else:
             p.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
@@ -1872,6 +2536,7 @@ def read_generations(path) -> list[dict]:  # generations.jsonl: a {"id", "refere
 
 class LabelCache:
     """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
+
     def __init__(self, labeler):
         self.labeler, self.labels = labeler, {}
 
@@ -1885,8 +2550,14 @@ def make_labeler(name: str, chexbert_weights=None, device="cpu"):  # --labeler r
     return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
 
 
-def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_cxr", uncertain_as: int = 1,
-                         meteor=True, headline: str = "micro_f1") -> dict:
+def evaluate_generations(
+    rows: list[dict],
+    labeler,
+    clean: str | None = "mimic_cxr",
+    uncertain_as: int = 1,
+    meteor=True,
+    headline: str = "micro_f1",
+) -> dict:
     """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
     (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
     every metric. Degenerate output (most reports alike, or none with a word of the references) is called out."""
@@ -1894,25 +2565,40 @@ def evaluate_generations(rows: list[dict], labeler, clean: str | None = "mimic_c
     if n_empty := sum(not h.strip() for h in hyps):
         log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
     cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
-    return {"n": len(rows), "n_empty_generations": n_empty, "degenerate": degenerate_output(hyps, refs), "clean": clean,
-            "labeler": type(labeler).__name__, "uncertain_as": uncertain_as, "headline": headline,
-            "nlg": nlg_metrics(*cleaned, meteor=meteor), "ce": ce_metrics(labeler(hyps), labeler(refs), uncertain_as=uncertain_as)}
+    return {
+        "n": len(rows),
+        "n_empty_generations": n_empty,
+        "degenerate": degenerate_output(hyps, refs),
+        "clean": clean,
+        "labeler": type(labeler).__name__,
+        "uncertain_as": uncertain_as,
+        "headline": headline,
+        "nlg": nlg_metrics(*cleaned, meteor=meteor),
+        "ce": ce_metrics(labeler(hyps), labeler(refs), uncertain_as=uncertain_as),
+    }
 
 
 def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
     scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
-    stop = set("a an the and or of in on at to is are was were be been there no not with without for as by this "
-               "that it its from has have".split())
-    words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - stop  # noqa: E731
+    stop = set(
+        ["a", "an", "the", "and", "or", "of", "in", "on", "at", "to", "is", "are", "was", "were", "be", "been", "there", "no", "not", "with", "without", "for", "as", "by", "this", "that", "it", "its", "from", "has", "have"]
+    )
+    words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - stop
     vocab, (top, count) = set().union(*map(words, refs)), Counter(hyps).most_common(1)[0]
     n, contentless = len(hyps), sum(not words(h) & vocab for h in hyps)
-    signs = [f"{len(set(hyps))} distinct report(s) of {n}, {count} identical ({top[:40]!r})"] * (n >= 5 and count > n / 2) + \
-            [f"{contentless} of {n} without a word of the references' vocabulary"] * (contentless > n / 2)
+    signs = [f"{len(set(hyps))} distinct report(s) of {n}, {count} identical ({top[:40]!r})"] * (
+        n >= 5 and count > n / 2
+    ) + [f"{contentless} of {n} without a word of the references' vocabulary"] * (contentless > n / 2)
     warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little" if signs else ""
     if warning:
         log.warning(warning)
-    return {"distinct": len(set(hyps)), "most_common_share": count / n, "contentless_share": contentless / n, "warning": warning}
+    return {
+        "distinct": len(set(hyps)),
+        "most_common_share": count / n,
+        "contentless_share": contentless / n,
+        "warning": warning,
+    }
 
 
 def summary(results: dict) -> str:  # the paper's headline CE metric, BLEU-4 and the degenerate-output warning
@@ -1934,20 +2620,30 @@ def plot_run(out) -> list[Path]:
         rows, panels = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()], defaultdict(dict)
         for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
             panel, _, line = key.partition("/")
-            panels[panel][line or panel] = np.array([(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))])
+            panels[panel][line or panel] = np.array(
+                [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            )
         cols, n_rows = max(1, min(4, len(panels))), max(1, -(-len(panels) // 4))  # at most 4 a row; none: a blank
         fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
         axes = fig.subplots(n_rows, cols, squeeze=False)
         for ax, (panel, lines) in zip(axes.flat, panels.items()):
             for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
                 w = max(1, len(x) // 15)  # running mean over w steps
-                raw, = ax.plot(x, y, lw=0.6, alpha=0.35 if w > 1 else 1, marker="." if len(x) <= 30 else None,
-                               label=label if len(lines) > 1 else None)
-                ax.plot(x[w - 1:], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color()) if w > 1 else None
+                (raw,) = ax.plot(
+                    x,
+                    y,
+                    lw=0.6,
+                    alpha=0.35 if w > 1 else 1,
+                    marker="." if len(x) <= 30 else None,
+                    label=label if len(lines) > 1 else None,
+                )
+                ax.plot(
+                    x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color()
+                ) if w > 1 else None
             ax.set_title(panel, fontsize=8)
             ax.tick_params(labelsize=6)
             ax.legend(fontsize=5) if len(lines) > 1 else None
-        for ax in axes.flat[len(panels):]:
+        for ax in axes.flat[len(panels) :]:
             ax.axis("off")
         fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
         fig.tight_layout()
@@ -1969,10 +2665,14 @@ def main(argv=None):
     e.add_argument("--labeler", default="rule", choices=["rule", "chexbert"])
     e.add_argument("--chexbert-weights", default=None, help="a local chexbert.pth (else downloaded once)")
     e.add_argument("--clean", default="mimic_cxr", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning")
-    e.add_argument("--uncertain-as", type=int, default=1, choices=[0, 1], help="CE: uncertain counts as positive (1) or not")
+    e.add_argument(
+        "--uncertain-as", type=int, default=1, choices=[0, 1], help="CE: uncertain counts as positive (1) or not"
+    )
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
     e.add_argument("--out", default=None, help="JSON output (default: <generations file>.scores.json beside it)")
-    sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl").add_argument("run", help="a run's --out folder")
+    sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl").add_argument(
+        "run", help="a run's --out folder"
+    )
     s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout) to a folder")
     s.add_argument("--out", required=True)
     for name, default in (("n_train", 2000), ("n_val", 200), ("n_test", 500), ("size", 128), ("seed", 0)):
@@ -1987,13 +2687,21 @@ def main(argv=None):
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
         return print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
     try:
-        results = evaluate_generations(read_generations(args.generations), make_labeler(args.labeler, args.chexbert_weights),
-                                       None if args.clean == "none" else args.clean, args.uncertain_as, not args.no_meteor)
+        results = evaluate_generations(
+            read_generations(args.generations),
+            make_labeler(args.labeler, args.chexbert_weights),
+            None if args.clean == "none" else args.clean,
+            args.uncertain_as,
+            not args.no_meteor,
+        )
     except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
     out.write_text(json.dumps(results, indent=2))
-    print(json.dumps({**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}, indent=1), f"\nwrote {out}")
+    print(
+        json.dumps({**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}, indent=1),
+        f"\nwrote {out}",
+    )
 
 
 if __name__ == "__main__":

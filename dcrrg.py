@@ -28,6 +28,7 @@ Equations, and where they are implemented:
     App. A      beam search of width 3                         beam_search
     Sec. 4.4.2  P@K retrieval on 5 x N; Table 6 AUROC          retrieval, auroc_per_observation; Table 4: ablation()
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,45 +40,73 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import common
 
 
 @dataclasses.dataclass
 class Args(common.RunArgs):
-    out: str = "runs/dcrrg"  # the run's folder: one sub-folder per step (step1 .. step4, ablation/...)
-    model: Literal["tiny", "paper"] = "tiny"  # tiny: small CNN, BERT-Tiny shape, width 128 (CPU); paper: ResNet-50, BERT 512/8 heads (App. A)
-    pretrained: str = "imagenet"  # --model paper: the ResNet-50's start, "imagenet" (App. A: torchvision's weights, downloaded once), "none" (random) or a state-dict file
-    text_encoder: str | None = None  # HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT, as it is: 768 / 12 heads); None: a random BERT (paper: 512 hidden, 8 heads) on our vocabulary
-    extra_data: str | None = None  # annotation.json whose train records join Step 1 only (Tables 1 and 5: CheXpert)
-    lr: float | None = None  # AdamW lr of every step; None: 1e-4 (App. A); --model tiny: see fit()
-    batch_size: int = 32  # Steps 1-2, over all ranks (App. A)
-    decoder_batch_size: int = 16  # Steps 3-4, over all ranks (App. A)
-    balance: Literal["resample", "reweight", "none"] | None = None  # Step 1 (Sec. 3.1); None: resample (paper) with --model paper, reweight (same expected loss) with tiny
-    step1_steps: int | None = None  # Step 1's steps; None: 300 with --model tiny, 10 epochs of the training (and --extra-data) studies with paper (ours)
-    step2_steps: int | None = None  # Step 2's steps; None: 200 with --model tiny, 10 epochs of the training studies with paper (ours)
-    step3_steps: int | None = None  # Step 3's steps; None: 600 with --model tiny, 10 epochs of the descriptions with paper (ours)
-    step4_steps: int | None = None  # Step 4's steps; None: 400 with --model tiny, 10 epochs of the training studies with paper (ours)
-    step4: Literal["pt", "fft"] = "pt"  # pt: P-Tuning v2 (Sec. 3.4); fft: fine-tune image encoder and decoder (Table 4)
-    prefix_len: int = 16  # P-Tuning v2 prefix length per attention (paper silent)
-    n_test: int | None = None  # Step 4's test studies; None: all, --model tiny: 200 (beam search has no key/value cache)
+    out: str = "runs/dcrrg"
+    """the run's folder: one sub-folder per step (step1 .. step4, ablation/...)"""
+    model: Literal["tiny", "paper"] = "tiny"
+    """tiny: small CNN, BERT-Tiny shape, width 128 (CPU); paper: ResNet-50, BERT 512/8 heads (App. A)"""
+    pretrained: str = "imagenet"
+    """--model paper: the ResNet-50's start, "imagenet" (App. A: torchvision's weights, downloaded once), "none" (random)
+    or a state-dict file"""
+    text_encoder: str | None = None
+    """HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT, as it is: 768 / 12 heads); None: a random BERT (paper: 512
+    hidden, 8 heads) on our vocabulary"""
+    extra_data: str | None = None
+    """annotation.json whose train records join Step 1 only (Tables 1 and 5: CheXpert)"""
+    lr: float | None = None
+    """AdamW lr of every step; None: 1e-4 (App. A); --model tiny: see fit()"""
+    batch_size: int = 32
+    """Steps 1-2, over all ranks (App. A)"""
+    decoder_batch_size: int = 16
+    """Steps 3-4, over all ranks (App. A)"""
+    balance: Literal["resample", "reweight", "none"] | None = None
+    """Step 1 (Sec. 3.1); None: resample (paper) with --model paper, reweight (same expected loss) with tiny"""
+    step1_steps: int | None = None
+    """Step 1's steps; None: 300 with --model tiny, 10 epochs of the training (and --extra-data) studies with paper
+    (ours)"""
+    step2_steps: int | None = None
+    """Step 2's steps; None: 200 with --model tiny, 10 epochs of the training studies with paper (ours)"""
+    step3_steps: int | None = None
+    """Step 3's steps; None: 600 with --model tiny, 10 epochs of the descriptions with paper (ours)"""
+    step4_steps: int | None = None
+    """Step 4's steps; None: 400 with --model tiny, 10 epochs of the training studies with paper (ours)"""
+    step4: Literal["pt", "fft"] = "pt"
+    """pt: P-Tuning v2 (Sec. 3.4); fft: fine-tune image encoder and decoder (Table 4)"""
+    prefix_len: int = 16
+    """P-Tuning v2 prefix length per attention (paper silent)"""
+    n_test: int | None = None
+    """Step 4's test studies; None: all, --model tiny: 200 (beam search has no key/value cache)"""
 
 
 SIZES = {  # --model: image size, random text BERT (hidden, heads, layers), width P of projections and decoder
     "tiny": dict(image_size=64, hidden=128, heads=2, layers=2, width=128, dec_heads=4),  # BERT-Tiny's shape
-    "paper": dict(image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8)}  # App. A; 8 layers: ours
+    "paper": dict(image_size=224, hidden=512, heads=8, layers=8, width=512, dec_heads=8),
+}  # App. A; 8 layers: ours
 K = len(common.CHEXPERT_LABELS)  # 14 observations = 14 prompts
 NO_FINDING = common.LABEL_INDEX["No Finding"]
-FIVE = ["Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion"]  # CheXpert 5x200 / competition tasks
+FIVE = [
+    "Atelectasis",
+    "Cardiomegaly",
+    "Consolidation",
+    "Edema",
+    "Pleural Effusion",
+]  # CheXpert 5x200 / competition tasks
 MODALITIES = ("image", "text")
 WEIGHT_DECAY, BEAM = 1e-6, 3  # App. A
 DROPOUT = 0.1  # decoder and text encoder (paper silent: Vaswani et al.'s and BERT's)
 MAX_TEXT_TOKENS, MAX_DESCRIPTION_TOKENS, MAX_REPORT_TOKENS = 256, 48, 128  # word pieces read / Step 3 / Step 4 (ours)
 VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become characters (ours)
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
-CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
+CE = dict(
+    headline="micro_f1", uncertain_as=0
+)  # Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
 # No schedule in the paper (ours): --model tiny's default run within ~280 CPU-s; --model paper: EPOCHS passes over each step's examples
 TINY_STEPS, EPOCHS = dict(step1=300, step2=200, step3=600, step4=400), 10
 
@@ -110,8 +139,10 @@ def pair_weights(targets: np.ndarray, balance: bool) -> np.ndarray:
     return np.where(labelled, w[np.nan_to_num(targets).astype(int), np.arange(K)], 0.0)
 
 
-HEADER = re.compile(r"\b(?:[A-Z][A-Z ]*[A-Z]|(?i:findings|impression|comparison|indication|history|technique|"
-                    r"examination|conclusions?))\s*:")  # "FINDINGS:", "Impression:"
+HEADER = re.compile(
+    r"\b(?:[A-Z][A-Z ]*[A-Z]|(?i:findings|impression|comparison|indication|history|technique|"
+    r"examination|conclusions?))\s*:"
+)  # "FINDINGS:", "Impression:"
 LIST_MARKER = re.compile(r"^(?:\d{1,2}[.)]|[-*\u2022])\s+")  # "1. ", "2) ", "- "
 
 
@@ -136,15 +167,18 @@ def description_records(records, labeler) -> list[common.Record]:
     """Step 3's examples: a Record per (study, observation described), report = the description."""
     sentences = [split_sentences(r.report) for r in records]
     labels, ends = labeler([s for ss in sentences for s in ss]), np.cumsum([len(ss) for ss in sentences])  # all at once
-    return [dataclasses.replace(r, id=f"{r.id}#{k}", report=d, meta={"obs": k, "study_report": r.report})
-            for r, ss, end in zip(records, sentences, ends)
-            for k, d in sorted(assign_sentences(ss, labels[end - len(ss):end], r.labels[NO_FINDING] == 1).items())]
+    return [
+        dataclasses.replace(r, id=f"{r.id}#{k}", report=d, meta={"obs": k, "study_report": r.report})
+        for r, ss, end in zip(records, sentences, ends)
+        for k, d in sorted(assign_sentences(ss, labels[end - len(ss) : end], r.labels[NO_FINDING] == 1).items())
+    ]
 
 
 # Step 1: encoders with prompts (Eq. 1-2), per-observation classification ---------------------------
 class ProjectionHead(nn.Module):
     """Eq. 1b / 2b: f(concat(x, e_prompt)), f not given: LayerNorm, Linear to 4P, GELU, Linear to P (a linear f makes
     the prompt a shift the classifier cannot use); prompt weights start at unit scale (else ~sqrt(D) times weaker)."""
+
     def __init__(self, dim: int, width: int):
         super().__init__()
         self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim + K, 4 * width), nn.Linear(4 * width, width)
@@ -160,37 +194,68 @@ class DCRRG(nn.Module):  # all the parts: each step trains some (set_trainable) 
         super().__init__()
         size, self.tokenizer = SIZES[args.model], tokenizer
         # Eq. 1a's E_img, averaged over a study's views: a small CNN or ResNet-50's pooled 2048-d feature (App. A)
-        self.image_encoder = common.ViewMean(common.SmallCNN()) if args.model == "tiny" else \
-            common.resnet_encoder(50, None if args.pretrained == "none" else args.pretrained, "--pretrained")
+        self.image_encoder = (
+            common.ViewMean(common.SmallCNN())
+            if args.model == "tiny"
+            else common.resnet_encoder(50, None if args.pretrained == "none" else args.pretrained, "--pretrained")
+        )
         from transformers import AutoModel, BertConfig, BertModel
+
         dropout = dict(hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT)
-        self.text_encoder = AutoModel.from_pretrained(args.text_encoder, **dropout) if args.text_encoder else BertModel(
-            BertConfig(vocab_size=len(tokenizer), hidden_size=size["hidden"], num_attention_heads=size["heads"],
-                       num_hidden_layers=size["layers"], intermediate_size=4 * size["hidden"], **dropout), add_pooling_layer=False)
+        self.text_encoder = (
+            AutoModel.from_pretrained(args.text_encoder, **dropout)
+            if args.text_encoder
+            else BertModel(
+                BertConfig(
+                    vocab_size=len(tokenizer),
+                    hidden_size=size["hidden"],
+                    num_attention_heads=size["heads"],
+                    num_hidden_layers=size["layers"],
+                    intermediate_size=4 * size["hidden"],
+                    **dropout,
+                ),
+                add_pooling_layer=False,
+            )
+        )
         D, M, P = self.image_encoder.dim, self.text_encoder.config.hidden_size, size["width"]
         self.f_v, self.f_t = ProjectionHead(D, P), ProjectionHead(M, P)  # Eq. 1b, 2b
         self.cls_v, self.cls_t = nn.Linear(P, 2), nn.Linear(P, 2)  # Step 1: negative/positive under any prompt
-        self.heads = {"image": (self.f_v, self.cls_v), "text": (self.f_t, self.cls_t)}  # per modality: projection, classifier
+        self.heads = {
+            "image": (self.f_v, self.cls_v),
+            "text": (self.f_t, self.cls_t),
+        }  # per modality: projection, classifier
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # Eq. 7: 1 / tau, tau = 0.07 at first
         self.decoder = Decoder(len(tokenizer), P, size["dec_heads"], DROPOUT)
         # Step 4, P-Tuning v2 (Liu et al. 2022, arXiv:2110.07602): in every layer, L_p trainable keys and values
         # before those of both attentions, and a "randomly-initialized classification head"
-        self.prefix = nn.Parameter(torch.randn(len(self.decoder.layers), 2, 2, args.prefix_len, P) * 0.02)  # (layer, self/cross, k/v, L_p, P)
+        self.prefix = nn.Parameter(
+            torch.randn(len(self.decoder.layers), 2, 2, args.prefix_len, P) * 0.02
+        )  # (layer, self/cross, k/v, L_p, P)
         self.prompt_head = nn.Linear(P, len(tokenizer))
 
     def embed_images(self, images):  # Eq. 1a: (B, V, C, H, W) -> v (B, D)
         return self.image_encoder(images.to(self.logit_scale.device))
 
     def embed_texts(self, texts: list[str]):  # Eq. 2a: t (B, M), mean of the last hidden states (paper silent)
-        return common.mean_pooled_bert_features(self.text_encoder, self.tokenizer, texts, self.logit_scale.device, MAX_TEXT_TOKENS)
+        return common.mean_pooled_bert_features(
+            self.text_encoder, self.tokenizer, texts, self.logit_scale.device, MAX_TEXT_TOKENS
+        )
 
     def embed(self, records, modality: str, transform):  # Eq. 1a / 2a of records -> (B, D) or (B, M)
-        return self.embed_images(load_images(records, transform)) if modality == "image" else \
-            self.embed_texts([r.report for r in records])
+        return (
+            self.embed_images(load_images(records, transform))
+            if modality == "image"
+            else self.embed_texts([r.report for r in records])
+        )
 
     @torch.no_grad()
     def project(self, records, modality: str, transform):  # Eq. 1 / 2 of records, 64 at a time -> (N, 14, P)
-        return torch.cat([self.heads[modality][0](self.embed(records[b:b + 64], modality, transform)) for b in range(0, len(records), 64)])
+        return torch.cat(
+            [
+                self.heads[modality][0](self.embed(records[b : b + 64], modality, transform))
+                for b in range(0, len(records), 64)
+            ]
+        )
 
 
 def build_tokenizer(args: Args, reports: list[str], run):
@@ -198,16 +263,29 @@ def build_tokenizer(args: Args, reports: list[str], run):
     and every character alone and as ##continuation (`tokenizers`' trainer breaks ties in hash order). Made at every
     start: once a step of the folder has trained (a .pt file), other reports (other token ids) are an error."""
     from transformers import AutoTokenizer, BertTokenizerFast
+
     if args.text_encoder:
         return AutoTokenizer.from_pretrained(args.text_encoder)
     path, problem = run.out / "tokenizer" / "vocab.txt", None
     if run.is_main:
         counts = Counter(w for r in reports for w in re.findall(r"\w+|[^\w\s]", r.lower()))
-        words, chars = sorted(counts, key=lambda w: (-counts[w], w))[:VOCAB_SIZE], sorted({c for w in counts for c in w})
-        vocab = "\n".join(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words)) + "\n"
+        words, chars = (
+            sorted(counts, key=lambda w: (-counts[w], w))[:VOCAB_SIZE],
+            sorted({c for w in counts for c in w}),
+        )
+        vocab = (
+            "\n".join(
+                dict.fromkeys(
+                    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words
+                )
+            )
+            + "\n"
+        )
         if path.is_file() and path.read_text() != vocab and any(run.out.rglob("*.pt")):
-            problem = (f"{path} was made from other training reports than those of --data {args.data}: {run.out} holds "
-                       "a run on other data; give another --out")
+            problem = (
+                f"{path} was made from other training reports than those of --data {args.data}: {run.out} holds "
+                "a run on other data; give another --out"
+            )
         else:  # new, the same, or left by a start that trained nothing
             run.write("tokenizer/vocab.txt", vocab)
     if problem := common.broadcast_object(problem):  # the other ranks read the file once it is there
@@ -228,7 +306,10 @@ def step1_loss(model: DCRRG, batch, records, targets, weights, transform):
         ce = F.cross_entropy(logits.float().flatten(0, -2), y_t.flatten(), reduction="none").view(y_t.shape)
         loss_m = (torch.as_tensor(w, device=device, dtype=torch.float32) * ce).sum() / len(rows)
         loss = loss + loss_m
-        stats[f"{m}_loss"], stats[f"{m}_acc"] = loss_m.item(), float((logits.argmax(-1) == y_t).cpu().numpy()[~np.isnan(y)].mean())
+        stats[f"{m}_loss"], stats[f"{m}_acc"] = (
+            loss_m.item(),
+            float((logits.argmax(-1) == y_t).cpu().numpy()[~np.isnan(y)].mean()),
+        )
     return loss, stats
 
 
@@ -240,18 +321,42 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     targets = observation_targets(np.stack([r.labels for r in records]))
     weights, n = pair_weights(targets, balance != "none"), run.per_rank(args.batch_size, "--batch-size")
 
-    def batches(start):  # the global batch depends on (seed, step) only, so a resumed run draws the same; ranks slice it
+    def batches(
+        start,
+    ):  # the global batch depends on (seed, step) only, so a resumed run draws the same; ranks slice it
         for step in range(start, 1 << 62):
             rng, mine = np.random.default_rng([args.seed, step]), slice(run.rank * n, (run.rank + 1) * n)
-            yield {m: tuple(a[mine] for a in draw_pairs(targets, args.batch_size, rng)) if balance == "resample"
-                   else (rng.integers(len(records), size=args.batch_size)[mine], None) for m in MODALITIES}
+            yield {
+                m: tuple(a[mine] for a in draw_pairs(targets, args.batch_size, rng))
+                if balance == "resample"
+                else (rng.integers(len(records), size=args.batch_size)[mine], None)
+                for m in MODALITIES
+            }
 
     def evaluate(model, st):  # AUROC of the (N, 14) positive probabilities
-        y, p = observation_targets(np.stack([r.labels for r in env["test"]])), lambda m: torch.softmax(
-            model.heads[m][1](model.project(env["test"], m, env["transform"])).float(), -1)[..., 1].cpu().numpy()
+        y, p = (
+            observation_targets(np.stack([r.labels for r in env["test"]])),
+            lambda m: (
+                torch.softmax(model.heads[m][1](model.project(env["test"], m, env["transform"])).float(), -1)[..., 1]
+                .cpu()
+                .numpy()
+            ),
+        )
         return {"balance": balance, **{f"auroc_{m}": auroc_per_observation(p(m), y) for m in MODALITIES}}
-    return fit(run, args, env, name, init, "step1", len(records), ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
-               batches, lambda model, batch: step1_loss(model, batch, records, targets, weights, env["transform"]), evaluate)
+
+    return fit(
+        run,
+        args,
+        env,
+        name,
+        init,
+        "step1",
+        len(records),
+        ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
+        batches,
+        lambda model, batch: step1_loss(model, batch, records, targets, weights, env["transform"]),
+        evaluate,
+    )
 
 
 # Step 2: calibrated semantic matching loss (Eq. 3-9) and its loop ---------------------------------
@@ -294,7 +399,9 @@ def step2_loss(model: DCRRG, batch, world_size: int):
     """Eq. 1-2 then Eq. 3-9 on the global batch of image-report pairs (every rank gathers all candidates)."""
     v, t = model.embed_images(batch["images"]), model.embed_texts(batch["report"])  # Eq. 1a, 2a
     v_p, t_p = model.f_v(v), model.f_t(t)  # Eq. 1b, 2b: (B, 14, P), under every prompt
-    l = ((batch["labels"] == 1) | (batch["labels"] == -1)).float().to(v.device)  # Eq. 3's l: positive, uncertain (paper silent); l_img = l_txt
+    l = (
+        ((batch["labels"] == 1) | (batch["labels"] == -1)).float().to(v.device)
+    )  # Eq. 3's l: positive, uncertain (paper silent); l_img = l_txt
     v_p, t_p, v, t, l = (gather_batch(x, world_size) for x in (v_p, t_p, v, t, l))
     # Which prompt feeds Eq. 6 is not said: the loss is averaged over all 14, so each is aligned (Steps 3-4 read all)
     per_prompt = [csm_loss(v_p[:, k], t_p[:, k], v, t, l, l, model.logit_scale) for k in range(K)]
@@ -303,15 +410,30 @@ def step2_loss(model: DCRRG, batch, world_size: int):
 
 def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     """Eq. 3-9: align the encoders on image-report pairs (DCCLIP); then retrieval P@K (Table 2)."""
+
     def evaluate(model, st):
         out = {"retrieval": retrieval(model, env["test"], env["transform"])}
         if st.is_main and (skipped := out["retrieval"]["skipped"]):
-            common.log.warning("Step 2 retrieval skips %s (no test study positive for it alone): %s", ", ".join(skipped),
-                               "P@K over the other classes" if "P@1" in out["retrieval"] else "no P@K (under two classes)")
+            common.log.warning(
+                "Step 2 retrieval skips %s (no test study positive for it alone): %s",
+                ", ".join(skipped),
+                "P@K over the other classes" if "P@1" in out["retrieval"] else "no P@K (under two classes)",
+            )
         return out
-    return fit(run, args, env, name, init, "step2", len(env["train"]), ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
-               run.study_batches(env["train"], args.batch_size, "--batch-size", env["transform"]),
-               lambda model, batch: step2_loss(model, batch, run.world_size), evaluate)
+
+    return fit(
+        run,
+        args,
+        env,
+        name,
+        init,
+        "step2",
+        len(env["train"]),
+        ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
+        run.study_batches(env["train"], args.batch_size, "--batch-size", env["transform"]),
+        lambda model, batch: step2_loss(model, batch, run.world_size),
+        evaluate,
+    )
 
 
 # The decoder (Eq. 10-14) --------------------------------------------------------------------------
@@ -323,11 +445,13 @@ class Attention(nn.Module):  # multi-head; keys and values may start with P-Tuni
 
     def forward(self, x, source, causal: bool, prefix=None):
         B, T, d = x.shape
-        split = lambda z: z.reshape(B, -1, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731  (B, H, L, d/H)
+        split = lambda z: z.reshape(B, -1, self.heads, d // self.heads).transpose(1, 2)
         q, k, v = split(self.q(x)), split(self.k(source)), split(self.v(source))
         if prefix is not None:  # prefix (2, L_p, d): keys and values every position sees
             k, v = (torch.cat([split(prefix[i].expand(B, -1, -1)), z], 2) for i, z in ((0, k), (1, v)))
-        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T) if causal else None  # i: keys <= i
+        mask = (
+            torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T) if causal else None
+        )  # i: keys <= i
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.o(out.transpose(1, 2).reshape(B, T, d))
 
@@ -353,6 +477,7 @@ class Decoder(nn.Module):
     alone, softmax over one key is 1: cross-attention never learns); Step 3 adds the observation's prompt embedding to
     the first input. Step 2 pulls all projections together (cosine ~0.9), so f_I is standardised per slot and feature
     by fixed training-image statistics (fit(); BatchNorm's would differ in Step 3's image + text batches)."""
+
     def __init__(self, vocab: int, d: int, heads: int, dropout: float, layers: int = 2):
         super().__init__()
         self.embed, self.prompts = nn.Embedding(vocab, d), nn.Embedding(K, d)  # prompts: Step 3, one per observation
@@ -375,8 +500,11 @@ class Decoder(nn.Module):
 def lm_loss(decoder, f_I, texts: list[str], tokenizer, max_len: int, prefix=None, head=None, obs=None):
     """Eq. 14: -sum_t log p(y_t | y_<t, I) over the batch's tokens ([SEP] ends each text) / their number."""
     pieces = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 1)["input_ids"]
-    ids = nn.utils.rnn.pad_sequence([torch.tensor([tokenizer.cls_token_id, *p, tokenizer.sep_token_id]) for p in pieces],
-                                    batch_first=True, padding_value=tokenizer.pad_token_id).to(f_I.device)  # (N, T)
+    ids = nn.utils.rnn.pad_sequence(
+        [torch.tensor([tokenizer.cls_token_id, *p, tokenizer.sep_token_id]) for p in pieces],
+        batch_first=True,
+        padding_value=tokenizer.pad_token_id,
+    ).to(f_I.device)  # (N, T)
     labels = ids[:, 1:].masked_fill(ids[:, 1:] == tokenizer.pad_token_id, -100)  # (N, T-1)
     logits = decoder(ids[:, :-1], f_I, prefix, head, obs=obs)  # (N, T-1, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
@@ -401,33 +529,72 @@ def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
     def loss_fn(model, batch):
         inputs = step3_inputs(model, batch["images"], [by_id[i] for i in batch["id"]])
-        return lm_loss(model.decoder, texts=batch["report"] * 2, tokenizer=tok, max_len=MAX_DESCRIPTION_TOKENS, **inputs), {}
+        return lm_loss(
+            model.decoder, texts=batch["report"] * 2, tokenizer=tok, max_len=MAX_DESCRIPTION_TOKENS, **inputs
+        ), {}
 
     def evaluate(model, st):  # held-out descriptions of the first 64 validation studies
         val = description_records(env["val"][:64], env["labeler"])
         inputs = step3_inputs(model, load_images(val, transform), val)  # image rows, then text rows
-        out = {f"val_loss_{m}_view": lm_loss(model.decoder, f, [r.report for r in val], tok, MAX_DESCRIPTION_TOKENS, obs=o).item()
-               for m, f, o in zip(MODALITIES, inputs["f_I"].chunk(2), inputs["obs"].chunk(2))}
-        texts = generate(model, lambda rs: step3_inputs(model, load_images(rs, transform), rs, False), val[:24], st, MAX_DESCRIPTION_TOKENS)
-        st.write("descriptions_val.jsonl", "".join(json.dumps({"id": r.id, "observation": common.CHEXPERT_LABELS[
-            r.meta["obs"]], "reference": r.report, "generated": g}) + "\n" for r, g in zip(val, texts)))
+        out = {
+            f"val_loss_{m}_view": lm_loss(
+                model.decoder, f, [r.report for r in val], tok, MAX_DESCRIPTION_TOKENS, obs=o
+            ).item()
+            for m, f, o in zip(MODALITIES, inputs["f_I"].chunk(2), inputs["obs"].chunk(2))
+        }
+        texts = generate(
+            model,
+            lambda rs: step3_inputs(model, load_images(rs, transform), rs, False),
+            val[:24],
+            st,
+            MAX_DESCRIPTION_TOKENS,
+        )
+        st.write(
+            "descriptions_val.jsonl",
+            "".join(
+                json.dumps(
+                    {
+                        "id": r.id,
+                        "observation": common.CHEXPERT_LABELS[r.meta["obs"]],
+                        "reference": r.report,
+                        "generated": g,
+                    }
+                )
+                + "\n"
+                for r, g in zip(val, texts)
+            ),
+        )
         return out
-    return fit(run, args, env, name, init, "step3", len(examples), ["decoder"],
-               run.study_batches(examples, args.decoder_batch_size, "--decoder-batch-size", transform),
-               loss_fn, evaluate)
+
+    return fit(
+        run,
+        args,
+        env,
+        name,
+        init,
+        "step3",
+        len(examples),
+        ["decoder"],
+        run.study_batches(examples, args.decoder_batch_size, "--decoder-batch-size", transform),
+        loss_fn,
+        evaluate,
+    )
 
 
 # Step 4: prefixes (P-Tuning v2) and beam search ------------------------------------------------------
 @torch.no_grad()
-def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: int, prefix=None, head=None, obs=None,
-                banned=()):
+def beam_search(
+    decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: int, prefix=None, head=None, obs=None, banned=()
+):
     """Width-`beam` search (App. A) -> a token list per row of f_I, without BOS/EOS. Beams compete on summed log-probs,
     finished ones pad at no cost; the answer has the best log-prob per token (paper silent). No key/value cache."""
     B, dev = f_I.shape[0], f_I.device
     f_I = f_I.repeat_interleave(beam, 0)  # (B*k, S, P)
     obs = None if obs is None else obs.repeat_interleave(beam, 0)
     tokens = torch.full((B * beam, 1), bos, dtype=torch.long, device=dev)
-    scores = torch.tensor([0.0] + [-math.inf] * (beam - 1), device=dev).repeat(B, 1)  # (B, k): all equal, expand the first
+    scores = torch.tensor([0.0] + [-math.inf] * (beam - 1), device=dev).repeat(
+        B, 1
+    )  # (B, k): all equal, expand the first
     done, length = torch.zeros(B * beam, dtype=torch.bool, device=dev), torch.zeros(B * beam, device=dev)
     for _ in range(max_len):
         logp = F.log_softmax(decoder(tokens, f_I, prefix, head, obs)[:, -1].float(), -1)  # (B*k, V)
@@ -435,7 +602,10 @@ def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: 
         logp[:, list(banned)] = -math.inf
         logp[done] = torch.where(torch.arange(V, device=dev) == pad, 0.0, -math.inf)  # finished: pad at no cost
         scores, idx = (scores.view(-1, 1) + logp).view(B, beam * V).topk(beam, dim=1)  # (B, k)
-        origin, tok = (idx // V + torch.arange(B, device=dev)[:, None] * beam).flatten(), (idx % V).flatten()  # (B*k,) each
+        origin, tok = (
+            (idx // V + torch.arange(B, device=dev)[:, None] * beam).flatten(),
+            (idx % V).flatten(),
+        )  # (B*k,) each
         tokens = torch.cat([tokens[origin], tok[:, None]], 1)
         length = length[origin] + (~done[origin]).float()  # tokens up to and including EOS
         done = done[origin] | (tok == eos)
@@ -443,17 +613,26 @@ def beam_search(decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: 
             break
     best = (scores / length.view(B, beam)).argmax(1)  # (B,)
     rows = tokens.view(B, beam, -1)[torch.arange(B, device=dev), best, 1:].tolist()
-    return [r[:r.index(eos)] if eos in r else r for r in rows]
+    return [r[: r.index(eos)] if eos in r else r for r in rows]
 
 
 @torch.no_grad()
 def generate(model: DCRRG, inputs_fn, records, st, max_len: int, **decoder_kw) -> list[str]:
     """Beam-searched texts of `records`, a strided share per rank. inputs_fn(records) -> {"f_I"[, "obs"]}."""
-    tok, mine, texts = model.tokenizer, records[st.rank::st.world_size], []
+    tok, mine, texts = model.tokenizer, records[st.rank :: st.world_size], []
     banned = [i for i in tok.all_special_ids if i != tok.sep_token_id]
     for b in range(0, len(mine), 32):
-        ids = beam_search(model.decoder, bos=tok.cls_token_id, eos=tok.sep_token_id, pad=tok.pad_token_id, beam=BEAM,
-                          max_len=max_len, banned=banned, **inputs_fn(mine[b:b + 32]), **decoder_kw)
+        ids = beam_search(
+            model.decoder,
+            bos=tok.cls_token_id,
+            eos=tok.sep_token_id,
+            pad=tok.pad_token_id,
+            beam=BEAM,
+            max_len=max_len,
+            banned=banned,
+            **inputs_fn(mine[b : b + 32]),
+            **decoder_kw,
+        )
         # BERT's pre-tokenizer splits "plate-like" into three pieces that decode as "plate - like"
         texts += [re.sub(r"\s*-\s*", "-", t) for t in tok.batch_decode(ids, skip_special_tokens=True)]
     return common.gather_strided(texts, st.world_size)
@@ -462,31 +641,59 @@ def generate(model: DCRRG, inputs_fn, records, st, max_len: int, **decoder_kw) -
 def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     """Sec. 3.4: P-Tuning v2 (or --step4 fft) writes the report from f_I, no observation prompt; then test NLG, CE."""
     tok, transform, pt = env["tokenizer"], env["transform"], args.step4 == "pt"
-    decoder_kw = lambda model: dict(prefix=model.prefix, head=model.prompt_head) if pt else {}  # noqa: E731
-    f_I = lambda model, images: model.f_v(model.embed_images(images))  # noqa: E731  (B, 14, P)
+    decoder_kw = lambda model: dict(prefix=model.prefix, head=model.prompt_head) if pt else {}
+    f_I = lambda model, images: model.f_v(model.embed_images(images))
 
     def evaluate(model, st):
-        records = env["test"][:args.n_test or (200 if args.model == "tiny" else None)]
-        texts = generate(model, lambda rs: {"f_I": f_I(model, load_images(rs, transform))}, records, st,
-                         MAX_REPORT_TOKENS, **decoder_kw(model))
+        records = env["test"][: args.n_test or (200 if args.model == "tiny" else None)]
+        texts = generate(
+            model,
+            lambda rs: {"f_I": f_I(model, load_images(rs, transform))},
+            records,
+            st,
+            MAX_REPORT_TOKENS,
+            **decoder_kw(model),
+        )
         rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
         st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
-        return {"step4": args.step4, **(common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {})}
+        return {
+            "step4": args.step4,
+            **(common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {}),
+        }
+
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
-    return fit(run, args, env, name, init, "step4", len(env["train"]), ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
-               run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
-               lambda model, batch: (lm_loss(model.decoder, f_I(model, batch["images"]), batch["report"], tok,
-                                             MAX_REPORT_TOKENS, **decoder_kw(model)), {}), evaluate)
+    return fit(
+        run,
+        args,
+        env,
+        name,
+        init,
+        "step4",
+        len(env["train"]),
+        ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
+        run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
+        lambda model, batch: (
+            lm_loss(
+                model.decoder, f_I(model, batch["images"]), batch["report"], tok, MAX_REPORT_TOKENS, **decoder_kw(model)
+            ),
+            {},
+        ),
+        evaluate,
+    )
 
 
 # Evaluation: AUROC, retrieval ----------------------------------------------------------------------
 def auroc_per_observation(scores: np.ndarray, targets: np.ndarray) -> dict:
     """AUROC per observation (NaN rows out, one-class ones skipped), their mean, "mean_5" over the five tasks."""
     from sklearn.metrics import roc_auc_score
+
     masks = [~np.isnan(targets[:, k]) for k in range(K)]
-    out = {name: float(roc_auc_score(targets[m, k], scores[m, k])) for k, (name, m) in enumerate(zip(common.CHEXPERT_LABELS, masks))
-           if 0 < targets[m, k].sum() < m.sum()}
-    mean = lambda xs: float(np.mean(xs)) if xs else math.nan  # noqa: E731
+    out = {
+        name: float(roc_auc_score(targets[m, k], scores[m, k]))
+        for k, (name, m) in enumerate(zip(common.CHEXPERT_LABELS, masks))
+        if 0 < targets[m, k].sum() < m.sum()
+    }
+    mean = lambda xs: float(np.mean(xs)) if xs else math.nan
     return {**out, "mean": mean(list(out.values())), "mean_5": mean([out[c] for c in FIVE if c in out])}
 
 
@@ -514,7 +721,9 @@ def retrieval(model: DCRRG, records, transform) -> dict:
     out = {"n_per_class": len(rows) // max(len(kept), 1), "skipped": [c for i, c in enumerate(FIVE) if i not in kept]}
     if len(kept) < 2:
         return out
-    v_p, t_p = (F.normalize(model.project([records[i] for i in rows], m, transform), dim=-1) for m in MODALITIES)  # (5N, 14, P)
+    v_p, t_p = (
+        F.normalize(model.project([records[i] for i in rows], m, transform), dim=-1) for m in MODALITIES
+    )  # (5N, 14, P)
     return out | precision_at_k(torch.einsum("ikp,jkp->ij", v_p, t_p) / K, classes, classes)
 
 
@@ -533,12 +742,26 @@ def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
 
 
 def budget(args: Args, kind: str, n: int) -> int:  # --stepN-steps, else TINY_STEPS, or EPOCHS passes over n examples
-    steps, batch = getattr(args, f"{kind}_steps"), args.batch_size if kind in ("step1", "step2") else args.decoder_batch_size
+    steps, batch = (
+        getattr(args, f"{kind}_steps"),
+        args.batch_size if kind in ("step1", "step2") else args.decoder_batch_size,
+    )
     return steps if steps is not None else TINY_STEPS[kind] if args.model == "tiny" else EPOCHS * -(-n // batch)
 
 
-def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, n: int, parts: list[str], batches, loss_fn,
-        evaluate) -> dict:
+def fit(
+    run,
+    args: Args,
+    env: dict,
+    name: str,
+    init: str | None,
+    kind: str,
+    n: int,
+    parts: list[str],
+    batches,
+    loss_fn,
+    evaluate,
+) -> dict:
     """One step in out/<name> from out/<init>/model.pt (None: fresh): AdamW on `parts` (App. A; constant lr, no schedule
     given) for budget() steps, evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their results."""
     others = {"resume", "out"} | {f"{s}_steps" for s in STEPS if s != kind}  # --resume checks this step's flags only
@@ -552,7 +775,9 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, n: i
             raise FileNotFoundError(f"{path} not found: run {init} first")
         if (then := json.loads((path.parent / "config.json").read_text())["data"]) != args.data:
             raise ValueError(f"{path} was trained on --data {then}, not {args.data}: give another --out")
-        model.load_state_dict(torch.load(path, map_location=run.device, weights_only=True))  # Step 4: prefixes, head as drawn
+        model.load_state_dict(
+            torch.load(path, map_location=run.device, weights_only=True)
+        )  # Step 4: prefixes, head as drawn
     params = set_trainable(model, parts)
     if kind in ("step3", "step4") and bool((model.decoder.memory_std == 1).all()):  # Step 3, or Step 4 without it
         with torch.no_grad():  # the decoder's fixed f_I mean and std per slot and feature: 512 training images
@@ -581,22 +806,55 @@ def fit(run, args: Args, env: dict, name: str, init: str | None, kind: str, n: i
 
 STEPS = {"step1": step1, "step2": step2, "step3": step3, "step4": step4}
 # Table 4: (folder under out/ablation, step, the folder it starts from, Step 4 mode); shared steps train once
-ABLATION = [tuple(None if w == "-" else w for w in x.split()) for x in (
-    "step1 step1 - -", "step2 step2 step1 -", "step3 step3 step2 -", "m6_pt step4 step3 pt", "m7_fft step4 step3 fft",
-    "m5_fft step4 step2 fft", "m1_fft step4 step1 fft", "step3_no_step2 step3 step1 -", "m4_pt step4 step3_no_step2 pt",
-    "step2_no_step1 step2 - -", "m2_fft step4 step2_no_step1 fft", "step3_no_step1 step3 step2_no_step1 -", "m3_pt step4 step3_no_step1 pt")]
-TABLE4 = {"1 (Step 1, FFT)": "m1_fft", "2 (Step 2, FFT)": "m2_fft", "3 (Steps 2+3, PT)": "m3_pt",
-          "4 (Steps 1+3, PT)": "m4_pt", "5 (Steps 1+2, FFT)": "m5_fft", "6 (Steps 1+2+3, PT: DCRRG)": "m6_pt",
-          "7 (Steps 1+2+3, FFT)": "m7_fft"}
+ABLATION = [
+    tuple(None if w == "-" else w for w in x.split())
+    for x in (
+        "step1 step1 - -",
+        "step2 step2 step1 -",
+        "step3 step3 step2 -",
+        "m6_pt step4 step3 pt",
+        "m7_fft step4 step3 fft",
+        "m5_fft step4 step2 fft",
+        "m1_fft step4 step1 fft",
+        "step3_no_step2 step3 step1 -",
+        "m4_pt step4 step3_no_step2 pt",
+        "step2_no_step1 step2 - -",
+        "m2_fft step4 step2_no_step1 fft",
+        "step3_no_step1 step3 step2_no_step1 -",
+        "m3_pt step4 step3_no_step1 pt",
+    )
+]
+TABLE4 = {
+    "1 (Step 1, FFT)": "m1_fft",
+    "2 (Step 2, FFT)": "m2_fft",
+    "3 (Steps 2+3, PT)": "m3_pt",
+    "4 (Steps 1+3, PT)": "m4_pt",
+    "5 (Steps 1+2, FFT)": "m5_fft",
+    "6 (Steps 1+2+3, PT: DCRRG)": "m6_pt",
+    "7 (Steps 1+2+3, FFT)": "m7_fft",
+}
 
 
 def ablation(run, args: Args, env: dict) -> dict:
     """Table 4's seven models on one budget and seed -> out/ablation/ablation.json."""
-    done = {folder: STEPS[step](run, dataclasses.replace(args, step4=mode or args.step4), env, f"ablation/{folder}",
-                                f"ablation/{init}" if init else None) for folder, step, init, mode in ABLATION}
+    done = {
+        folder: STEPS[step](
+            run,
+            dataclasses.replace(args, step4=mode or args.step4),
+            env,
+            f"ablation/{folder}",
+            f"ablation/{init}" if init else None,
+        )
+        for folder, step, init, mode in ABLATION
+    }
     ce = {"CE P": "micro_precision", "CE R": "micro_recall", "CE F1": "micro_f1"}
-    table = {row: {**{k: done[f]["nlg"][k] for k in ("BLEU-4", "METEOR", "ROUGE-L", "CIDEr") if k in done[f]["nlg"]},
-                   **{k: done[f]["ce"][v] for k, v in ce.items()}} for row, f in TABLE4.items()}
+    table = {
+        row: {
+            **{k: done[f]["nlg"][k] for k in ("BLEU-4", "METEOR", "ROUGE-L", "CIDEr") if k in done[f]["nlg"]},
+            **{k: done[f]["ce"][v] for k, v in ce.items()},
+        }
+        for row, f in TABLE4.items()
+    }
     run.write("ablation/ablation.json", json.dumps(table, indent=2))
     return table
 
@@ -605,26 +863,37 @@ def prepare(run, args: Args) -> dict:
     """App. A's ImageNet weights (--model paper) first; the splits labelled by --labeler (--extra-data: its labels)."""
     if args.model == "paper" and args.pretrained == "imagenet":  # now, not after hours of labelling
         import torchvision
+
         try:  # torchvision's weights API: downloaded once into torch's cache, where every DCRRG() finds them
             torchvision.models.get_model_weights("resnet50").DEFAULT.get_state_dict(progress=run.is_main)
         except OSError as e:
-            raise OSError(f"--pretrained imagenet: torchvision's ImageNet ResNet-50 weights could not be downloaded ({e}); "
-                          "pass --pretrained none for random weights, or a state-dict file") from None
-    relabel = lambda recs: [dataclasses.replace(r, labels=l) for r, l in zip(recs, run.labeler([r.report for r in recs]))]  # noqa: E731
+            raise OSError(
+                f"--pretrained imagenet: torchvision's ImageNet ResNet-50 weights could not be downloaded ({e}); "
+                "pass --pretrained none for random weights, or a state-dict file"
+            ) from None
+    relabel = lambda recs: [
+        dataclasses.replace(r, labels=l) for r, l in zip(recs, run.labeler([r.report for r in recs]))
+    ]
     extra = common.load_annotation(args.extra_data, ("train",), args.drop_invalid)["train"] if args.extra_data else []
     extra = [r for r in extra if r.labels is not None] + relabel([r for r in extra if r.labels is None])
     # R2Gen's two views of an IU X-Ray study (Sec. 4.1 follows R2Gen's preprocessing), averaged by the image encoder
     data = common.r2gen_views({split: relabel(recs) for split, recs in run.data.items()} | {"extra": extra})
     # No augmentation: R2Gen's random flip swaps left and right, which the reports name
     transform = common.default_transform(SIZES[args.model]["image_size"], channels=1 if args.model == "tiny" else 3)
-    return dict(data, labeler=run.labeler, transform=transform,
-                tokenizer=build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run))
+    return dict(
+        data,
+        labeler=run.labeler,
+        transform=transform,
+        tokenizer=build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run),
+    )
 
 
 def paper_notes(args: Args) -> list[str]:  # what --model paper cannot do as App. A does: logged, in config.json
     resnet = "image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights"
-    bert = ("text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' words, "
-            "not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)")
+    bert = (
+        "text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' words, "
+        "not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)"
+    )
     return [] if args.model == "tiny" else [resnet] * (args.pretrained == "none") + [bert] * (args.text_encoder is None)
 
 
@@ -633,8 +902,11 @@ def train(command: str, args: Args) -> dict:
     env = prepare(run, args)
     if command == "ablation":
         return ablation(run, args, env)
-    results = {name: step(run, args, env, name, previous)  # Steps 1-4, each from the one before
-               for name, step, previous in zip(STEPS, STEPS.values(), [None, *STEPS]) if command in ("all", name)}
+    results = {
+        name: step(run, args, env, name, previous)  # Steps 1-4, each from the one before
+        for name, step, previous in zip(STEPS, STEPS.values(), [None, *STEPS])
+        if command in ("all", name)
+    }
     if command == "all":
         run.write("eval.json", json.dumps(results, indent=2))
     if run.is_main and "step4" in results:  # the paper's CE number, BLEU-4, and a degenerate-output warning

@@ -32,6 +32,7 @@ Equations, and where they are implemented:
     Eq. 11-12 word pieces -> policy tokens (max), w = 1 + beta s~  token_spans(), align_to_tokens(), gradient_weights()
     Tables 6-7 token masking, reward diversity                   tables()
 """
+
 from __future__ import annotations
 
 import json
@@ -50,22 +51,38 @@ import common
 
 @dataclass
 class Args(common.RunArgs):
-    out: str = "runs/deer"  # the run's folder, one sub-folder per stage
-    weighting: Literal["auto", "none", "rule", "grad"] = "auto"  # none: GRPO; rule: Eq. 7-8; grad: Eq. 9-12; auto: grad with --labeler chexbert (DEER), else rule
-    alpha: float = 4.0  # Eq. 8's alpha (Sec. 4.1)
-    beta: float = 1.0  # Eq. 12's beta (Sec. 4.1)
-    gamma: float = 0.25  # Eq. 1's BLEU-2 weight in the second phase (Sec. 4.1)
-    group_size: int = 8  # rollouts per image (Sec. 4.1)
-    prompts_per_step: int | None = None  # RL studies per step over all ranks; None: 64 (Sec. 4.1) for HF models, 8 tiny
-    grad_accum: int = 1  # micro-batches per step on each rank, SFT and RL: a memory knob (ours)
-    fsdp: bool = False  # torchrun, RL: shard the policy over the GPUs (FSDP2), as full fine-tuning of 3B + AdamW needs
-    lr: float | None = None  # RL lr; None: 1e-6 (Sec. 4.1) for HF models, 1e-4 tiny (ours)
-    steps: int | None = None  # RL steps; None: one epoch of the subset for HF models (the paper gives none), 120 tiny
-    sft_steps: int | None = None  # SFT steps; None: one epoch for HF models (the paper gives none), 500 tiny
-    subset: Literal["ddsampling", "random", "all"] = "ddsampling"  # RL data: Stage 2's draw, a random --fraction, or 100 %
-    fraction: float = 0.2  # share of the training set kept for RL (Sec. 4.1: 20 %)
-    max_new_tokens: int | None = None  # None: 256 for HF models, 96 tiny (ours)
-    max_pixels: int = 512 * 512  # HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)
+    out: str = "runs/deer"
+    """the run's folder, one sub-folder per stage"""
+    weighting: Literal["auto", "none", "rule", "grad"] = "auto"
+    """none: GRPO; rule: Eq. 7-8; grad: Eq. 9-12; auto: grad with --labeler chexbert (DEER), else rule"""
+    alpha: float = 4.0
+    """Eq. 8's alpha (Sec. 4.1)"""
+    beta: float = 1.0
+    """Eq. 12's beta (Sec. 4.1)"""
+    gamma: float = 0.25
+    """Eq. 1's BLEU-2 weight in the second phase (Sec. 4.1)"""
+    group_size: int = 8
+    """rollouts per image (Sec. 4.1)"""
+    prompts_per_step: int | None = None
+    """RL studies per step over all ranks; None: 64 (Sec. 4.1) for HF models, 8 tiny"""
+    grad_accum: int = 1
+    """micro-batches per step on each rank, SFT and RL: a memory knob (ours)"""
+    fsdp: bool = False
+    """torchrun, RL: shard the policy over the GPUs (FSDP2), as full fine-tuning of 3B + AdamW needs"""
+    lr: float | None = None
+    """RL lr; None: 1e-6 (Sec. 4.1) for HF models, 1e-4 tiny (ours)"""
+    steps: int | None = None
+    """RL steps; None: one epoch of the subset for HF models (the paper gives none), 120 tiny"""
+    sft_steps: int | None = None
+    """SFT steps; None: one epoch for HF models (the paper gives none), 500 tiny"""
+    subset: Literal["ddsampling", "random", "all"] = "ddsampling"
+    """RL data: Stage 2's draw, a random --fraction, or 100 %"""
+    fraction: float = 0.2
+    """share of the training set kept for RL (Sec. 4.1: 20 %)"""
+    max_new_tokens: int | None = None
+    """None: 256 for HF models, 96 tiny (ours)"""
+    max_pixels: int = 512 * 512
+    """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
 
 
 # Sec. 4.1's settings that are not worth a flag, and our choices where the paper is silent
@@ -76,11 +93,38 @@ TEMPERATURE, MAX_GRAD_NORM = 1.0, 1.0  # the paper gives neither: 1.0 samples th
 LOSS_TYPE, MASK_FRAC = "grpo", 0.1  # the paper's loss normalisation is unsaid: each report's token mean; Table 6's 10 %
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
 ANALYSIS_N = 200  # Tables 6-7: studies drawn from each set, G rollouts each (Table 6: 10,000 rollouts in the paper)
-CE = dict(headline="example_f1", uncertain_as=0)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives, 14 labels
-SHARED = ("data", "model", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")  # a stage's output depends on these
-STAGE_FLAGS = {"sft": SHARED + ("sft_steps",), "ddsampling": SHARED + ("labeler",),  # --grad-accum: memory, SFT may differ
-               "rl": SHARED + ("labeler", "weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step",
-                               "grad_accum", "lr", "steps", "subset", "fraction", "fsdp")}  # --steps places the phase switch
+CE = dict(
+    headline="example_f1", uncertain_as=0
+)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives, 14 labels
+SHARED = (
+    "data",
+    "model",
+    "seed",
+    "dtype",
+    "max_pixels",
+    "max_new_tokens",
+    "drop_invalid",
+)  # a stage's output depends on these
+STAGE_FLAGS = {
+    "sft": SHARED + ("sft_steps",),
+    "ddsampling": SHARED + ("labeler",),  # --grad-accum: memory, SFT may differ
+    "rl": SHARED
+    + (
+        "labeler",
+        "weighting",
+        "alpha",
+        "beta",
+        "gamma",
+        "group_size",
+        "prompts_per_step",
+        "grad_accum",
+        "lr",
+        "steps",
+        "subset",
+        "fraction",
+        "fsdp",
+    ),
+}  # --steps places the phase switch
 
 
 # Eq. 1: the reward ------------------------------------------------------------------------------
@@ -127,8 +171,12 @@ def select_subset(ids: list[str], D: np.ndarray, fraction: float, seed: int) -> 
     order = shuffled[np.argsort(-D[shuffled], kind="stable")]  # study indices, rank 1 first
     P = log_rank_probs(n)
     drawn = rng.choice(n, size=max(1, round(fraction * n)), replace=False, p=P)  # ranks - 1
-    return {"fraction": fraction, "n_pool": n, "ids": [ids[order[k]] for k in drawn],
-            "ranked": [{"id": ids[i], "D": float(D[i]), "rank": r + 1, "P": float(P[r])} for r, i in enumerate(order)]}
+    return {
+        "fraction": fraction,
+        "n_pool": n,
+        "ids": [ids[order[k]] for k in drawn],
+        "ranked": [{"id": ids[i], "D": float(D[i]), "rank": r + 1, "P": float(P[r])} for r, i in enumerate(order)],
+    }
 
 
 # Eq. 7-8: rule-based token weights ---------------------------------------------------------------
@@ -158,23 +206,32 @@ def chexbert_saliency(chexbert, reports: list[str], targets: list[str]) -> list[
     and s^j = ||dS_target / de_j||_2 ("saliency"), no [CLS]/[SEP]; in fp32 whatever the caller's autocast."""
     tok, model, heads = chexbert.tokenizer, chexbert.model, [common.LABEL_INDEX[t] for t in targets]
     enc = [tok(r, add_special_tokens=False, return_offsets_mapping=True) for r in reports]
-    pieces = [e["input_ids"][:common.CHEXBERT_MAX_PIECES - 2] for e in enc]
-    out = [{"tokens": tok.convert_ids_to_tokens(p), "offsets": [tuple(o) for o in e["offset_mapping"][:len(p)]],
-            "saliency": np.zeros(len(p), dtype=np.float32)} for p, e in zip(pieces, enc)]
+    pieces = [e["input_ids"][: common.CHEXBERT_MAX_PIECES - 2] for e in enc]
+    out = [
+        {
+            "tokens": tok.convert_ids_to_tokens(p),
+            "offsets": [tuple(o) for o in e["offset_mapping"][: len(p)]],
+            "saliency": np.zeros(len(p), dtype=np.float32),
+        }
+        for p, e in zip(pieces, enc)
+    ]
     rows = [i for i, p in enumerate(pieces) if p]
     for b in range(0, len(rows), chexbert.batch_size):
-        chunk = rows[b:b + chexbert.batch_size]
-        ids, att = common.pad_completions([[tok.cls_token_id] + pieces[i] + [tok.sep_token_id] for i in chunk],
-                                          tok.pad_token_id, chexbert.device)  # (B, L) each, right-padded
+        chunk = rows[b : b + chexbert.batch_size]
+        ids, att = common.pad_completions(
+            [[tok.cls_token_id] + pieces[i] + [tok.sep_token_id] for i in chunk], tok.pad_token_id, chexbert.device
+        )  # (B, L) each, right-padded
         with torch.enable_grad(), torch.autocast(ids.device.type, enabled=False):
             E = model.bert.embeddings.word_embeddings(ids).detach().requires_grad_(True)  # (B, L, H)
             cls = model.bert(inputs_embeds=E, attention_mask=att.long())[0][:, 0]  # (B, H) the [CLS] representation
             logits = [model.linear_heads[h](cls) for h in heads]  # (B, 4) each: blank, positive, negative, uncertain
-            S = sum(lg[:, 1] + lg[:, 3] for lg in logits)  # Eq. 9: S_target = sum_{c in T} logit_c^pos + logit_c^unc, (B,)
+            S = sum(
+                lg[:, 1] + lg[:, 3] for lg in logits
+            )  # Eq. 9: S_target = sum_{c in T} logit_c^pos + logit_c^unc, (B,)
             (g,) = torch.autograd.grad(S.sum(), E)  # Eq. 10: g = dS_target / dE, (B, L, H)
         s = g.norm(dim=-1).cpu().numpy()  # Eq. 11: s^j = ||g^j||_2, (B, L)
         for k, i in enumerate(chunk):
-            out[i]["saliency"] = s[k, 1:1 + len(pieces[i])]
+            out[i]["saliency"] = s[k, 1 : 1 + len(pieces[i])]
     return out
 
 
@@ -228,13 +285,23 @@ def token_weights(weighting: str, args: Args, policy, labeler, ids, mask, ref_la
 def ditpo_step(policy, roll: common.Rollout, w: torch.Tensor, G: int):
     """Eq. 2 -> 6 -> the GRPO loss. One update per rollout: pi_old = pi_theta (detached), the PPO ratio is 1 and its
     clip never acts (no clip flag); the gradient is -sum_i sum_t A_i^t grad log pi(o_i^t) / |o_i| / N."""
-    A = common.group_advantages(roll.rewards, G)  # (N,) Eq. 2: (r - mean) / std over the group (Bessel's std + 1e-4, as TRL)
+    A = common.group_advantages(
+        roll.rewards, G
+    )  # (N,) Eq. 2: (r - mean) / std over the group (Bessel's std + 1e-4, as TRL)
     A_t = A[:, None] * w  # (N, T) Eq. 6: A_i^t = A_i * w_i^t
     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (N, T)
-    loss, stats = common.grpo_loss(logp, None, None, A_t, roll.completion_mask, loss_type=LOSS_TYPE)  # no KL term in the paper
+    loss, stats = common.grpo_loss(
+        logp, None, None, A_t, roll.completion_mask, loss_type=LOSS_TYPE
+    )  # no KL term in the paper
     m, r = roll.completion_mask.bool(), roll.rewards.view(-1, G)  # (N, T), (B, G)
-    return loss, {**stats, "reward": roll.rewards.mean().item(), "length": m.sum(1).float().mean().item(), "w_max": w[m].max().item(),
-                  "zero_var": (r == r[:, :1]).all(1).float().mean().item(), "w_mean": w[m].mean().item()}
+    return loss, {
+        **stats,
+        "reward": roll.rewards.mean().item(),
+        "length": m.sum(1).float().mean().item(),
+        "w_max": w[m].max().item(),
+        "zero_var": (r == r[:, :1]).all(1).float().mean().item(),
+        "w_mean": w[m].mean().item(),
+    }
 
 
 # Stage 1: SFT cold start -------------------------------------------------------------------------
@@ -250,8 +317,14 @@ def sft_trainable(policy, tiny: bool) -> list:
 def sft(run: common.Run, args: Args, s: dict) -> dict:
     if run.done:
         return run.done
-    policy = common.make_policy(args.model, [r.report for r in run.data["train"]], run.device, run.dtype, s["max_new"],
-                                max_pixels=args.max_pixels)
+    policy = common.make_policy(
+        args.model,
+        [r.report for r in run.data["train"]],
+        run.device,
+        run.dtype,
+        s["max_new"],
+        max_pixels=args.max_pixels,
+    )
     common.broadcast_parameters(policy.model)
     params = sft_trainable(policy, s["tiny"])
     total = s["sft_steps"] if s["sft_steps"] is not None else len(run.data["train"]) // s["sft_batch"]  # one epoch
@@ -269,7 +342,9 @@ def sft(run: common.Run, args: Args, s: dict) -> dict:
 
 # Stage 2: DDSampling -----------------------------------------------------------------------------
 def repeated_prompts(policy, records, n: int) -> dict:  # the prompts of `records` (images only), each n times
-    return policy.repeat(policy.prompt_batch([[common.load_image(p, r.id) for p in r.image_paths] for r in records], PROMPT), n)
+    return policy.repeat(
+        policy.prompt_batch([[common.load_image(p, r.id) for p in r.image_paths] for r in records], PROMPT), n
+    )
 
 
 @torch.no_grad()
@@ -284,15 +359,18 @@ def ddsampling(run: common.Run, args: Args, s: dict) -> dict:
     under any ranks or a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
     if run.done:
         return run.done
-    pool, scores, W, policy = run.data["train"][:s["pool"]], {}, run.world_size, sft_policy(run, args)
-    chunks = [pool[c:c + DD_CHUNK] for c in range(0, len(pool), DD_CHUNK)]
+    pool, scores, W, policy = run.data["train"][: s["pool"]], {}, run.world_size, sft_policy(run, args)
+    chunks = [pool[c : c + DD_CHUNK] for c in range(0, len(pool), DD_CHUNK)]
     run.restore(torch.nn.Module(), state=scores)  # no weights to save: the checkpoint holds the scores
     for step, _ in run.steps(math.ceil(len(chunks) / W), lambda start: iter(range(start, len(chunks))), "DDSampling"):
         c = step * W + run.rank
         torch.manual_seed(args.seed * 1_000_003 + c)
         with run.autocast():
-            mine = dict(zip([r.id for r in chunks[c]], score_chunk(policy, chunks[c], run.labeler, s["max_new"]).tolist())) \
-                if c < len(chunks) else {}
+            mine = (
+                dict(zip([r.id for r in chunks[c]], score_chunk(policy, chunks[c], run.labeler, s["max_new"]).tolist()))
+                if c < len(chunks)
+                else {}
+            )
         shards = common.all_gather_objects(mine)
         scores.update({k: v for shard in shards for k, v in shard.items()})
         run.log(D=np.mean([d for shard in shards for d in shard.values()]))
@@ -300,7 +378,9 @@ def ddsampling(run: common.Run, args: Args, s: dict) -> dict:
     selection = select_subset([r.id for r in pool], D, args.fraction, args.seed)
     run.write("selection.json", json.dumps(selection, indent=1))
     chosen = [scores[i] for i in selection["ids"]]
-    return run.finish({"n_pool": len(pool), "n_selected": len(chosen), "D_mean": D.mean(), "D_mean_selected": np.mean(chosen)})
+    return run.finish(
+        {"n_pool": len(pool), "n_selected": len(chosen), "D_mean": D.mean(), "D_mean_selected": np.mean(chosen)}
+    )
 
 
 # Stage 3: DiTPO ----------------------------------------------------------------------------------
@@ -310,10 +390,14 @@ def rl_records(args: Args, train: list, subset: str, pool: int | None) -> list:
         return train
     if subset == "random":
         rng, train = np.random.default_rng(args.seed), train[:pool]
-        return [train[i] for i in sorted(rng.choice(len(train), max(1, round(args.fraction * len(train))), replace=False))]
+        return [
+            train[i] for i in sorted(rng.choice(len(train), max(1, round(args.fraction * len(train))), replace=False))
+        ]
     path = Path(args.out) / "ddsampling" / "selection.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no DDSampling selection at {path}: run `deer.py sample` first, or pass --subset all|random")
+        raise FileNotFoundError(
+            f"no DDSampling selection at {path}: run `deer.py sample` first, or pass --subset all|random"
+        )
     by_id, ids = {r.id: r for r in train}, json.loads(path.read_text())["ids"]
     if any(i not in by_id for i in ids):
         raise ValueError(f"{path}: selected ids are not in the training set of --data {args.data}")
@@ -326,8 +410,15 @@ def ditpo(run: common.Run, args: Args, s: dict) -> dict:
         return run.done
     records, G = rl_records(args, run.data["train"], args.subset, s["pool"]), args.group_size
     total = s["steps"] if s["steps"] is not None else len(records) // s["prompts"]  # one epoch
-    policy, _ = common.build_policy(run, records, s["max_new"], reference=False, init=Path(args.out) / "sft" / "final",
-                                    max_pixels=args.max_pixels, fsdp=args.fsdp)  # the SFT model, all of it trainable
+    policy, _ = common.build_policy(
+        run,
+        records,
+        s["max_new"],
+        reference=False,
+        init=Path(args.out) / "sft" / "final",
+        max_pixels=args.max_pixels,
+        fsdp=args.fsdp,
+    )  # the SFT model, all of it trainable
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer, _ = common.adamw(params, s["lr"], total)  # constant lr: the paper names no schedule
     run.restore(policy.model, optimizer)
@@ -338,13 +429,23 @@ def ditpo(run: common.Run, args: Args, s: dict) -> dict:
             ref_labels = run.labeler(micro["report"])  # (B, 14) C(y)
 
             def reward_fn(texts, owners):
-                r, terms = reward(texts, [micro["report"][o] for o in owners], ref_labels[owners], run.labeler, gamma, args.clean)
+                r, terms = reward(
+                    texts, [micro["report"][o] for o in owners], ref_labels[owners], run.labeler, gamma, args.clean
+                )
                 run.log(**terms)
                 return r
+
             with run.autocast():
                 roll = common.rollout(policy, micro["images"], PROMPT, G, reward_fn, s["max_new"], TEMPERATURE)
-            w = token_weights(args.weighting, args, policy, run.labeler, roll.completion_ids, roll.completion_mask,
-                              np.repeat(ref_labels, G, axis=0))  # (N, T)
+            w = token_weights(
+                args.weighting,
+                args,
+                policy,
+                run.labeler,
+                roll.completion_ids,
+                roll.completion_mask,
+                np.repeat(ref_labels, G, axis=0),
+            )  # (N, T)
             with run.autocast():
                 loss, stats = ditpo_step(policy, roll, w, G)  # Eq. 2 -> 6 -> loss
             (loss / args.grad_accum).backward()
@@ -371,8 +472,12 @@ def sft_policy(run: common.Run, args: Args):
 def reward_diversity(rewards: np.ndarray) -> dict:
     """Table 7 from rewards (groups, G): share of groups with equal rewards, distinct rewards and (population) std per group."""
     r = np.round(rewards, 6)
-    return {"zero_variance": float((r == r[:, :1]).all(1).mean()), "reward_std": float(r.std(axis=1).mean()),
-            "unique_rewards": float(np.mean([len(np.unique(g)) for g in r])), "n_groups": len(r)}
+    return {
+        "zero_variance": float((r == r[:, :1]).all(1).mean()),
+        "reward_std": float(r.std(axis=1).mean()),
+        "unique_rewards": float(np.mean([len(np.unique(g)) for g in r])),
+        "n_groups": len(r),
+    }
 
 
 def mask_top_tokens(weights: torch.Tensor, candidates: torch.Tensor, frac: float, rng) -> torch.Tensor:
@@ -381,7 +486,7 @@ def mask_top_tokens(weights: torch.Tensor, candidates: torch.Tensor, frac: float
     for i in range(len(keep)):
         pos = candidates[i].cpu().nonzero().flatten().numpy()
         if len(pos):
-            top = pos[np.lexsort((rng.random(len(pos)), -weights[i].cpu().numpy()[pos]))[:math.ceil(frac * len(pos))]]
+            top = pos[np.lexsort((rng.random(len(pos)), -weights[i].cpu().numpy()[pos]))[: math.ceil(frac * len(pos))]]
             keep[i, top] = 0
     return keep
 
@@ -392,20 +497,35 @@ def masking_effect(policy, labeler, ids, mask, w, labels: np.ndarray, frac: floa
     candidates = mask.bool() & ~torch.isin(ids, torch.tensor(policy.eos_token_ids, device=ids.device))  # (N, T)
     masked = labeler(policy.decode(ids, mask_top_tokens(w, candidates, frac, rng).to(ids.device)))  # (N, 14)
     same = (masked == labels) | (np.isnan(masked) & np.isnan(labels))
-    return {"label_mod_ratio": (~same).any(1).tolist(), "post_mask_f1": report_f1(masked, labels, both_empty=1.0).tolist(),
-            "label_mod_ratio_binary": (common.binarize(masked) != common.binarize(labels)).any(1).tolist()}
+    return {
+        "label_mod_ratio": (~same).any(1).tolist(),
+        "post_mask_f1": report_f1(masked, labels, both_empty=1.0).tolist(),
+        "label_mod_ratio_binary": (common.binarize(masked) != common.binarize(labels)).any(1).tolist(),
+    }
 
 
 @torch.no_grad()
 def sample_groups(run: common.Run, args: Args, s: dict, records, rng):
     """The SFT model's G rollouts (temperature sampling, as in RL) for ANALYSIS_N studies drawn from `records`."""
-    policy, drawn = sft_policy(run, args), sorted(rng.choice(len(records), min(ANALYSIS_N, len(records)), replace=False))
+    policy, drawn = (
+        sft_policy(run, args),
+        sorted(rng.choice(len(records), min(ANALYSIS_N, len(records)), replace=False)),
+    )
     for b in range(0, len(drawn), DD_CHUNK):
-        chunk = [records[i] for i in drawn[b:b + DD_CHUNK]]
+        chunk = [records[i] for i in drawn[b : b + DD_CHUNK]]
         with run.autocast():
             ids, mask = policy.generate(repeated_prompts(policy, chunk, args.group_size), s["max_new"], TEMPERATURE)
         refs = [r.report for r in chunk for _ in range(args.group_size)]
-        yield policy, {"ids": ids, "mask": mask, "texts": policy.decode(ids, mask), "refs": refs, "ref_labels": run.labeler(refs)}
+        yield (
+            policy,
+            {
+                "ids": ids,
+                "mask": mask,
+                "texts": policy.decode(ids, mask),
+                "refs": refs,
+                "ref_labels": run.labeler(refs),
+            },
+        )
 
 
 def tables(command: str, run: common.Run, args: Args, s: dict) -> dict:
@@ -423,12 +543,17 @@ def tables(command: str, run: common.Run, args: Args, s: dict) -> dict:
         for policy, g in sample_groups(run, args, s, run.data["train"], rng):
             labels = run.labeler(g["texts"])  # (N, 14) C(o)
             for name in strategies:
-                w = torch.rand(g["mask"].shape) if name == "random" else \
-                    token_weights(name, args, policy, run.labeler, g["ids"], g["mask"], g["ref_labels"])
+                w = (
+                    torch.rand(g["mask"].shape)
+                    if name == "random"
+                    else token_weights(name, args, policy, run.labeler, g["ids"], g["mask"], g["ref_labels"])
+                )
                 for k, v in masking_effect(policy, run.labeler, g["ids"], g["mask"], w, labels, MASK_FRAC, rng).items():
                     stats[name][k] += v
-        results.update({name: {k: float(np.mean(v)) for k, v in stats[name].items()} for name in strategies},
-                       n_reports=len(stats["random"]["post_mask_f1"]))
+        results.update(
+            {name: {k: float(np.mean(v)) for k, v in stats[name].items()} for name in strategies},
+            n_reports=len(stats["random"]["post_mask_f1"]),
+        )
     print(json.dumps(results, indent=1))
     run.write(f"{command}.json", json.dumps(results, indent=2))
     return results
@@ -438,11 +563,18 @@ def tables(command: str, run: common.Run, args: Args, s: dict) -> dict:
 def settings(args: Args) -> dict:
     """The model-dependent defaults: the paper's for HF models, ours for the tiny model (it starts random)."""
     tiny = args.model == "tiny"
-    pick = lambda value, t, hf: value if value is not None else (t if tiny else hf)  # noqa: E731
-    return dict(tiny=tiny, max_new=pick(args.max_new_tokens, 96, 256), lr=pick(args.lr, 1e-4, 1e-6),
-                prompts=pick(args.prompts_per_step, 8, 64), steps=pick(args.steps, 120, None),
-                sft_lr=SFT["lr_tiny" if tiny else "lr_hf"], sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
-                sft_steps=pick(args.sft_steps, 500, None), pool=1000 if tiny else None)
+    pick = lambda value, t, hf: value if value is not None else (t if tiny else hf)
+    return dict(
+        tiny=tiny,
+        max_new=pick(args.max_new_tokens, 96, 256),
+        lr=pick(args.lr, 1e-4, 1e-6),
+        prompts=pick(args.prompts_per_step, 8, 64),
+        steps=pick(args.steps, 120, None),
+        sft_lr=SFT["lr_tiny" if tiny else "lr_hf"],
+        sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
+        sft_steps=pick(args.sft_steps, 500, None),
+        pool=1000 if tiny else None,
+    )
     # Tiny: ~5 CPU-minutes; DDSampling (K = 10 samples each, the costliest stage) scores the first 1000 studies. HF: all.
 
 

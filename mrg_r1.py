@@ -26,6 +26,7 @@ Equations, and where they are implemented:
     Sec. IV-A    each view of a study is its own sample         split_views()
     Sec. IV-B    0.75 clinical + 0.25 format; Table II rows     total_reward()
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,23 +43,41 @@ import common
 
 @dataclass
 class Args(common.RunArgs):
-    out: str = "runs/mrg_r1"  # the run's folder
-    reward: Literal["mccs+format", "mccs", "ce_f1+format", "ce_f1", "format", "nlg"] = "mccs+format"  # Table II row (Sec. IV-B: mccs+format)
-    margin: float = 0.5  # Eq. 6's m: the paper says "moderate" without a value; ours
-    group_size: int = 4  # G (Sec. IV-B)
-    prompts_per_step: int = 4  # studies per step over all ranks: 4 x G = 16 completions, the paper's batch (Sec. IV-B)
-    grad_accum: int = 1  # micro-batches per step on each rank: a memory knob (ours)
-    loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"  # dr_grpo: Eq. 1 per sequence; grpo / bnpo: TRL's token means
-    beta: float = 0.04  # Eq. 1's KL weight (beta >= 0, no value given): DeepSeekMath's 0.04
-    lr: float | None = None  # AdamW lr; None: 5e-6 (Sec. IV-B) for HF models, 1e-4 for the tiny model (ours)
-    steps: int | None = None  # RL steps; None: one epoch (Sec. IV-B), 300 for the tiny model; 0: evaluate only (Table II's Base)
-    max_new_tokens: int | None = None  # None: 256 for HF models (ours), 128 for the tiny model
-    sft_steps: int | None = None  # warm start (Table II's "+ SFT"); None: 400 for the tiny model, 0 for HF models
-    max_pixels: int = 512 * 512  # HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)
+    out: str = "runs/mrg_r1"
+    """the run's folder"""
+    reward: Literal["mccs+format", "mccs", "ce_f1+format", "ce_f1", "format", "nlg"] = "mccs+format"
+    """Table II row (Sec. IV-B: mccs+format)"""
+    margin: float = 0.5
+    """Eq. 6's m: the paper says "moderate" without a value; ours"""
+    group_size: int = 4
+    """G (Sec. IV-B)"""
+    prompts_per_step: int = 4
+    """studies per step over all ranks: 4 x G = 16 completions, the paper's batch (Sec. IV-B)"""
+    grad_accum: int = 1
+    """micro-batches per step on each rank: a memory knob (ours)"""
+    loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"
+    """dr_grpo: Eq. 1 per sequence; grpo / bnpo: TRL's token means"""
+    beta: float = 0.04
+    """Eq. 1's KL weight (beta >= 0, no value given): DeepSeekMath's 0.04"""
+    lr: float | None = None
+    """AdamW lr; None: 5e-6 (Sec. IV-B) for HF models, 1e-4 for the tiny model (ours)"""
+    steps: int | None = None
+    """RL steps; None: one epoch (Sec. IV-B), 300 for the tiny model; 0: evaluate only (Table II's Base)"""
+    max_new_tokens: int | None = None
+    """None: 256 for HF models (ours), 128 for the tiny model"""
+    sft_steps: int | None = None
+    """warm start (Table II's "+ SFT"); None: 400 for the tiny model, 0 for HF models"""
+    max_pixels: int = 512 * 512
+    """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
 
 
 # Sec. IV-B's settings that are not worth a flag, and our choices where the paper is silent
-LORA = dict(r=128, alpha=256, dropout=0.05, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+LORA = dict(
+    r=128,
+    alpha=256,
+    dropout=0.05,
+    targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+)
 ADAMW = dict(betas=(0.9, 0.99), weight_decay=0.1)  # with a cosine schedule, 10 % warm-up, grad clip 0.1 (Sec. IV-B)
 WARMUP, MAX_GRAD_NORM, ADV_EPS = 0.1, 0.1, 1e-6  # Eq. 2's eps "on the order of 1e-8 to 1e-6"
 FORMAT_PARTIAL = 0.5  # credit for a minor format violation: Sec. III-B1 gives no value (ours)
@@ -69,7 +88,7 @@ WARM_START = dict(lr_tiny=1e-3, lr_hf=1e-5, batch_size=32)  # the paper's SFT ro
 CE = dict(headline="micro_f1", uncertain_as=0)
 PROMPTS = {
     "tags": "You are a radiologist. Look at the chest X-ray, reason about the findings inside <think> </think>, "
-            "then write the findings section of the report inside <report> </report>.",
+    "then write the findings section of the report inside <report> </report>.",
     "plain": "You are a radiologist. Look at the chest X-ray and write the findings section of the report.",
 }
 TAGS = ("<think>", "</think>", "<report>", "</report>")
@@ -85,8 +104,8 @@ def format_reward(text: str, partial: float = FORMAT_PARTIAL) -> float:
     pos = [text.index(tag) for tag in TAGS]
     if pos != sorted(pos):
         return 0.0
-    think, between, report = (text[pos[k] + len(TAGS[k]):pos[k + 1]].strip() for k in range(3))
-    outside = (text[:pos[0]] + text[pos[3] + len(TAGS[3]):]).strip()
+    think, between, report = (text[pos[k] + len(TAGS[k]) : pos[k + 1]].strip() for k in range(3))
+    outside = (text[: pos[0]] + text[pos[3] + len(TAGS[3]) :]).strip()
     if not report:
         return 0.0
     return 1.0 if think and not between and not outside else partial
@@ -94,7 +113,7 @@ def format_reward(text: str, partial: float = FORMAT_PARTIAL) -> float:
 
 def extract_report(text: str) -> str:
     """The text inside the first <report>...</report>; "" without one."""
-    m = re.search(r"<report>(.*?)</report>", text, flags=re.S)
+    m = re.search(r"<report>(.*?)</report>", text, flags=re.DOTALL)
     return m.group(1).strip() if m else ""
 
 
@@ -173,8 +192,16 @@ def grpo_step(policy, roll: common.Rollout, args: Args, max_new_tokens: int):
     LoRA dropout 0.05, which has no effect in eval mode, and the tiny model has no dropout at all."""
     A = grpo_advantages(roll.rewards, args.group_size)  # (N,) Eq. 2
     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (N, T)
-    loss, stats = common.grpo_loss(logp, None, roll.ref_logp, A, roll.completion_mask, beta=args.beta,
-                                   loss_type=args.loss_type, max_completion_length=max_new_tokens)  # Eq. 1
+    loss, stats = common.grpo_loss(
+        logp,
+        None,
+        roll.ref_logp,
+        A,
+        roll.completion_mask,
+        beta=args.beta,
+        loss_type=args.loss_type,
+        max_completion_length=max_new_tokens,
+    )  # Eq. 1
     return loss, {**stats, "reward": roll.rewards.mean().item(), "length": roll.completion_mask.sum(1).mean().item()}
 
 
@@ -182,8 +209,11 @@ def grpo_step(policy, roll: common.Rollout, args: Args, max_new_tokens: int):
 def split_views(records: list[common.Record]) -> list[common.Record]:
     """Sec. IV-A: multi-view studies become "multiple image-report pairs, with each image paired to
     the same report and counted as a separate sample" (ids get _v0, _v1, ...)."""
-    return [dataclasses.replace(r, id=f"{r.id}_v{v}", image_paths=[p]) if len(r.image_paths) > 1 else r
-            for r in records for v, p in enumerate(r.image_paths)]
+    return [
+        dataclasses.replace(r, id=f"{r.id}_v{v}", image_paths=[p]) if len(r.image_paths) > 1 else r
+        for r in records
+        for v, p in enumerate(r.image_paths)
+    ]
 
 
 def warm_start_targets(batch: dict, labeler, tags: bool) -> list[str]:
@@ -214,36 +244,68 @@ def train(args: Args) -> dict:
     cider_df = cider_document_frequency([r.report for r in train_set]) if args.reward == "nlg" else None
 
     # The policy (HF: LoRA on the language model, Sec. IV-B; tiny: all of it) and its frozen reference
-    warm_start = dict(steps=sft_steps, lr=WARM_START["lr_tiny" if tiny else "lr_hf"], prompt=prompt,
-                      batch_size=WARM_START["batch_size"], targets=lambda b: warm_start_targets(b, run.labeler, tags))
-    policy, ref = common.build_policy(run, train_set, max_new, lora=None if tiny else LORA, reference=args.beta > 0,
-                                      warm_start=warm_start, extra_tokens=TAGS + tuple(n.lower() for n in common.CHEXPERT_LABELS),
-                                      max_pixels=args.max_pixels)
+    warm_start = dict(
+        steps=sft_steps,
+        lr=WARM_START["lr_tiny" if tiny else "lr_hf"],
+        prompt=prompt,
+        batch_size=WARM_START["batch_size"],
+        targets=lambda b: warm_start_targets(b, run.labeler, tags),
+    )
+    policy, ref = common.build_policy(
+        run,
+        train_set,
+        max_new,
+        lora=None if tiny else LORA,
+        reference=args.beta > 0,
+        warm_start=warm_start,
+        extra_tokens=TAGS + tuple(n.lower() for n in common.CHEXPERT_LABELS),
+        max_pixels=args.max_pixels,
+    )
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    total = args.steps if args.steps is not None else 300 if tiny else len(train_set) // args.prompts_per_step  # one epoch
+    total = (
+        args.steps if args.steps is not None else 300 if tiny else len(train_set) // args.prompts_per_step
+    )  # one epoch
     optimizer, scheduler = common.adamw(params, lr, total, "cosine", WARMUP, **ADAMW)
     run.restore(policy.model, optimizer, scheduler)
 
     def evaluate(records, name):  # greedy reports on the test split, scored by the common metrics and the reward
         def score(rows, labeler):  # the training reward of the greedy reports
-            r, terms = total_reward([row.get("completion", row["generated"]) for row in rows],
-                                    [row["reference"] for row in rows], labeler, args, cider_df)
+            r, terms = total_reward(
+                [row.get("completion", row["generated"]) for row in rows],
+                [row["reference"] for row in rows],
+                labeler,
+                args,
+                cider_df,
+            )
             for row, value in zip(rows, r):
                 row["reward"] = float(value)
             return {"reward": float(r.mean()), **terms}
+
         return run.evaluate(policy, records, name, prompt, max_new, report if tags else None, score, meteor=True, ce=CE)
 
     results = {"test_before": evaluate(test_set, "test_before")}
-    for step, batch in run.steps(total, run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step"), "MRG-R1"):
+    for step, batch in run.steps(
+        total, run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step"), "MRG-R1"
+    ):
         labels = common.LabelCache(run.labeler)  # each distinct text labelled once this step
         for micro in common.split_batch(batch, args.grad_accum):
+
             def reward_fn(texts, owners):
                 r, terms = total_reward(texts, [micro["report"][o] for o in owners], labels, args, cider_df)
                 run.log(**terms)
                 return r
+
             with run.autocast():
-                roll = common.rollout(policy, micro["images"], prompt, args.group_size, reward_fn, max_new, TEMPERATURE,
-                                      ref=ref if args.beta > 0 else "none")
+                roll = common.rollout(
+                    policy,
+                    micro["images"],
+                    prompt,
+                    args.group_size,
+                    reward_fn,
+                    max_new,
+                    TEMPERATURE,
+                    ref=ref if args.beta > 0 else "none",
+                )
                 loss, stats = grpo_step(policy, roll, args, max_new)  # Eq. 1-2
             (loss / args.grad_accum).backward()
             run.log(loss=loss.item(), **stats)

@@ -36,6 +36,7 @@ Equations, and where they are implemented:
     Eq. 15   F-beta reward                                     facts_reward()
     Sec. 4.1 1,000 studies, balanced labels, complete reports  balanced_subset(), drop_missing_sections()
 """
+
 from __future__ import annotations
 
 import re
@@ -50,28 +51,48 @@ import common
 
 @dataclass
 class Args(common.RunArgs):
-    out: str = "runs/orapo"  # the run's folder
-    train_size: int | None = None  # balanced training studies (Sec. 4.1); None: 1,000 for HF models, 250 tiny (4 visits each); 0: all
-    group_size: int = 8  # G (not given: ours)
-    prompts_per_step: int = 4  # studies per step over all ranks, 4 x G = 32 completions (the paper: "small"; ours)
-    lr: float | None = None  # AdamW lr; None: 1e-6 for HF models (App. A: "conservative"; ours), 5e-4 for the tiny model
-    steps: int | None = None  # RL steps; None: 3 epochs (TRL's default) for HF models, 250 for the tiny model; 0: evaluate only
-    sft_steps: int | None = None  # warm start before RL (not in the paper: RL only); None: 300 for the tiny model (a random model earns no reward), 0 for HF
-    max_new_tokens: int | None = None  # None: 256 (TRL's max_completion_length) for HF models, 96 for the tiny model
-    loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"  # the normaliser, as TRL's loss_type: dr_grpo token sum / (G max_new_tokens) (App. A); advantages are Dr. GRPO's r - mean
-    beta: float = 0.04  # Eq. 4's KL weight: Sec. 3.2's "dominated by the KL regularizer" needs beta > 0; DeepSeekMath's 0.04 (ours)
-    lambda_min: float = 0.05  # Eq. 10's w_min: Table 6 (arXiv v2)
-    lambda_max: float = 0.15  # Eq. 10's w_max: Table 6 (arXiv v2); --lambda-min 0 --lambda-max 0: vanilla GRPO
-    dpo_beta: float = 2.0  # Eq. 5's beta on per-token mean log-probs (LN-DPO): SimPO's range 2-2.5 (ours)
-    facts: str = "sentences"  # Eq. 13's extractor: "sentences" (offline) or "hf:<instruction-tuned LM id or folder>"
-    max_pixels: int = 512 * 512  # HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)
-    fsdp: bool = False  # torchrun: shard policy and reference over the GPUs (FSDP2), as full fine-tuning of 3B needs on 24 GB
+    out: str = "runs/orapo"
+    """the run's folder"""
+    train_size: int | None = None
+    """balanced training studies (Sec. 4.1); None: 1,000 for HF models, 250 tiny (4 visits each); 0: all"""
+    group_size: int = 8
+    """G (not given: ours)"""
+    prompts_per_step: int = 4
+    """studies per step over all ranks, 4 x G = 32 completions (the paper: "small"; ours)"""
+    lr: float | None = None
+    """AdamW lr; None: 1e-6 for HF models (App. A: "conservative"; ours), 5e-4 for the tiny model"""
+    steps: int | None = None
+    """RL steps; None: 3 epochs (TRL's default) for HF models, 250 for the tiny model; 0: evaluate only"""
+    sft_steps: int | None = None
+    """warm start before RL (not in the paper: RL only); None: 300 for the tiny model (a random model earns no reward), 0
+    for HF"""
+    max_new_tokens: int | None = None
+    """None: 256 (TRL's max_completion_length) for HF models, 96 for the tiny model"""
+    loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"
+    """the normaliser, as TRL's loss_type: dr_grpo token sum / (G max_new_tokens) (App. A); advantages are Dr. GRPO's r -
+    mean"""
+    beta: float = 0.04
+    """Eq. 4's KL weight: Sec. 3.2's "dominated by the KL regularizer" needs beta > 0; DeepSeekMath's 0.04 (ours)"""
+    lambda_min: float = 0.05
+    """Eq. 10's w_min: Table 6 (arXiv v2)"""
+    lambda_max: float = 0.15
+    """Eq. 10's w_max: Table 6 (arXiv v2); --lambda-min 0 --lambda-max 0: vanilla GRPO"""
+    dpo_beta: float = 2.0
+    """Eq. 5's beta on per-token mean log-probs (LN-DPO): SimPO's range 2-2.5 (ours)"""
+    facts: str = "sentences"
+    """Eq. 13's extractor: "sentences" (offline) or "hf:<instruction-tuned LM id or folder>" """
+    max_pixels: int = 512 * 512
+    """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
+    fsdp: bool = False
+    """torchrun: shard policy and reference over the GPUs (FSDP2), as full fine-tuning of 3B needs on 24 GB"""
 
 
 # Settings not worth a flag, and our choices where the paper is silent (TRL's GRPOTrainer defaults: the paper trains with it)
 PROMPT = "You are a radiologist. Look at the chest X-ray and write the findings section of the report."
 SECTIONS = ("findings", "impression")  # Sec. 4.1: "we exclude reports with missing sections"
-LORA = None  # the paper fine-tunes the whole 3B policy; dict(r=64, alpha=128, dropout=0.05, targets=[...]) trains adapters
+LORA = (
+    None  # the paper fine-tunes the whole 3B policy; dict(r=64, alpha=128, dropout=0.05, targets=[...]) trains adapters
+)
 HF_EPOCHS, TINY_STEPS, MAX_GRAD_NORM, TEMPERATURE = 3, 250, 1.0, 1.0  # TRL's defaults (the tiny model: ours)
 FACTS_BETA = 2.0  # Eq. 15's beta > 1 weights recall; no value given (ours)
 FACT_TOKENS = 256  # the hf: extractor's answer length
@@ -110,7 +131,7 @@ def balanced_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
                 pool.pop()
         open_labels = [c for c, pool in enumerate(pools) if pool]
         if not open_labels:  # only studies without a positive label are left
-            taken[rng.permutation(np.flatnonzero(~taken))[:n - taken.sum()]] = True
+            taken[rng.permutation(np.flatnonzero(~taken))[: n - taken.sum()]] = True
             break
         i = pools[min(open_labels, key=lambda k: counts[k])].pop()
         taken[i], counts = True, counts + pos[i]
@@ -121,7 +142,7 @@ def balanced_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
 # Sentence and clause ends; a clause cut never takes a negation or hedge from its finding: the rule labeler
 # scopes its cues by the same words (common.RuleLabeler.TERMINATORS).
 _SENTENCE_END = re.compile(r"(?<!\d)\.(?!\d)|;|\n")
-_CLAUSE_END = re.compile(r",?\s*\b(?:but|however|although|whereas|except)\b", flags=re.I)
+_CLAUSE_END = re.compile(r",?\s*\b(?:but|however|although|whereas|except)\b", flags=re.IGNORECASE)
 
 
 class SentenceFacts:
@@ -129,13 +150,15 @@ class SentenceFacts:
     pneumothorax." -> two facts). The paper prompts GPT-4.1."""
 
     def __call__(self, reports: list[str]) -> list[list[str]]:
-        clauses = lambda r: (c for s in _SENTENCE_END.split(r) for c in _CLAUSE_END.split(s))  # noqa: E731
+        clauses = lambda r: (c for s in _SENTENCE_END.split(r) for c in _CLAUSE_END.split(s))
         return [[c.strip(" ,:-") for c in clauses(r) if re.search(r"[a-zA-Z]", c)] for r in reports]
 
 
-FACT_PROMPT = ("List the atomic clinical facts stated in this chest X-ray report, one per line: a finding with its "
-               "attributes (e.g. 'linear atelectasis at the left base') or an explicit absence (e.g. 'no pleural "
-               "effusion'). Write only the facts.\n\nReport: {report}")
+FACT_PROMPT = (
+    "List the atomic clinical facts stated in this chest X-ray report, one per line: a finding with its "
+    "attributes (e.g. 'linear atelectasis at the left base') or an explicit absence (e.g. 'no pleural "
+    "effusion'). Write only the facts.\n\nReport: {report}"
+)
 
 
 class LLMFacts:
@@ -144,6 +167,7 @@ class LLMFacts:
 
     def __init__(self, name=None, device="cpu", model=None, tokenizer=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         self.tok = tokenizer or AutoTokenizer.from_pretrained(name)
         self.model = (model or AutoModelForCausalLM.from_pretrained(name)).to(device).eval()
         self.tok.padding_side, self.tok.pad_token = "left", self.tok.pad_token or self.tok.eos_token
@@ -152,18 +176,30 @@ class LLMFacts:
     def __call__(self, reports: list[str]) -> list[list[str]]:
         ask = [FACT_PROMPT.format(report=r) for r in reports]
         if self.tok.chat_template:
-            ask = [self.tok.apply_chat_template([{"role": "user", "content": a}], tokenize=False, add_generation_prompt=True) for a in ask]
+            ask = [
+                self.tok.apply_chat_template(
+                    [{"role": "user", "content": a}], tokenize=False, add_generation_prompt=True
+                )
+                for a in ask
+            ]
         enc = self.tok(ask, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
-        ids = self.model.generate(**enc, max_new_tokens=FACT_TOKENS, do_sample=False, pad_token_id=self.tok.pad_token_id)
-        answers = self.tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        lines = lambda a: (re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", x).strip() for x in a.splitlines())  # noqa: E731
-        return [[x for x in lines(a) if re.search(r"[a-zA-Z]", x)] if r.strip() else [] for r, a in zip(reports, answers)]
+        ids = self.model.generate(
+            **enc, max_new_tokens=FACT_TOKENS, do_sample=False, pad_token_id=self.tok.pad_token_id
+        )
+        answers = self.tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        lines = lambda a: (re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", x).strip() for x in a.splitlines())
+        return [
+            [x for x in lines(a) if re.search(r"[a-zA-Z]", x)] if r.strip() else [] for r, a in zip(reports, answers)
+        ]
 
 
 def fact_claims(fact_labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Eq. 14, one report: its F facts' labels (F, 14) -> the labels it claims present (positive or uncertain) and
     those it claims absent, (14,) bool each. No Finding is decided per report (CheXpert's rule over the claims)."""
-    present, absent = np.zeros(len(common.CHEXPERT_LABELS), dtype=bool), np.zeros(len(common.CHEXPERT_LABELS), dtype=bool)
+    present, absent = (
+        np.zeros(len(common.CHEXPERT_LABELS), dtype=bool),
+        np.zeros(len(common.CHEXPERT_LABELS), dtype=bool),
+    )
     if len(fact_labels) == 0:  # no facts, no claims
         return present, absent
     F, nf = len(common.FINDINGS), common.LABEL_INDEX["No Finding"]  # the 13 findings come first
@@ -181,8 +217,9 @@ def facts_counts(present: np.ndarray, absent: np.ndarray, gt_positive: np.ndarra
     return int(tp.sum()), int(fp.sum()), int(fn.sum())
 
 
-def facts_reward(completions: list[str], gt_labels: np.ndarray, extractor, labeler, beta: float = FACTS_BETA,
-                 eps: float = 1e-8) -> tuple[np.ndarray, dict]:
+def facts_reward(
+    completions: list[str], gt_labels: np.ndarray, extractor, labeler, beta: float = FACTS_BETA, eps: float = 1e-8
+) -> tuple[np.ndarray, dict]:
     """FactS: completions and their studies' ground truth (N, 14) -> rewards (N,) in [0, 1], stats. Uncertain
     ground truth counts as present. A report with no ground-truth label right scores exactly 0."""
     facts = extractor(completions)  # Eq. 13: N lists of facts
@@ -191,11 +228,15 @@ def facts_reward(completions: list[str], gt_labels: np.ndarray, extractor, label
     gt_positive = common.binarize(gt_labels).astype(bool)  # (N, 14)
     P, R, start = np.zeros(len(facts)), np.zeros(len(facts)), 0
     for n, fs in enumerate(facts):
-        tp, fp, fn = facts_counts(*fact_claims(labels[start:start + len(fs)]), gt_positive[n])  # Eq. 14
+        tp, fp, fn = facts_counts(*fact_claims(labels[start : start + len(fs)]), gt_positive[n])  # Eq. 14
         start += len(fs)
         P[n], R[n] = tp / (tp + fp) if tp + fp else 0.0, tp / (tp + fn) if tp + fn else 0.0
-    rewards = (1 + beta ** 2) * P * R / (beta ** 2 * P + R + eps)  # Eq. 15: F-beta, beta > 1 weights recall
-    return rewards, {"facts_precision": float(P.mean()), "facts_recall": float(R.mean()), "facts_per_report": len(flat) / max(1, len(facts))}
+    rewards = (1 + beta**2) * P * R / (beta**2 * P + R + eps)  # Eq. 15: F-beta, beta > 1 weights recall
+    return rewards, {
+        "facts_precision": float(P.mean()),
+        "facts_recall": float(R.mean()),
+        "facts_per_report": len(flat) / max(1, len(facts)),
+    }
 
 
 # Eq. 8-10: the zero-reward rate and the mixing weight -----------------------------------------------------
@@ -223,7 +264,9 @@ class ZeroRewardRate:
         prior = self.values.get("minibatch", 0.0)
         for key, z_q in pairs:
             self.values[key] = m * self.values.get(key, prior) + (1 - m) * z_q  # Eq. 9
-        self.values["minibatch"] = m * prior + (1 - m) * float(np.mean([z_q for _, z_q in pairs]))  # Eq. 9, minibatch scope
+        self.values["minibatch"] = m * prior + (1 - m) * float(
+            np.mean([z_q for _, z_q in pairs])
+        )  # Eq. 9, minibatch scope
         return np.array([self.values[k] for k in ids])
 
 
@@ -233,9 +276,22 @@ def mixing_weight(zrr: np.ndarray, lambda_min: float, lambda_max: float, p: floa
 
 
 # Eq. 11-12: the OraPO objective and the update step ---------------------------------------------------
-def orapo_loss(logp, ref_logp, advantages, mask, lambdas, G: int, chosen_logp=None, ref_chosen_logp=None,
-               chosen_mask=None, *, beta: float = 0.0, loss_type: str = "dr_grpo", max_len: int | None = None,
-               dpo_beta: float = 2.0):
+def orapo_loss(
+    logp,
+    ref_logp,
+    advantages,
+    mask,
+    lambdas,
+    G: int,
+    chosen_logp=None,
+    ref_chosen_logp=None,
+    chosen_mask=None,
+    *,
+    beta: float = 0.0,
+    loss_type: str = "dr_grpo",
+    max_len: int | None = None,
+    dpo_beta: float = 2.0,
+):
     """Eq. 11: L = (1/B) sum_q [(1 - lambda_q) L_GRPO(q) + lambda_q L_DPO(q)] -> (loss, stats).
     logp, ref_logp, mask (B*G, T): the sampled completions, groups contiguous; advantages (B*G,); lambdas (B,).
     chosen_logp, ref_chosen_logp, chosen_mask (B, Tc): each prompt's ground-truth report, or None (lambdas all 0).
@@ -248,13 +304,29 @@ def orapo_loss(logp, ref_logp, advantages, mask, lambdas, G: int, chosen_logp=No
     l_grpo, l_dpo, acc, stats = [], [], [], []
     for q in range(len(lambdas)):
         g = slice(q * G, (q + 1) * G)
-        loss, s = common.grpo_loss(logp[g], None, None if ref_logp is None else ref_logp[g], advantages[g], mask[g],
-                                   beta=beta, loss_type=loss_type, max_completion_length=max_len)  # Eq. 3-4
+        loss, s = common.grpo_loss(
+            logp[g],
+            None,
+            None if ref_logp is None else ref_logp[g],
+            advantages[g],
+            mask[g],
+            beta=beta,
+            loss_type=loss_type,
+            max_completion_length=max_len,
+        )  # Eq. 3-4
         l_grpo.append(loss)
         if chosen_logp is not None:  # Eq. 12: y+ the ground-truth report, y- each of the G completions
-            rep = lambda x: x[q:q + 1].expand(G, -1)  # noqa: E731  (G, Tc) the chosen report once per pair
-            loss, d = common.dpo_loss(rep(chosen_logp), logp[g], rep(ref_chosen_logp), ref_logp[g], dpo_beta,
-                                      length_normalize=True, chosen_mask=rep(chosen_mask), rejected_mask=mask[g])  # Eq. 5-7
+            rep = lambda x: x[q : q + 1].expand(G, -1)
+            loss, d = common.dpo_loss(
+                rep(chosen_logp),
+                logp[g],
+                rep(ref_chosen_logp),
+                ref_logp[g],
+                dpo_beta,
+                length_normalize=True,
+                chosen_mask=rep(chosen_mask),
+                rejected_mask=mask[g],
+            )  # Eq. 5-7
             l_dpo.append(loss)
             acc.append(d["accuracy"])
             s.update(dpo_accuracy=d["accuracy"], dpo_margin=d["reward_margin"])
@@ -264,7 +336,12 @@ def orapo_loss(logp, ref_logp, advantages, mask, lambdas, G: int, chosen_logp=No
     lam = torch.as_tensor(lambdas, dtype=l_grpo.dtype, device=l_grpo.device)  # (B,)
     loss = ((1 - lam) * l_grpo + lam * l_dpo).mean()  # Eq. 11
     out = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
-    return loss, {**out, "grpo_loss": l_grpo.mean().item(), "dpo_loss": l_dpo.mean().item(), "dpo_accuracy_q": np.array(acc)}
+    return loss, {
+        **out,
+        "grpo_loss": l_grpo.mean().item(),
+        "dpo_loss": l_dpo.mean().item(),
+        "dpo_accuracy_q": np.array(acc),
+    }
 
 
 def ref_logprobs(policy, ref, prompts, ids, mask):
@@ -288,15 +365,35 @@ def orapo_step(policy, ref, roll: common.Rollout, batch: dict, zrr: ZeroRewardRa
     if args.lambda_max > 0:  # Eq. 12: the ground-truth report is the preferred answer (the prompt asks for it)
         prompts = policy.prompt_batch(batch["images"], PROMPT)
         c_ids, c_mask = policy.encode_targets(batch["report"])  # (B, Tc)
-        chosen = dict(chosen_logp=policy.completion_logprobs(prompts, c_ids, c_mask, TEMPERATURE), chosen_mask=c_mask,
-                      ref_chosen_logp=ref_logprobs(policy, ref, prompts, c_ids, c_mask))  # (B, Tc) each
-    loss, stats = orapo_loss(logp, roll.ref_logp, A, roll.completion_mask, lam, G, **chosen, beta=args.beta,
-                             loss_type=args.loss_type, max_len=max_new, dpo_beta=args.dpo_beta)  # Eq. 11
+        chosen = dict(
+            chosen_logp=policy.completion_logprobs(prompts, c_ids, c_mask, TEMPERATURE),
+            chosen_mask=c_mask,
+            ref_chosen_logp=ref_logprobs(policy, ref, prompts, c_ids, c_mask),
+        )  # (B, Tc) each
+    loss, stats = orapo_loss(
+        logp,
+        roll.ref_logp,
+        A,
+        roll.completion_mask,
+        lam,
+        G,
+        **chosen,
+        beta=args.beta,
+        loss_type=args.loss_type,
+        max_len=max_new,
+        dpo_beta=args.dpo_beta,
+    )  # Eq. 11
     acc = stats.pop("dpo_accuracy_q")
     # DPO accuracy on zero-reward groups: sum this over steps and divide by zero_group_ratio's sum
     stats["dpo_accuracy_x_zero"] = float((acc * z).mean()) if len(acc) else 0.0
-    return loss, {**stats, "zero_group_ratio": z.mean(), "zrr": zrr_q.mean(), "lambda": lam.mean(),
-                  "reward": roll.rewards.mean().item(), "length": roll.completion_mask.sum(1).mean().item()}
+    return loss, {
+        **stats,
+        "zero_group_ratio": z.mean(),
+        "zrr": zrr_q.mean(),
+        "lambda": lam.mean(),
+        "reward": roll.rewards.mean().item(),
+        "length": roll.completion_mask.sum(1).mean().item(),
+    }
 
 
 # Training -------------------------------------------------------------------------------------------
@@ -305,9 +402,14 @@ def train(args: Args) -> dict:
         raise ValueError(f"need 0 <= --lambda-min <= --lambda-max <= 1, got {args.lambda_min}, {args.lambda_max}")
     if not (args.facts == "sentences" or args.facts.startswith("hf:") and len(args.facts) > 3):
         raise ValueError(f"--facts must be 'sentences' or 'hf:<model id or folder>', got {args.facts!r}")
-    run = common.start_run(args, notes=["FactS (Eq. 13-14): a report's facts are its sentences and clauses labelled by the "
-                                        "labeler, not GPT-4.1's atomic facts and entailment (--facts hf:<id> asks a local LM)"]
-                           * (args.facts == "sentences"))
+    run = common.start_run(
+        args,
+        notes=[
+            "FactS (Eq. 13-14): a report's facts are its sentences and clauses labelled by the "
+            "labeler, not GPT-4.1's atomic facts and entailment (--facts hf:<id> asks a local LM)"
+        ]
+        * (args.facts == "sentences"),
+    )
     zrr, tiny = ZeroRewardRate(ZRR_MOMENTUM), args.model == "tiny"
     lr = args.lr if args.lr is not None else 5e-4 if tiny else 1e-6
     max_new = args.max_new_tokens or (96 if tiny else 256)
@@ -321,44 +423,71 @@ def train(args: Args) -> dict:
     train_set, gt = [pool[i] for i in keep], {pool[i].id: y[i] for i in keep}
     extractor = SentenceFacts() if args.facts == "sentences" else LLMFacts(args.facts[3:], run.device)
 
-    warm_start = dict(WARM_START, steps=args.sft_steps if args.sft_steps is not None else 300 if tiny else 0, prompt=PROMPT)
-    policy, ref = common.build_policy(run, train_set, max_new, lora=LORA, warm_start=warm_start, max_pixels=args.max_pixels,
-                                      reference=args.lambda_max > 0 or args.beta > 0, fsdp=args.fsdp)  # DPO, KL use it
+    warm_start = dict(
+        WARM_START, steps=args.sft_steps if args.sft_steps is not None else 300 if tiny else 0, prompt=PROMPT
+    )
+    policy, ref = common.build_policy(
+        run,
+        train_set,
+        max_new,
+        lora=LORA,
+        warm_start=warm_start,
+        max_pixels=args.max_pixels,
+        reference=args.lambda_max > 0 or args.beta > 0,
+        fsdp=args.fsdp,
+    )  # DPO, KL use it
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    total = args.steps if args.steps is not None else TINY_STEPS if tiny else HF_EPOCHS * len(train_set) // args.prompts_per_step
+    total = (
+        args.steps
+        if args.steps is not None
+        else TINY_STEPS
+        if tiny
+        else HF_EPOCHS * len(train_set) // args.prompts_per_step
+    )
     # AdamW with linear decay, no warm-up, no weight decay: TRL's defaults (the paper names only the lr)
     optimizer, scheduler = common.adamw(params, lr, total, "linear", weight_decay=0.0)
     run.restore(policy.model, optimizer, scheduler, state=zrr.values)  # the ZRR state is in every checkpoint
 
     def evaluate(records, name):  # greedy reports; CE metrics (Sec. 4.2: macro), and FactS
         def score(rows, labeler):
-            reward, stats = facts_reward([r["generated"] for r in rows], labeler([r["reference"] for r in rows]), extractor, labeler)
+            reward, stats = facts_reward(
+                [r["generated"] for r in rows], labeler([r["reference"] for r in rows]), extractor, labeler
+            )
             for row, value in zip(rows, reward):
                 row["facts_reward"] = float(value)
             return {"facts_reward": float(reward.mean()), **stats}
+
         return run.evaluate(policy, records, name, PROMPT, max_new, score=score, ce=CE)
 
     results = {"test_before": evaluate(run.data["test"], "test_before")}
-    for step, batch in run.steps(total, run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step"), "OraPO"):
+    for step, batch in run.steps(
+        total, run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step"), "OraPO"
+    ):
         labels = common.LabelCache(run.labeler)  # each distinct fact labelled once this step
         y_batch = np.stack([gt[i] for i in batch["id"]])  # (B, 14)
-        reward_fn = lambda texts, owners: facts_reward(texts, y_batch[owners], extractor, labels)[0]  # noqa: E731 Eq. 13-15
+        reward_fn = lambda texts, owners: facts_reward(texts, y_batch[owners], extractor, labels)[0]
         with run.autocast():
-            roll = common.rollout(policy, batch["images"], PROMPT, args.group_size, reward_fn, max_new, TEMPERATURE,
-                                  ref=ref)
+            roll = common.rollout(
+                policy, batch["images"], PROMPT, args.group_size, reward_fn, max_new, TEMPERATURE, ref=ref
+            )
             loss, stats = orapo_step(policy, ref, roll, batch, zrr, args, max_new)  # Eq. 1-12
         loss.backward()
         run.log(loss=loss.item(), **stats)
         run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
         if (step + 1) % EVAL_EVERY == 0 and step + 1 < total:  # Fig. 2 (right): F1 of hard labels over checkpoints
             ce = evaluate(run.data["val"][:N_EVAL], f"val_step{step + 1}")["ce"]
-            run.log(val_macro_f1=ce["macro_f1"], **{f"val_f1_{k.lower()}": ce["per_label"][k]["f1"] for k in ("Pneumonia", "Fracture")})
+            run.log(
+                val_macro_f1=ce["macro_f1"],
+                **{f"val_f1_{k.lower()}": ce["per_label"][k]["f1"] for k in ("Pneumonia", "Fracture")},
+            )
     if total > 0:  # with --steps 0 the "before" evaluation is the result
         results["test_after"] = evaluate(run.data["test"], "test_after")
     if run.is_main:
         for key, r in results.items():
-            print(f"{key}: FactS {r['facts_reward']:.3f}, macro P/R {r['ce']['macro_precision']:.3f}/{r['ce']['macro_recall']:.3f}, "
-                  f"{common.summary(r)}")
+            print(
+                f"{key}: FactS {r['facts_reward']:.3f}, macro P/R {r['ce']['macro_precision']:.3f}/{r['ce']['macro_recall']:.3f}, "
+                f"{common.summary(r)}"
+            )
     return run.finish(results, policy)
 
 

@@ -25,6 +25,7 @@ Equations, and where they are implemented:
     Fig. 1        per-class BLEU-4 vs class size and difficulty              q1_analysis()
     Fig. 3        lambda_n(t) curves                                         <out>/schedule.json; per epoch in metrics.jsonl
 """
+
 from __future__ import annotations
 
 import json
@@ -42,33 +43,62 @@ import common
 
 @dataclass
 class Args(common.RunArgs):
-    out: str = "runs/rrgcl"  # the run's folder
-    scheduler: Literal["rrgcl", "root", "linear", "baby_step", "one_pass", "geom", "none"] = "rrgcl"  # Sec. 3.3, Table 2 (none: all, random)
-    alpha: float = 0.6  # Eq. 10's VNS-Gap weight, beta = 1 - alpha (Sec. 4.3: 0.6, 0.4; Table 3's pairs sum to 1); 1: Table 2 (a), 0: (b)
-    itas_sign: Literal[-1, 1] = -1  # Eq. 10 adds ITAS, Sec. 3.2.1 calls aligned pairs easier: -1 subtracts it (ours), 1 as printed
-    epochs: int = 10  # T of Eq. 11 (the paper keeps the wrapped model's; ours)
-    t0: bool = True  # epochs t = 0..T (Algorithm 1 line 6: the lambda_n(0) subset trains first); --no-t0: t = 1..T (Sec. 3.3.1)
-    steps: int | None = None  # steps in all, shared over the epochs as their subsets' sizes; None: a pass over each (Alg. 1 l. 11)
-    batch_size: int = 32  # studies per step over all ranks (the paper follows the wrapped model; ours)
-    lr: float | None = None  # AdamW, constant; None: 1e-3 for the tiny model, 1e-4 with LoRA for HF models (ours)
-    difficulty: str | None = None  # JSON: --measure-only writes it, training reads it; None: measured into <out>/difficulty.json
-    measure_only: bool = False  # write the difficulty file and <out>/schedule.json, then stop
-    visual_encoder: str = "small"  # phi, Eq. 1: "small" (a CNN fit to the labels), a ResNet-101 state dict (paper: tuned on CheXpert) or "imagenet"
-    itas_encoder: str = "small"  # ITAS's images: "small" (that CNN), a ResNet-18 state dict or "imagenet" (paper: a pre-trained 5-layer ResNet)
-    text_encoder: str = "small"  # psi, Eq. 2: "small" (a word CNN fit to the labels) or a BERT (paper: emilyalsentzer/Bio_ClinicalBERT)
+    out: str = "runs/rrgcl"
+    """the run's folder"""
+    scheduler: Literal["rrgcl", "root", "linear", "baby_step", "one_pass", "geom", "none"] = "rrgcl"
+    """Sec. 3.3, Table 2 (none: all, random)"""
+    alpha: float = 0.6
+    """Eq. 10's VNS-Gap weight, beta = 1 - alpha (Sec. 4.3: 0.6, 0.4; Table 3's pairs sum to 1); 1: Table 2 (a), 0:
+    (b)"""
+    itas_sign: Literal[-1, 1] = -1
+    """Eq. 10 adds ITAS, Sec. 3.2.1 calls aligned pairs easier: -1 subtracts it (ours), 1 as printed"""
+    epochs: int = 10
+    """T of Eq. 11 (the paper keeps the wrapped model's; ours)"""
+    t0: bool = True
+    """epochs t = 0..T (Algorithm 1 line 6: the lambda_n(0) subset trains first); --no-t0: t = 1..T (Sec. 3.3.1)"""
+    steps: int | None = None
+    """steps in all, shared over the epochs as their subsets' sizes; None: a pass over each (Alg. 1 l. 11)"""
+    batch_size: int = 32
+    """studies per step over all ranks (the paper follows the wrapped model; ours)"""
+    lr: float | None = None
+    """AdamW, constant; None: 1e-3 for the tiny model, 1e-4 with LoRA for HF models (ours)"""
+    difficulty: str | None = None
+    """JSON: --measure-only writes it, training reads it; None: measured into <out>/difficulty.json"""
+    measure_only: bool = False
+    """write the difficulty file and <out>/schedule.json, then stop"""
+    visual_encoder: str = "small"
+    """phi, Eq. 1: "small" (a CNN fit to the labels), a ResNet-101 state dict (paper: tuned on CheXpert) or
+    "imagenet" """
+    itas_encoder: str = "small"
+    """ITAS's images: "small" (that CNN), a ResNet-18 state dict or "imagenet" (paper: a pre-trained 5-layer ResNet)"""
+    text_encoder: str = "small"
+    """psi, Eq. 2: "small" (a word CNN fit to the labels) or a BERT (paper: emilyalsentzer/Bio_ClinicalBERT)"""
 
 
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
-CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2's CE P/R/F1 on MIMIC-CXR, as R2Gen's protocol: micro over 14, positives
+CE = dict(
+    headline="micro_f1", uncertain_as=0
+)  # Sec. 4.2's CE P/R/F1 on MIMIC-CXR, as R2Gen's protocol: micro over 14, positives
 # Sec. 4.1: "13 keywords excluding Support Devices" (12 findings and No Finding); a study is in every class it is labelled 1 for
 CLASSES = [n for n in common.CHEXPERT_LABELS if n != "Support Devices"]
-ENCODER = dict(image_size=64, epochs=4, batch_size=64, lr=1e-3, resnet_size=256)  # small ones: ours (text 2 x epochs); ResNets: Sec. 4.1
-RESNET = {"--visual-encoder": 101, "--itas-encoder": 18}  # Sec. 4.3's; ITAS: the smallest torchvision ResNet (Liao et al.'s isn't one)
+ENCODER = dict(
+    image_size=64, epochs=4, batch_size=64, lr=1e-3, resnet_size=256
+)  # small ones: ours (text 2 x epochs); ResNets: Sec. 4.1
+RESNET = {
+    "--visual-encoder": 101,
+    "--itas-encoder": 18,
+}  # Sec. 4.3's; ITAS: the smallest torchvision ResNet (Liao et al.'s isn't one)
 MINE = dict(steps=2000, batch_size=256, lr=1e-4)  # per half (itas()); the lr of Belghazi et al. 2018
 VNS_BLOCK = 2048  # rows of G computed at once: memory O(N x block)
 ARRAYS = ("labels", "dif1", "dif2")  # of the difficulty file, NaN (a blank label) written as null
-C0, BUCKETS = 0.01, 5  # Linear / Root / Geom start (Platanios et al. 2019); Baby Step / One Pass buckets (Bengio 2009 gives none)
-MAX_GRAD_NORM, LORA = 1.0, dict(r=16, alpha=32, dropout=0.05, targets="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split())
+C0, BUCKETS = (
+    0.01,
+    5,
+)  # Linear / Root / Geom start (Platanios et al. 2019); Baby Step / One Pass buckets (Bengio 2009 gives none)
+MAX_GRAD_NORM, LORA = (
+    1.0,
+    dict(r=16, alpha=32, dropout=0.05, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+)
 
 
 # Eq. 1-4: visual neighbourhood semantic gap -----------------------------------------------------
@@ -85,7 +115,7 @@ def vns_gap(v: torch.Tensor, t: torch.Tensor, block: int = VNS_BLOCK, device="cp
         e = min(s + block, len(a))
         G = (a[s:e] @ b[s:].T).abs_()  # Eq. 3: (e - s, N - s) = |S^v_ij - S^t_ij|, j >= s
         dif1[s:e] += G.sum(1).double()  # Eq. 4 over columns j >= s
-        dif1[e:] += G[:, e - s:].sum(0).double()  # G_ji = G_ij: the rows after the block
+        dif1[e:] += G[:, e - s :].sum(0).double()  # G_ji = G_ij: the rows after the block
     return dif1.cpu()
 
 
@@ -94,7 +124,9 @@ class StatisticsNetwork(torch.nn.Sequential):
     """T_theta(I, R) of Eq. 7: an MLP (ours: 2 x 256, ELU) on the concatenated features -> (B,)."""
 
     def __init__(self, d: int, h: int = 256):
-        super().__init__(torch.nn.Linear(d, h), torch.nn.ELU(), torch.nn.Linear(h, h), torch.nn.ELU(), torch.nn.Linear(h, 1))
+        super().__init__(
+            torch.nn.Linear(d, h), torch.nn.ELU(), torch.nn.Linear(h, h), torch.nn.ELU(), torch.nn.Linear(h, 1)
+        )
 
     def forward(self, image, text):
         return super().forward(torch.cat([image, text], -1)).squeeze(-1)
@@ -169,7 +201,7 @@ def class_difficulty(dif: np.ndarray, members: list[np.ndarray]) -> tuple[np.nda
 def rrgcl_lambda(t, T: int, gamma, lambda0):
     """Eq. 11: lambda_n(t) = min(1, (lambda_n(0)^gamma_n + (1 - lambda_n(0)^gamma_n) t / T)^(1 / gamma_n))."""
     g, l0 = np.asarray(gamma, float), np.asarray(lambda0, float)
-    return np.minimum(1.0, (l0 ** g + (1 - l0 ** g) * t / T) ** (1 / g))
+    return np.minimum(1.0, (l0**g + (1 - l0**g) * t / T) ** (1 / g))
 
 
 def scheduling_exponents(diff_c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,16 +215,24 @@ def curriculum_plan(dif: np.ndarray, labels: np.ndarray) -> dict:
     names, members = class_members(labels)
     raw, norm = class_difficulty(dif, members)
     gamma, lambda0 = scheduling_exponents(norm)
-    table = [{"name": n, "size": len(m), "difficulty": float(d), "gamma": float(g), "lambda0": float(l0)}
-             for n, m, d, g, l0 in zip(names, members, raw, gamma, lambda0)]  # what files show
-    return {"classes": names, "gamma": gamma, "lambda0": lambda0, "table": table, "order": np.argsort(dif, kind="stable"),
-            "class_orders": [m[np.argsort(dif[m], kind="stable")] for m in members]}
+    table = [
+        {"name": n, "size": len(m), "difficulty": float(d), "gamma": float(g), "lambda0": float(l0)}
+        for n, m, d, g, l0 in zip(names, members, raw, gamma, lambda0)
+    ]  # what files show
+    return {
+        "classes": names,
+        "gamma": gamma,
+        "lambda0": lambda0,
+        "table": table,
+        "order": np.argsort(dif, kind="stable"),
+        "class_orders": [m[np.argsort(dif[m], kind="stable")] for m in members],
+    }
 
 
 def rrgcl_subset(class_orders: list[np.ndarray], fractions) -> np.ndarray:
     """Algorithm 1 lines 7-10: the easiest ceil(lambda_n(t) |D_n|) of every class ("the top lambda proportion";
     ceil keeps every class in from the start), united without duplicates: D_sub(t)."""
-    return np.unique(np.concatenate([o[:math.ceil(f * len(o) - 1e-9)] for o, f in zip(class_orders, fractions)]))
+    return np.unique(np.concatenate([o[: math.ceil(f * len(o) - 1e-9)] for o, f in zip(class_orders, fractions)]))
 
 
 # Table 2: the ablation schedulers, on the global easy-to-hard order ------------------------------
@@ -200,11 +240,13 @@ def pacing(name: str, t: int, T: int, c0: float = C0, buckets: int = BUCKETS) ->
     """The slice [lo, hi) of the easy-to-hard order that epoch t trains on (fractions of N)."""
     K = min(buckets, T)  # never more buckets than epochs, or One Pass would skip some
     stage = max(1, math.ceil(K * t / T))  # 1..K
-    hi = {"linear": c0 + (1 - c0) * t / T,  # Platanios et al. 2019's linear competence
-          "root": math.sqrt(t * (1 - c0 ** 2) / T + c0 ** 2),  # Platanios et al. 2019
-          "geom": c0 ** (1 - t / T),  # Penha & Hauff 2020: 2^(log2(c0) (1 - t / T))
-          "baby_step": stage / K,  # Bengio 2009: K buckets, one more at every stage
-          "one_pass": stage / K}.get(name, 1.0)  # Cirik et al. 2016: each bucket once, alone, easiest first
+    hi = {
+        "linear": c0 + (1 - c0) * t / T,  # Platanios et al. 2019's linear competence
+        "root": math.sqrt(t * (1 - c0**2) / T + c0**2),  # Platanios et al. 2019
+        "geom": c0 ** (1 - t / T),  # Penha & Hauff 2020: 2^(log2(c0) (1 - t / T))
+        "baby_step": stage / K,  # Bengio 2009: K buckets, one more at every stage
+        "one_pass": stage / K,
+    }.get(name, 1.0)  # Cirik et al. 2016: each bucket once, alone, easiest first
     return ((stage - 1) / K if name == "one_pass" else 0.0), min(1.0, hi)
 
 
@@ -213,7 +255,7 @@ def epoch_subset(scheduler: str, t: int, T: int, plan: dict) -> np.ndarray:
     if scheduler == "rrgcl":
         return rrgcl_subset(plan["class_orders"], rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"]))
     (lo, hi), n = pacing(scheduler, t, T), len(plan["order"])
-    return np.sort(plan["order"][math.ceil(lo * n - 1e-9):math.ceil(hi * n - 1e-9)])
+    return np.sort(plan["order"][math.ceil(lo * n - 1e-9) : math.ceil(hi * n - 1e-9)])
 
 
 # Training: Algorithm 1 around the wrapped generator -----------------------------------------------
@@ -229,8 +271,17 @@ def train(args: Args) -> dict:
     T, ts = args.epochs, list(range(0 if args.t0 else 1, args.epochs + 1))
     sizes = [len(epoch_subset(args.scheduler, t, T, plan)) for t in ts]  # |D_sub(t)|: the step budget needs them first
     curves = rrgcl_lambda(np.arange(T + 1)[:, None], T, plan["gamma"], plan["lambda0"])  # Fig. 3: (T + 1, c)
-    run.write("schedule.json", json.dumps({"t": ts, "subset_sizes": sizes, "classes": [
-        {**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])]}, indent=1))
+    run.write(
+        "schedule.json",
+        json.dumps(
+            {
+                "t": ts,
+                "subset_sizes": sizes,
+                "classes": [{**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])],
+            },
+            indent=1,
+        ),
+    )
     if args.measure_only:
         return run.finish({"difficulty": str(path), "classes": plan["table"], "mine": m["mine"]})
 
@@ -240,8 +291,11 @@ def train(args: Args) -> dict:
     policy, _ = common.build_policy(run, train_set, max_new, lora=None if tiny else LORA, reference=False)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     # Algorithm 1 line 11: an epoch is one pass over D_sub(t); or --steps shared in proportion to |D_sub(t)|
-    steps = [max(1, n // args.batch_size) for n in sizes] if args.steps is None else \
-        np.diff(np.round(args.steps * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
+    steps = (
+        [max(1, n // args.batch_size) for n in sizes]
+        if args.steps is None
+        else np.diff(np.round(args.steps * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
+    )
     ends = np.cumsum(steps)  # each epoch's last step
     optimizer, scheduler = common.adamw(params, args.lr or (1e-3 if tiny else 1e-4), int(ends[-1]))
     start = run.restore(policy.model, optimizer, scheduler)  # > 0 under --resume
@@ -250,43 +304,63 @@ def train(args: Args) -> dict:
     for e, t in enumerate(ts):  # line 6: for t = 0 to T
         lam = rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"])  # Eq. 11: lambda_n(t) of every class n, (c,)
         # lines 7-10: D_sub(t) = the easiest lambda_n(t) of each D_n, united (Table 2's schedulers: a global slice)
-        d_sub = rrgcl_subset(plan["class_orders"], lam) if args.scheduler == "rrgcl" else epoch_subset(args.scheduler, t, T, plan)
+        d_sub = (
+            rrgcl_subset(plan["class_orders"], lam)
+            if args.scheduler == "rrgcl"
+            else epoch_subset(args.scheduler, t, T, plan)
+        )
         first, end = int(ends[e - 1]) if e else 0, int(ends[e])
         if max(start, first) >= end:
             continue  # trained before --resume, or no step of --steps falls in this epoch
         batches = epoch_batches(run, d_sub, first, end, e)
-        for step, batch in run.steps(end, batches, f"RRGCL t = {t}", start=max(start, first)):  # line 11: train G on D_sub(t)
+        for step, batch in run.steps(
+            end, batches, f"RRGCL t = {t}", start=max(start, first)
+        ):  # line 11: train G on D_sub(t)
             if step == first:
-                run.log(epoch=t, subset=len(d_sub), **{f"lambda/{n}": x for n, x in zip(plan["classes"], lam) if args.scheduler == "rrgcl"})
+                run.log(
+                    epoch=t,
+                    subset=len(d_sub),
+                    **{f"lambda/{n}": x for n, x in zip(plan["classes"], lam) if args.scheduler == "rrgcl"},
+                )
             with run.autocast():
                 loss = sft_step(policy, batch, run)
             loss.backward()
             run.log(loss=loss.item())
             run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
 
-    q1 = lambda rows, labeler: {"q1": q1_analysis(rows, class_labels(test_set, labeler), plan["table"], args.clean)}  # noqa: E731
+    q1 = lambda rows, labeler: {"q1": q1_analysis(rows, class_labels(test_set, labeler), plan["table"], args.clean)}
     result = run.evaluate(policy, test_set, "test", PROMPT, max_new, score=q1, meteor=True, ce=CE)
     if run.is_main:
         print(f"{args.scheduler} after {ends[-1]} steps: {common.summary(result)}")
-    return run.finish({"test": result, "scheduler": args.scheduler, "steps": int(ends[-1]), "classes": plan["table"]}, policy)
+    return run.finish(
+        {"test": result, "scheduler": args.scheduler, "steps": int(ends[-1]), "classes": plan["table"]}, policy
+    )
 
 
 # The generator's side: each step's studies, the loss ------------------------------------------------
 def epoch_batches(run: common.Run, d_sub: np.ndarray, first: int, end: int, epoch: int):
     """batches(start) for run.steps over steps first..end - 1: passes over D_sub(t), each shuffled from (seed, epoch)
     alone (a resumed run draws the same); each step's --batch-size studies shared over the ranks."""
-    B, n, dataset = run.args.batch_size, run.per_rank(run.args.batch_size, "--batch-size"), common.ReportDataset(run.data["train"])
+    B, n, dataset = (
+        run.args.batch_size,
+        run.per_rank(run.args.batch_size, "--batch-size"),
+        common.ReportDataset(run.data["train"]),
+    )
     rng = np.random.default_rng([run.args.seed, epoch])
     studies = np.concatenate([rng.permutation(d_sub) for _ in range(math.ceil((end - first) * B / len(d_sub)))])
-    studies = studies[:(end - first) * B].reshape(-1, B)  # (steps, B)
-    return lambda start: (common.collate([dataset[i] for i in idx[run.rank * n:(run.rank + 1) * n]]) for idx in studies[start - first:])
+    studies = studies[: (end - first) * B].reshape(-1, B)  # (steps, B)
+    return lambda start: (
+        common.collate([dataset[i] for i in idx[run.rank * n : (run.rank + 1) * n]]) for idx in studies[start - first :]
+    )
 
 
 def sft_step(policy, batch, run) -> torch.Tensor:
     """The wrapped generator's loss: teacher-forced NLL, the token mean over the whole step: this rank's token mean times
     n / mean n over ranks (its share of the step's tokens times the world size: optimizer_step averages over ranks)."""
     n = float(policy.encode_targets(batch["report"])[1].sum())  # this rank's report tokens
-    return policy.sft_loss(policy.prompt_batch(batch["images"], PROMPT), batch["report"]) * (n / common.all_reduce_mean(n))
+    return policy.sft_loss(policy.prompt_batch(batch["images"], PROMPT), batch["report"]) * (
+        n / common.all_reduce_mean(n)
+    )
 
 
 # The measurer's plumbing (Sec. 4.1, 4.3): texts, labels, encoders, the difficulty file ----------------
@@ -309,7 +383,10 @@ class SmallTextEncoder(torch.nn.Module):
 
     def __init__(self, vocab_size: int):
         super().__init__()
-        self.embed, self.conv = torch.nn.Embedding(vocab_size, 64, padding_idx=0), torch.nn.Conv1d(64, 128, 3, padding=1)
+        self.embed, self.conv = (
+            torch.nn.Embedding(vocab_size, 64, padding_idx=0),
+            torch.nn.Conv1d(64, 128, 3, padding=1),
+        )
         self.head = torch.nn.Linear(128, 14)  # trained on the labels, then dropped
 
     def forward(self, ids):
@@ -329,7 +406,9 @@ def fit_and_extract(model, dataset, x: str, epochs: int, device, seed: int) -> t
             loss.backward()
             opt.step()
     with torch.no_grad():
-        return torch.cat([model.eval()(b[x].to(device)).float().cpu() for b in torch.utils.data.DataLoader(dataset, 256)])
+        return torch.cat(
+            [model.eval()(b[x].to(device)).float().cpu() for b in torch.utils.data.DataLoader(dataset, 256)]
+        )
 
 
 def features(args: Args, records, labels: np.ndarray, device) -> dict:
@@ -339,26 +418,57 @@ def features(args: Args, records, labels: np.ndarray, device) -> dict:
 
     def image_features(choice: str, flag: str) -> torch.Tensor:
         small = choice == "small"
-        net = common.ViewMean(common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14)) \
-            if small else common.resnet_encoder(RESNET[flag], choice, flag)
-        size, channels, epochs = (ENCODER["image_size"], 1, ENCODER["epochs"]) if small else (ENCODER["resnet_size"], 3, 0)
-        return fit_and_extract(net, common.ReportDataset(studies, common.default_transform(size, channels)), "images", epochs, device, args.seed)
+        net = (
+            common.ViewMean(
+                common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14)
+            )
+            if small
+            else common.resnet_encoder(RESNET[flag], choice, flag)
+        )
+        size, channels, epochs = (
+            (ENCODER["image_size"], 1, ENCODER["epochs"]) if small else (ENCODER["resnet_size"], 3, 0)
+        )
+        return fit_and_extract(
+            net,
+            common.ReportDataset(studies, common.default_transform(size, channels)),
+            "images",
+            epochs,
+            device,
+            args.seed,
+        )
+
     feats = {"vns_image": image_features(args.visual_encoder, "--visual-encoder")}
-    feats["itas_image"] = feats["vns_image"] if args.itas_encoder == args.visual_encoder == "small" else \
-        image_features(args.itas_encoder, "--itas-encoder")  # the small CNN is fit once when both ask for it
+    feats["itas_image"] = (
+        feats["vns_image"]
+        if args.itas_encoder == args.visual_encoder == "small"
+        else image_features(args.itas_encoder, "--itas-encoder")
+    )  # the small CNN is fit once when both ask for it
     texts = [measure_text(r) for r in records]
     if args.text_encoder == "small":
         tok = common.WordTokenizer.build(texts)
-        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(tok.encode(t)[:256] or [tok.unk_id]) for t in texts],
-                                              batch_first=True, padding_value=tok.pad_id)  # (N, L); pad id 0
+        ids = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(tok.encode(t)[:256] or [tok.unk_id]) for t in texts],
+            batch_first=True,
+            padding_value=tok.pad_id,
+        )  # (N, L); pad id 0
         data = [{"ids": i, "labels": torch.as_tensor(l, dtype=torch.float32)} for i, l in zip(ids, labels)]
-        feats["text"] = fit_and_extract(SmallTextEncoder(len(tok.vocab)), data, "ids", 2 * ENCODER["epochs"], device, args.seed)
+        feats["text"] = fit_and_extract(
+            SmallTextEncoder(len(tok.vocab)), data, "ids", 2 * ENCODER["epochs"], device, args.seed
+        )
     else:  # Clinical BERT, mean-pooled over word pieces (the paper does not say how it pools)
         from transformers import AutoModel, AutoTokenizer
-        tok, bert = AutoTokenizer.from_pretrained(args.text_encoder), AutoModel.from_pretrained(args.text_encoder).to(device).eval()
+
+        tok, bert = (
+            AutoTokenizer.from_pretrained(args.text_encoder),
+            AutoModel.from_pretrained(args.text_encoder).to(device).eval(),
+        )
         with torch.no_grad():
-            feats["text"] = torch.cat([common.mean_pooled_bert_features(bert, tok, texts[i:i + 64], device).float().cpu()
-                                       for i in range(0, len(texts), 64)])
+            feats["text"] = torch.cat(
+                [
+                    common.mean_pooled_bert_features(bert, tok, texts[i : i + 64], device).float().cpu()
+                    for i in range(0, len(texts), 64)
+                ]
+            )
     return feats
 
 
@@ -366,14 +476,27 @@ def measure(args: Args, records, labeler, device) -> dict:
     """{"ids", "labels" (N, 14), "dif1" (Eq. 1-4), "dif2" (Eq. 9), "mine", "encoders"} of the training studies."""
     labels = class_labels(records, labeler)
     feats = features(args, records, labels, device)
-    N, d = len(records), feats["vns_image"].shape[1] + feats["text"].shape[1]  # MIMIC-CXR: 270,000^2 x (2048 + 768) = 2e14 FLOP
+    N, d = (
+        len(records),
+        feats["vns_image"].shape[1] + feats["text"].shape[1],
+    )  # MIMIC-CXR: 270,000^2 x (2048 + 768) = 2e14 FLOP
     if torch.device(device).type == "cpu" and N * N * d > 1e12:
-        common.log.warning("VNS-Gap: %d studies, about %.0e FLOP: hours on a CPU (measure on a GPU with --measure-only)", N, N * N * d)
+        common.log.warning(
+            "VNS-Gap: %d studies, about %.0e FLOP: hours on a CPU (measure on a GPU with --measure-only)", N, N * N * d
+        )
     dif1 = vns_gap(feats["vns_image"], feats["text"], VNS_BLOCK, device).numpy()
     dif2, mine = itas(feats["itas_image"], feats["text"], args.seed)
-    common.log.info("MINE: DV bound on training batches %s, on held-out pairs %s nats", mine["dv_train"], mine["dv_held_out"])
-    return {"ids": [r.id for r in records], "labels": labels, "dif1": dif1, "dif2": dif2, "mine": mine,
-            "encoders": {"visual": args.visual_encoder, "itas": args.itas_encoder, "text": args.text_encoder}}
+    common.log.info(
+        "MINE: DV bound on training batches %s, on held-out pairs %s nats", mine["dv_train"], mine["dv_held_out"]
+    )
+    return {
+        "ids": [r.id for r in records],
+        "labels": labels,
+        "dif1": dif1,
+        "dif2": dif2,
+        "mine": mine,
+        "encoders": {"visual": args.visual_encoder, "itas": args.itas_encoder, "text": args.text_encoder},
+    }
 
 
 def difficulty_scores(run: common.Run, args: Args) -> tuple[dict, Path]:
@@ -399,11 +522,16 @@ def read_difficulty(path: Path, records) -> dict:
 
 def measurer_notes(args: Args) -> list[str]:
     """What this run's measurer does not do as Sec. 4.3 does, one line each (none when it reads --difficulty)."""
-    notes = {"visual": "VNS-Gap images (phi, Eq. 1): a small CNN fit to the labels, not a CheXpert-tuned ResNet-101 (--visual-encoder FILE)",
-             "itas": "ITAS images: a small CNN fit to the labels, not a pre-trained 5-layer ResNet (--itas-encoder FILE: a ResNet-18)",
-             "text": "reports (psi, Eq. 2): a word CNN fit to the labels, not Clinical BERT (--text-encoder emilyalsentzer/Bio_ClinicalBERT)"}
-    return [note for k, note in notes.items() if getattr(args, f"{k}_encoder") == "small"
-            and (args.measure_only or not args.difficulty)]
+    notes = {
+        "visual": "VNS-Gap images (phi, Eq. 1): a small CNN fit to the labels, not a CheXpert-tuned ResNet-101 (--visual-encoder FILE)",
+        "itas": "ITAS images: a small CNN fit to the labels, not a pre-trained 5-layer ResNet (--itas-encoder FILE: a ResNet-18)",
+        "text": "reports (psi, Eq. 2): a word CNN fit to the labels, not Clinical BERT (--text-encoder emilyalsentzer/Bio_ClinicalBERT)",
+    }
+    return [
+        note
+        for k, note in notes.items()
+        if getattr(args, f"{k}_encoder") == "small" and (args.measure_only or not args.difficulty)
+    ]
 
 
 # Fig. 1: Q1 --------------------------------------------------------------------------------------
@@ -411,11 +539,14 @@ def q1_analysis(rows: list[dict], labels: np.ndarray, classes: list[dict], style
     """Per-class corpus BLEU-4 of the test reports (cleaned as common.evaluate_generations) against the class's
     training size and difficulty: Spearman rho over the keyword classes with test studies (labels: class_labels)."""
     from scipy.stats import spearmanr
+
     per_class = []
     for c in classes:
         sel = np.flatnonzero(labels[:, common.LABEL_INDEX[c["name"]]] == 1) if c["name"] in CLASSES else []
         if len(sel):
-            hyps = [common.clean_report(rows[i]["generated"], style) if rows[i]["generated"].strip() else "" for i in sel]
+            hyps = [
+                common.clean_report(rows[i]["generated"], style) if rows[i]["generated"].strip() else "" for i in sel
+            ]
             refs = [common.clean_report(rows[i]["reference"], style) for i in sel]
             per_class.append({**c, "n_test": len(sel), "bleu4": common.nlg_metrics(hyps, refs, meteor=False)["BLEU-4"]})
     out = {"per_class": sorted(per_class, key=lambda c: -c["size"])}
@@ -434,15 +565,22 @@ def q1_command(args: Args) -> dict:
     labels = class_labels([test[row["id"]] for row in rows], common.make_labeler(args.labeler, args.chexbert_weights))
     m = read_difficulty(Path(args.difficulty or out / "difficulty.json"), data["train"])
     plan = curriculum_plan(sample_difficulty(m["dif1"], m["dif2"], args.alpha, args.itas_sign), m["labels"])
-    result = q1_analysis(rows, labels, plan["table"], common.clean_style(data["train"]) if args.clean == "auto" else args.clean)
+    result = q1_analysis(
+        rows, labels, plan["table"], common.clean_style(data["train"]) if args.clean == "auto" else args.clean
+    )
     (out / "q1.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "per_class"}, indent=1))
     return result
 
 
 def main(argv=None):
-    return common.run_main(lambda command, args: q1_command(args) if command == "q1" else train(args),
-                           Args, argv, __doc__, commands=("train", "q1"))
+    return common.run_main(
+        lambda command, args: q1_command(args) if command == "q1" else train(args),
+        Args,
+        argv,
+        __doc__,
+        commands=("train", "q1"),
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ def pytest_configure(config):
     # Tiny models are all small ops: intra-op threads only spin and fight (10x slower on a
     # busy 2-core machine). Benchmarks that want threads set them themselves.
     import torch
+
     torch.set_num_threads(int(os.environ.get("RRG_TEST_THREADS", "1")))
 
 
@@ -29,6 +30,7 @@ def _private_cache(tmp_path_factory):
 def small_synthetic(tmp_path_factory):
     """A small synthetic set (R2Gen layout) shared by the tests."""
     import common
+
     out = tmp_path_factory.mktemp("synthetic")
     common.make_synthetic(out, n_train=40, n_val=8, n_test=12, size=64, seed=0)
     return out / "annotation.json"
@@ -37,41 +39,86 @@ def small_synthetic(tmp_path_factory):
 # A tiny randomly initialised Qwen2.5-VL with a processor assembled around a locally trained
 # byte-level BPE tokenizer, saved like a hub checkpoint, so HFPolicy's real path
 # (AutoProcessor, AutoModelForImageTextToText, chat template, image grid, generate) runs offline.
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                 "<|image_pad|>", "<|video_pad|>"]
-QWEN_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-             "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-             "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+QWEN_CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def build_tiny_qwen(out_dir, texts, image_pixels: int = 56 * 56, seed: int = 0):
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+    )
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=QWEN_SPECIALS,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  chat_template=QWEN_CHAT)
+    bpe.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=600, special_tokens=QWEN_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_CHAT
+    )
     patch = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
-    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=image_pixels, max_pixels=image_pixels, **patch),
-                                    tokenizer=tok, video_processor=Qwen2VLVideoProcessor(**patch), chat_template=QWEN_CHAT)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=image_pixels, max_pixels=image_pixels, **patch),
+        tokenizer=tok,
+        video_processor=Qwen2VLVideoProcessor(**patch),
+        chat_template=QWEN_CHAT,
+    )
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=56,
-                           out_hidden_size=64, fullatt_block_indexes=[1], patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            window_size=56,
+            out_hidden_size=64,
+            fullatt_block_indexes=[1],
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
@@ -86,6 +133,7 @@ def build_tiny_qwen(out_dir, texts, image_pixels: int = 56 * 56, seed: int = 0):
 def tiny_qwen_dir(tmp_path_factory, small_synthetic):
     """A folder with a tiny random Qwen2.5-VL and its processor, usable as `--model DIR`."""
     import common
+
     reports = [r.report for r in common.load_annotation(small_synthetic)["train"]]
     prompts = ["You are a radiologist. Describe the chest X-ray.", "<think> </think> <report> </report>"]
     return build_tiny_qwen(tmp_path_factory.mktemp("tiny_qwen"), reports + prompts)
@@ -94,14 +142,23 @@ def tiny_qwen_dir(tmp_path_factory, small_synthetic):
 def fake_eval(*args, **kwargs) -> dict:
     """What Run.evaluate returns, all zeros: for tests that monkeypatch it away (not under test)."""
     import common
+
     ce = {k: 0.0 for k in ("micro_f1", "macro_precision", "macro_recall", "macro_f1", "example_f1")}
-    return {"headline": (kwargs.get("ce") or {}).get("headline", "micro_f1"), "uncertain_as": 0, "ce": ce,
-            "nlg": {"BLEU-4": 0.0}, "degenerate": common.degenerate_output(["a"], ["a"]), "reward": 0.0, "facts_reward": 0.0}
+    return {
+        "headline": (kwargs.get("ce") or {}).get("headline", "micro_f1"),
+        "uncertain_as": 0,
+        "ce": ce,
+        "nlg": {"BLEU-4": 0.0},
+        "degenerate": common.degenerate_output(["a"], ["a"]),
+        "reward": 0.0,
+        "facts_reward": 0.0,
+    }
 
 
 def metrics_rows(path):
     """A run's metrics.jsonl as dicts without the wall-clock "time": what a resumed run must repeat exactly."""
     import json
+
     return [{k: v for k, v in json.loads(x).items() if k != "time"} for x in Path(path).read_text().splitlines()]
 
 
@@ -117,6 +174,7 @@ def crash_after_checkpoint(monkeypatch):
     one repeats the same float operations in the same order and shapes, from weights, optimiser state and RNG states
     that the checkpoint gives back exactly (checked under ATEN_CPU_CAPABILITY=default and avx2)."""
     import common
+
     real = common.Run.checkpoint
 
     def arm(crash_step):
@@ -128,14 +186,18 @@ def crash_after_checkpoint(monkeypatch):
             real(self, step)
             if step == crash_step:
                 raise Crash(f"stopped after the step-{step} checkpoint")
+
         monkeypatch.setattr(common.Run, "checkpoint", save_then_crash)
+
     return arm
 
 
 def labels(**values):
     """One (1, 14) label row: labels(Cardiomegaly=1, Edema=0) (names with spaces via _)."""
     import numpy as np
+
     import common
+
     row = np.full((1, len(common.CHEXPERT_LABELS)), np.nan)
     for k, v in values.items():
         row[0, common.LABEL_INDEX[k.replace("_", " ")]] = v
@@ -146,10 +208,23 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: b
     """Run ROOT/script under `python -m torch.distributed.run --nproc_per_node=nproc --standalone`
     on CPU (gloo), one thread per process; fails the test with the end of stderr if it fails (or, ok=False, not)."""
     import subprocess
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-                           str(ROOT / script), *flags],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--standalone",
+            str(ROOT / script),
+            *flags,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc
 
@@ -159,23 +234,42 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: b
 # 5 views per study, non-square PNGs; R2Gen's own file: "split" fields, images/<id>/0.png and 1.png, 2 views each.
 # Reports hold XXXX anonymisation tokens, numbers ("1.2 cm", "1. ... 2. ..."), one longer than the tiny model's
 # 96-token cap and one impression-only report.
-IU_FINDINGS = ["The heart is normal in size.", "The mediastinum is unremarkable.", "The lungs are clear.",
-               "There is no pneumothorax or pleural effusion.", "XXXX XXXX are intact.", "No focal airspace consolidation.",
-               "The cardiomediastinal silhouette is within normal limits.", "No acute bony abnormality.",
-               "There is a 1.2 cm calcified granuloma in the right upper lobe.", "Mild degenerative changes of the spine.",
-               "The heart is mildly enlarged.", "Small left pleural effusion.", "Stable XXXX sternotomy wires.",
-               "Patchy opacity at the right base may represent atelectasis or early pneumonia.",
-               "There is a 2.5 x 1.8 cm nodule in the left midlung.", "Mild hyperinflation of the lungs."]
-IU_IMPRESSIONS = ["No acute cardiopulmonary abnormality.", "No active disease.", "Cardiomegaly without acute process.",
-                  "1. Small left effusion. 2. No pneumothorax."]
+IU_FINDINGS = [
+    "The heart is normal in size.",
+    "The mediastinum is unremarkable.",
+    "The lungs are clear.",
+    "There is no pneumothorax or pleural effusion.",
+    "XXXX XXXX are intact.",
+    "No focal airspace consolidation.",
+    "The cardiomediastinal silhouette is within normal limits.",
+    "No acute bony abnormality.",
+    "There is a 1.2 cm calcified granuloma in the right upper lobe.",
+    "Mild degenerative changes of the spine.",
+    "The heart is mildly enlarged.",
+    "Small left pleural effusion.",
+    "Stable XXXX sternotomy wires.",
+    "Patchy opacity at the right base may represent atelectasis or early pneumonia.",
+    "There is a 2.5 x 1.8 cm nodule in the left midlung.",
+    "Mild hyperinflation of the lungs.",
+]
+IU_IMPRESSIONS = [
+    "No acute cardiopulmonary abnormality.",
+    "No active disease.",
+    "Cardiomegaly without acute process.",
+    "1. Small left effusion. 2. No pneumothorax.",
+]
 IU_VIEWS = [2, 1, 2, 3, 2, 4, 2, 1, 5, 2]  # views per study, cycled: mostly 2, some 1, 3, 4, 5
 
 
-def write_iu_xray(out_dir, layout: str = "r2gengpt", n_train: int = 40, n_val: int = 8, n_test: int = 12, seed: int = 0):
+def write_iu_xray(
+    out_dir, layout: str = "r2gengpt", n_train: int = 40, n_val: int = 8, n_test: int = 12, seed: int = 0
+):
     """A folder with the structure of real IU X-Ray -> its annotation.json (no "labels": the scripts label them)."""
     import json
+
     import numpy as np
     from PIL import Image
+
     rng, out = np.random.default_rng(seed), Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     annotation, k = {}, 0
@@ -190,8 +284,11 @@ def write_iu_xray(out_dir, layout: str = "r2gengpt", n_train: int = 40, n_val: i
             if k % 17 == 0:  # longer than the tiny model's 96 tokens
                 report = " ".join(IU_FINDINGS * 2)
             views = IU_VIEWS[k % len(IU_VIEWS)] if layout == "r2gengpt" else 2
-            names = [f"{study}-{v + 1}001.png" for v in range(views)] if layout == "r2gengpt" else \
-                [f"{study}/{v}.png" for v in range(views)]
+            names = (
+                [f"{study}-{v + 1}001.png" for v in range(views)]
+                if layout == "r2gengpt"
+                else [f"{study}/{v}.png" for v in range(views)]
+            )
             for name in names:
                 h, w = int(rng.integers(56, 90)), int(rng.integers(56, 90))  # not square
                 (out / "images" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -228,10 +325,12 @@ def update_relative_difference(a: dict, b: dict, start: dict) -> float:
 def starting_weights(monkeypatch):
     """A copy of the state dict of each model given to Run.restore (the weights its steps start from), in call order."""
     import common
+
     seen, restore = [], common.Run.restore
 
     def keep(self, model, *a, **k):
         seen.append({n: t.detach().clone() for n, t in model.state_dict().items()})
         return restore(self, model, *a, **k)
+
     monkeypatch.setattr(common.Run, "restore", keep)
     return seen

@@ -1,6 +1,7 @@
 """CheXbertLabeler offline: a tiny random BERT in CheXbert's shape (f1chexbert's class) with a
 locally built word-piece vocabulary. Batched labels equal one-at-a-time labels, CheXbert's
 class mapping and truncation, strict checkpoint loading. (DEER's input-embedding saliency: tests/test_deer.py.)"""
+
 import string
 import time
 
@@ -13,10 +14,15 @@ import common
 from common import CheXbertLabeler, chexbert_model
 
 SENTENCES = [
-    "There is a small left pleural effusion.", "No pneumothorax.", "Heart size is normal.",
-    "Mild pulmonary edema cannot be excluded.", "An endotracheal tube terminates above the carina.",
-    "Plate-like atelectasis at the right base.", "The cardiomediastinal silhouette is enlarged.",
-    "Possible right lower lobe consolidation or pneumonia.", "No acute cardiopulmonary process.",
+    "There is a small left pleural effusion.",
+    "No pneumothorax.",
+    "Heart size is normal.",
+    "Mild pulmonary edema cannot be excluded.",
+    "An endotracheal tube terminates above the carina.",
+    "Plate-like atelectasis at the right base.",
+    "The cardiomediastinal silhouette is enlarged.",
+    "Possible right lower lobe consolidation or pneumonia.",
+    "No acute cardiopulmonary process.",
     "There is a displaced left rib fracture.",
 ]
 
@@ -42,8 +48,15 @@ def local_tokenizer(vocab_path):
 def tiny_config(vocab_size):
     # initializer_range 0.5, not BERT's 0.02: with small weights every report gets the same
     # labels and "batched equals one by one" would prove nothing
-    return BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=64, max_position_embeddings=512, initializer_range=0.5)
+    return BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        initializer_range=0.5,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +122,16 @@ def test_importing_f1chexbert_keeps_warnings_on():
     # silence the user's warnings (a fresh process: pytest resets filters around each test)
     import subprocess
     import sys
-    code = ("import warnings, common; from transformers import BertConfig; "
-            "common.chexbert_model(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, "
-            "num_attention_heads=1, intermediate_size=8)); "
-            "print(any(f[0] == 'ignore' and f[1] is None and f[2] is Warning and f[3] is None for f in warnings.filters))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=common.__file__.rsplit("/", 1)[0])
+
+    code = (
+        "import warnings, common; from transformers import BertConfig; "
+        "common.chexbert_model(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, "
+        "num_attention_heads=1, intermediate_size=8)); "
+        "print(any(f[0] == 'ignore' and f[1] is None and f[2] is Warning and f[3] is None for f in warnings.filters))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=common.__file__.rsplit("/", 1)[0]
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"  # no catch-all "ignore" filter was left behind
 
@@ -122,6 +140,7 @@ def test_layout_matches_f1chexbert_bert_labeler(vocab_file, tmp_path):
     # f1chexbert's own constructor, offline, from a saved tiny BERT: same names, shapes, outputs
     from f1chexbert.f1chexbert import bert_labeler
     from transformers import BertModel
+
     tok = local_tokenizer(vocab_file)
     BertModel(tiny_config(tok.vocab_size)).save_pretrained(tmp_path / "bert")
     theirs = bert_labeler(pretrain_path=str(tmp_path / "bert")).eval()
@@ -152,7 +171,9 @@ def test_strict_loading(labeler, vocab_file, tmp_path):
 
     del state["module.linear_heads.13.bias"]
     torch.save({"model_state_dict": state}, tmp_path / "broken.pth")
-    with pytest.raises(ValueError, match=r"(?s)broken.pth: does not match CheXbert's model .*Missing key.*linear_heads.13.bias"):
+    with pytest.raises(
+        ValueError, match=r"(?s)broken.pth: does not match CheXbert's model .*Missing key.*linear_heads.13.bias"
+    ):
         chexbert_model(tiny_config(tok.vocab_size), tmp_path / "broken.pth")
     with pytest.raises(ValueError, match="does not match"):  # same names, other shapes
         chexbert_model(tiny_config(tok.vocab_size + 1), path)
@@ -180,8 +201,10 @@ def test_batched_speedup_bert_base_size(tmp_path):
     single = np.concatenate([lab([x]) for x in r])
     t2 = time.time()
     n_words = np.mean([len(x.split()) for x in r])
-    print(f"\nCheXbert (bert-base size, random), {len(r)} reports of {n_words:.0f} words: batched {len(r) / (t1 - t0):.1f} "
-          f"reports/s, one by one {len(r) / (t2 - t1):.1f} reports/s, speed-up {(t2 - t1) / (t1 - t0):.2f}x")
+    print(
+        f"\nCheXbert (bert-base size, random), {len(r)} reports of {n_words:.0f} words: batched {len(r) / (t1 - t0):.1f} "
+        f"reports/s, one by one {len(r) / (t2 - t1):.1f} reports/s, speed-up {(t2 - t1) / (t1 - t0):.2f}x"
+    )
     np.testing.assert_array_equal(batched, single)  # the speed-up is reported, not asserted (a shared machine)
 
 

@@ -1,4 +1,5 @@
 """`python common.py evaluate` and `python common.py synthetic`, run as a user would."""
+
 import json
 import subprocess
 import sys
@@ -12,18 +13,24 @@ import common
 ROOT = Path(__file__).resolve().parents[1]
 
 ROWS = [
-    {"id": "a", "reference": "There is a small left pleural effusion. No pneumothorax.",
-     "generated": "Small left pleural effusion. No pneumothorax."},
-    {"id": "b", "reference": "The heart is mildly enlarged. No focal consolidation.",
-     "generated": "There is mild cardiomegaly. There is a right pleural effusion."},
-    {"id": "c", "reference": "The lungs are clear. No acute cardiopulmonary process.",
-     "generated": ""},
+    {
+        "id": "a",
+        "reference": "There is a small left pleural effusion. No pneumothorax.",
+        "generated": "Small left pleural effusion. No pneumothorax.",
+    },
+    {
+        "id": "b",
+        "reference": "The heart is mildly enlarged. No focal consolidation.",
+        "generated": "There is mild cardiomegaly. There is a right pleural effusion.",
+    },
+    {"id": "c", "reference": "The lungs are clear. No acute cardiopulmonary process.", "generated": ""},
 ]
 
 
 def run_common(*args):
-    return subprocess.run([sys.executable, str(ROOT / "common.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "common.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def test_evaluate_writes_the_same_numbers_as_the_functions(tmp_path):
@@ -63,8 +70,21 @@ def test_evaluate_bad_file_names_the_line(tmp_path):
 
 
 def test_synthetic_command_writes_a_loadable_set(tmp_path):
-    proc = run_common("synthetic", "--out", str(tmp_path / "syn"), "--n-train", "6", "--n-val", "2",
-                      "--n-test", "3", "--size", "32", "--seed", "3")
+    proc = run_common(
+        "synthetic",
+        "--out",
+        str(tmp_path / "syn"),
+        "--n-train",
+        "6",
+        "--n-val",
+        "2",
+        "--n-test",
+        "3",
+        "--size",
+        "32",
+        "--seed",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr
     data = common.load_annotation(tmp_path / "syn" / "annotation.json")
     assert [len(data[s]) for s in ("train", "val", "test")] == [6, 2, 3]
@@ -76,6 +96,7 @@ def test_plot_draws_every_logged_number_of_a_run_and_its_stages(tmp_path, monkey
     """`python common.py plot RUN`: RUN/figures/training.png and one per stage folder below, a panel per key of
     metrics.jsonl ("lambda/a" and "lambda/b" share a panel); without matplotlib, one line and nothing drawn."""
     from PIL import Image
+
     rows = [{"step": k + 1, "time": 0.1, "loss": 1 / (k + 1), "lambda/a": 0.1 * k} for k in range(40)]
     rows[-1]["lambda/b"] = 0.5  # logged at one step only
     for folder in (tmp_path, tmp_path / "sft"):

@@ -1,4 +1,5 @@
 """Data: annotation formats, R2Gen-compatible cleaning, the Dataset, bad input, synthetic set."""
+
 import json
 import logging
 
@@ -8,8 +9,16 @@ import torch
 from PIL import Image
 
 import common
-from common import (CHEXPERT_LABELS, ReportDataset, RuleLabeler, clean_report, collate, load_annotation, load_data,
-                    make_synthetic)
+from common import (
+    CHEXPERT_LABELS,
+    ReportDataset,
+    RuleLabeler,
+    clean_report,
+    collate,
+    load_annotation,
+    load_data,
+    make_synthetic,
+)
 
 
 # --- cleaning: expected strings worked out by hand from R2Gen's steps -------------------------
@@ -40,7 +49,6 @@ def test_clean_newlines_only_in_mimic_style():
     assert clean_report("No effusion.\nClear.", "iu_xray") == "no effusion\nclear ."
 
 
-
 # --- annotation files ------------------------------------------------------------------------
 def write_png(path, value=128, size=16):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,12 +58,33 @@ def write_png(path, value=128, size=16):
 def make_iu_style(tmp_path, records=None):
     """An IU X-Ray-like annotation.json (two views per study) with images under images/."""
     if records is None:
-        records = {"train": [{"id": "CXR1_IM-1", "report": "No pneumothorax.", "image_path": ["CXR1_IM-1/0.png", "CXR1_IM-1/1.png"],
-                              "split": "train", "labels": [None] * 8 + [0] + [None] * 5}],
-                   "val": [{"id": "CXR2_IM-2", "report": "Small left effusion.", "image_path": ["CXR2_IM-2/0.png", "CXR2_IM-2/1.png"],
-                            "split": "val"}],
-                   "test": [{"id": "CXR3_IM-3", "report": "Heart size is normal.", "image_path": ["CXR3_IM-3/0.png", "CXR3_IM-3/1.png"],
-                             "split": "test"}]}
+        records = {
+            "train": [
+                {
+                    "id": "CXR1_IM-1",
+                    "report": "No pneumothorax.",
+                    "image_path": ["CXR1_IM-1/0.png", "CXR1_IM-1/1.png"],
+                    "split": "train",
+                    "labels": [None] * 8 + [0] + [None] * 5,
+                }
+            ],
+            "val": [
+                {
+                    "id": "CXR2_IM-2",
+                    "report": "Small left effusion.",
+                    "image_path": ["CXR2_IM-2/0.png", "CXR2_IM-2/1.png"],
+                    "split": "val",
+                }
+            ],
+            "test": [
+                {
+                    "id": "CXR3_IM-3",
+                    "report": "Heart size is normal.",
+                    "image_path": ["CXR3_IM-3/0.png", "CXR3_IM-3/1.png"],
+                    "split": "test",
+                }
+            ],
+        }
     for split in records.values():
         for r in split:
             for p in r.get("image_path", []):
@@ -88,7 +117,7 @@ def test_dataset_two_views_and_collate(tmp_path):
     data = load_annotation(make_iu_style(tmp_path))
     ds = ReportDataset(data["train"] + data["val"], common.default_transform(32))
     item = ds[0]
-    assert item["images"].shape == (2, 3, 32, 32)   # (V, C, H, W)
+    assert item["images"].shape == (2, 3, 32, 32)  # (V, C, H, W)
     assert item["labels"].shape == (14,) and item["labels"].dtype == torch.float32
     batch = collate([ds[0], ds[1]])
     assert batch["images"].shape == (2, 2, 3, 32, 32)  # (B, V, C, H, W)
@@ -119,16 +148,20 @@ def test_wrong_top_level(tmp_path):
 
 
 def test_missing_key_empty_report_missing_image_all_reported(tmp_path):
-    records = {"train": [
-        {"id": "a", "report": "ok.", "image_path": ["a.png"], "split": "train"},
-        {"id": "b", "image_path": ["b.png"], "split": "train"},                      # no report
-        {"id": "c", "report": "  ", "image_path": ["c.png"], "split": "train"},      # empty report
-        {"id": "d", "report": "ok.", "image_path": ["d.png"], "split": "train"},     # image removed below
-        {"id": "e", "report": "ok.", "image_path": ["e.png"], "split": "train", "labels": {"Edema": 1}},
-        {"id": "f", "report": "ok.", "image_path": ["f.png"], "split": "train", "labels": [1] * 13},
-        {"id": "g", "report": "ok.", "image_path": ["g.png"], "split": "train", "labels": [2] + [None] * 13},
-        {"id": "h", "report": "ok.", "image_path": ["h.png"], "split": "train", "labels": [True] + [None] * 13},
-    ], "val": [], "test": []}
+    records = {
+        "train": [
+            {"id": "a", "report": "ok.", "image_path": ["a.png"], "split": "train"},
+            {"id": "b", "image_path": ["b.png"], "split": "train"},  # no report
+            {"id": "c", "report": "  ", "image_path": ["c.png"], "split": "train"},  # empty report
+            {"id": "d", "report": "ok.", "image_path": ["d.png"], "split": "train"},  # image removed below
+            {"id": "e", "report": "ok.", "image_path": ["e.png"], "split": "train", "labels": {"Edema": 1}},
+            {"id": "f", "report": "ok.", "image_path": ["f.png"], "split": "train", "labels": [1] * 13},
+            {"id": "g", "report": "ok.", "image_path": ["g.png"], "split": "train", "labels": [2] + [None] * 13},
+            {"id": "h", "report": "ok.", "image_path": ["h.png"], "split": "train", "labels": [True] + [None] * 13},
+        ],
+        "val": [],
+        "test": [],
+    }
     path = make_iu_style(tmp_path, records)
     (tmp_path / "images" / "d.png").unlink()
     with pytest.raises(ValueError) as err:
@@ -144,8 +177,14 @@ def test_missing_key_empty_report_missing_image_all_reported(tmp_path):
 
 
 def test_drop_invalid_keeps_the_good_records_and_logs_the_rest(tmp_path, caplog):
-    records = {"train": [{"id": "a", "report": "ok.", "image_path": ["a.png"], "split": "train"},
-                         {"id": "b", "report": "", "image_path": ["b.png"], "split": "train"}], "val": [], "test": []}
+    records = {
+        "train": [
+            {"id": "a", "report": "ok.", "image_path": ["a.png"], "split": "train"},
+            {"id": "b", "report": "", "image_path": ["b.png"], "split": "train"},
+        ],
+        "val": [],
+        "test": [],
+    }
     with caplog.at_level(logging.WARNING, logger="rrg"):
         data = load_annotation(make_iu_style(tmp_path, records), drop_invalid=True)
     assert [r.id for r in data["train"]] == ["a"]
@@ -179,7 +218,9 @@ def test_synthetic_layout_and_labels(small_synthetic):
     # the stored ground truth is what the rule labeler reads from the report
     got = RuleLabeler()([r.report for r in records])
     truth = np.stack([r.labels for r in records])
-    assert np.array_equal(np.isnan(got), np.isnan(truth)) and np.array_equal(got[~np.isnan(got)], truth[~np.isnan(truth)])
+    assert np.array_equal(np.isnan(got), np.isnan(truth)) and np.array_equal(
+        got[~np.isnan(got)], truth[~np.isnan(truth)]
+    )
     item = ReportDataset(data["train"], common.default_transform(64))[0]
     assert item["images"].shape == (1, 3, 64, 64)
 
@@ -201,10 +242,10 @@ def test_synthetic_label_statistics():
     reports = [common.write_synthetic_report(f, l, rng) for f, l in samples]
     present = (labels == 1) | (labels == -1)
     prevalence = dict(zip(CHEXPERT_LABELS, present.mean(0)))
-    assert prevalence["Support Devices"] > 0.25 and prevalence["Fracture"] < 0.04   # skewed as MIMIC-CXR
-    assert 0.15 < prevalence["No Finding"] < 0.45                                     # normal studies exist
-    assert (labels == -1).any(0)[:11].all()       # hedged mentions of every hedgeable finding
-    assert (labels == 0).any(0)[:12].all()        # explicit negations
+    assert prevalence["Support Devices"] > 0.25 and prevalence["Fracture"] < 0.04  # skewed as MIMIC-CXR
+    assert 0.15 < prevalence["No Finding"] < 0.45  # normal studies exist
+    assert (labels == -1).any(0)[:11].all()  # hedged mentions of every hedgeable finding
+    assert (labels == 0).any(0)[:12].all()  # explicit negations
     text = " ".join(reports)
     for phrase in ("No pneumothorax", "Possible", "cannot be excluded", "Heart size is normal"):
         assert phrase in text
@@ -221,6 +262,7 @@ def test_synthetic_data_is_cached(monkeypatch, tmp_path):
 
 def test_study_batches_shard_resume_and_size_check(small_synthetic):
     from itertools import islice
+
     records = load_annotation(small_synthetic)["train"]  # 40 studies
     ids = lambda it, n: [b["id"] for _, b in islice(it, n)]
     # two ranks: disjoint shards within an epoch, together all 40 studies once (bs 5: 4 steps)

@@ -3,6 +3,7 @@ weights, observation descriptions from sentences, the decoder (causal, prefixed,
 and beam search, retrieval P@K, AUROC; then the steps end to end on the synthetic set: what one Step 2 step
 feeds Eq. 3-9 (wiring), P-Tuning leaves every frozen weight bit-identical, exact resume, torchrun against
 one process, Table 4's plan."""
+
 import copy
 import dataclasses
 import json
@@ -16,8 +17,17 @@ from transformers import BertTokenizerFast
 import common
 import dcrrg
 from conftest import Crash, metrics_rows, torchrun, update_relative_difference
-from dcrrg import (assign_sentences, csm_loss, draw_pairs, observation_targets, pair_weights, precision_at_k,
-                   retrieval_set, soft_targets, split_sentences)
+from dcrrg import (
+    assign_sentences,
+    csm_loss,
+    draw_pairs,
+    observation_targets,
+    pair_weights,
+    precision_at_k,
+    retrieval_set,
+    soft_targets,
+    split_sentences,
+)
 
 N = np.nan
 L = common.LABEL_INDEX
@@ -35,7 +45,10 @@ def onehots(*names_per_row):
 # Eq. 3-5 ---------------------------------------------------------------------------------------
 def test_soft_targets_by_hand():
     # labels: {Cardiomegaly}, {Cardiomegaly, Edema}, {Edema}: Eq. 3 cosines 1, 1/sqrt2, 0
-    l = ((onehots(["Cardiomegaly"], ["Cardiomegaly", "Edema"], ["Edema"]) == 1) | (onehots(["Cardiomegaly"], ["Cardiomegaly", "Edema"], ["Edema"]) == -1)).float()
+    l = (
+        (onehots(["Cardiomegaly"], ["Cardiomegaly", "Edema"], ["Edema"]) == 1)
+        | (onehots(["Cardiomegaly"], ["Cardiomegaly", "Edema"], ["Edema"]) == -1)
+    ).float()
     # candidates' uni-modal embeddings: 0 and 1 identical (w = 1), 2 orthogonal to both (w = 0.5)
     x = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]])
     y = soft_targets(l, l, x)
@@ -60,7 +73,10 @@ def test_soft_targets_by_hand():
 
 def test_soft_targets_eq5_uses_the_other_modality_and_no_gradient():
     l_img = ((onehots(["Edema"], ["Cardiomegaly"]) == 1) | (onehots(["Edema"], ["Cardiomegaly"]) == -1)).float()
-    l_txt = ((onehots(["Edema", "Cardiomegaly"], ["Cardiomegaly"]) == 1) | (onehots(["Edema", "Cardiomegaly"], ["Cardiomegaly"]) == -1)).float()
+    l_txt = (
+        (onehots(["Edema", "Cardiomegaly"], ["Cardiomegaly"]) == 1)
+        | (onehots(["Edema", "Cardiomegaly"], ["Cardiomegaly"]) == -1)
+    ).float()
     v = torch.randn(2, 5, requires_grad=True)
     y_tv = soft_targets(l_txt, l_img, v)  # text j over images i, calibrated by image similarity
     assert not y_tv.requires_grad
@@ -83,8 +99,14 @@ def test_csm_loss_by_hand_and_symmetric_as_eq9():
     # Eq. 9 is symmetric: exchanging the modalities (projections, embeddings, labels) changes nothing
     torch.manual_seed(0)
     v_p, t_p, v, t = torch.randn(6, 8), torch.randn(6, 8), torch.randn(6, 5), torch.randn(6, 7)
-    l_img = ((torch.tensor(np.random.default_rng(0).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == 1) | (torch.tensor(np.random.default_rng(0).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == -1)).float()
-    l_txt = ((torch.tensor(np.random.default_rng(1).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == 1) | (torch.tensor(np.random.default_rng(1).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == -1)).float()
+    l_img = (
+        (torch.tensor(np.random.default_rng(0).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == 1)
+        | (torch.tensor(np.random.default_rng(0).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == -1)
+    ).float()
+    l_txt = (
+        (torch.tensor(np.random.default_rng(1).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == 1)
+        | (torch.tensor(np.random.default_rng(1).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == -1)
+    ).float()
     scale = torch.tensor(math.log(1 / 0.07))
     a, _ = csm_loss(v_p, t_p, v, t, l_img, l_txt, scale)
     b, _ = csm_loss(t_p, v_p, t, v, l_txt, l_img, scale)
@@ -124,10 +146,14 @@ def test_csm_loss_calibrates_each_direction_by_the_candidates_modality():
     y_tv = _np_softmax((_np_cos(v, v) / 2 + 0.5) * _np_cos(l_txt, l_img))  # Eq. 5: anchor text i, candidate image j
     l_vt = -(y_vt * np.log(_np_softmax(logits))).sum(1).mean()  # Eq. 8
     l_tv = -(y_tv * np.log(_np_softmax(logits.T))).sum(1).mean()
-    T = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
-    loss, _ = csm_loss(T(v_p), T(t_p), T(v), T(t), T(l_img), T(l_txt), torch.tensor(math.log(1 / tau), dtype=torch.float64))
+    T = lambda x: torch.tensor(x, dtype=torch.float64)
+    loss, _ = csm_loss(
+        T(v_p), T(t_p), T(v), T(t), T(l_img), T(l_txt), torch.tensor(math.log(1 / tau), dtype=torch.float64)
+    )
     assert loss.item() == pytest.approx((l_vt + l_tv) / 2, rel=1e-5)  # Eq. 9 (in float32: a few ulp per exp and log)
-    swapped = -(_np_softmax((_np_cos(v, v) / 2 + 0.5) * _np_cos(l_img, l_txt)) * np.log(_np_softmax(logits))).sum(1).mean()
+    swapped = (
+        -(_np_softmax((_np_cos(v, v) / 2 + 0.5) * _np_cos(l_img, l_txt)) * np.log(_np_softmax(logits))).sum(1).mean()
+    )
     assert abs(swapped - l_vt) > 1e-3  # the test can fail: the anchor's own modality gives another loss
 
 
@@ -141,8 +167,11 @@ def test_step2_label_vectors_hold_positive_and_uncertain(tmp_path, monkeypatch):
     labels[1, 13], labels[2, 5] = 1.0, -1.0
     seen, real = [], dcrrg.csm_loss
     monkeypatch.setattr(dcrrg, "csm_loss", lambda *a: seen.append(a) or real(*a))
-    dcrrg.step2_loss(model, {"images": torch.randn(3, 1, 1, 64, 64), "report": ["mild cardiomegaly."] * 3,
-                             "labels": labels}, world_size=1)
+    dcrrg.step2_loss(
+        model,
+        {"images": torch.randn(3, 1, 1, 64, 64), "report": ["mild cardiomegaly."] * 3, "labels": labels},
+        world_size=1,
+    )
     expected = torch.zeros(3, 14)
     expected[0, :2], expected[1, 13], expected[2, 5] = 1.0, 1.0, 1.0
     assert len(seen) == 14 and all(torch.equal(a[4], expected) and torch.equal(a[5], expected) for a in seen)
@@ -176,11 +205,11 @@ def test_pair_weights_equal_resampling_in_expectation():
     w = pair_weights(targets, balance=True)
     # N * share / (K' * n_kc): positive 4 * .5 / (2 * 1) = 1, negative 4 * .5 / (2 * 2) = .5,
     # a single-class observation gets all its mass: 4 * 1 / (2 * 4) = .5
-    np.testing.assert_allclose(w[:, :2], [[1, .5], [.5, .5], [.5, .5], [0, .5]])
+    np.testing.assert_allclose(w[:, :2], [[1, 0.5], [0.5, 0.5], [0.5, 0.5], [0, 0.5]])
     assert (w[:, 2:] == 0).all()
     ce = np.random.default_rng(0).random((4, 14))
     # draw_pairs: observation 1/2; class 1/2; a sample of the class (obs 1 falls back to negatives)
-    resampled = .5 * (.5 * ce[0, 0] + .5 * ce[1:3, 0].mean()) + .5 * ce[:, 1].mean()
+    resampled = 0.5 * (0.5 * ce[0, 0] + 0.5 * ce[1:3, 0].mean()) + 0.5 * ce[:, 1].mean()
     assert (w * ce).sum() / 4 == pytest.approx(resampled)  # E over uniform rows of sum(w * CE)
     plain = pair_weights(targets, balance=False)
     assert plain.sum() == pytest.approx(4)  # weights 1 / mean labelled count: the mean over pairs
@@ -188,14 +217,24 @@ def test_pair_weights_equal_resampling_in_expectation():
 
 # Sec. 3.3 ---------------------------------------------------------------------------------------
 def test_split_sentences():
-    assert split_sentences("Tube 1.5 cm above the carina. No effusion!\nStable.  ") == \
-        ["Tube 1.5 cm above the carina.", "No effusion!", "Stable."]
+    assert split_sentences("Tube 1.5 cm above the carina. No effusion!\nStable.  ") == [
+        "Tube 1.5 cm above the carina.",
+        "No effusion!",
+        "Stable.",
+    ]
     assert split_sentences("") == []
     # MIMIC-style headers and lists: headers and markers go, fragments without a letter are dropped
-    report = ("FINDINGS: Heart size is normal. ___\nIMPRESSION:\n1. Small left effusion. 2. No pneumothorax.\n"
-              "- Lines unchanged.\nImpression: Stable.")
-    assert split_sentences(report) == ["Heart size is normal.", "Small left effusion.", "No pneumothorax.",
-                                       "Lines unchanged.", "Stable."]
+    report = (
+        "FINDINGS: Heart size is normal. ___\nIMPRESSION:\n1. Small left effusion. 2. No pneumothorax.\n"
+        "- Lines unchanged.\nImpression: Stable."
+    )
+    assert split_sentences(report) == [
+        "Heart size is normal.",
+        "Small left effusion.",
+        "No pneumothorax.",
+        "Lines unchanged.",
+        "Stable.",
+    ]
     assert split_sentences("1. 2. ___ .") == []
 
 
@@ -208,8 +247,13 @@ def test_assign_sentences_by_hand():
     labels[3, L["No Finding"]] = 1  # names none of the 13 findings
     # a normal study (No Finding 1): D describes No Finding
     out = assign_sentences(sentences, labels, no_finding=True)
-    assert out == {L["Cardiomegaly"]: "A", L["Pleural Effusion"]: "B", L["Pneumothorax"]: "C",
-                   L["Consolidation"]: "C", L["No Finding"]: "D"}
+    assert out == {
+        L["Cardiomegaly"]: "A",
+        L["Pleural Effusion"]: "B",
+        L["Pneumothorax"]: "C",
+        L["Consolidation"]: "C",
+        L["No Finding"]: "D",
+    }
     # an abnormal study: D describes no observation and is dropped; an all-NaN sentence too
     labels_nan = np.vstack([labels, np.full(14, np.nan)])
     out = assign_sentences(sentences + ["E"], labels_nan, no_finding=False)
@@ -220,19 +264,23 @@ def test_assign_sentences_by_hand():
 
 
 def test_description_records_with_the_rule_labeler():
-    report = ("Heart size is normal. There is a small left pleural effusion. "
-              "No pneumothorax or focal consolidation. No acute cardiopulmonary process.")
+    report = (
+        "Heart size is normal. There is a small left pleural effusion. "
+        "No pneumothorax or focal consolidation. No acute cardiopulmonary process."
+    )
     normal = "FINDINGS: Heart size is normal. IMPRESSION: 1. No acute cardiopulmonary process."
-    nf = lambda v: np.array([N] * 13 + [v])  # noqa: E731  only No Finding matters here
+    nf = lambda v: np.array([N] * 13 + [v])
     records = [common.Record("a", [], report, "train", nf(N)), common.Record("b", [], normal, "train", nf(1.0))]
     got = {(r.id, r.meta["obs"]): r.report for r in dcrrg.description_records(records, common.RuleLabeler())}
     # the effusion makes study a abnormal: its last sentence describes nothing and is dropped
-    assert got == {("a#1", L["Cardiomegaly"]): "Heart size is normal.",
-                   ("a#9", L["Pleural Effusion"]): "There is a small left pleural effusion.",
-                   ("a#8", L["Pneumothorax"]): "No pneumothorax or focal consolidation.",
-                   ("a#5", L["Consolidation"]): "No pneumothorax or focal consolidation.",
-                   ("b#1", L["Cardiomegaly"]): "Heart size is normal.",
-                   ("b#13", L["No Finding"]): "No acute cardiopulmonary process."}
+    assert got == {
+        ("a#1", L["Cardiomegaly"]): "Heart size is normal.",
+        ("a#9", L["Pleural Effusion"]): "There is a small left pleural effusion.",
+        ("a#8", L["Pneumothorax"]): "No pneumothorax or focal consolidation.",
+        ("a#5", L["Consolidation"]): "No pneumothorax or focal consolidation.",
+        ("b#1", L["Cardiomegaly"]): "Heart size is normal.",
+        ("b#13", L["No Finding"]): "No acute cardiopulmonary process.",
+    }
 
 
 # Decoder and beam search --------------------------------------------------------------------------
@@ -252,7 +300,7 @@ def test_decoder_causal_prefixed_and_batch_independent(decoder):
         changed = tokens.clone()
         changed[:, 5:] = 0
         torch.testing.assert_close(decoder(changed, f_I, prefix, obs=obs)[:, :5], full[:, :5])  # no peeking ahead
-        steps = [decoder(tokens[:, :t + 1], f_I, prefix, obs=obs)[:, -1] for t in range(7)]  # as beam search reads it
+        steps = [decoder(tokens[:, : t + 1], f_I, prefix, obs=obs)[:, -1] for t in range(7)]  # as beam search reads it
         torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(decoder(tokens, f_I, prefix, obs=obs.flip(0)), full)  # the prompt matters
         assert not torch.allclose(decoder(tokens, f_I, None, obs=obs), full)  # so does the prefix
@@ -260,28 +308,33 @@ def test_decoder_causal_prefixed_and_batch_independent(decoder):
         # Step 3's image + text batches and Step 4's image batches see one normalisation
         decoder.train()
         alone = decoder(tokens[:1], f_I[:1], prefix, obs=obs[:1])
-        mixed = decoder(torch.cat([tokens[:1], tokens]), torch.cat([f_I[:1], f_I * 5 + 3]), prefix, obs=torch.cat([obs[:1], obs]))
+        mixed = decoder(
+            torch.cat([tokens[:1], tokens]), torch.cat([f_I[:1], f_I * 5 + 3]), prefix, obs=torch.cat([obs[:1], obs])
+        )
         torch.testing.assert_close(mixed[:1], alone)
         # the fixed standardisation: (f_I - mean) / std per slot and feature
         decoder.eval()
         plain = copy.deepcopy(decoder)
         plain.memory_mean.zero_()
         decoder.memory_std.uniform_(0.5, 2.0)
-        torch.testing.assert_close(decoder(tokens, f_I, prefix, obs=obs),
-                                   plain(tokens, (f_I - decoder.memory_mean) / decoder.memory_std, prefix, obs=obs))
+        torch.testing.assert_close(
+            decoder(tokens, f_I, prefix, obs=obs),
+            plain(tokens, (f_I - decoder.memory_mean) / decoder.memory_std, prefix, obs=obs),
+        )
 
 
 def _reference_decoder(dec, tokens, f_I, prefix, obs):
     """Eq. 10-13 with P-Tuning v2 written out (float64): post-LN layers; in every layer i, prefix[i][0] holds the keys
     and values put before the self-attention's, prefix[i][1] the cross-attention's, visible to every position; the
     self-attention is causal over the tokens."""
+
     def linear(m, x):
         return x @ m.weight.T + m.bias
 
     def attention(m, x, source, causal, pre):
         B, T, d = x.shape
         H = m.heads
-        heads = lambda z: z.reshape(B, -1, H, d // H).transpose(1, 2)  # noqa: E731
+        heads = lambda z: z.reshape(B, -1, H, d // H).transpose(1, 2)
         q = heads(linear(m.q, x))
         k = heads(torch.cat([pre[0].expand(B, -1, -1), linear(m.k, source)], 1))
         v = heads(torch.cat([pre[1].expand(B, -1, -1), linear(m.v, source)], 1))
@@ -294,6 +347,7 @@ def _reference_decoder(dec, tokens, f_I, prefix, obs):
 
     def ln(m, x):
         return torch.nn.functional.layer_norm(x, x.shape[-1:], m.weight, m.bias, m.eps)
+
     y = dec.embed.weight[tokens].clone()
     y[:, 0] += dec.prompts.weight[obs]  # Step 3's observation prompt on the first input
     memory = (f_I - dec.memory_mean) / dec.memory_std + dec.slots
@@ -329,14 +383,22 @@ def test_beam_of_one_is_greedy(decoder):
         for _ in range(6):
             tokens = torch.cat([tokens, decoder(tokens, f_I)[:, -1].argmax(-1, keepdim=True)], 1)
     for row, seq in zip(tokens[:, 1:].tolist(), got):
-        assert seq == (row[:row.index(2)] if 2 in row else row)
+        assert seq == (row[: row.index(2)] if 2 in row else row)
 
 
 class Markov:
     """A stand-in decoder whose next-token probabilities depend on the last token only (table P).
     Tokens: 0 pad, 1 bos, 2 eos, 3 a, 4 b."""
-    P = torch.tensor([[.2, .2, .2, .2, .2], [0, 0, .1, .5, .4], [.2, .2, .2, .2, .2],
-                      [0, 0, .3, .36, .34], [0, 0, .95, .025, .025]]).clamp_min(1e-9)
+
+    P = torch.tensor(
+        [
+            [0.2, 0.2, 0.2, 0.2, 0.2],
+            [0, 0, 0.1, 0.5, 0.4],
+            [0.2, 0.2, 0.2, 0.2, 0.2],
+            [0, 0, 0.3, 0.36, 0.34],
+            [0, 0, 0.95, 0.025, 0.025],
+        ]
+    ).clamp_min(1e-9)
 
     def __call__(self, tokens, f_I, prefix=None, head=None, obs=None):
         return self.P[tokens].log()  # (N, T, V)
@@ -355,15 +417,25 @@ def test_beam_answer_is_the_best_log_prob_per_token():
     """Width 2, 3 steps. From BOS: a .7, b .3; after b: EOS 1; after a: a .6, EOS .4. Beams: {a, b}, then {a a (.42),
     b EOS (.3)}, then {b EOS (.3), a a a (.252)}. Per token, a a a (log .252 / 3 = -0.46) beats b EOS (log .3 / 2 =
     -0.60), though its summed log-prob is lower."""
+
     class Short(Markov):
-        P = torch.tensor([[.2, .2, .2, .2, .2], [0, 0, 0, .7, .3], [.2, .2, .2, .2, .2],
-                          [0, 0, .4, .6, 0], [0, 0, 1, 0, 0]]).clamp_min(1e-12)
+        P = torch.tensor(
+            [
+                [0.2, 0.2, 0.2, 0.2, 0.2],
+                [0, 0, 0, 0.7, 0.3],
+                [0.2, 0.2, 0.2, 0.2, 0.2],
+                [0, 0, 0.4, 0.6, 0],
+                [0, 0, 1, 0, 0],
+            ]
+        ).clamp_min(1e-12)
+
     assert dcrrg.beam_search(Short(), torch.zeros(1, 14, 4), bos=1, eos=2, pad=0, beam=2, max_len=3) == [[3, 3, 3]]
 
 
 def test_beam_search_never_emits_special_tokens():
     class Specials(Markov):  # pad (0) and bos (1) are the likeliest next tokens everywhere
-        P = torch.tensor([[.4, .3, .05, .15, .1]] * 5)
+        P = torch.tensor([[0.4, 0.3, 0.05, 0.15, 0.1]] * 5)
+
     f_I = torch.zeros(2, 14, 4)
     unmasked = dcrrg.beam_search(Specials(), f_I, bos=1, eos=2, pad=0, beam=3, max_len=4)
     assert any(t in (0, 1) for row in unmasked for t in row)  # the test can fail
@@ -374,10 +446,14 @@ def test_beam_search_never_emits_special_tokens():
 
 # Retrieval ---------------------------------------------------------------------------------------
 def test_precision_at_k_by_hand():
-    sim = torch.tensor([[0.9, 0.1, 0.8, 0.2],   # query of class 0: ranks 0, 2, 3, 1 -> hits 1, 0, 0, 1
-                        [0.9, 0.4, 0.3, 0.2]])  # query of class 1: ranks 0, 1, 2, 3 -> hits 0, 0, 1, 1
+    sim = torch.tensor(
+        [
+            [0.9, 0.1, 0.8, 0.2],  # query of class 0: ranks 0, 2, 3, 1 -> hits 1, 0, 0, 1
+            [0.9, 0.4, 0.3, 0.2],
+        ]
+    )  # query of class 1: ranks 0, 1, 2, 3 -> hits 0, 0, 1, 1
     p = precision_at_k(sim, [0, 1], [0, 0, 1, 1], ks=(1, 2, 3, 4))
-    assert p == pytest.approx({"P@1": (1 + 0) / 2, "P@2": (.5 + 0) / 2, "P@3": (1 / 3 + 1 / 3) / 2, "P@4": .5})
+    assert p == pytest.approx({"P@1": (1 + 0) / 2, "P@2": (0.5 + 0) / 2, "P@3": (1 / 3 + 1 / 3) / 2, "P@4": 0.5})
     tie = precision_at_k(torch.zeros(1, 4), [1], [0, 0, 1, 1], ks=(1, 2))  # ties: lower index first
     assert tie == {"P@1": 0.0, "P@2": 0.0}
     # K above the candidate count: flagged, not a wrong P@K
@@ -385,8 +461,17 @@ def test_precision_at_k_by_hand():
 
 
 def test_retrieval_set_one_class_each_and_balanced():
-    rows = [["Atelectasis"], ["Atelectasis", "Edema"], ["Cardiomegaly", "Support Devices"], ["Edema"],
-            ["Consolidation"], ["Pleural Effusion"], ["Atelectasis"], ["Edema"], ["Cardiomegaly"]]
+    rows = [
+        ["Atelectasis"],
+        ["Atelectasis", "Edema"],
+        ["Cardiomegaly", "Support Devices"],
+        ["Edema"],
+        ["Consolidation"],
+        ["Pleural Effusion"],
+        ["Atelectasis"],
+        ["Edema"],
+        ["Cardiomegaly"],
+    ]
     labels = onehots(*rows).numpy()
     idx, cls = retrieval_set(labels, per_class=5)
     assert list(idx) == [0, 2, 4, 3, 5] and list(cls) == [0, 1, 2, 3, 4]  # N = 1: Consolidation has one
@@ -419,10 +504,12 @@ def test_lm_loss_is_the_mean_over_real_tokens(tmp_path):
     -log p(y_t | y_{t-1}) over each text's tokens and its [SEP], never over padding."""
     tok = dcrrg.build_tokenizer(dcrrg.Args(), ["alpha beta gamma"], Rank0(tmp_path))
     table = torch.randn(len(tok), len(tok), generator=torch.Generator().manual_seed(0))
-    decoder = lambda tokens, f_I, prefix=None, head=None, obs=None: table[tokens]  # noqa: E731  (N, T, V)
+    decoder = lambda tokens, f_I, prefix=None, head=None, obs=None: table[tokens]
     loss = dcrrg.lm_loss(decoder, torch.zeros(2, 14, 4), ["alpha", "alpha beta gamma"], tok, 16)
-    ids = lambda t: [tok.cls_token_id] + tok(t, add_special_tokens=False)["input_ids"] + [tok.sep_token_id]  # noqa: E731
-    nll = [-torch.log_softmax(table[a], 0)[b] for t in ("alpha", "alpha beta gamma") for a, b in zip(ids(t), ids(t)[1:])]
+    ids = lambda t: [tok.cls_token_id] + tok(t, add_special_tokens=False)["input_ids"] + [tok.sep_token_id]
+    nll = [
+        -torch.log_softmax(table[a], 0)[b] for t in ("alpha", "alpha beta gamma") for a, b in zip(ids(t), ids(t)[1:])
+    ]
     assert len(nll) == 6 and loss.item() == pytest.approx(torch.stack(nll).mean().item(), rel=1e-6)
 
 
@@ -435,8 +522,15 @@ def test_p_tuning_trains_only_prefixes_and_head_and_keeps_batchnorm(tmp_path):
     assert {id(p) for p in params} == {id(model.prefix)} | {id(p) for p in model.prompt_head.parameters()}
     before = {k: v.clone() for k, v in model.state_dict().items()}
     f_I = model.f_v(model.embed_images(torch.randn(2, 1, 3, 64, 64)))
-    dcrrg.lm_loss(model.decoder, f_I, ["no pleural effusion.", "mild cardiomegaly."], tok, 12,
-                  prefix=model.prefix, head=model.prompt_head).backward()
+    dcrrg.lm_loss(
+        model.decoder,
+        f_I,
+        ["no pleural effusion.", "mild cardiomegaly."],
+        tok,
+        12,
+        prefix=model.prefix,
+        head=model.prompt_head,
+    ).backward()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.prefix.grad.abs().sum() > 0 and model.image_encoder.body.conv1.weight.grad is None
 
@@ -452,11 +546,14 @@ def test_generate_gathers_each_ranks_texts_in_record_order(tmp_path, monkeypatch
         out = torch.full((*tokens.shape, V), -30.0)
         out[torch.arange(len(tokens)), -1, f_I[:, 0, 0].long() if tokens.shape[1] == 1 else tok.sep_token_id] = 0.0
         return out
+
     model = type("Model", (), {"tokenizer": tok, "decoder": staticmethod(says)})
-    inputs = lambda rs: {"f_I": torch.tensor([float(tok.convert_tokens_to_ids(w)) for w in rs])[:, None, None].expand(-1, 14, 4)}  # noqa: E731
+    inputs = lambda rs: {
+        "f_I": torch.tensor([float(tok.convert_tokens_to_ids(w)) for w in rs])[:, None, None].expand(-1, 14, 4)
+    }
     sent = []
     monkeypatch.setattr(common, "all_gather_objects", lambda mine: sent.append(mine) or [mine, mine])
-    rank = lambda r: type("Stage", (), {"rank": r, "world_size": 2})  # noqa: E731
+    rank = lambda r: type("Stage", (), {"rank": r, "world_size": 2})
     dcrrg.generate(model, inputs, words, rank(1), 4)
     assert sent == [["beta", "delta"]]
     monkeypatch.setattr(common, "all_gather_objects", lambda mine: [mine, sent[0]])
@@ -473,8 +570,20 @@ class Rank0:
 
 
 # End to end ----------------------------------------------------------------------------------------
-FAST = ["--step1-steps", "4", "--step2-steps", "2", "--step3-steps", "3", "--step4-steps", "3", "--batch-size", "8",
-        "--decoder-batch-size", "4"]
+FAST = [
+    "--step1-steps",
+    "4",
+    "--step2-steps",
+    "2",
+    "--step3-steps",
+    "3",
+    "--step4-steps",
+    "3",
+    "--batch-size",
+    "8",
+    "--decoder-batch-size",
+    "4",
+]
 
 
 @pytest.fixture
@@ -491,8 +600,9 @@ def states(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_weights(tmp_path, iu_xray, small_synthetic,
-                                                                                       fast, monkeypatch, caplog):
+def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_weights(
+    tmp_path, iu_xray, small_synthetic, fast, monkeypatch, caplog
+):
     """All four steps on IU X-Ray as users have it (R2GenGPT layout: 1-5 views a study, flat Open-i names), in a
     folder where a start on other data failed after making its vocabulary; then other data there is refused."""
     out = tmp_path / "run"
@@ -504,24 +614,37 @@ def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_wei
     results = dcrrg.main(["all", "--data", str(iu_xray), "--out", str(out)] + FAST)
     vocab = (out / "tokenizer" / "vocab.txt").read_text().split()
     assert vocab != synthetic_vocab.split() and "xxxx" in vocab and "granuloma" in vocab  # made anew from IU X-Ray's
-    assert set(results) == {"step1", "step2", "step3", "step4"} and json.loads((out / "eval.json").read_text()) == results
+    assert (
+        set(results) == {"step1", "step2", "step3", "step4"} and json.loads((out / "eval.json").read_text()) == results
+    )
     assert all((out / s / "model.pt").is_file() for s in results)
     assert results["step1"]["balance"] == "reweight" and 0 <= results["step1"]["auroc_image"]["mean_5"] <= 1
     # IU X-Ray's test split has no study positive for Atelectasis, Consolidation or Edema alone (rule labels)
     retrieval = results["step2"]["retrieval"]
     assert retrieval["skipped"] == ["Atelectasis", "Consolidation", "Edema"] and retrieval["n_per_class"] == 1
-    assert set(retrieval) >= {"P@1", "P@2"} and "Step 2 retrieval skips Atelectasis, Consolidation, Edema" in caplog.text
+    assert (
+        set(retrieval) >= {"P@1", "P@2"} and "Step 2 retrieval skips Atelectasis, Consolidation, Edema" in caplog.text
+    )
     assert "val_loss_text_view" in results["step3"] and (out / "step3" / "descriptions_val.jsonl").is_file()
     gens = [json.loads(x) for x in (out / "step4" / "generations_test.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [r["id"] for r in json.loads(iu_xray.read_text())["test"]]
     step4 = results["step4"]
-    assert step4["step4"] == "pt" and step4["clean"] == "iu_xray" and step4["n"] == 12 and 0 <= step4["ce"]["micro_f1"] <= 1
+    assert (
+        step4["step4"] == "pt"
+        and step4["clean"] == "iu_xray"
+        and step4["n"] == 12
+        and 0 <= step4["ce"]["micro_f1"] <= 1
+    )
     assert (step4["headline"], step4["uncertain_as"]) == ("micro_f1", 0) and "BLEU-4" in step4["nlg"]
     assert json.loads((out / "step1" / "config.json").read_text())["clean"] == "iu_xray"
     assert [x["step"] for x in metrics_rows(out / "step2" / "metrics.jsonl")] == [1, 2]
     # P-Tuning changed the prefixes and the fresh head only (buffers included); Step 3 the decoder only
     step2, step3, step4 = (states(out / s / "model.pt") for s in ("step2", "step3", "step4"))
-    assert {k for k in step3 if not torch.equal(step3[k], step4[k])} == {"prefix", "prompt_head.weight", "prompt_head.bias"}
+    assert {k for k in step3 if not torch.equal(step3[k], step4[k])} == {
+        "prefix",
+        "prompt_head.weight",
+        "prompt_head.bias",
+    }
     assert {k.split(".")[0] for k in step3 if not torch.equal(step3[k], step2[k])} == {"decoder"}
     # the decoder's fixed statistics are those of the training images under the Step 2 model
     assert not torch.equal(step3["decoder.memory_std"], torch.ones_like(step3["decoder.memory_std"]))
@@ -535,8 +658,18 @@ def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_syntheti
     """Wiring: run Step 2 for one step and capture what reaches csm_loss; check it against the batch's studies
     recomputed from the Step 1 weights, label vectors written from the labels, and the logged loss against
     Eq. 3-9 computed here from the captured tensors. Then a step from these weights on other --data is refused."""
-    flags = ["--data", str(small_synthetic), "--out", str(tmp_path), "--batch-size", "8", "--step1-steps", "2",
-             "--step2-steps", "1"]
+    flags = [
+        "--data",
+        str(small_synthetic),
+        "--out",
+        str(tmp_path),
+        "--batch-size",
+        "8",
+        "--step1-steps",
+        "2",
+        "--step2-steps",
+        "1",
+    ]
     dcrrg.main(["step1"] + flags)
     calls, real = [], dcrrg.csm_loss
     monkeypatch.setattr(dcrrg, "csm_loss", lambda *a: calls.append([x.detach().clone() for x in a]) or real(*a))
@@ -547,8 +680,10 @@ def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_syntheti
     _, _, v, t, l_img, l_txt, scale = calls[0]
     assert all(torch.equal(c[2], v) and torch.equal(c[3], t) and torch.equal(c[4], l_img) for c in calls)
     # the batch: the scaffold's first shuffled batch of 8 training studies, recomputed with the Step 1 weights
-    data = {s: [dataclasses.replace(r, labels=common.RuleLabeler()([r.report])[0]) for r in rs]
-            for s, rs in common.load_annotation(small_synthetic).items()}
+    data = {
+        s: [dataclasses.replace(r, labels=common.RuleLabeler()([r.report])[0]) for r in rs]
+        for s, rs in common.load_annotation(small_synthetic).items()
+    }
     transform = common.default_transform(64, channels=1)
     _, batch = next(common.study_batches(data["train"], 8, 0, 0, 1, 0, transform))
     tok = BertTokenizerFast.from_pretrained(str(tmp_path / "tokenizer"))
@@ -564,11 +699,16 @@ def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_syntheti
     labels = np.stack([common.RuleLabeler()([r])[0] for r in batch["report"]])
     np.testing.assert_array_equal(l_img.numpy(), ((labels == 1) | (labels == -1)).astype(np.float32))
     assert torch.equal(l_img, l_txt) and scale.exp().item() == pytest.approx(1 / 0.07)  # tau = 0.07 at first
+
     # Eq. 3-9 by hand (numpy, float64), mean over the 14 prompts -> the logged loss of step 1
     def cos(a, b):
-        a, b = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12), b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+        a, b = (
+            a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12),
+            b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12),
+        )
         return a @ b.T
-    softmax = lambda z: np.exp(z - z.max(1, keepdims=True)) / np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)  # noqa: E731
+
+    softmax = lambda z: np.exp(z - z.max(1, keepdims=True)) / np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)
     L_ = l_img.double().numpy()
     s = cos(L_, L_)  # Eq. 3
     y_vt = softmax((cos(t.double().numpy(), t.double().numpy()) / 2 + 0.5) * s)  # Eq. 4
@@ -602,9 +742,13 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, cr
     part = dcrrg.main(["step1", "--out", str(tmp_path / "part"), "--resume"] + flags)
     a, b = states(tmp_path / "full" / "step1" / "model.pt"), states(tmp_path / "part" / "step1" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a) and part == full
-    assert metrics_rows(tmp_path / "full" / "step1" / "metrics.jsonl") == metrics_rows(tmp_path / "part" / "step1" / "metrics.jsonl")
+    assert metrics_rows(tmp_path / "full" / "step1" / "metrics.jsonl") == metrics_rows(
+        tmp_path / "part" / "step1" / "metrics.jsonl"
+    )
     mtime = (tmp_path / "part" / "step1" / "model.pt").stat().st_mtime  # done: not trained again; Step 2 runs
-    both = dcrrg.main(["all", "--out", str(tmp_path / "part"), "--resume"] + flags + ["--step3-steps", "0", "--step4-steps", "0"])
+    both = dcrrg.main(
+        ["all", "--out", str(tmp_path / "part"), "--resume"] + flags + ["--step3-steps", "0", "--step4-steps", "0"]
+    )
     assert (tmp_path / "part" / "step1" / "model.pt").stat().st_mtime == mtime and both["step1"] == full["step1"]
 
 
@@ -621,11 +765,16 @@ def test_model_paper_offline_is_one_error_at_once(tmp_path, small_synthetic, mon
     """--model paper fetches App. A's ImageNet ResNet-50 (torchvision's weights) before labelling anything; without
     network that is one error naming the flag for random weights, and it leaves nothing in --out."""
     import socket
+
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # no cached weights: the download is tried
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror(-3, "no network")))
-    monkeypatch.setattr(common.RuleLabeler, "__call__", lambda *a: pytest.fail("labelled the data before fetching the weights"))
+    monkeypatch.setattr(
+        common.RuleLabeler, "__call__", lambda *a: pytest.fail("labelled the data before fetching the weights")
+    )
     out = tmp_path / "run"
-    with pytest.raises(SystemExit, match=r"--pretrained imagenet: .*ImageNet ResNet-50 .*no network.*--pretrained none"):
+    with pytest.raises(
+        SystemExit, match=r"--pretrained imagenet: .*ImageNet ResNet-50 .*no network.*--pretrained none"
+    ):
         dcrrg.main(["--model", "paper", "--labeler", "rule", "--data", str(small_synthetic), "--out", str(out)])
     assert not out.exists() and not (tmp_path / "torch" / "hub" / "checkpoints" / "resnet50").exists()
 
@@ -636,17 +785,28 @@ def test_paper_size_defaults_notes_and_help(capsys):
     tiny, paper = dcrrg.Args(), dcrrg.Args(model="paper")
     assert paper.pretrained == "imagenet" and (paper.lr, paper.batch_size, paper.decoder_batch_size) == (None, 32, 16)
     assert [dcrrg.budget(tiny, f"step{k}", 1000) for k in range(1, 5)] == [300, 200, 600, 400]
-    assert [dcrrg.budget(paper, f"step{k}", 1000) for k in range(1, 5)] == [10 * 32, 10 * 32, 10 * 63, 10 * 63]  # ceil(1000 / batch)
+    assert [dcrrg.budget(paper, f"step{k}", 1000) for k in range(1, 5)] == [
+        10 * 32,
+        10 * 32,
+        10 * 63,
+        10 * 63,
+    ]  # ceil(1000 / batch)
     assert dcrrg.budget(dataclasses.replace(paper, step3_steps=0), "step3", 1000) == 0
     assert dcrrg.paper_notes(tiny) == [] and dcrrg.paper_notes(dataclasses.replace(paper, text_encoder="x")) == []
     resnet, bert = dcrrg.paper_notes(dataclasses.replace(paper, pretrained="none"))
-    assert "random ResNet-50" in resnet and "random BERT" in bert and "--text-encoder emilyalsentzer/Bio_ClinicalBERT" in bert
+    assert (
+        "random ResNet-50" in resnet
+        and "random BERT" in bert
+        and "--text-encoder emilyalsentzer/Bio_ClinicalBERT" in bert
+    )
     with pytest.raises(SystemExit):
         dcrrg.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for k in range(1, 5):
-        assert f"--step{k}-steps STEP{k}_STEPS Step {k}'s steps; None: {dcrrg.TINY_STEPS[f'step{k}']} with --model tiny, " \
-               f"{dcrrg.EPOCHS} epochs of" in text
+        assert (
+            f"--step{k}-steps STEP{k}_STEPS Step {k}'s steps; None: {dcrrg.TINY_STEPS[f'step{k}']} with --model tiny, "
+            f"{dcrrg.EPOCHS} epochs of" in text
+        )
 
 
 def test_ablation_plan_is_table_4():
@@ -660,10 +820,17 @@ def test_ablation_plan_is_table_4():
     def steps(folder):  # the Steps a model went through, from its Step 4 back
         step, init, mode = plan[folder]
         return (steps(init) if init else []) + [step]
+
     # Table 4's check marks: Models 1-7 (Steps 1, 2, 3 and the Step 4 mode)
-    expected = {1: (["step1"], "fft"), 2: (["step2"], "fft"), 3: (["step2", "step3"], "pt"),
-                4: (["step1", "step3"], "pt"), 5: (["step1", "step2"], "fft"), 6: (["step1", "step2", "step3"], "pt"),
-                7: (["step1", "step2", "step3"], "fft")}
+    expected = {
+        1: (["step1"], "fft"),
+        2: (["step2"], "fft"),
+        3: (["step2", "step3"], "pt"),
+        4: (["step1", "step3"], "pt"),
+        5: (["step1", "step2"], "fft"),
+        6: (["step1", "step2", "step3"], "pt"),
+        7: (["step1", "step2", "step3"], "fft"),
+    }
     rows = {int(name.split()[0]): folder for name, folder in dcrrg.TABLE4.items()}
     assert {m: (steps(f)[:-1], plan[f][2]) for m, f in rows.items()} == expected
 
@@ -671,7 +838,9 @@ def test_ablation_plan_is_table_4():
 @pytest.mark.slow
 def test_ablation_command(tmp_path, small_synthetic, fast):
     table = dcrrg.main(["ablation", "--data", str(small_synthetic), "--out", str(tmp_path)] + FAST)
-    assert len(table) == 7 and json.loads((tmp_path / "ablation" / "ablation.json").read_text()) == json.loads(json.dumps(table))
+    assert len(table) == 7 and json.loads((tmp_path / "ablation" / "ablation.json").read_text()) == json.loads(
+        json.dumps(table)
+    )
 
 
 def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, fast, starting_weights):
@@ -687,10 +856,16 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, fas
     Checked under ATEN_CPU_CAPABILITY=default and avx2 (no avx512 on the machine it was written on)."""
     flags = ["--data", str(small_synthetic)] + FAST
     script = tmp_path / "dcrrg_fast.py"  # the `fast` fixture's settings in the torchrun processes (no dropout)
-    script.write_text("import dcrrg\nfor k, v in dict(MAX_REPORT_TOKENS=12, MAX_DESCRIPTION_TOKENS=8, DROPOUT=0.0).items():\n"
-                      "    setattr(dcrrg, k, v)\ndcrrg.main()\n")
+    script.write_text(
+        "import dcrrg\nfor k, v in dict(MAX_REPORT_TOKENS=12, MAX_DESCRIPTION_TOKENS=8, DROPOUT=0.0).items():\n"
+        "    setattr(dcrrg, k, v)\ndcrrg.main()\n"
+    )
     torchrun(str(script), "all", "--out", str(tmp_path / "ddp"), *flags)
-    assert [x["step"] for x in metrics_rows(tmp_path / "ddp" / "step4" / "metrics.jsonl")] == [1, 2, 3]  # rank 0 alone writes
+    assert [x["step"] for x in metrics_rows(tmp_path / "ddp" / "step4" / "metrics.jsonl")] == [
+        1,
+        2,
+        3,
+    ]  # rank 0 alone writes
     gens = [json.loads(x) for x in (tmp_path / "ddp" / "step4" / "generations_test.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
     dcrrg.main(["step1", "--out", str(tmp_path / "one")] + flags)
@@ -712,8 +887,9 @@ def test_gather_batch_in_rank_order_with_the_gradient_to_this_ranks_part(monkeyp
     this rank's rows only, times 3 (every rank computes the same loss; the all-reduce then averages)."""
     others = {0: torch.tensor([[1.0, 2.0]]), 2: torch.tensor([[5.0, 6.0]])}
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    monkeypatch.setattr(torch.distributed, "all_gather", lambda parts, x: [
-        p.copy_(others.get(r, x)) for r, p in enumerate(parts)])
+    monkeypatch.setattr(
+        torch.distributed, "all_gather", lambda parts, x: [p.copy_(others.get(r, x)) for r, p in enumerate(parts)]
+    )
     x = torch.tensor([[3.0, 4.0]], requires_grad=True)
     out = dcrrg.gather_batch(x, 3)
     torch.testing.assert_close(out, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))

@@ -2,6 +2,7 @@
 saliency recomputed by hand, character spans, word-piece alignment, gradient weights), Eq. 6 through the loss's
 gradient, the Eq. 1 reward and its phases, Tables 6/7, what one DiTPO step feeds the loss, and every stage end to
 end: resume (exact, and refusing a changed --steps), label-free sampling, torchrun with two processes, the HF path."""
+
 import json
 import math
 import os
@@ -13,10 +14,21 @@ import pytest
 import torch
 
 import common
-from conftest import Crash, labels, metrics_rows, torchrun
 import deer
-from deer import (align_to_tokens, diagnostic_diversity, gamma_at, log_rank_probs, mask_top_tokens, reference_targets,
-                  report_f1, reward_diversity, select_subset, tfidf_weights, token_spans)
+from conftest import Crash, labels, metrics_rows, torchrun
+from deer import (
+    align_to_tokens,
+    diagnostic_diversity,
+    gamma_at,
+    log_rank_probs,
+    mask_top_tokens,
+    reference_targets,
+    report_f1,
+    reward_diversity,
+    select_subset,
+    tfidf_weights,
+    token_spans,
+)
 from test_chexbert import local_tokenizer, tiny_config, vocab_file  # noqa: F401 (vocab_file is a fixture)
 
 L = common.LABEL_INDEX
@@ -44,8 +56,12 @@ def test_log_rank_probs_hand_values():
 
 
 def test_diagnostic_diversity_hand_example():
-    K = [labels(Edema=1, Cardiomegaly=1, Pneumothorax=0), labels(Edema=-1, Pneumothorax=0),  # uncertain = positive
-         labels(Edema=0, Pneumothorax=0, No_Finding=1), labels(Pneumothorax=0, No_Finding=1)]
+    K = [
+        labels(Edema=1, Cardiomegaly=1, Pneumothorax=0),
+        labels(Edema=-1, Pneumothorax=0),  # uncertain = positive
+        labels(Edema=0, Pneumothorax=0, No_Finding=1),
+        labels(Pneumothorax=0, No_Finding=1),
+    ]
     same = [labels(Edema=1)] * 4
     D = diagnostic_diversity(np.concatenate([np.stack(K, 1), np.stack(same, 1)]))  # (2, 4, 14)
     # Edema p = (1, 1, 0, 0): std 0.5; Cardiomegaly (1, 0, 0, 0): sqrt(3/16); No Finding (0, 0, 1, 1): 0.5
@@ -86,9 +102,13 @@ def test_tfidf_weights_hand_example():
     ids, mask = common.pad_completions(docs, pad)
     w = tfidf_weights(ids, mask, 3, alpha=4.0, special={eos})
     # df: 5 -> 3, 6 -> 2, 7 -> 1, 8 -> 1; TF = 1 (present), IDF = ln(3 / df); EOS (df 2 of 3) stays 1
-    expected = torch.tensor([[1, 1 + 4 * math.log(1.5), 1 + 4 * math.log(3), 1],
-                             [1, 1 + 4 * math.log(1.5), 1, 1],  # last column is padding
-                             [1, 1 + 4 * math.log(3), 1 + 4 * math.log(3), 1]])
+    expected = torch.tensor(
+        [
+            [1, 1 + 4 * math.log(1.5), 1 + 4 * math.log(3), 1],
+            [1, 1 + 4 * math.log(1.5), 1, 1],  # last column is padding
+            [1, 1 + 4 * math.log(3), 1 + 4 * math.log(3), 1],
+        ]
+    )
     torch.testing.assert_close(w[:3], expected.float())
     assert (w[3:] == 1).all()  # a group of identical reports: every token in every report
     assert tfidf_weights(ids, mask, 3, 4.0)[0, 3] == pytest.approx(1 + 4 * math.log(1.5))  # EOS, were it a word
@@ -190,7 +210,8 @@ def test_eq6_token_weights_scale_each_tokens_gradient(small_synthetic):
         policy.model.zero_grad(set_to_none=True)
         loss.backward()
         return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
-    logp = lambda: policy.completion_logprobs(prompts, ids, mask)  # noqa: E731
+
+    logp = lambda: policy.completion_logprobs(prompts, ids, mask)
     n = mask.sum(1)
     expected = grads(-((A[:, None] * w * logp() * mask).sum(1) / n).mean())
     torch.testing.assert_close(grads(deer.ditpo_step(policy, roll, w, 2)[0]), expected)
@@ -269,6 +290,7 @@ def test_ddsampling_is_label_free(small_synthetic, monkeypatch):
 class SamplesByStudy:
     """A stand-in policy: sample k of study b reads EDEMA or NORMAL as PATTERNS[b][k] says (E or N); prompts are the
     study's index, repeated as the policy interface does."""
+
     EDEMA, NORMAL, PATTERNS = "Mild pulmonary edema.", "No pleural effusion.", ["EEEE", "ENEN", "ENNN"]
 
     def __init__(self):
@@ -297,7 +319,9 @@ def test_ddsampling_scores_each_studys_own_k_samples(small_synthetic, monkeypatc
     sqrt(3) / 2. Samples of different studies grouped together give other values."""
     monkeypatch.setattr(deer, "K", 4)
     policy, records = SamplesByStudy(), common.load_data(str(small_synthetic))["train"][:3]
-    np.testing.assert_allclose(deer.score_chunk(policy, records, common.RuleLabeler(), 12), [0.0, 1.0, math.sqrt(3) / 2])
+    np.testing.assert_allclose(
+        deer.score_chunk(policy, records, common.RuleLabeler(), 12), [0.0, 1.0, math.sqrt(3) / 2]
+    )
     assert policy.calls == [(12, deer.TEMPERATURE, deer.TOP_P)]  # nucleus sampling (Sec. 3.2)
 
 
@@ -343,7 +367,9 @@ def test_sft_and_sample_stages(staged, small):
     out, base = staged
     losses = [x["sft_loss"] for x in metrics(out / "sft" / "metrics.jsonl")]
     assert len(losses) == 6 and losses[-1] < losses[0]
-    assert (out / "sft" / "final" / "tiny_policy.pt").is_file() and "ce" in json.loads((out / "sft" / "eval.json").read_text())["test"]
+    assert (out / "sft" / "final" / "tiny_policy.pt").is_file() and "ce" in json.loads(
+        (out / "sft" / "eval.json").read_text()
+    )["test"]
     sel = json.loads((out / "ddsampling" / "selection.json").read_text())
     assert sel["n_pool"] == 40 and len(sel["ids"]) == 8 == len(set(sel["ids"]))
     D = [x["D"] for x in sel["ranked"]]
@@ -367,7 +393,9 @@ def test_ddsampling_resume_draws_the_same(tmp_path, staged, small, monkeypatch, 
         deer.main(["sample", *flags])
     crash_after_checkpoint(None)
     deer.main(["sample", *flags, "--resume"])
-    assert json.loads((part / "ddsampling" / "selection.json").read_text()) == json.loads((out / "ddsampling" / "selection.json").read_text())
+    assert json.loads((part / "ddsampling" / "selection.json").read_text()) == json.loads(
+        (out / "ddsampling" / "selection.json").read_text()
+    )
 
 
 def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, small, monkeypatch):
@@ -381,10 +409,30 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
     monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen.append((a, k)) or real_loss(*a, **k))
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})  # not under test
-    monkeypatch.setattr(common.Run, "study_batches", lambda self, records, n, flag: lambda start: iter(
-        [common.collate([common.ReportDataset(records[:n])[i] for i in range(n)])]))  # the first 2 studies
-    deer.main(["rl", *base[:2], "--out", str(tmp_path), *base[4:], "--steps", "1", "--prompts-per-step", "2",
-               "--subset", "all", "--max-new-tokens", "24"])
+    monkeypatch.setattr(
+        common.Run,
+        "study_batches",
+        lambda self, records, n, flag: (
+            lambda start: iter([common.collate([common.ReportDataset(records[:n])[i] for i in range(n)])])
+        ),
+    )  # the first 2 studies
+    deer.main(
+        [
+            "rl",
+            *base[:2],
+            "--out",
+            str(tmp_path),
+            *base[4:],
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--subset",
+            "all",
+            "--max-new-tokens",
+            "24",
+        ]
+    )
     (logp, old, ref_logp, A_t, mask), kw = seen[0]
     roll, G, lab = rolls[0], 8, common.RuleLabeler()
     refs = [r.report for r in common.load_data(base[1])["train"][:2] for _ in range(G)]
@@ -407,7 +455,11 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
     torch.testing.assert_close(mask, roll.completion_mask)
     assert old is None and ref_logp is None and kw["loss_type"] == "grpo"
     row = metrics(tmp_path / "rl_rule" / "metrics.jsonl")[0]
-    assert "bleu2" not in row and row["gamma"] == 0 and row["w_mean"] == pytest.approx(w[mask.bool()].mean().item(), rel=1e-5)
+    assert (
+        "bleu2" not in row
+        and row["gamma"] == 0
+        and row["w_mean"] == pytest.approx(w[mask.bool()].mean().item(), rel=1e-5)
+    )
 
 
 def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monkeypatch, crash_after_checkpoint):
@@ -416,13 +468,29 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     length mod 7, so every step updates. Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     out, base = staged
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
-    monkeypatch.setattr(deer, "reward", lambda texts, refs, ref_labels, labeler, gamma, style:  # logs the gamma it is given
-                        (np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0, "reward_gamma": gamma}))
+    monkeypatch.setattr(
+        deer,
+        "reward",
+        lambda texts, refs, ref_labels, labeler, gamma, style: (  # logs the gamma it is given
+            (np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0, "reward_gamma": gamma})
+        ),
+    )
     for d in ("full", "part"):
         shutil.copytree(out / "sft", tmp_path / d / "sft")
         shutil.copytree(out / "ddsampling", tmp_path / d / "ddsampling")
-    rl = lambda d: ["rl", *base[:2], "--out", str(tmp_path / d), *base[4:], "--prompts-per-step", "2",  # noqa: E731
-                    "--grad-accum", "2", "--steps", "4"]
+    rl = lambda d: [
+        "rl",
+        *base[:2],
+        "--out",
+        str(tmp_path / d),
+        *base[4:],
+        "--prompts-per-step",
+        "2",
+        "--grad-accum",
+        "2",
+        "--steps",
+        "4",
+    ]
     deer.main(rl("full"))
     crash_after_checkpoint(2)
     with pytest.raises(Crash):
@@ -433,11 +501,11 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     with pytest.raises(SystemExit, match="--lr None in the run, 0.01 now"):
         deer.main(rl("part") + ["--resume", "--lr", "0.01"])
     deer.main(rl("part") + ["--resume"])
-    weights = lambda d: torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]  # noqa: E731
+    weights = lambda d: torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]
     full, part, sft = weights("full/rl_rule"), weights("part/rl_rule"), weights("full/sft")
     assert all(torch.equal(full[k], part[k]) for k in full)
     assert any(not torch.equal(full[k], sft[k]) for k in full)  # RL changed the weights
-    rows = lambda d: metrics_rows(tmp_path / d / "rl_rule" / "metrics.jsonl")  # noqa: E731
+    rows = lambda d: metrics_rows(tmp_path / d / "rl_rule" / "metrics.jsonl")
     assert rows("full") == rows("part") and [x["step"] for x in rows("part")] == [1, 2, 3, 4]
     assert [x["gamma"] for x in rows("part")] == [x["reward_gamma"] for x in rows("part")] == [0, 0, 0.25, 0.25]
     # GRPO from the same SFT model and subset, beside it; `all --resume` skips the finished stages
@@ -471,8 +539,23 @@ def test_grad_weighting_with_chexbert(tmp_path, staged, small, chexbert, monkeyp
     shutil.copytree(out / "sft", tmp_path / "sft")
     monkeypatch.setattr(common, "make_labeler", lambda *a, **k: chexbert)
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})
-    deer.main(["rl", *base[:2], "--out", str(tmp_path), *base[4:], "--labeler", "chexbert", "--steps", "2",
-               "--prompts-per-step", "2", "--subset", "random"])
+    deer.main(
+        [
+            "rl",
+            *base[:2],
+            "--out",
+            str(tmp_path),
+            *base[4:],
+            "--labeler",
+            "chexbert",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--subset",
+            "random",
+        ]
+    )
     assert json.loads((tmp_path / "rl_grad" / "config.json").read_text())["weighting"] == "grad"  # auto -> grad
     lines = metrics(tmp_path / "rl_grad" / "metrics.jsonl")
     assert all(x["w_mean"] >= 1 for x in lines) and max(x["w_max"] for x in lines) > 1
@@ -483,8 +566,22 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     RRG_SLOW_FSDP, the RL stage sharded against unsharded within rel 1e-4: tests/test_orapo.py's
     test_torchrun_two_processes says why that bound holds on any CPU."""
     out = tmp_path / "ddp"
-    torchrun("deer.py", "all", "--data", str(small_synthetic), "--out", str(out), "--max-new-tokens", "8",
-             "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "2")
+    torchrun(
+        "deer.py",
+        "all",
+        "--data",
+        str(small_synthetic),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "8",
+        "--sft-steps",
+        "2",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+    )
     assert [x["step"] for x in metrics(out / "sft" / "metrics.jsonl")] == [1, 2]
     assert len(metrics(out / "ddsampling" / "metrics.jsonl")) == 1  # 2 chunks of 32 (40 studies), one per rank
     sel = json.loads((out / "ddsampling" / "selection.json").read_text())
@@ -496,8 +593,21 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
         fsdp = tmp_path / "fsdp"  # the RL stage again from the same SFT model and subset, the policy sharded (FSDP2)
         for stage in ("sft", "ddsampling"):
             shutil.copytree(out / stage, fsdp / stage)
-        torchrun("deer.py", "rl", "--data", str(small_synthetic), "--out", str(fsdp), "--max-new-tokens", "8",
-                 "--steps", "2", "--prompts-per-step", "2", "--fsdp")
+        torchrun(
+            "deer.py",
+            "rl",
+            "--data",
+            str(small_synthetic),
+            "--out",
+            str(fsdp),
+            "--max-new-tokens",
+            "8",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--fsdp",
+        )
         for a, b in zip(metrics(out / "rl_rule" / "metrics.jsonl"), metrics(fsdp / "rl_rule" / "metrics.jsonl")):
             assert all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in a if k != "time"), (a, b)
 
@@ -517,9 +627,31 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, small, monk
     monkeypatch.setattr(deer, "SFT", dict(deer.SFT, batch_hf=2, lr_hf=1e-3))
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})
     out = tmp_path / "hf"
-    deer.main(["all", "--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--out", str(out),
-               "--max-new-tokens", "8", "--dtype", "bf16", "--max-pixels", "6272", "--sft-steps", "2", "--steps", "1",
-               "--prompts-per-step", "2"])
+    deer.main(
+        [
+            "all",
+            "--data",
+            str(small_synthetic),
+            "--model",
+            str(tiny_qwen_dir),
+            "--labeler",
+            "rule",
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "8",
+            "--dtype",
+            "bf16",
+            "--max-pixels",
+            "6272",
+            "--sft-steps",
+            "2",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+        ]
+    )
     sft_ckpt = torch.load(out / "sft" / "last.pt", weights_only=True)
     vision = {n for n, _ in common.HFPolicy(str(tiny_qwen_dir)).vision_and_language()[0].named_parameters()}
     trained = {k.split("visual.")[-1] for k, v in sft_ckpt["model"].items() if "visual." in k}

@@ -1,6 +1,7 @@
 """HFPolicy on a tiny random Qwen2.5-VL (built offline in conftest.py, loaded through
 AutoProcessor / AutoModelForImageTextToText like a hub checkpoint): prompts, repeat, sampling,
 log-prob agreement, the rope_deltas pitfall, LoRA, freezing, gradient checkpointing, saving."""
+
 import pytest
 import torch
 
@@ -27,7 +28,9 @@ def test_hub_sampling_defaults_are_replaced(policy):
     # the saved model asks for top_k 1, top_p 0.001, repetition penalty 1.05: plain sampling instead
     assert (g.top_k, g.top_p, g.repetition_penalty or 1.0) == (0, 1.0, 1.0)
     assert policy.tokenizer.convert_ids_to_tokens(policy.eos_token_id) == "<|im_end|>"
-    assert set(policy.eos_token_ids) == {policy.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    assert set(policy.eos_token_ids) == {
+        policy.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")
+    }
 
 
 def test_prompt_batch_left_padded_and_whole(policy, studies):
@@ -169,12 +172,20 @@ def test_gpu_grpo_step_speed_and_memory(small_synthetic):
     (the model must be in the local Hugging Face cache or a local folder)."""
     import os
     import time
+
     name = os.environ.get("RRG_BENCH_MODEL")
     if not name:
         pytest.skip("set RRG_BENCH_MODEL to a local Qwen2.5-VL id or folder")
-    pol = common.HFPolicy(name, device="cuda", dtype=torch.bfloat16, gradient_checkpointing=True,
-                          max_pixels=int(os.environ.get("RRG_BENCH_MAX_PIXELS", 448 * 448)))
-    common.apply_lora(pol.model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 128, 256)
+    pol = common.HFPolicy(
+        name,
+        device="cuda",
+        dtype=torch.bfloat16,
+        gradient_checkpointing=True,
+        max_pixels=int(os.environ.get("RRG_BENCH_MAX_PIXELS", 448 * 448)),
+    )
+    common.apply_lora(
+        pol.model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 128, 256
+    )
     params = [p for p in pol.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=5e-6)
     records = common.load_annotation(small_synthetic)["train"][:8]
@@ -183,8 +194,9 @@ def test_gpu_grpo_step_speed_and_memory(small_synthetic):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
-        roll = common.rollout(pol, views, PROMPT, 8, lambda texts, owners: [float(len(t) % 3) for t in texts], 256,
-                              ref="lora")
+        roll = common.rollout(
+            pol, views, PROMPT, 8, lambda texts, owners: [float(len(t) % 3) for t in texts], 256, ref="lora"
+        )
         torch.cuda.synchronize()
         t1 = time.time()
         A = common.group_advantages(roll.rewards, 8)
@@ -198,8 +210,10 @@ def test_gpu_grpo_step_speed_and_memory(small_synthetic):
         torch.cuda.synchronize()
         t2 = time.time()
     tokens = roll.completion_mask.sum().item()
-    print(f"\n{name}: step {t2 - t0:.1f} s (rollout + reference {t1 - t0:.1f} s, {tokens / (t1 - t0):.0f} generated "
-          f"tokens/s incl. scoring; update {t2 - t1:.1f} s), peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    print(
+        f"\n{name}: step {t2 - t0:.1f} s (rollout + reference {t1 - t0:.1f} s, {tokens / (t1 - t0):.0f} generated "
+        f"tokens/s incl. scoring; update {t2 - t1:.1f} s), peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    )
 
 
 def test_policy_trains_in_training_mode_and_lora_skips_the_vision_tower(tiny_qwen_dir, studies):
@@ -208,8 +222,9 @@ def test_policy_trains_in_training_mode_and_lora_skips_the_vision_tower(tiny_qwe
     assert pol.model.training  # from_pretrained gives eval mode: checkpointing and dropout would be off
     pol.generate(pol.prompt_batch(views[:1], PROMPT), 2)
     assert pol.model.training  # generate() samples in eval mode and switches back
-    wrapped = common.apply_lora(pol.model, ["q_proj", "gate_proj", "up_proj", "down_proj"], r=2, alpha=4,
-                                exclude=pol.vision_and_language()[0])
+    wrapped = common.apply_lora(
+        pol.model, ["q_proj", "gate_proj", "up_proj", "down_proj"], r=2, alpha=4, exclude=pol.vision_and_language()[0]
+    )
     assert wrapped and not any("visual" in n for n in wrapped)
     assert not any(p.requires_grad for p in pol.vision_and_language()[0].parameters())
 
@@ -251,4 +266,3 @@ def test_bf16_weights_with_fp32_trainable_parts(tiny_qwen_dir, studies):
     opt.step()
     changed = sum((p != b).float().mean().item() for p, b in zip(vision.parameters(), before)) / len(before)
     assert changed > 0.9  # in bf16 most of these 1e-6 steps would round to nothing
-

@@ -1,4 +1,5 @@
 """RuleLabeler: exact on the synthetic reports, right on real-style report text; `tests/reproduce.py labels`."""
+
 import csv
 import time
 
@@ -6,16 +7,24 @@ import numpy as np
 import pytest
 
 import reproduce
-from common import CHEXPERT_LABELS, LABEL_INDEX, RuleLabeler, apply_no_finding_rule, \
-    sample_synthetic_study, write_synthetic_report
+from common import (
+    CHEXPERT_LABELS,
+    LABEL_INDEX,
+    RuleLabeler,
+    apply_no_finding_rule,
+    sample_synthetic_study,
+    write_synthetic_report,
+)
 
 # Real-style report text with labels we are sure of. Labels not listed are blank; No Finding, unless listed,
 # follows CheXpert's rule over the 13 (1 when nothing but Support Devices is positive or uncertain).
 REAL_STYLE = [
     ("No acute cardiopulmonary process.", {}),
     ("No pleural effusion or pneumothorax.", {"Pleural Effusion": 0, "Pneumothorax": 0}),
-    ("No focal consolidation, pleural effusion, or pneumothorax.",
-     {"Consolidation": 0, "Pleural Effusion": 0, "Pneumothorax": 0}),
+    (
+        "No focal consolidation, pleural effusion, or pneumothorax.",
+        {"Consolidation": 0, "Pleural Effusion": 0, "Pneumothorax": 0},
+    ),
     ("Heart size is normal.", {"Cardiomegaly": 0}),
     ("The heart size is mildly enlarged.", {"Cardiomegaly": 1}),
     ("Moderate cardiomegaly is unchanged.", {"Cardiomegaly": 1}),
@@ -32,8 +41,10 @@ REAL_STYLE = [
     ("Possible small right pleural effusion.", {"Pleural Effusion": -1}),
     ("Interval resolution of the left pleural effusion.", {"Pleural Effusion": 0}),
     ("No pericardial effusion.", {}),
-    ("Left lower lobe opacity may reflect atelectasis or pneumonia.",
-     {"Lung Opacity": 1, "Atelectasis": -1, "Pneumonia": -1}),
+    (
+        "Left lower lobe opacity may reflect atelectasis or pneumonia.",
+        {"Lung Opacity": 1, "Atelectasis": -1, "Pneumonia": -1},
+    ),
     ("Right basilar opacity, likely atelectasis.", {"Lung Opacity": 1, "Atelectasis": -1}),
     ("Patchy opacity in the right lower lobe concerning for pneumonia.", {"Lung Opacity": 1, "Pneumonia": -1}),
     ("Hazy opacity at the right base may represent pneumonia.", {"Lung Opacity": 1, "Pneumonia": -1}),
@@ -57,8 +68,10 @@ REAL_STYLE = [
     ("There is a tiny left apical pneumothorax.", {"Pneumothorax": 1}),
     ("No pneumothorax is seen.", {"Pneumothorax": 0}),
     ("There is a 1.2 cm nodule in the right upper lobe.", {"Lung Lesion": 1}),
-    ("No XXXX focal consolidation. A 1.5 cm XXXX nodule. 2. No effusion.",  # IU X-Ray's anonymisation tokens
-     {"Consolidation": 0, "Lung Lesion": 1, "Pleural Effusion": 0}),
+    (
+        "No XXXX focal consolidation. A 1.5 cm XXXX nodule. 2. No effusion.",  # IU X-Ray's anonymisation tokens
+        {"Consolidation": 0, "Lung Lesion": 1, "Pleural Effusion": 0},
+    ),
     ("No suspicious pulmonary nodules or masses.", {"Lung Lesion": 0}),
     ("Multiple displaced left rib fractures.", {"Fracture": 1}),
     ("No acute displaced rib fracture.", {"Fracture": 0}),
@@ -67,12 +80,16 @@ REAL_STYLE = [
     ("The mediastinum is widened.", {"Enlarged Cardiomediastinum": 1}),
     ("Apical pleural thickening.", {"Pleural Other": 1}),
     ("Calcified pleural plaques are consistent with prior asbestos exposure.", {"Pleural Other": 1}),
-    ("Mild cardiomegaly with small left pleural effusion and adjacent atelectasis.",
-     {"Cardiomegaly": 1, "Pleural Effusion": 1, "Atelectasis": 1}),
+    (
+        "Mild cardiomegaly with small left pleural effusion and adjacent atelectasis.",
+        {"Cardiomegaly": 1, "Pleural Effusion": 1, "Atelectasis": 1},
+    ),
     ("The lungs are hyperinflated but clear.", {"No Finding": np.nan}),  # CheXpert's No Finding mention list
     ("Small left pleural effusion is unchanged. No pneumothorax.", {"Pleural Effusion": 1, "Pneumothorax": 0}),
-    ("No evidence of pneumothorax or pleural effusion. Heart size is normal.",
-     {"Pneumothorax": 0, "Pleural Effusion": 0, "Cardiomegaly": 0}),
+    (
+        "No evidence of pneumothorax or pleural effusion. Heart size is normal.",
+        {"Pneumothorax": 0, "Pleural Effusion": 0, "Cardiomegaly": 0},
+    ),
     # CheXpert's aggregation over mentions of one observation: {0,1} -> 1, {0,-1} -> -1, {-1,1} -> 1
     ("No right pleural effusion. Small left pleural effusion.", {"Pleural Effusion": 1}),
     ("Possible left basilar atelectasis. No atelectasis on the right.", {"Atelectasis": -1}),
@@ -84,49 +101,75 @@ N = np.nan
 # One group per rule of the CheXpert labeler (stanfordmlgroup/chexpert-labeler: phrases/, patterns/,
 # stages/aggregate.py) or of ours, on sentences written for these tests; each group fails without its rule.
 RULES = {
-    "no_finding_mentions": [("Degenerative endplate changes at several thoracic levels.", {"No Finding": N}),
-                            ("Stable mild dextroscoliosis.", {"No Finding": N}),  # inside a word, as CheXpert
-                            ("No emphysema. Calcified granuloma in the left upper lobe.", {"No Finding": N})],
-    "no_finding_mentions_ours": [("Mild tortuosity of the aortic arch is noted.", {"No Finding": N}),
-                                 ("Spondylosis in the mid thoracic spine.", {"No Finding": N}), ("Low lung volumes on this portable film.", {"No Finding": N})],
+    "no_finding_mentions": [
+        ("Degenerative endplate changes at several thoracic levels.", {"No Finding": N}),
+        ("Stable mild dextroscoliosis.", {"No Finding": N}),  # inside a word, as CheXpert
+        ("No emphysema. Calcified granuloma in the left upper lobe.", {"No Finding": N}),
+    ],
+    "no_finding_mentions_ours": [
+        ("Mild tortuosity of the aortic arch is noted.", {"No Finding": N}),
+        ("Spondylosis in the mid thoracic spine.", {"No Finding": N}),
+        ("Low lung volumes on this portable film.", {"No Finding": N}),
+    ],
     "chf_uncertain_cardiomegaly": [("Mild congestive heart failure.", {"Edema": 1, "Cardiomegaly": -1})],
-    "hedged_edema": [("Slight pulmonary vascular congestion today.", {"Edema": -1}),
-                     ("Indistinctness of the central pulmonary vessels.", {"Edema": -1}),
-                     ("No vascular congestion is seen now.", {"Edema": 0})],
+    "hedged_edema": [
+        ("Slight pulmonary vascular congestion today.", {"Edema": -1}),
+        ("Indistinctness of the central pulmonary vessels.", {"Edema": -1}),
+        ("No vascular congestion is seen now.", {"Edema": 0}),
+    ],
     "borderline_heart_size_hedged": [("Borderline heart size on this film.", {"Cardiomegaly": -1})],
-    "borderline_not_a_hedge": [("There is borderline cardiomegaly again.", {"Cardiomegaly": 1}),
-                               ("The heart remains borderline in size.", {"Cardiomegaly": 1})],
-    "stable_heart_or_mediastinum_hedged": [("The cardiomediastinal silhouette is unchanged from before.", {"Enlarged Cardiomediastinum": -1}),
-                                           ("Stable heart size since the last exam.", {"Cardiomegaly": -1}),
-                                           ("Heart size is normal and stable.", {"Cardiomegaly": 0})],
-    "heart_is_large": [("The heart is large on this view.", {"Cardiomegaly": 1}), ("Moderate heart enlargement is present.", {"Cardiomegaly": 1}),
-                       ("There has been an increase in heart size since the last film.", {"Cardiomegaly": 1})],
+    "borderline_not_a_hedge": [
+        ("There is borderline cardiomegaly again.", {"Cardiomegaly": 1}),
+        ("The heart remains borderline in size.", {"Cardiomegaly": 1}),
+    ],
+    "stable_heart_or_mediastinum_hedged": [
+        ("The cardiomediastinal silhouette is unchanged from before.", {"Enlarged Cardiomediastinum": -1}),
+        ("Stable heart size since the last exam.", {"Cardiomegaly": -1}),
+        ("Heart size is normal and stable.", {"Cardiomegaly": 0}),
+    ],
+    "heart_is_large": [
+        ("The heart is large on this view.", {"Cardiomegaly": 1}),
+        ("Moderate heart enlargement is present.", {"Cardiomegaly": 1}),
+        ("There has been an increase in heart size since the last film.", {"Cardiomegaly": 1}),
+    ],
     # against CheXpert, as the radiologists' gold: a calcified nodule is a lesion (a granuloma is not), "infection" alone no pneumonia
-    "calcified_nodule_is_a_lesion": [("A calcified nodule in the left upper lobe.", {"Lung Lesion": 1}),
-                                     ("A calcified granuloma in the right upper lobe.", {"No Finding": N})],
-    "infection_alone_not_pneumonia": [("Residual scarring from an old infection.", {"Lung Opacity": 1}),
-                                      ("Changes of an old granulomatous infection in the left apex.", {"No Finding": N}),
-                                      ("Findings may reflect an infectious process.", {"Pneumonia": -1})],
+    "calcified_nodule_is_a_lesion": [
+        ("A calcified nodule in the left upper lobe.", {"Lung Lesion": 1}),
+        ("A calcified granuloma in the right upper lobe.", {"No Finding": N}),
+    ],
+    "infection_alone_not_pneumonia": [
+        ("Residual scarring from an old infection.", {"Lung Opacity": 1}),
+        ("Changes of an old granulomatous infection in the left apex.", {"No Finding": N}),
+        ("Findings may reflect an infectious process.", {"Pneumonia": -1}),
+    ],
     "unmention_pleural_scar": [("Right apical pleural scarring.", {"Pleural Other": 1})],
-    "lung_lesion_phrases": [("Expansile lesion of the right posterior rib.", {}),
-                            ("Nodular opacity in the right midlung.", {"Lung Lesion": 1, "Lung Opacity": 1}),
-                            ("Cavitary lesion in the left apex.", {"Lung Lesion": 1})],
+    "lung_lesion_phrases": [
+        ("Expansile lesion of the right posterior rib.", {}),
+        ("Nodular opacity in the right midlung.", {"Lung Lesion": 1, "Lung Opacity": 1}),
+        ("Cavitary lesion in the left apex.", {"Lung Lesion": 1}),
+    ],
     "aspiration_not_pneumonia": [("Recurrent aspiration.", {"No Finding": N})],
     "blunting_not_effusion": [("Blunting of the left costophrenic angle.", {"No Finding": N})],
-    "lung_opacity_phrases": [("Apical scarring in both lungs.", {"Lung Opacity": 1}),
-                             ("Coarse interstitial markings at both bases.", {"Lung Opacity": 1})],
+    "lung_opacity_phrases": [
+        ("Apical scarring in both lungs.", {"Lung Opacity": 1}),
+        ("Coarse interstitial markings at both bases.", {"Lung Opacity": 1}),
+    ],
     "pleural_other_fibrosis": [("Mild pulmonary fibrosis.", {"Pleural Other": 1})],
     "history_of": [("History of pneumonia.", {"Pneumonia": 0})],
     "has_cleared": [("The left basilar atelectasis has cleared.", {"Atelectasis": 0})],
     "not_well_seen": [("The right lower lobe nodule is not well seen today.", {"Lung Lesion": -1})],
     "consideration": [("Atypical pneumonia is another consideration.", {"Pneumonia": -1})],
     "correlate_clinically_for": [("Correlate clinically for pneumonia.", {"Pneumonia": -1})],
-    "suggestion_maybe_favoring": [("There is a suggestion of a small left effusion.", {"Pleural Effusion": -1}),
-                                  ("Maybe early pneumonia.", {"Pneumonia": -1}),
-                                  ("Streaky opacity favoring atelectasis.", {"Lung Opacity": 1, "Atelectasis": -1})],
+    "suggestion_maybe_favoring": [
+        ("There is a suggestion of a small left effusion.", {"Pleural Effusion": -1}),
+        ("Maybe early pneumonia.", {"Pneumonia": -1}),
+        ("Streaky opacity favoring atelectasis.", {"Lung Opacity": 1, "Atelectasis": -1}),
+    ],
     "suspected_after": [("Tiny bilateral effusions suspected.", {"Pleural Effusion": -1})],
-    "question_suspicion": [("Question small left pleural effusion.", {"Pleural Effusion": -1}),
-                           ("Suspicion for a small right pneumothorax.", {"Pneumothorax": -1})],
+    "question_suspicion": [
+        ("Question small left pleural effusion.", {"Pleural Effusion": -1}),
+        ("Suspicion for a small right pneumothorax.", {"Pneumothorax": -1}),
+    ],
     "suggesting": [("Patchy opacity suggesting pneumonia.", {"Lung Opacity": 1, "Pneumonia": -1})],
     "difficult_to_completely_exclude": [("It is difficult to completely exclude pneumonia.", {"Pneumonia": -1})],
     "vs_period_ends_no_clause": [("Cannot exclude atelectasis vs. pneumonia.", {"Atelectasis": -1, "Pneumonia": -1})],
@@ -135,8 +178,11 @@ RULES = {
 }
 
 
-@pytest.mark.parametrize("rule,text,labels", [(r, t, l) for r, cases in RULES.items() for t, l in cases],
-                         ids=[f"{r}-{i}" for r, cases in RULES.items() for i in range(len(cases))])
+@pytest.mark.parametrize(
+    "rule,text,labels",
+    [(r, t, l) for r, cases in RULES.items() for t, l in cases],
+    ids=[f"{r}-{i}" for r, cases in RULES.items() for i in range(len(cases))],
+)
 def test_rule(rule, text, labels):
     test_real_style_sentences(text, labels)
 
@@ -156,7 +202,9 @@ def same(a, b):
 def test_real_style_sentences(text, labels):
     got = RuleLabeler()([text])[0]
     want = expected_vector(labels)
-    assert same(got, want), {n: (g, w) for n, g, w in zip(CHEXPERT_LABELS, got, want) if not same(np.array(g), np.array(w))}
+    assert same(got, want), {
+        n: (g, w) for n, g, w in zip(CHEXPERT_LABELS, got, want) if not same(np.array(g), np.array(w))
+    }
 
 
 def test_real_style_set_is_large_enough():
@@ -164,8 +212,12 @@ def test_real_style_set_is_large_enough():
 
 
 def test_no_finding_rule_ignores_support_devices():
-    labels = RuleLabeler()(["Endotracheal tube in standard position. No pneumothorax.",
-                            "Endotracheal tube in standard position. Small pneumothorax."])
+    labels = RuleLabeler()(
+        [
+            "Endotracheal tube in standard position. No pneumothorax.",
+            "Endotracheal tube in standard position. Small pneumothorax.",
+        ]
+    )
     assert labels[0, LABEL_INDEX["No Finding"]] == 1
     assert np.isnan(labels[1, LABEL_INDEX["No Finding"]])
 
@@ -193,24 +245,47 @@ def test_labels_every_synthetic_report_exactly():
     assert not wrong, wrong[:5]
 
 
-GOLD_HEADER = ["id", "report", "Atelectasis", "Cardiomegaly", "Effusion", "Infiltration", "Mass", "Nodule", "Pneumonia",
-               "Pneumothorax", "Consolidation", "Edema", "Emphysema", "Fibrosis", "Pleural_Thickening", "Hernia", "normal"]
+GOLD_HEADER = [
+    "id",
+    "report",
+    "Atelectasis",
+    "Cardiomegaly",
+    "Effusion",
+    "Infiltration",
+    "Mass",
+    "Nodule",
+    "Pneumonia",
+    "Pneumothorax",
+    "Consolidation",
+    "Edema",
+    "Emphysema",
+    "Fibrosis",
+    "Pleural_Thickening",
+    "Hernia",
+    "normal",
+]
 
 
 def write_gold(path, rows):
     with open(path, "w", newline="") as f:
-        csv.writer(f).writerows([GOLD_HEADER] + [[f"CXR{i}", text] + [int(c in marked) for c in GOLD_HEADER[2:]]
-                                                 for i, (text, marked) in enumerate(rows)])
+        csv.writer(f).writerows(
+            [GOLD_HEADER]
+            + [[f"CXR{i}", text] + [int(c in marked) for c in GOLD_HEADER[2:]] for i, (text, marked) in enumerate(rows)]
+        )
 
 
 def test_labels_command_against_a_gold_csv(tmp_path, capsys):
-    write_gold(tmp_path / "gold.csv", [
-        ("Mild cardiomegaly. Small left pleural effusion.", {"Cardiomegaly", "Effusion"}),
-        ("Heart size is normal. Lungs are clear.", {"normal"}),
-        ("Possible right lower lobe pneumonia. A 1 cm nodule in the left lung.", {"Nodule"}),  # uncertain: absent
-        ("Left basilar atelectasis. No pneumothorax.", {"Atelectasis", "Pneumothorax"}),  # we miss Pneumothorax
-        ("No acute disease. Thoracic spondylosis.", {"normal"}),  # we: an abnormal finding, not No Finding
-        ("Stable mild edema.", set())])  # we: Edema the gold does not mark
+    write_gold(
+        tmp_path / "gold.csv",
+        [
+            ("Mild cardiomegaly. Small left pleural effusion.", {"Cardiomegaly", "Effusion"}),
+            ("Heart size is normal. Lungs are clear.", {"normal"}),
+            ("Possible right lower lobe pneumonia. A 1 cm nodule in the left lung.", {"Nodule"}),  # uncertain: absent
+            ("Left basilar atelectasis. No pneumothorax.", {"Atelectasis", "Pneumothorax"}),  # we miss Pneumothorax
+            ("No acute disease. Thoracic spondylosis.", {"normal"}),  # we: an abnormal finding, not No Finding
+            ("Stable mild edema.", set()),
+        ],
+    )  # we: Edema the gold does not mark
     out = reproduce.gold_agreement(tmp_path / "gold.csv", RuleLabeler())
     # by hand: TP Atelectasis, Cardiomegaly, Effusion, Lung Lesion (4); FP Edema (1); FN Pneumothorax (1)
     for name in ("Atelectasis", "Cardiomegaly", "Pleural Effusion", "Lung Lesion"):
@@ -225,7 +300,9 @@ def test_labels_command_against_a_gold_csv(tmp_path, capsys):
     reproduce.main(["labels", "--gold", str(tmp_path / "gold.csv")])
     printed = capsys.readouterr().out
     assert "micro F1 over the 8 findings: 0.800" in printed and "No Finding on 16.7% of 6 reports" in printed
-    assert [line.split()[1:] for line in printed.splitlines() if line.startswith("Edema")] == [["0.000"] * 3 + ["0", "1"]]
+    assert [line.split()[1:] for line in printed.splitlines() if line.startswith("Edema")] == [
+        ["0.000"] * 3 + ["0", "1"]
+    ]
 
 
 def test_labels_command_names_the_bad_column(tmp_path):
@@ -244,6 +321,7 @@ def test_labels_command_names_the_bad_column(tmp_path):
 @pytest.mark.slow
 def test_speed_at_least_2000_reports_per_second():
     import torch
+
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     reports = []

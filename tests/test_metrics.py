@@ -4,6 +4,7 @@ NLG: parity with pycocoevalcap (Bleu, Rouge, Cider, Meteor) and small values wor
 by hand. CE: hand-computed values and scikit-learn. The speed benchmark is marked slow:
     python -m pytest tests/test_metrics.py -m slow -s
 """
+
 import logging
 import math
 import random
@@ -46,8 +47,16 @@ SENTENCES = [
     "hilar contours are normal .",
     "there are low lung volumes with mild bibasilar atelectasis .",
 ]
-SWAPS = {"left": "right", "right": "left", "mild": "moderate", "moderate": "severe",
-         "small": "large", "no": "a", "normal": "enlarged", "is": "was"}
+SWAPS = {
+    "left": "right",
+    "right": "left",
+    "mild": "moderate",
+    "moderate": "severe",
+    "small": "large",
+    "no": "a",
+    "normal": "enlarged",
+    "is": "was",
+}
 
 
 def make_report(rng: random.Random) -> str:
@@ -72,16 +81,16 @@ def make_pairs(n: int, seed: int = 0):
 
 # Pairs that stress the corners of the reference code
 EDGE_HYPS = [
-    "the heart is normal",                 # identical to its reference
-    "normal",                              # one token vs a long reference
-    "the the the the the",                 # repeated words: clipping
-    "no effusion no effusion",             # repeated bigram
-    "a b c d e",                           # longer than its reference: no brevity penalty
-    "lungs are clear",                     # shorter than its reference
-    "",                                    # empty hypothesis
+    "the heart is normal",  # identical to its reference
+    "normal",  # one token vs a long reference
+    "the the the the the",  # repeated words: clipping
+    "no effusion no effusion",  # repeated bigram
+    "a b c d e",  # longer than its reference: no brevity penalty
+    "lungs are clear",  # shorter than its reference
+    "",  # empty hypothesis
     "heart size normal .\nlungs clear .",  # newline inside a report
-    "pneumothorax",                        # one token, identical reference
-    "x y",                                 # no overlap at all
+    "pneumothorax",  # one token, identical reference
+    "x y",  # no overlap at all
 ]
 EDGE_REFS = [
     "the heart is normal",
@@ -105,7 +114,7 @@ def parity_set():
 def as_coco(hyps, refs):
     """pycocoevalcap input: {id: [text]}; texts one line, single-spaced (its ROUGE
     splits on ' ' only and its METEOR breaks on newlines)."""
-    norm = lambda t: " ".join(t.split())  # noqa: E731
+    norm = lambda t: " ".join(t.split())
     gts = {i: [norm(r)] for i, r in enumerate(refs)}
     res = {i: [norm(h)] for i, h in enumerate(hyps)}
     return gts, res
@@ -116,6 +125,7 @@ def coco_scores(hyps, refs):
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
     from pycocoevalcap.rouge.rouge import Rouge
+
     gts, res = as_coco(hyps, refs)
     corpus, each = {}, {}
     bleu, bleu_each = Bleu(4).compute_score(gts, res, verbose=0)
@@ -154,6 +164,7 @@ def test_parity_small_corpora():
 def test_meteor_equals_pycocoevalcap(monkeypatch):
     pytest.importorskip("pycocoevalcap")
     from pycocoevalcap.meteor.meteor import Meteor
+
     monkeypatch.setenv("RRG_METEOR", "1")
     hyps, refs = parity_set()
     hyps, refs = hyps[:60] + hyps[-10:], refs[:60] + refs[-10:]
@@ -172,8 +183,9 @@ def test_bleu_by_hand():
     # Pair 2: "no effusion" vs "no pleural effusion"
     #   1-grams 2/2, 2-grams 0/1 ("no effusion" is not in the reference), no 3/4-grams
     # Corpus: p1 = 6/6, p2 = 3/4, p3 = 2/2, p4 = 1/1; c = 6, r = 8, BP = exp(1 - 8/6)
-    out = nlg_metrics(["the heart is normal", "no effusion"],
-                      ["the heart is normal size", "no pleural effusion"], meteor=False)
+    out = nlg_metrics(
+        ["the heart is normal", "no effusion"], ["the heart is normal size", "no pleural effusion"], meteor=False
+    )
     bp = math.exp(1 - 8 / 6)
     expected = [1.0 * bp, (0.75) ** (1 / 2) * bp, (0.75) ** (1 / 3) * bp, (0.75) ** (1 / 4) * bp]
     for k in range(4):
@@ -183,8 +195,7 @@ def test_bleu_by_hand():
 def test_rouge_l_by_hand():
     # LCS("no acute cardiopulmonary process", "no acute process seen here") = 3
     # P = 3/4, R = 3/5, F = (1 + 1.2^2) P R / (R + 1.2^2 P) = 1.098 / 1.68
-    out = nlg_metrics(["no acute cardiopulmonary process"], ["no acute process seen here"],
-                      meteor=False)
+    out = nlg_metrics(["no acute cardiopulmonary process"], ["no acute process seen here"], meteor=False)
     assert out["ROUGE-L"] == pytest.approx(1.098 / 1.68, rel=1e-12)
 
 
@@ -227,7 +238,7 @@ def test_identical_and_empty():
     assert ps["BLEU-4"][0] == pytest.approx(1.0, abs=1e-6)
     assert ps["ROUGE-L"][0] == pytest.approx(1.0)
     for key in NLG_KEYS:
-        assert ps[key][1] == 0.0, key       # empty hypothesis: 0, not NaN
+        assert ps[key][1] == 0.0, key  # empty hypothesis: 0, not NaN
         assert all(math.isfinite(v) for v in ps[key]), key
     # Both empty: 0 everywhere (pycocoevalcap's ROUGE-L would say 1.0, see the code)
     out = nlg_metrics(["", "a b"], ["", "a b"], meteor=False, per_sample=True)
@@ -272,10 +283,10 @@ def labels(rows: list[dict]) -> np.ndarray:
     return out
 
 
-REF = labels([{"Cardiomegaly": 1, "Edema": 1}, {"No Finding": 1},
-              {"Pleural Effusion": -1, "Atelectasis": 1}])
-HYP = labels([{"Cardiomegaly": 1, "Edema": 0}, {"No Finding": 1, "Cardiomegaly": np.nan},
-              {"Pleural Effusion": 1, "Edema": 1}])
+REF = labels([{"Cardiomegaly": 1, "Edema": 1}, {"No Finding": 1}, {"Pleural Effusion": -1, "Atelectasis": 1}])
+HYP = labels(
+    [{"Cardiomegaly": 1, "Edema": 0}, {"No Finding": 1, "Cardiomegaly": np.nan}, {"Pleural Effusion": 1, "Edema": 1}]
+)
 
 
 def test_ce_by_hand_uncertain_positive():
@@ -318,6 +329,7 @@ def test_ce_by_hand_uncertain_negative():
 
 def test_ce_matches_sklearn():
     from sklearn.metrics import precision_recall_fscore_support as prfs
+
     rng = np.random.default_rng(0)
     values = np.array([1.0, 0.0, -1.0, np.nan])
     hyp = rng.choice(values, size=(300, 14), p=[0.15, 0.3, 0.05, 0.5])
@@ -330,15 +342,18 @@ def test_ce_matches_sklearn():
         for avg in ("micro", "macro", "samples"):
             p, r, f, _ = prfs(y_true, y_pred, average=avg, zero_division=0)
             name = "example" if avg == "samples" else avg
-            assert (out[f"{name}_precision"], out[f"{name}_recall"], out[f"{name}_f1"]) == \
-                pytest.approx((p, r, f), abs=1e-12), (u, avg)
+            assert (out[f"{name}_precision"], out[f"{name}_recall"], out[f"{name}_f1"]) == pytest.approx(
+                (p, r, f), abs=1e-12
+            ), (u, avg)
         p, r, f, s = prfs(y_true, y_pred, average=None, zero_division=0)
         for i, name in enumerate(CHEXPERT_LABELS):
             got = out["per_label"][name]
             assert (got["precision"], got["recall"], got["f1"]) == pytest.approx((p[i], r[i], f[i]))
             assert got["support"] == s[i]
-        cols = [CHEXPERT_LABELS.index(n) for n in
-                ["Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion"]]
+        cols = [
+            CHEXPERT_LABELS.index(n)
+            for n in ["Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion"]
+        ]
         p, r, f, _ = prfs(y_true[:, cols], y_pred[:, cols], average="micro", zero_division=0)
         assert out["5label_micro_f1"] == pytest.approx(f, abs=1e-12)
         assert out["5label_micro_precision"] == pytest.approx(p, abs=1e-12)
@@ -356,8 +371,10 @@ def test_benchmark_vs_pycocoevalcap():
     start = time.perf_counter()
     corpus, _ = coco_scores(hyps, refs)
     t_coco = time.perf_counter() - start
-    print(f"\n4000 pairs, {words:.1f} words per report on average: ours {t_ours:.2f} s, "
-          f"pycocoevalcap Bleu(4)+Rouge()+Cider() {t_coco:.2f} s, speed-up {t_coco / t_ours:.1f}x")
+    print(
+        f"\n4000 pairs, {words:.1f} words per report on average: ours {t_ours:.2f} s, "
+        f"pycocoevalcap Bleu(4)+Rouge()+Cider() {t_coco:.2f} s, speed-up {t_coco / t_ours:.1f}x"
+    )
     for key in NLG_KEYS:
         assert ours[key] == pytest.approx(corpus[key], abs=TOL, rel=0), key
     # 3.3x on a quiet 2-core machine; a shared machine moves both timings, so only a generous bound

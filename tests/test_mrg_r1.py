@@ -1,5 +1,6 @@
 """MRG-R1: MCCS (Eq. 3-6) and the format reward by hand, Eq. 2's advantages, the Table II reward rows,
 what one training step feeds Eq. 1's loss, and end-to-end runs (tiny model, torchrun, resume, Qwen)."""
+
 import json
 import math
 import re
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 import common
-from conftest import Crash, labels, metrics_rows, torchrun, fake_eval
 import mrg_r1
+from conftest import Crash, fake_eval, labels, metrics_rows, torchrun
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
 L = common.LABEL_INDEX
@@ -40,18 +41,21 @@ def test_mccs_by_hand():
     assert mccs(labels(), labels(Edema=1), -0.5)[0] == pytest.approx(0.5 / 1.5)
 
 
-@pytest.mark.parametrize("text, score", [
-    ("<think> effusion </think> <report> Small effusion. </report>", 1.0),
-    ("<think>a</think>\n<report>b</report>\n", 1.0),
-    ("<think> </think> <report> Small effusion. </report>", 0.5),  # empty think: minor
-    ("Sure. <think> a </think> <report> b </report>", 0.5),  # text outside: minor
-    ("<think> a </think> extra <report> b </report>", 0.5),  # text between: minor
-    ("<think> a </think> <report> </report>", 0.0),  # empty report
-    ("<report> b </report> <think> a </think>", 0.0),  # wrong order
-    ("<think> a </think> <report> b", 0.0),  # unbalanced
-    ("<think> a </think> <think> a </think> <report> b </report>", 0.0),  # repeated
-    ("Small effusion.", 0.0),
-])
+@pytest.mark.parametrize(
+    "text, score",
+    [
+        ("<think> effusion </think> <report> Small effusion. </report>", 1.0),
+        ("<think>a</think>\n<report>b</report>\n", 1.0),
+        ("<think> </think> <report> Small effusion. </report>", 0.5),  # empty think: minor
+        ("Sure. <think> a </think> <report> b </report>", 0.5),  # text outside: minor
+        ("<think> a </think> extra <report> b </report>", 0.5),  # text between: minor
+        ("<think> a </think> <report> </report>", 0.0),  # empty report
+        ("<report> b </report> <think> a </think>", 0.0),  # wrong order
+        ("<think> a </think> <report> b", 0.0),  # unbalanced
+        ("<think> a </think> <think> a </think> <report> b </report>", 0.0),  # repeated
+        ("Small effusion.", 0.0),
+    ],
+)
 def test_format_reward(text, score):
     assert format_reward(text, partial=0.5) == score
 
@@ -69,13 +73,19 @@ def _malformed():
         o = list(order)
         o[i], o[i + 1] = (o[i + 1][0], o[i][1]), (o[i][0], o[i + 1][1])
         out.append(("".join(t + x for t, x in o), 0.0))
-    out += [("<think> effusion </think> <report>  \n </report>", 0.0),  # empty report
-            ("<think> a <report> b </report> </think>", 0.0),  # nested: </think> after the report
-            ("<think> \n </think> <report> Small effusion. </report>", 0.3),  # empty think: minor
-            ("Sure. " + GOOD, 0.3), (GOOD + " Done.", 0.3),  # text before or after the tags: minor
-            ("<think> effusion </think> so <report> Small effusion. </report>", 0.3),  # text between: minor
-            ("Sure. <think> </think> <report> x </report> Done.", 0.3),  # several minor violations: still partial
-            ("Small effusion.", 0.0), ("", 0.0), (GOOD, 1.0), ("\n<think>a</think><report>b</report>\n", 1.0)]
+    out += [
+        ("<think> effusion </think> <report>  \n </report>", 0.0),  # empty report
+        ("<think> a <report> b </report> </think>", 0.0),  # nested: </think> after the report
+        ("<think> \n </think> <report> Small effusion. </report>", 0.3),  # empty think: minor
+        ("Sure. " + GOOD, 0.3),
+        (GOOD + " Done.", 0.3),  # text before or after the tags: minor
+        ("<think> effusion </think> so <report> Small effusion. </report>", 0.3),  # text between: minor
+        ("Sure. <think> </think> <report> x </report> Done.", 0.3),  # several minor violations: still partial
+        ("Small effusion.", 0.0),
+        ("", 0.0),
+        (GOOD, 1.0),
+        ("\n<think>a</think><report>b</report>\n", 1.0),
+    ]
     return out
 
 
@@ -87,7 +97,9 @@ def test_format_reward_every_malformation(text, score):
 def test_extract_report():
     assert extract_report("<think> x </think> <report> Small effusion. </report>") == "Small effusion."
     assert extract_report("Small effusion.") == ""
-    assert extract_report("<report>\nSmall effusion.\nNo pneumothorax.\n</report>") == "Small effusion.\nNo pneumothorax."
+    assert (
+        extract_report("<report>\nSmall effusion.\nNo pneumothorax.\n</report>") == "Small effusion.\nNo pneumothorax."
+    )
     assert extract_report("<report> a </report> <report> b </report>") == "a"  # the first one
     assert extract_report("<think> x </think> <report> unclosed") == "" and extract_report("<report></report>") == ""
 
@@ -100,7 +112,9 @@ def test_eq2_advantages_population_std_eps_inside():
     # a group whose spread is below eps: eps inside the root dominates. Mean 2.5e-4, population variance 1.875e-7:
     # A = (-2.5e-4, 7.5e-4, -2.5e-4, -2.5e-4) / sqrt(1.875e-7 + 1e-6), not / (sqrt(1.875e-7) + 1e-6) (2.5 times larger)
     A = grpo_advantages(torch.tensor([0.0, 1e-3, 0.0, 0.0], dtype=torch.float64), 4, eps=1e-6)
-    torch.testing.assert_close(A, torch.tensor([-2.5e-4, 7.5e-4, -2.5e-4, -2.5e-4], dtype=torch.float64) / math.sqrt(1.1875e-6))
+    torch.testing.assert_close(
+        A, torch.tensor([-2.5e-4, 7.5e-4, -2.5e-4, -2.5e-4], dtype=torch.float64) / math.sqrt(1.1875e-6)
+    )
 
 
 def test_table_ii_rows_by_hand():
@@ -110,16 +124,24 @@ def test_table_ii_rows_by_hand():
     r, terms = mrg_r1.total_reward([tagged, bare], ref * 2, lab, mrg_r1.Args(margin=0.0))
     np.testing.assert_allclose(r, [0.75 * 1 + 0.25 * 1, 0.0])  # the bare answer has no <report>: scored ""
     assert terms == {"reward_mccs": pytest.approx(0.5), "reward_format": 0.5}
-    assert mrg_r1.total_reward([bare], ref, lab, mrg_r1.Args(reward="mccs", margin=0.0))[0] == pytest.approx([1.0])  # no tags
+    assert mrg_r1.total_reward([bare], ref, lab, mrg_r1.Args(reward="mccs", margin=0.0))[0] == pytest.approx(
+        [1.0]
+    )  # no tags
     assert mrg_r1.total_reward([tagged], ref, lab, mrg_r1.Args(reward="format"))[0] == pytest.approx([1.0])
     # CE-F1: positives {Edema, Lung Opacity} vs {Edema}: 2 x 1 / (2 + 1)
     two = "Mild pulmonary edema. Hazy left lung opacity."
     assert mrg_r1.total_reward([two], ref, lab, mrg_r1.Args(reward="ce_f1"))[0] == pytest.approx([2 / 3])
-    r, _ = mrg_r1.total_reward([f"<think> a </think> <report> {two} </report>"], ref, lab, mrg_r1.Args(reward="ce_f1+format"))
+    r, _ = mrg_r1.total_reward(
+        [f"<think> a </think> <report> {two} </report>"], ref, lab, mrg_r1.Args(reward="ce_f1+format")
+    )
     assert r == pytest.approx([0.75 * 2 / 3 + 0.25])
     # clinical 1 with format 0.5 (text outside the tags): 0.75 x 1 + 0.25 x 0.5, and the reverse
-    r, terms = mrg_r1.total_reward(["Sure. " + tagged, "<think> x </think> <report> No pleural effusion. </report>"],
-                                   ref * 2, lab, mrg_r1.Args(margin=0.0))
+    r, terms = mrg_r1.total_reward(
+        ["Sure. " + tagged, "<think> x </think> <report> No pleural effusion. </report>"],
+        ref * 2,
+        lab,
+        mrg_r1.Args(margin=0.0),
+    )
     np.testing.assert_allclose(r, [0.75 + 0.25 * 0.5, 0.25])  # the second: MCCS 0 (no shared finding), format 1
 
 
@@ -148,19 +170,31 @@ def test_cider_with_document_frequencies_of_a_fixed_corpus():
 
 
 def test_split_views_and_warm_start_targets():
-    two, one = common.Record("s1", ["/f.png", "/l.png"], "Normal.", "train"), common.Record("s2", ["/x.png"], "Edema.", "train")
+    two, one = (
+        common.Record("s1", ["/f.png", "/l.png"], "Normal.", "train"),
+        common.Record("s2", ["/x.png"], "Edema.", "train"),
+    )
     assert [(r.id, r.image_paths) for r in mrg_r1.split_views([two, one])] == [
-        ("s1_v0", ["/f.png"]), ("s1_v1", ["/l.png"]), ("s2", ["/x.png"])]
+        ("s1_v0", ["/f.png"]),
+        ("s1_v1", ["/l.png"]),
+        ("s2", ["/x.png"]),
+    ]
     lab = torch.full((2, 14), float("nan"))
     lab[0, L["Cardiomegaly"]] = 1.0  # a labelled record keeps its labels; the other is labelled by the labeler
     batch = {"report": ["Heart size is normal.", "Mild pulmonary edema."], "labels": lab}
     assert mrg_r1.warm_start_targets(batch, common.RuleLabeler(), tags=True) == [
         "<think> cardiomegaly </think> <report> Heart size is normal. </report>",
-        "<think> edema </think> <report> Mild pulmonary edema. </report>"]
+        "<think> edema </think> <report> Mild pulmonary edema. </report>",
+    ]
     assert mrg_r1.warm_start_targets(batch, common.RuleLabeler(), tags=False) == batch["report"]
-    lab[0, L["Pleural Effusion"]], lab[0, L["Edema"]] = -1.0, 0.0  # uncertain is a finding to reason about, negative not
-    assert mrg_r1.warm_start_targets(batch, common.RuleLabeler(), tags=True)[0] == \
-        "<think> cardiomegaly, pleural effusion </think> <report> Heart size is normal. </report>"
+    lab[0, L["Pleural Effusion"]], lab[0, L["Edema"]] = (
+        -1.0,
+        0.0,
+    )  # uncertain is a finding to reason about, negative not
+    assert (
+        mrg_r1.warm_start_targets(batch, common.RuleLabeler(), tags=True)[0]
+        == "<think> cardiomegaly, pleural effusion </think> <report> Heart size is normal. </report>"
+    )
 
 
 @pytest.fixture
@@ -178,34 +212,58 @@ def test_one_step_feeds_eq1_the_paper_quantities(tmp_path, small_synthetic, fast
     a tagged report: the study's own reference, or another training report (MCCS between 0 and 1, not only 0)."""
     seen, rolls, micro = [], [], []
     pool = [r.report for r in common.load_data(str(small_synthetic))["train"]]
-    answers = lambda n: micro[-1]["report"][n // 4] if n % 4 == 1 else pool[n]  # noqa: E731
+    answers = lambda n: micro[-1]["report"][n // 4] if n % 4 == 1 else pool[n]
     real_decode = common.TinyPolicy.decode
-    monkeypatch.setattr(common.TinyPolicy, "decode", lambda self, *a: [
-        f"<think> x </think> <report> {answers(n)} </report>" if n % 2 else t for n, t in enumerate(real_decode(self, *a))])
+    monkeypatch.setattr(
+        common.TinyPolicy,
+        "decode",
+        lambda self, *a: [
+            f"<think> x </think> <report> {answers(n)} </report>" if n % 2 else t
+            for n, t in enumerate(real_decode(self, *a))
+        ],
+    )
     real_loss, real_rollout, real_split = common.grpo_loss, common.rollout, common.split_batch
     monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen.append((a, k)) or real_loss(*a, **k))
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
-    monkeypatch.setattr(common, "split_batch", lambda *a: micro.extend(real_split(*a)) or micro[-len(real_split(*a)):])
+    monkeypatch.setattr(common, "split_batch", lambda *a: micro.extend(real_split(*a)) or micro[-len(real_split(*a)) :])
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)  # not under test
-    mrg_r1.main(["--data", str(small_synthetic), "--out", str(tmp_path / "run"), "--steps", "1", "--sft-steps", "40",
-                 "--margin", "0.25"] + fast)
+    mrg_r1.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--out",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--sft-steps",
+            "40",
+            "--margin",
+            "0.25",
+        ]
+        + fast
+    )
     (logp, old, ref_logp, A, mask), kw = seen[0]
     roll, G = rolls[0], 4
     references = [micro[0]["report"][n // G] for n in range(len(roll.texts))]  # completion n answers study n // G
     lab = common.RuleLabeler()
     keep = [i for i, name in enumerate(common.CHEXPERT_LABELS) if name != "No Finding"]
-    inside = [m.group(1).strip() if (m := re.search("<report>(.*?)</report>", t, re.S)) else "" for t in roll.texts]
-    z, zr = (np.select([x == 1, x == -1, x == 0], [1.0, 1.0, -1.0], 0.0)
-             for x in (lab(inside)[:, keep], lab(references)[:, keep]))
+    inside = [m.group(1).strip() if (m := re.search("<report>(.*?)</report>", t, re.DOTALL)) else "" for t in roll.texts]
+    z, zr = (
+        np.select([x == 1, x == -1, x == 0], [1.0, 1.0, -1.0], 0.0)
+        for x in (lab(inside)[:, keep], lab(references)[:, keep])
+    )
     cos = (z * zr).sum(1) / ((np.linalg.norm(z, axis=1) + 1e-8) * (np.linalg.norm(zr, axis=1) + 1e-8))
 
     def fmt(t):  # Sec. III-B1 written out: each tag once, in order; 0.5 for text outside / between or an empty think
-        m = re.fullmatch(r"(.*)<think>(.*)</think>(.*)<report>(.*)</report>(.*)", t, re.S)
+        m = re.fullmatch(r"(.*)<think>(.*)</think>(.*)<report>(.*)</report>(.*)", t, re.DOTALL)
         if not m or any(t.count(tag) != 1 for tag in mrg_r1.TAGS) or not m.group(4).strip():
             return 0.0
         return 1.0 if m.group(2).strip() and not (m.group(1) + m.group(3) + m.group(5)).strip() else 0.5
+
     mccs = np.maximum((cos - 0.25) / 0.75, 0)
-    np.testing.assert_allclose(roll.rewards.numpy(), 0.75 * mccs + 0.25 * np.array([fmt(t) for t in roll.texts]), atol=1e-6)
+    np.testing.assert_allclose(
+        roll.rewards.numpy(), 0.75 * mccs + 0.25 * np.array([fmt(t) for t in roll.texts]), atol=1e-6
+    )
     assert mccs.max() > 0 and roll.rewards.std() > 0  # a clinical reward that varies reached the loss
     c = roll.rewards.view(-1, G) - roll.rewards.view(-1, G).mean(1, keepdim=True)
     torch.testing.assert_close(A, (c / torch.sqrt(c.pow(2).mean(1, keepdim=True) + 1e-6)).flatten())
@@ -225,13 +283,14 @@ def test_policy_gradient_raises_the_best_completion(small_synthetic):
     texts = [" ".join(words[:n]) for n in (2, 5, 9, 3)]
     ids, mask = policy.encode_targets(texts)
     roll = common.Rollout(prompts, ids, mask, texts, torch.tensor([0.0, 1.0, 0.25, 0.5]), None)
-    seq_logp = lambda: (policy.completion_logprobs(prompts, ids, mask) * mask).sum(1)  # noqa: E731
+    seq_logp = lambda: (policy.completion_logprobs(prompts, ids, mask) * mask).sum(1)
     args = mrg_r1.Args(beta=0.0)
 
     def grads(loss):
         policy.model.zero_grad(set_to_none=True)
         loss.backward()
         return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+
     A = grpo_advantages(roll.rewards, 4)
     g_step = grads(mrg_r1.grpo_step(policy, roll, args, 16)[0])
     torch.testing.assert_close(g_step, grads(-(A * seq_logp()).sum() / (4 * 16)))
@@ -269,14 +328,30 @@ def test_lr_zero_is_zero(tmp_path, small_synthetic, fast):
     mrg_r1.main(flags + ["--out", str(tmp_path / "base"), "--steps", "0"])
     mrg_r1.main(flags + ["--out", str(tmp_path / "lr0"), "--steps", "2", "--lr", "0"])
     assert all(json.loads(x)["lr"] == 0 for x in (tmp_path / "lr0" / "metrics.jsonl").read_text().splitlines())
-    base, lr0 = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("base", "lr0"))
+    base, lr0 = (
+        torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("base", "lr0")
+    )
     assert all(torch.equal(base[k], lr0[k]) for k in base)
 
 
 def test_bad_input_is_one_line(tmp_path, small_synthetic, capsys):
     with pytest.raises(SystemExit, match="^error: .*studies per process / --grad-accum: 2 is not divisible by 3"):
-        mrg_r1.main(["--data", str(small_synthetic), "--out", str(tmp_path / "a"), "--prompts-per-step", "2",
-                     "--grad-accum", "3", "--sft-steps", "0", "--steps", "1"])
+        mrg_r1.main(
+            [
+                "--data",
+                str(small_synthetic),
+                "--out",
+                str(tmp_path / "a"),
+                "--prompts-per-step",
+                "2",
+                "--grad-accum",
+                "3",
+                "--sft-steps",
+                "0",
+                "--steps",
+                "1",
+            ]
+        )
     with pytest.raises(SystemExit, match="^error: annotation file not found"):
         mrg_r1.main(["--data", str(tmp_path / "nothing.json"), "--out", str(tmp_path / "b")])
     assert not (tmp_path / "b").exists()  # nothing written before the inputs are checked
@@ -295,15 +370,30 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, mo
     with pytest.raises(SystemExit, match="--margin 0.5 in the run, 0.3 now"):
         mrg_r1.main(flags + ["--out", str(tmp_path / "part"), "--resume", "--margin", "0.3"])
     mrg_r1.main(flags + ["--out", str(tmp_path / "part"), "--resume"])
-    full, part = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("full", "part"))
+    full, part = (
+        torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("full", "part")
+    )
     assert all(torch.equal(full[k], part[k]) for k in full)
     assert metrics_rows(tmp_path / "full" / "metrics.jsonl") == metrics_rows(tmp_path / "part" / "metrics.jsonl")
 
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):
     out = tmp_path / "ddp"  # --prompts-per-step counts studies over all ranks: 2 per rank, 8 completions each
-    torchrun("mrg_r1.py", "--data", str(small_synthetic), "--steps", "2", "--sft-steps", "2", "--prompts-per-step", "4",
-             "--max-new-tokens", "8", "--out", str(out))
+    torchrun(
+        "mrg_r1.py",
+        "--data",
+        str(small_synthetic),
+        "--steps",
+        "2",
+        "--sft-steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+    )
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
@@ -316,8 +406,28 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, fast, monke
     rolls, real_rollout = [], common.rollout
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
     out = tmp_path / "hf"  # 64 x 64 views: 4 x 4 patches of 14 px at the default, 2 x 2 under --max-pixels 28 x 28
-    mrg_r1.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--steps", "2", "--sft-steps", "2",
-                 "--max-new-tokens", "8", "--prompts-per-step", "2", "--max-pixels", "784", "--out", str(out)])
+    mrg_r1.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--model",
+            str(tiny_qwen_dir),
+            "--labeler",
+            "rule",
+            "--steps",
+            "2",
+            "--sft-steps",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--prompts-per-step",
+            "2",
+            "--max-pixels",
+            "784",
+            "--out",
+            str(out),
+        ]
+    )
     assert (rolls[0].prompts["image_grid_thw"].prod(-1) == 4).all()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["kl"] == 0.0 and all(math.isfinite(x["loss"]) for x in lines)

@@ -1,6 +1,7 @@
 """OraPO: ZRR (Eq. 8-9) on a hand-made z sequence and lambda (Eq. 10) by hand, the mixed loss (Eq. 11-12) at its
 two ends and in between, a DPO step on the tiny policy, FactS (Eq. 13-15) on hand-written reports, the balanced
 subset, what one training step feeds the losses, and end-to-end runs (one process, torchrun, resume, Qwen)."""
+
 import copy
 import json
 import math
@@ -12,9 +13,16 @@ import torch
 
 import common
 import orapo
-from conftest import Crash, labels, metrics_rows, torchrun, fake_eval
-from orapo import (SentenceFacts, ZeroRewardRate, balanced_subset, facts_reward, mixing_weight, orapo_loss,
-                   zero_reward_indicator)
+from conftest import Crash, fake_eval, labels, metrics_rows, torchrun
+from orapo import (
+    SentenceFacts,
+    ZeroRewardRate,
+    balanced_subset,
+    facts_reward,
+    mixing_weight,
+    orapo_loss,
+    zero_reward_indicator,
+)
 
 L = common.LABEL_INDEX
 
@@ -33,8 +41,16 @@ def test_zrr_reacts_to_persistent_failure_and_falls_back():
         seq.append(zrr.update(["a"], np.array([float(z)]))[0])
     np.testing.assert_allclose(seq, [0.5, 0.75, 0.875, 0.4375, 0.21875])
     lam = mixing_weight(np.array(seq), 0.05, 0.5, 2.0)
-    np.testing.assert_allclose(lam, [0.05 + 0.45 * 0.25, 0.05 + 0.45 * 0.5625, 0.05 + 0.45 * 0.765625,
-                                     0.05 + 0.45 * 0.19140625, 0.05 + 0.45 * 0.0478515625])
+    np.testing.assert_allclose(
+        lam,
+        [
+            0.05 + 0.45 * 0.25,
+            0.05 + 0.45 * 0.5625,
+            0.05 + 0.45 * 0.765625,
+            0.05 + 0.45 * 0.19140625,
+            0.05 + 0.45 * 0.0478515625,
+        ],
+    )
     assert lam[2] > 0.38 and lam[3] < 0.14 and lam[4] < 0.075  # up within 3 failures, back near 0.05 within 2 successes
 
 
@@ -52,17 +68,25 @@ def test_zrr_first_visit_starts_from_the_minibatch_rate():
 
 def test_table6_values_are_the_defaults():
     """Table 6 (arXiv v2): EMA momentum 0.5, w_min 0.05, w_max 0.15, sharpening exponent 2."""
-    assert (orapo.ZRR_MOMENTUM, orapo.Args().lambda_min, orapo.Args().lambda_max, orapo.ZRR_POWER) == (0.5, 0.05, 0.15, 2.0)
+    assert (orapo.ZRR_MOMENTUM, orapo.Args().lambda_min, orapo.Args().lambda_max, orapo.ZRR_POWER) == (
+        0.5,
+        0.05,
+        0.15,
+        2.0,
+    )
 
 
-@pytest.mark.parametrize("m, expected, minibatch", [
-    # Eq. 9 by hand. Step 1 (a, b) z (1, 0); step 2 (a, c) z (1, 1), c new; step 3 (b, d) z (1, 0), d new.
-    # m 0.9: a 0.9 x 0 + 0.1 = 0.1, b 0; rate 0.1 x 0.5 = 0.05 | a 0.9 x 0.1 + 0.1 = 0.19, c 0.9 x 0.05 + 0.1 = 0.145;
-    #        rate 0.9 x 0.05 + 0.1 = 0.145 | b 0.9 x 0 + 0.1 = 0.1, d 0.9 x 0.145 = 0.1305; rate 0.1305 + 0.05 = 0.1805
-    (0.9, [[0.1, 0.0], [0.19, 0.145], [0.1, 0.1305]], [0.05, 0.145, 0.1805]),
-    # m 0.2: a 0.8, b 0; rate 0.4 | a 0.16 + 0.8 = 0.96, c 0.2 x 0.4 + 0.8 = 0.88; rate 0.88 | b 0.8, d 0.176; rate 0.576
-    (0.2, [[0.8, 0.0], [0.96, 0.88], [0.8, 0.176]], [0.4, 0.88, 0.576]),
-])
+@pytest.mark.parametrize(
+    "m, expected, minibatch",
+    [
+        # Eq. 9 by hand. Step 1 (a, b) z (1, 0); step 2 (a, c) z (1, 1), c new; step 3 (b, d) z (1, 0), d new.
+        # m 0.9: a 0.9 x 0 + 0.1 = 0.1, b 0; rate 0.1 x 0.5 = 0.05 | a 0.9 x 0.1 + 0.1 = 0.19, c 0.9 x 0.05 + 0.1 = 0.145;
+        #        rate 0.9 x 0.05 + 0.1 = 0.145 | b 0.9 x 0 + 0.1 = 0.1, d 0.9 x 0.145 = 0.1305; rate 0.1305 + 0.05 = 0.1805
+        (0.9, [[0.1, 0.0], [0.19, 0.145], [0.1, 0.1305]], [0.05, 0.145, 0.1805]),
+        # m 0.2: a 0.8, b 0; rate 0.4 | a 0.16 + 0.8 = 0.96, c 0.2 x 0.4 + 0.8 = 0.88; rate 0.88 | b 0.8, d 0.176; rate 0.576
+        (0.2, [[0.8, 0.0], [0.96, 0.88], [0.8, 0.176]], [0.4, 0.88, 0.576]),
+    ],
+)
 def test_zrr_momentum_by_hand_where_m_and_1_minus_m_differ(m, expected, minibatch):
     """Eq. 9 at m != 0.5 (at 0.5, m and 1 - m are the same number), the first visit from the minibatch rate."""
     zrr, got, rates = ZeroRewardRate(m), [], []
@@ -116,8 +140,9 @@ def test_mixed_loss_is_pure_grpo_at_lambda_0(loss_type, scale):
     B, G, T = 3, 4, 5
     logp, ref, mask, chosen, ref_chosen, c_mask, rewards = _batch(B, G, T)
     A = common.group_advantages(rewards, G, scale=scale)
-    loss, _ = orapo_loss(logp, ref, A, mask, np.zeros(B), G, chosen, ref_chosen, c_mask, beta=0.04,
-                         loss_type=loss_type, max_len=8)
+    loss, _ = orapo_loss(
+        logp, ref, A, mask, np.zeros(B), G, chosen, ref_chosen, c_mask, beta=0.04, loss_type=loss_type, max_len=8
+    )
     pure, _ = common.grpo_loss(logp, None, ref, A, mask, 0.2, 0.2, 0.04, loss_type, max_completion_length=8)
     torch.testing.assert_close(loss, pure)
     g1, g_chosen = torch.autograd.grad(loss, (logp, chosen))
@@ -131,7 +156,7 @@ def test_mixed_loss_is_ln_dpo_at_lambda_1_written_out():
     A = common.group_advantages(rewards, G, scale="none")
     loss, _ = orapo_loss(logp, ref, A, mask, np.ones(B), G, chosen, ref_chosen, c_mask, dpo_beta=2.0, max_len=8)
     # Eq. 5-7 and 12 by hand: mean per-token log-ratio of the ground truth minus that of each completion
-    mean = lambda x, m: (x * m).sum(1) / m.sum(1)  # noqa: E731
+    mean = lambda x, m: (x * m).sum(1) / m.sum(1)
     c = (mean(chosen, c_mask) - mean(ref_chosen, c_mask)).repeat_interleave(G)  # (B*G,)
     h = 2.0 * (c - (mean(logp, mask) - mean(ref, mask)))
     torch.testing.assert_close(loss, -torch.nn.functional.logsigmoid(h).mean())
@@ -148,8 +173,16 @@ def test_mixed_loss_mixes_per_prompt():
     for q in range(B):
         g, c = slice(q * G, (q + 1) * G), slice(q, q + 1)
         lg, _ = common.grpo_loss(logp[g], None, ref[g], A[g], mask[g], loss_type="grpo")
-        ld, _ = common.dpo_loss(chosen[c].expand(G, -1), logp[g], ref_chosen[c].expand(G, -1), ref[g], 2.0, True,
-                                c_mask[c].expand(G, -1), mask[g])
+        ld, _ = common.dpo_loss(
+            chosen[c].expand(G, -1),
+            logp[g],
+            ref_chosen[c].expand(G, -1),
+            ref[g],
+            2.0,
+            True,
+            c_mask[c].expand(G, -1),
+            mask[g],
+        )
         parts.append((1 - lam[q]) * lg + lam[q] * ld)
     torch.testing.assert_close(loss, torch.stack(parts).mean())
     with pytest.raises(ValueError, match="chosen_logp"):
@@ -166,12 +199,25 @@ def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
     rep = policy.repeat(prompts, G)
     ids, mask = policy.generate(rep, 24)  # the rejected samples
     c_ids, c_mask = policy.encode_targets([r.report for r in records])
-    ref_logp, ref_c = orapo.ref_logprobs(policy, ref, rep, ids, mask), orapo.ref_logprobs(policy, ref, prompts, c_ids, c_mask)
+    ref_logp, ref_c = (
+        orapo.ref_logprobs(policy, ref, rep, ids, mask),
+        orapo.ref_logprobs(policy, ref, prompts, c_ids, c_mask),
+    )
     opt = torch.optim.SGD(policy.model.parameters(), lr=0.05)
-    mean = lambda x, m: (x * m).sum(1) / m.sum(1)  # noqa: E731  per-token mean log-prob (LN-DPO)
+    mean = lambda x, m: (x * m).sum(1) / m.sum(1)
     for k in range(4):
-        loss, s = orapo_loss(policy.completion_logprobs(rep, ids, mask), ref_logp, torch.zeros(2 * G), mask,
-                             np.ones(2), G, policy.completion_logprobs(prompts, c_ids, c_mask), ref_c, c_mask, max_len=24)
+        loss, s = orapo_loss(
+            policy.completion_logprobs(rep, ids, mask),
+            ref_logp,
+            torch.zeros(2 * G),
+            mask,
+            np.ones(2),
+            G,
+            policy.completion_logprobs(prompts, c_ids, c_mask),
+            ref_c,
+            c_mask,
+            max_len=24,
+        )
         if k == 0:  # the policy is its reference: margin 0, L_DPO = log 2
             assert loss.item() == pytest.approx(math.log(2), abs=1e-6) and s["dpo_margin"] == 0
         opt.zero_grad()
@@ -186,26 +232,39 @@ def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
 
 # --------------------------------------------------------------------------- Eq. 13-15
 def test_sentence_facts_split_sentences_and_contrast_clauses():
-    facts = SentenceFacts()(["Mild cardiomegaly. No pneumothorax, effusion, or consolidation; heart size 1.5 cm.",
-                             "No focal consolidation, but there is a small left effusion.", "", " . "])
-    assert facts == [["Mild cardiomegaly", "No pneumothorax, effusion, or consolidation", "heart size 1.5 cm"],
-                     ["No focal consolidation", "there is a small left effusion"], [], []]
+    facts = SentenceFacts()(
+        [
+            "Mild cardiomegaly. No pneumothorax, effusion, or consolidation; heart size 1.5 cm.",
+            "No focal consolidation, but there is a small left effusion.",
+            "",
+            " . ",
+        ]
+    )
+    assert facts == [
+        ["Mild cardiomegaly", "No pneumothorax, effusion, or consolidation", "heart size 1.5 cm"],
+        ["No focal consolidation", "there is a small left effusion"],
+        [],
+        [],
+    ]
 
 
 GT = labels(Cardiomegaly=1, Edema=1, Pleural_Effusion=0)  # two findings present, effusion ruled out
 
 
-@pytest.mark.parametrize("report, p, r", [
-    ("Mild cardiomegaly. There is mild pulmonary edema.", 1.0, 1.0),  # both found
-    ("Mild cardiomegaly.", 1.0, 0.5),  # edema missed
-    ("The heart is mildly enlarged. There is a small right pleural effusion.", 0.5, 0.5),  # effusion unsupported
-    ("No pulmonary edema. Mild cardiomegaly.", 0.5, 0.5),  # contradiction: a false positive as well as a miss
-    ("There is mild pulmonary edema. No pulmonary edema. Mild cardiomegaly.", 2 / 3, 1.0),  # self-contradiction
-    ("Possible mild cardiomegaly.", 1.0, 0.5),  # uncertain counts as claimed present
-    ("No pleural effusion.", 0.0, 0.0),  # true, but no ground-truth finding: No Finding claimed, wrongly
-    ("", 0.0, 0.0),  # empty: nothing claimed
-    (" . ;\n", 0.0, 0.0),  # punctuation only: no fact
-])
+@pytest.mark.parametrize(
+    "report, p, r",
+    [
+        ("Mild cardiomegaly. There is mild pulmonary edema.", 1.0, 1.0),  # both found
+        ("Mild cardiomegaly.", 1.0, 0.5),  # edema missed
+        ("The heart is mildly enlarged. There is a small right pleural effusion.", 0.5, 0.5),  # effusion unsupported
+        ("No pulmonary edema. Mild cardiomegaly.", 0.5, 0.5),  # contradiction: a false positive as well as a miss
+        ("There is mild pulmonary edema. No pulmonary edema. Mild cardiomegaly.", 2 / 3, 1.0),  # self-contradiction
+        ("Possible mild cardiomegaly.", 1.0, 0.5),  # uncertain counts as claimed present
+        ("No pleural effusion.", 0.0, 0.0),  # true, but no ground-truth finding: No Finding claimed, wrongly
+        ("", 0.0, 0.0),  # empty: nothing claimed
+        (" . ;\n", 0.0, 0.0),  # punctuation only: no fact
+    ],
+)
 def test_facts_reward_by_hand(report, p, r):
     f = (1 + 4) * p * r / (4 * p + r) if p + r else 0.0  # Eq. 15 with beta 2
     reward, stats = facts_reward([report], GT, SentenceFacts(), common.RuleLabeler(), 2.0)
@@ -219,27 +278,37 @@ def test_facts_reward_recall_weighting_and_no_finding():
     assert facts_reward(["Mild cardiomegaly."], GT, ex, lab, beta=2.0)[0][0] == pytest.approx(2.5 / 4.5, abs=1e-6)
     assert facts_reward(["Mild cardiomegaly."], GT, ex, lab, beta=1.0)[0][0] == pytest.approx(2 / 3, abs=1e-6)
     normal = labels(Pleural_Effusion=0, No_Finding=1)  # a normal study: No Finding is its one positive label
-    rewards, _ = facts_reward(["The lungs are clear. No pleural effusion.", "Small left pleural effusion.", "", ". ;"],
-                              np.repeat(normal, 4, 0), ex, lab)
+    rewards, _ = facts_reward(
+        ["The lungs are clear. No pleural effusion.", "Small left pleural effusion.", "", ". ;"],
+        np.repeat(normal, 4, 0),
+        ex,
+        lab,
+    )
     np.testing.assert_allclose(rewards, [1.0, 0.0, 0.0, 0.0], atol=1e-6)  # no fact claims no No Finding
 
 
 def test_llm_fact_extractor_with_a_local_model(monkeypatch):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
     words = ["<pad>", "<eos>", "<unk>", "no", "pleural", "effusion", "mild", "cardiomegaly", "report", "list", "the"]
     wl = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     wl.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=wl, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(words), n_embd=16, n_layer=1, n_head=2, n_positions=256,
-                                       eos_token_id=1, bos_token_id=1))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(words), n_embd=16, n_layer=1, n_head=2, n_positions=256, eos_token_id=1, bos_token_id=1
+        )
+    )
     monkeypatch.setattr(orapo, "FACT_TOKENS", 6)
     out = orapo.LLMFacts(model=model, tokenizer=tok)(["Mild cardiomegaly.", "", "No pleural effusion."])
     assert out[1] == [] and all(isinstance(f, str) and f for fs in out for f in fs)  # an empty report has no facts
     # the answer's lines, list markers removed: a model that answers with a fixed text
     monkeypatch.setattr(tok, "batch_decode", lambda *a, **k: ["- mild cardiomegaly\n2. no pleural effusion\n\n* \n"])
-    assert orapo.LLMFacts(model=model, tokenizer=tok)(["Mild cardiomegaly."]) == [["mild cardiomegaly", "no pleural effusion"]]
+    assert orapo.LLMFacts(model=model, tokenizer=tok)(["Mild cardiomegaly."]) == [
+        ["mild cardiomegaly", "no pleural effusion"]
+    ]
 
 
 # --------------------------------------------------------------------------- data (Sec. 4.1)
@@ -267,9 +336,13 @@ def test_balanced_subset_takes_the_label_with_fewest_positives_so_far():
 
 
 def test_drop_missing_sections():
-    R = lambda i, **meta: common.Record(str(i), ["x.png"], "report", "train", None, meta)  # noqa: E731
-    records = [R(0, section_findings="Clear.", section_impression="Normal."), R(1, section_findings="Clear."),
-               R(2, section_findings="", section_impression="Normal."), R(3, findings={"Edema": {}})]
+    R = lambda i, **meta: common.Record(str(i), ["x.png"], "report", "train", None, meta)
+    records = [
+        R(0, section_findings="Clear.", section_impression="Normal."),
+        R(1, section_findings="Clear."),
+        R(2, section_findings="", section_impression="Normal."),
+        R(3, findings={"Edema": {}}),
+    ]
     assert [r.id for r in orapo.drop_missing_sections(records)] == ["0"]
     assert len(orapo.drop_missing_sections(records, ())) == 4
     plain = [R(0), R(1, findings={"Edema": {}})]  # no section held as text (synthetic, R2Gen): none checked
@@ -318,8 +391,21 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
     monkeypatch.setattr(orapo, "orapo_step", lambda *a, **k: steps.append((a, real["step"](*a, **k))) or steps[-1][1])
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)  # not under test
     monkeypatch.setattr(orapo, "ZRR_MOMENTUM", 0.7)  # Table 6 fixes m at 0.5, where m and 1 - m are equal
-    orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "run"), "--steps", "1",
-                "--lambda-min", "0.1", "--lambda-max", "0.6"] + fast)
+    orapo.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--out",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--lambda-min",
+            "0.1",
+            "--lambda-max",
+            "0.6",
+        ]
+        + fast
+    )
     roll, ((policy, ref, _, batch, *_), (loss, stats)) = rolls[0], steps[0]
     G, B, T = 4, 2, 16
     gt = common.RuleLabeler()(batch["report"])
@@ -328,14 +414,16 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
     r = roll.rewards.view(B, G)
     A = (r - r.mean(1, keepdim=True)).flatten()  # Dr. GRPO: no std division
     for q, ((logp, old, ref_logp, A_q, mask), kw) in enumerate(seen["grpo"]):
-        torch.testing.assert_close(A_q, A[q * G:(q + 1) * G])
+        torch.testing.assert_close(A_q, A[q * G : (q + 1) * G])
         assert old is None and kw["beta"] == 0.04 and kw["loss_type"] == "dr_grpo" and kw["max_completion_length"] == T
         torch.testing.assert_close(ref_logp, logp.detach(), atol=1e-5, rtol=0)  # step 1: the policy is its reference
     for q, ((chosen, rejected, ref_chosen, ref_rejected, beta), kw) in enumerate(seen["dpo"]):
         assert beta == 2.0 and kw["length_normalize"]
-        assert policy.decode(policy.encode_targets([batch["report"][q]])[0], kw["chosen_mask"][:1])[0] == \
-            policy.decode(*policy.encode_targets([batch["report"][q]]))[0]
-        torch.testing.assert_close(kw["rejected_mask"], roll.completion_mask[q * G:(q + 1) * G])
+        assert (
+            policy.decode(policy.encode_targets([batch["report"][q]])[0], kw["chosen_mask"][:1])[0]
+            == policy.decode(*policy.encode_targets([batch["report"][q]]))[0]
+        )
+        torch.testing.assert_close(kw["rejected_mask"], roll.completion_mask[q * G : (q + 1) * G])
         torch.testing.assert_close(ref_chosen, chosen.detach(), atol=1e-5, rtol=0)
     z = (r == 0).all(1).float().numpy()
     lam = 0.1 + 0.5 * (0.3 * z) ** 2
@@ -353,8 +441,20 @@ def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
     orapo.main(["--data", str(small_synthetic), "--out", str(out), "--steps", "4"] + fast)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
-    assert {"zero_group_ratio", "zrr", "lambda", "grpo_loss", "dpo_loss", "dpo_accuracy", "dpo_accuracy_x_zero",
-            "reward", "kl", "loss", "lr", "grad_norm"} <= set(lines[0])
+    assert {
+        "zero_group_ratio",
+        "zrr",
+        "lambda",
+        "grpo_loss",
+        "dpo_loss",
+        "dpo_accuracy",
+        "dpo_accuracy_x_zero",
+        "reward",
+        "kl",
+        "loss",
+        "lr",
+        "grad_norm",
+    } <= set(lines[0])
     assert all(0.05 <= x["lambda"] <= 0.5 and math.isfinite(x["loss"]) for x in lines)
     assert lines[0]["kl"] == pytest.approx(0, abs=1e-6) and lines[-1]["kl"] > 0  # Eq. 4's KL on by default
     assert "val_f1_pneumonia" in lines[1] and "val_f1_fracture" in lines[1]
@@ -366,8 +466,25 @@ def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
     zrr = torch.load(out / "last.pt", weights_only=True)["extra"]
     assert len(zrr) == 4 * 2 + 1  # 4 steps x 2 studies, all different in 40, and the minibatch rate
     grpo = tmp_path / "grpo"
-    orapo.main(["--data", str(small_synthetic), "--out", str(grpo), "--steps", "2", "--lambda-min", "0", "--lambda-max",
-                "0", "--beta", "0", "--loss-type", "grpo"] + fast)
+    orapo.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--out",
+            str(grpo),
+            "--steps",
+            "2",
+            "--lambda-min",
+            "0",
+            "--lambda-max",
+            "0",
+            "--beta",
+            "0",
+            "--loss-type",
+            "grpo",
+        ]
+        + fast
+    )
     lines = [json.loads(x) for x in (grpo / "metrics.jsonl").read_text().splitlines()]
     assert all(x["lambda"] == 0 and x["dpo_loss"] == 0 and x["kl"] == 0 for x in lines)  # no reference at all
     assert "zero_group_ratio" in lines[0]  # still tracked: the Fig. 2 baseline
@@ -376,8 +493,10 @@ def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
 
 
 def test_bad_input_is_one_line(tmp_path, small_synthetic):
-    for flags, message in ((["--lambda-min", "0.6"], "--lambda-min <= --lambda-max"),
-                           (["--facts", "gpt-4.1"], "--facts must be")):
+    for flags, message in (
+        (["--lambda-min", "0.6"], "--lambda-min <= --lambda-max"),
+        (["--facts", "gpt-4.1"], "--facts must be"),
+    ):
         with pytest.raises(SystemExit, match=f"^error: .*{message}"):
             orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "a"), "--steps", "1"] + flags)
     with pytest.raises(SystemExit):  # argparse: only TRL's three normalisers
@@ -415,9 +534,25 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
         "import os, common, orapo\norapo.WARM_START = dict(lr=3e-3, batch_size=4)\n"
         "common.CHECKPOINT_EVERY, save = 1, common.Run.checkpoint\n"
         "def stop(run, step):\n    save(run, step)\n    if step == int(os.environ.get('STOP', -1)):\n        raise KeyboardInterrupt\n"
-        "common.Run.checkpoint = stop\norapo.main()\n")
-    torchrun(str(script), "--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
-             "--max-new-tokens", "12", "--sft-steps", "2", "--out", str(out))
+        "common.Run.checkpoint = stop\norapo.main()\n"
+    )
+    torchrun(
+        str(script),
+        "--data",
+        str(small_synthetic),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--sft-steps",
+        "2",
+        "--out",
+        str(out),
+    )
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     zrr = torch.load(out / "last.pt", weights_only=True)["extra"]
     assert len(zrr) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
@@ -425,8 +560,26 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
     # FSDP2: the same two processes with the policy and reference sharded take the same steps (each rank samples
     # as before); the checkpoint and final/ hold the gathered weights, which load without torchrun
-    fsdp, flags = tmp_path / "fsdp", ["--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4", "--sft-steps",
-                                      "2", "--group-size", "4", "--max-new-tokens", "12", "--out", str(tmp_path / "fsdp"), "--fsdp"]
+    fsdp, flags = (
+        tmp_path / "fsdp",
+        [
+            "--data",
+            str(small_synthetic),
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "4",
+            "--sft-steps",
+            "2",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(tmp_path / "fsdp"),
+            "--fsdp",
+        ],
+    )
     os.environ["STOP"] = "1"  # stopped after step 1 and resumed: the sharded weights and AdamW states come back
     try:
         torchrun(str(script), *flags, ok=False)
@@ -438,7 +591,9 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     ddp, sharded = (common.load_policy(d / "final").model.state_dict() for d in (out, fsdp))
     assert all(torch.allclose(ddp[k], sharded[k], atol=1e-5) for k in ddp)
     ckpt = torch.load(fsdp / "last.pt", weights_only=True)
-    assert all(torch.equal(ckpt["model"][k], sharded[k]) for k in sharded)  # full, not shards: the same gathered weights
+    assert all(
+        torch.equal(ckpt["model"][k], sharded[k]) for k in sharded
+    )  # full, not shards: the same gathered weights
     assert set(ckpt["optimizer"]["state"]) == {k for k, _ in common.load_policy(out / "final").model.named_parameters()}
 
 
@@ -449,9 +604,30 @@ def test_hugging_face_policy_full_and_lora(tmp_path, small_synthetic, tiny_qwen_
     step 1: L_DPO = log 2)."""
     monkeypatch.setattr(orapo, "LORA", lora)
     out = tmp_path / "hf"
-    orapo.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--steps", "2", "--prompts-per-step",
-                "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--max-pixels", str(56 * 56),
-                "--out", str(out)])
+    orapo.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--model",
+            str(tiny_qwen_dir),
+            "--labeler",
+            "rule",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--lr",
+            "1e-3",
+            "--max-pixels",
+            str(56 * 56),
+            "--out",
+            str(out),
+        ]
+    )
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and all(math.isfinite(x["loss"]) for x in lines)
     assert lines[0]["kl"] == 0.0 and lines[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
@@ -464,10 +640,33 @@ def test_fsdp_hugging_face_policy(tmp_path, small_synthetic, tiny_qwen_dir):
     """torchrun --fsdp on a tiny random Qwen2.5-VL (its decoder layers and vision blocks sharded): the ranks' generate()
     calls stay in step, and final/ (gathered on rank 0) loads in plain transformers with the checkpoint's weights."""
     from transformers import AutoModelForImageTextToText
+
     out = tmp_path / "hf_fsdp"
-    torchrun("orapo.py", "--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--steps", "2", "--prompts-per-step",
-             "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--max-pixels", str(56 * 56), "--out", str(out),
-             "--fsdp", timeout=600)
+    torchrun(
+        "orapo.py",
+        "--data",
+        str(small_synthetic),
+        "--model",
+        str(tiny_qwen_dir),
+        "--labeler",
+        "rule",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--lr",
+        "1e-3",
+        "--max-pixels",
+        str(56 * 56),
+        "--out",
+        str(out),
+        "--fsdp",
+        timeout=600,
+    )
     saved, ckpt = AutoModelForImageTextToText.from_pretrained(out / "final").state_dict(), torch.load(out / "last.pt")
     assert saved.keys() == ckpt["model"].keys() and all(torch.equal(saved[k], v) for k, v in ckpt["model"].items())
     assert all(isinstance(k, str) for k in ckpt["optimizer"]["state"])  # gathered by parameter name: it was sharded

@@ -1,6 +1,7 @@
 """The tiny built-in policy (common.TinyPolicy) against the policy interface, and the rollout
 helper: recorded vs recomputed log-probs, masks, padding, temperature, save/load, and that a
 few GRPO steps raise a simple reward."""
+
 import numpy as np
 import pytest
 import torch
@@ -9,9 +10,11 @@ from PIL import Image
 import common
 from common import TinyPolicy, TinyVLM, WordTokenizer, completion_mask, group_advantages, grpo_loss, rollout
 
-REPORTS = ["The heart is not enlarged. No pleural effusion.",
-           "There is a small left pleural effusion. Plate-like atelectasis at the right base.",
-           "No pneumothorax, focal consolidation, or pulmonary edema."]
+REPORTS = [
+    "The heart is not enlarged. No pleural effusion.",
+    "There is a small left pleural effusion. Plate-like atelectasis at the right base.",
+    "No pneumothorax, focal consolidation, or pulmonary edema.",
+]
 
 
 def images(n, size=64, seed=0):
@@ -21,8 +24,9 @@ def images(n, size=64, seed=0):
 
 def tiny_policy(n_layer=2, max_len=24):
     tok = WordTokenizer.build(REPORTS)
-    return TinyPolicy(TinyVLM(len(tok.vocab), n_embd=32, n_layer=n_layer, n_head=2, channels=8, max_len=max_len),
-                      tok, image_size=32)
+    return TinyPolicy(
+        TinyVLM(len(tok.vocab), n_embd=32, n_layer=n_layer, n_head=2, channels=8, max_len=max_len), tok, image_size=32
+    )
 
 
 @pytest.fixture
@@ -66,7 +70,7 @@ def test_temperature_divides_the_logits(policy):
     ids, mask = policy.encode_targets(["no pleural effusion."])
     prefix = policy.model.prefix(prompts["pixel_values"], prompts["view_mask"], policy.tokenizer.bos_id)
     embeds = torch.cat([prefix, policy.model.decoder.transformer.wte(ids)], 1)
-    logits = policy.model.decoder(inputs_embeds=embeds).logits[0, prefix.shape[1] - 1:-1]  # (T, V)
+    logits = policy.model.decoder(inputs_embeds=embeds).logits[0, prefix.shape[1] - 1 : -1]  # (T, V)
     expected = torch.log_softmax(logits / 2.0, -1).gather(1, ids[0, :, None]).squeeze(1)
     got = policy.completion_logprobs(prompts, ids, mask, temperature=2.0)[0]
     torch.testing.assert_close(got, expected)
@@ -76,9 +80,10 @@ def test_padding_does_not_change_logprobs(policy):
     prompts = policy.prompt_batch(images(2))
     ids, mask = policy.encode_targets(["no effusion.", REPORTS[1]])  # first row right-padded
     both = policy.completion_logprobs(prompts, ids, mask)
-    alone = policy.completion_logprobs({k: v[:1] for k, v in prompts.items()}, ids[:1, :int(mask[0].sum())],
-                                       mask[:1, :int(mask[0].sum())])
-    torch.testing.assert_close(both[0, :alone.shape[1]], alone[0])
+    alone = policy.completion_logprobs(
+        {k: v[:1] for k, v in prompts.items()}, ids[:1, : int(mask[0].sum())], mask[:1, : int(mask[0].sum())]
+    )
+    torch.testing.assert_close(both[0, : alone.shape[1]], alone[0])
 
 
 def test_generation_stops_at_eos_and_pads_after(policy):
@@ -112,12 +117,15 @@ def test_save_and_load_round_trip(policy, tmp_path):
     ids, mask = policy.encode_targets(REPORTS[:2])
     policy.save(tmp_path / "ck")
     again = common.load_policy(tmp_path / "ck")
-    torch.testing.assert_close(again.completion_logprobs(prompts, ids, mask), policy.completion_logprobs(prompts, ids, mask))
+    torch.testing.assert_close(
+        again.completion_logprobs(prompts, ids, mask), policy.completion_logprobs(prompts, ids, mask)
+    )
     assert again.tokenizer.vocab == policy.tokenizer.vocab
 
 
 def test_rollout_records_rewards_owners_and_logprobs(policy):
     import copy
+
     seen = {}
 
     def reward_fn(texts, owners):
@@ -130,7 +138,9 @@ def test_rollout_records_rewards_owners_and_logprobs(policy):
     assert r.rewards.tolist() == [float(len(t)) for t in r.texts]
     assert r.texts == policy.decode(r.completion_ids, r.completion_mask)
     with torch.no_grad():  # the frozen copy equals the policy before any update
-        torch.testing.assert_close(r.ref_logp, policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask))
+        torch.testing.assert_close(
+            r.ref_logp, policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
+        )
     assert rollout(policy, images(1), "", G=2, reward_fn=reward_fn, max_new_tokens=4).ref_logp is None
 
 
@@ -167,6 +177,7 @@ def test_tiny_sft_beats_the_most_common_report():
     training report.   python -m pytest -q tests/test_policy.py -m slow -s"""
     import time
     from collections import Counter
+
     torch.set_num_threads(2)
     torch.manual_seed(0)
     data = common.load_data("synthetic")
@@ -184,7 +195,7 @@ def test_tiny_sft_beats_the_most_common_report():
     t_sft = time.time() - t0
     generated = []
     for i in range(0, len(test), 100):
-        chunk = test[i:i + 100]
+        chunk = test[i : i + 100]
         prompts = policy.prompt_batch([[common.load_image(p, r.id) for p in r.image_paths] for r in chunk])
         generated += policy.decode(*policy.generate(prompts, 96, do_sample=False))
     labeler = common.RuleLabeler()
@@ -192,8 +203,10 @@ def test_tiny_sft_beats_the_most_common_report():
     f1 = common.ce_metrics(labeler(generated), refs)["micro_f1"]
     most_common = Counter(r.report for r in train).most_common(1)[0][0]
     f1_const = common.ce_metrics(labeler([most_common] * len(test)), refs)["micro_f1"]
-    print(f"\ntiny SFT: 1200 steps x 32 in {t_sft:.0f} s (loss {np.mean(losses[:20]):.2f} -> {np.mean(losses[-20:]):.2f}); "
-          f"CE micro F1 {f1:.3f} vs most common report {f1_const:.3f} ({most_common!r})")
+    print(
+        f"\ntiny SFT: 1200 steps x 32 in {t_sft:.0f} s (loss {np.mean(losses[:20]):.2f} -> {np.mean(losses[-20:]):.2f}); "
+        f"CE micro F1 {f1:.3f} vs most common report {f1_const:.3f} ({most_common!r})"
+    )
     assert f1 > f1_const + 0.3
 
 
@@ -203,6 +216,7 @@ def test_tiny_grpo_step_timing():
     sampling, scoring (old/ref log-probs and rewards) and the update."""
     import copy
     import time
+
     torch.set_num_threads(2)
     data = common.load_data("synthetic")
     policy = common.make_policy("tiny", [r.report for r in data["train"]], "cpu")
@@ -231,9 +245,11 @@ def test_tiny_grpo_step_timing():
         for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
             times[k].append(v)
     med = {k: float(np.median(v)) for k, v in times.items()}
-    print(f"\ntiny GRPO step, 8 x 8, T = {ids.shape[1]}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in med.items())
-          + f", total {sum(med.values()) * 1000:.0f} ms")  # reported, not asserted: a shared machine
-
+    print(
+        f"\ntiny GRPO step, 8 x 8, T = {ids.shape[1]}: "
+        + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in med.items())
+        + f", total {sum(med.values()) * 1000:.0f} ms"
+    )  # reported, not asserted: a shared machine
 
 
 def test_any_number_of_views_in_one_batch():
@@ -244,12 +260,16 @@ def test_any_number_of_views_in_one_batch():
     views = [v[0] for v in images(6, seed=3)]
     studies = [views[:1], views[1:4], views[4:6]]
     prompts = pol.prompt_batch(studies)
-    assert prompts["pixel_values"].shape[:2] == (3, 3) and prompts["view_mask"].tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 0]]
+    assert prompts["pixel_values"].shape[:2] == (3, 3) and prompts["view_mask"].tolist() == [
+        [1, 0, 0],
+        [1, 1, 1],
+        [1, 1, 0],
+    ]
     ids, mask = pol.encode_targets(["no effusion.", REPORTS[1], "heart size is normal."])
     both = pol.completion_logprobs(prompts, ids, mask)
     for i, study in enumerate(studies):
         n = int(mask[i].sum())
-        alone = pol.completion_logprobs(pol.prompt_batch([study[::-1]]), ids[i:i + 1, :n], mask[i:i + 1, :n])
+        alone = pol.completion_logprobs(pol.prompt_batch([study[::-1]]), ids[i : i + 1, :n], mask[i : i + 1, :n])
         torch.testing.assert_close(both[i, :n], alone[0], atol=1e-5, rtol=1e-5)
     repeated = pol.repeat(prompts, 2)
     assert repeated["view_mask"].tolist() == [[1, 0, 0]] * 2 + [[1, 1, 1]] * 2 + [[1, 1, 0]] * 2

@@ -8,6 +8,7 @@ from the configs by hand, never read back from the module under test. All slow:
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_real_arch.py -m slow
     OMP_NUM_THREADS=1 python tests/test_real_arch.py     # the memory measurements behind README's memory table
 """
+
 import json
 import math
 import sys
@@ -17,26 +18,62 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+import common
 
 pytestmark = pytest.mark.slow
 
 # Qwen/Qwen2.5-VL-3B-Instruct, config.json (rope_scaling {"type": "mrope"} is transformers 5's rope_parameters)
-QWEN3B_TEXT = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                   num_attention_heads=16, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=128000,
-                   rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
-                   rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0},
-                   bos_token_id=151643, eos_token_id=151645)
-QWEN3B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3, patch_size=14,
-                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, window_size=112,
-                     fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")
-QWEN3B_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+QWEN3B_TEXT = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    hidden_act="silu",
+    max_position_embeddings=128000,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    sliding_window=32768,
+    rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0},
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+QWEN3B_VISION = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    in_channels=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=2048,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2,
+    hidden_act="silu",
+)
+QWEN3B_IDS = dict(
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
+)
 QWEN3B_PARAMS = 3_754_622_976  # "3.75B params" on the model card; the sum below, term by term
 # Qwen/Qwen2.5-VL-7B-Instruct (HuatuoGPT-Vision-7B-Qwen2.5VL's base, MRG-R1): the widths the README's table needs
-QWEN7B_TEXT = dict(QWEN3B_TEXT, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                   num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+QWEN7B_TEXT = dict(
+    QWEN3B_TEXT,
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
 QWEN7B_VISION = dict(QWEN3B_VISION, out_hidden_size=3584)
-CUT = dict(num_hidden_layers=2, depth=2, fullatt_block_indexes=[1])  # block 0 windowed, block 1 full, as the real pattern
+CUT = dict(
+    num_hidden_layers=2, depth=2, fullatt_block_indexes=[1]
+)  # block 0 windowed, block 1 full, as the real pattern
 
 
 # Parameter counts from the configs (Qwen2: q/k/v with bias, o without; RMSNorms; vision: qkv and proj with bias,
@@ -60,7 +97,11 @@ def merger_params(v):
 def qwen_vl_params(t, v):
     """(language model with its head, vision tower with its merger)."""
     embed = t["vocab_size"] * t["hidden_size"]
-    lm = embed * (1 if t["tie_word_embeddings"] else 2) + t["num_hidden_layers"] * decoder_layer_params(t) + t["hidden_size"]
+    lm = (
+        embed * (1 if t["tie_word_embeddings"] else 2)
+        + t["num_hidden_layers"] * decoder_layer_params(t)
+        + t["hidden_size"]
+    )
     patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2 * v["hidden_size"]
     return lm, patch + v["depth"] * vision_block_params(v) + merger_params(v)
 
@@ -80,6 +121,7 @@ def smart_resize(h, w, min_pixels, max_pixels, factor=28):
 
 def qwen_config(text=QWEN3B_TEXT, vision=QWEN3B_VISION, ids=QWEN3B_IDS, **cut):
     from transformers import Qwen2_5_VLConfig
+
     t = dict(text, **{k: v for k, v in cut.items() if k in text})
     v = dict(vision, **{k: v for k, v in cut.items() if k in vision})
     return Qwen2_5_VLConfig(text_config=t, vision_config=v, tie_word_embeddings=t["tie_word_embeddings"], **ids), t, v
@@ -101,29 +143,45 @@ def qwen3b_cut_dir(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
     from conftest import QWEN_CHAT, QWEN_SPECIALS
+
     out = tmp_path_factory.mktemp("qwen3b_cut")
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(["There is no pleural effusion. The heart size is normal.", "You are a radiologist."],
-                            trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN_SPECIALS,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_CHAT)
+    bpe.train_from_iterator(
+        ["There is no pleural effusion. The heart size is normal.", "You are a radiologist."],
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=QWEN_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_CHAT
+    )
     # the vision token ids are the small tokenizer's; every width, depth pattern and rope setting is the 3B's
-    ids = dict(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"), video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-               vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-               vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
+    ids = dict(
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+    )
     config, t, v = qwen_config(ids=ids, **CUT)
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
     patch = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
-    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=3136, max_pixels=12845056, **patch), tokenizer=tok,
-                        video_processor=Qwen2VLVideoProcessor(**patch), chat_template=QWEN_CHAT).save_pretrained(out)
+    Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=3136, max_pixels=12845056, **patch),
+        tokenizer=tok,
+        video_processor=Qwen2VLVideoProcessor(**patch),
+        chat_template=QWEN_CHAT,
+    ).save_pretrained(out)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    counts = {"lm": sum(p.numel() for p in model.model.language_model.parameters()),
-              "visual": sum(p.numel() for p in model.model.visual.parameters()),
-              "tied": model.lm_head.weight is model.model.language_model.embed_tokens.weight,
-              "dtype": {p.dtype for p in model.parameters()}}
+    counts = {
+        "lm": sum(p.numel() for p in model.model.language_model.parameters()),
+        "visual": sum(p.numel() for p in model.model.visual.parameters()),
+        "tied": model.lm_head.weight is model.model.language_model.embed_tokens.weight,
+        "dtype": {p.dtype for p in model.parameters()},
+    }
     model.save_pretrained(out)
     del model
     return out, shapes, counts
@@ -135,18 +193,39 @@ def test_qwen3b_cut_shapes(qwen3b_cut_dir):
     d, f, kv, vh, vf = 2048, 11008, 2 * 128, 1280, 3420
     for i in range(2):  # every decoder layer
         p = f"model.language_model.layers.{i}."
-        assert {k: shapes[p + k] for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")} == {
-            "self_attn.q_proj.weight": (d, d), "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-            "self_attn.o_proj.weight": (d, d), "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-            "mlp.down_proj.weight": (d, f)}
+        assert {
+            k: shapes[p + k]
+            for k in (
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "mlp.down_proj.weight",
+            )
+        } == {
+            "self_attn.q_proj.weight": (d, d),
+            "self_attn.k_proj.weight": (kv, d),
+            "self_attn.v_proj.weight": (kv, d),
+            "self_attn.o_proj.weight": (d, d),
+            "mlp.gate_proj.weight": (f, d),
+            "mlp.up_proj.weight": (f, d),
+            "mlp.down_proj.weight": (d, f),
+        }
         assert sum(math.prod(s) for n, s in shapes.items() if n.startswith(p)) == decoder_layer_params(t) == 77_076_992
         b = f"model.visual.blocks.{i}."
-        assert (shapes[b + "attn.qkv.weight"], shapes[b + "attn.proj.weight"], shapes[b + "mlp.gate_proj.weight"],
-                shapes[b + "mlp.down_proj.weight"]) == ((3 * vh, vh), (vh, vh), (vf, vh), (vh, vf))
+        assert (
+            shapes[b + "attn.qkv.weight"],
+            shapes[b + "attn.proj.weight"],
+            shapes[b + "mlp.gate_proj.weight"],
+            shapes[b + "mlp.down_proj.weight"],
+        ) == ((3 * vh, vh), (vh, vh), (vf, vh), (vh, vf))
         assert sum(math.prod(s) for n, s in shapes.items() if n.startswith(b)) == vision_block_params(v) == 19_702_200
     assert shapes["model.visual.patch_embed.proj.weight"] == (vh, 3, 2, 14, 14)
-    assert shapes["model.visual.merger.mlp.0.weight"] == (4 * vh, 4 * vh) and shapes["model.visual.merger.mlp.2.weight"] == (d, 4 * vh)
+    assert shapes["model.visual.merger.mlp.0.weight"] == (4 * vh, 4 * vh) and shapes[
+        "model.visual.merger.mlp.2.weight"
+    ] == (d, 4 * vh)
     assert shapes["model.language_model.embed_tokens.weight"] == (151936, d)
     assert counts["tied"] and counts["dtype"] == {torch.bfloat16}
     assert (counts["lm"], counts["visual"]) == qwen_vl_params(t, v)  # 465.3 M + 77.6 M = the issue's 543 M trial
@@ -157,17 +236,35 @@ def test_qwen3b_cut_shapes(qwen3b_cut_dir):
 def test_qwen3b_cut_lora_forward_backward(qwen3b_cut_dir):
     """mrg_r1's LoRA (r 128) wrapped as build_policy wraps it (the vision tower excluded), one teacher-forced
     completion through HFPolicy.completion_logprobs in bf16: finite loss, gradients on LoRA parameters only."""
-    import mrg_r1
     from PIL import Image
+
+    import mrg_r1
+
     out, _, _ = qwen3b_cut_dir
     policy = common.HFPolicy(str(out), dtype=torch.bfloat16, max_pixels=224 * 224)
     lora = mrg_r1.LORA
-    wrapped = common.apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"],
-                                exclude=policy.vision_and_language()[0])
+    wrapped = common.apply_lora(
+        policy.model,
+        lora["targets"],
+        lora["r"],
+        lora["alpha"],
+        lora["dropout"],
+        exclude=policy.vision_and_language()[0],
+    )
     common.fp32_trainable(policy.model)
-    expected = [f"model.language_model.layers.{i}.{part}" for i in range(2) for part in
-                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj")]
+    expected = [
+        f"model.language_model.layers.{i}.{part}"
+        for i in range(2)
+        for part in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     assert sorted(wrapped) == sorted(expected)  # 7 per decoder layer; the vision tower's gate/up/down_proj untouched
     assert not any(isinstance(m, common.LoRALinear) for m in policy.model.model.visual.modules())
     trainable = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
@@ -203,9 +300,15 @@ def grads_at_steps(monkeypatch):
         return restore(self, model, *a, **k)
 
     def record_then_step(self, *a, **k):
-        seen.append({n: bool(torch.isfinite(p.grad).all()) for n, p in self.model_for_test.named_parameters()
-                     if p.grad is not None})
+        seen.append(
+            {
+                n: bool(torch.isfinite(p.grad).all())
+                for n, p in self.model_for_test.named_parameters()
+                if p.grad is not None
+            }
+        )
         return step(self, *a, **k)
+
     monkeypatch.setattr(common.Run, "restore", restore_and_keep)
     monkeypatch.setattr(common.Run, "optimizer_step", record_then_step)
     return seen
@@ -215,17 +318,55 @@ def _losses(path):
     return [json.loads(x)["loss"] for x in Path(path).read_text().splitlines()]
 
 
-SMALL_RL = ["--dtype", "bf16", "--max-pixels", str(56 * 56), "--max-new-tokens", "4", "--group-size", "2", "--steps", "1"]
+SMALL_RL = [
+    "--dtype",
+    "bf16",
+    "--max-pixels",
+    str(56 * 56),
+    "--max-new-tokens",
+    "4",
+    "--group-size",
+    "2",
+    "--steps",
+    "1",
+]
 
 
 def test_mrg_r1_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grads_at_steps):
     """mrg_r1.main: LoRA r 128 on the 7 projections of each decoder layer, gradients on those adapters alone."""
     import mrg_r1
-    mrg_r1.main(["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--labeler", "rule", "--out", str(tmp_path / "m"),
-                 "--sft-steps", "0", "--prompts-per-step", "1", *SMALL_RL])
-    expected = {f"model.language_model.layers.{i}.{part}.lora_{ab}" for i in range(2) for ab in "AB" for part in
-                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj")}
+
+    mrg_r1.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--model",
+            str(qwen3b_cut_dir[0]),
+            "--labeler",
+            "rule",
+            "--out",
+            str(tmp_path / "m"),
+            "--sft-steps",
+            "0",
+            "--prompts-per-step",
+            "1",
+            *SMALL_RL,
+        ]
+    )
+    expected = {
+        f"model.language_model.layers.{i}.{part}.lora_{ab}"
+        for i in range(2)
+        for ab in "AB"
+        for part in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert len(grads_at_steps) == 1 and set(grads_at_steps[0]) == expected and all(grads_at_steps[0].values())
     assert all(math.isfinite(x) for x in _losses(tmp_path / "m" / "metrics.jsonl"))
 
@@ -233,8 +374,22 @@ def test_mrg_r1_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grad
 def test_orapo_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grads_at_steps):
     """orapo.main: full fine-tuning against a frozen copy: a finite gradient on every parameter, vision tower included."""
     import orapo
-    orapo.main(["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--labeler", "rule", "--out", str(tmp_path / "o"),
-                "--prompts-per-step", "1", *SMALL_RL])
+
+    orapo.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--model",
+            str(qwen3b_cut_dir[0]),
+            "--labeler",
+            "rule",
+            "--out",
+            str(tmp_path / "o"),
+            "--prompts-per-step",
+            "1",
+            *SMALL_RL,
+        ]
+    )
     names = {n for n, _ in common.HFPolicy(str(qwen3b_cut_dir[0])).model.named_parameters()}
     assert len(grads_at_steps) == 1 and set(grads_at_steps[0]) == names and all(grads_at_steps[0].values())
     assert all(math.isfinite(x) for x in _losses(tmp_path / "o" / "metrics.jsonl"))
@@ -244,10 +399,26 @@ def test_deer_sft_then_rl_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_
     """deer.main sft then rl (all studies: DDSampling is inference only): SFT's gradients on the vision tower and its
     merger alone, the LM frozen; RL's on every parameter."""
     import deer
+
     monkeypatch.setattr(deer, "SFT", dict(deer.SFT, batch_hf=2))
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})  # greedy test reports: not what this test is about
-    flags = ["--data", str(small_synthetic), "--model", str(qwen3b_cut_dir[0]), "--labeler", "rule", "--out", str(tmp_path / "d"),
-             "--sft-steps", "1", "--prompts-per-step", "1", "--subset", "all", *SMALL_RL]
+    flags = [
+        "--data",
+        str(small_synthetic),
+        "--model",
+        str(qwen3b_cut_dir[0]),
+        "--labeler",
+        "rule",
+        "--out",
+        str(tmp_path / "d"),
+        "--sft-steps",
+        "1",
+        "--prompts-per-step",
+        "1",
+        "--subset",
+        "all",
+        *SMALL_RL,
+    ]
     deer.main(["sft", *flags])
     deer.main(["rl", *flags])
     names = {n for n, _ in common.HFPolicy(str(qwen3b_cut_dir[0])).model.named_parameters()}
@@ -257,16 +428,24 @@ def test_deer_sft_then_rl_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_
 
 
 # (b) image tokens per view on a MIMIC-CXR-sized image ---------------------------------------------------------------
-@pytest.mark.parametrize("max_pixels, tokens", [(512 * 512, 320),  # the scripts' --max-pixels default
-                                                (28 * 28 * 1280, 1248),  # Qwen2VLImageProcessor's class default
-                                                (12845056, 9919)])  # Qwen2.5-VL-*-Instruct's preprocessor_config.json
+@pytest.mark.parametrize(
+    "max_pixels, tokens",
+    [
+        (512 * 512, 320),  # the scripts' --max-pixels default
+        (28 * 28 * 1280, 1248),  # Qwen2VLImageProcessor's class default
+        (12845056, 9919),
+    ],
+)  # Qwen2.5-VL-*-Instruct's preprocessor_config.json
 def test_qwen_image_tokens_per_view(max_pixels, tokens):
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
     W, H = 2544, 3056  # a MIMIC-CXR PA view (portrait)
     h, w = smart_resize(H, W, 56 * 56, max_pixels)
     assert (h // 28) * (w // 28) == tokens  # 320 = 20 x 16, 1248 = 39 x 32, 9919 = 109 x 91
-    proc = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=max_pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
+    proc = Qwen2VLImageProcessor(
+        min_pixels=56 * 56, max_pixels=max_pixels, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
     grid = proc(images=[Image.new("RGB", (W, H), 100)], return_tensors="pt")["image_grid_thw"]  # (1, 3) t, h/14, w/14
     assert grid.tolist() == [[1, h // 14, w // 14]]
     assert int(grid.prod()) // 4 == tokens  # 2 x 2 patches merged per token
@@ -296,13 +475,25 @@ def test_chexbert_bert_base():
 
 def test_bio_clinicalbert_shape():
     from transformers import BertConfig, BertModel
+
     # emilyalsentzer/Bio_ClinicalBERT, config.json: BERT-base with the cased BioBERT vocabulary
-    model = BertModel(BertConfig(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                                 intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2))
+    model = BertModel(
+        BertConfig(
+            vocab_size=28996,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_position_embeddings=512,
+            type_vocab_size=2,
+        )
+    )
     assert sum(p.numel() for p in model.parameters()) == bert_params(**dict(BERT_BASE, vocab=28996)) == 108_310_272
     model.eval()
     with torch.no_grad():
-        h = model(input_ids=torch.randint(0, 28996, (2, 12)), attention_mask=torch.ones(2, 12, dtype=torch.long)).last_hidden_state
+        h = model(
+            input_ids=torch.randint(0, 28996, (2, 12)), attention_mask=torch.ones(2, 12, dtype=torch.long)
+        ).last_hidden_state
     assert h.shape == (2, 12, 768)
 
 
@@ -319,12 +510,16 @@ def test_resnet_encoder(depth, params, views):
 def bio_clinicalbert_dir(tmp_path_factory):
     """A random BERT in Bio_ClinicalBERT's shape, saved with a small local WordPiece vocabulary (ids < 28,996)."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
+
     out = tmp_path_factory.mktemp("bio_clinicalbert")
-    words = sorted(set("there is no pleural effusion the heart size normal lungs are clear . , right left".split()))
+    words = sorted(set(["there", "is", "no", "pleural", "effusion", "the", "heart", "size", "normal", "lungs", "are", "clear", ".", ",", "right", "left"]))
     (out / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     BertTokenizerFast(vocab_file=str(out / "vocab.txt")).save_pretrained(out)
-    BertModel(BertConfig(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                         intermediate_size=3072)).save_pretrained(out)
+    BertModel(
+        BertConfig(
+            vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+        )
+    ).save_pretrained(out)
     return out
 
 
@@ -332,11 +527,37 @@ def test_dcrrg_step1_at_paper_widths(bio_clinicalbert_dir, small_synthetic, tmp_
     """dcrrg.main step1 with --model paper (ResNet-50 at 224) and a Bio_ClinicalBERT-shaped text encoder: one step,
     finite gradients on both encoders, their projections and prompt heads (BERT's unused pooler aside), nothing else."""
     import dcrrg
-    dcrrg.main(["step1", "--data", str(small_synthetic), "--model", "paper", "--pretrained", "none", "--labeler", "rule",
-                "--text-encoder", str(bio_clinicalbert_dir),
-                "--step1-steps", "1", "--batch-size", "4", "--out", str(tmp_path / "dc")])
+
+    dcrrg.main(
+        [
+            "step1",
+            "--data",
+            str(small_synthetic),
+            "--model",
+            "paper",
+            "--pretrained",
+            "none",
+            "--labeler",
+            "rule",
+            "--text-encoder",
+            str(bio_clinicalbert_dir),
+            "--step1-steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--out",
+            str(tmp_path / "dc"),
+        ]
+    )
     (g,) = grads_at_steps
-    assert all(g.values()) and {n.split(".")[0] for n in g} == {"image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"}
+    assert all(g.values()) and {n.split(".")[0] for n in g} == {
+        "image_encoder",
+        "f_v",
+        "cls_v",
+        "text_encoder",
+        "f_t",
+        "cls_t",
+    }
     assert {f"image_encoder.{n}" for n, _ in common.resnet_encoder(50).named_parameters()} <= set(g)
     assert "text_encoder.encoder.layer.11.output.dense.weight" in g and not any(".pooler." in n for n in g)
 
@@ -345,8 +566,10 @@ def test_rrgcl_measurer_at_paper_widths(bio_clinicalbert_dir, small_synthetic, t
     """rrgcl.measure with a ResNet-101 state dict (phi, 256 x 256) and the BERT (psi): features of the paper's widths,
     finite Eq. 1-4 and Eq. 9 difficulties for every study."""
     import numpy as np
-    import rrgcl
     import torchvision
+
+    import rrgcl
+
     torch.save(torchvision.models.resnet101().state_dict(), tmp_path / "resnet101.pt")
     shapes, features = {}, rrgcl.features
 
@@ -354,6 +577,7 @@ def test_rrgcl_measurer_at_paper_widths(bio_clinicalbert_dir, small_synthetic, t
         feats = features(*a)
         shapes.update({k: tuple(v.shape) for k, v in feats.items()})
         return feats
+
     monkeypatch.setattr(rrgcl, "features", features_and_shapes)
     args = rrgcl.Args(visual_encoder=str(tmp_path / "resnet101.pt"), text_encoder=str(bio_clinicalbert_dir))
     m = rrgcl.measure(args, common.load_annotation(small_synthetic)["train"], common.RuleLabeler(), "cpu")
@@ -373,6 +597,7 @@ def saved_bytes(fn, exclude=()):
         if s.data_ptr() not in skip:
             seen[s.data_ptr()] = s.nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return sum(seen.values()), out
@@ -382,9 +607,11 @@ def text_stack(layers, lora=None, vocab=512):
     """Qwen2.5-VL-3B's language model with `layers` layers and a small vocabulary (the embedding is not
     measured here): full fine-tuning (fp32 master weights, as fp32_trainable) or mrg_r1's LoRA on bf16."""
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
     torch.manual_seed(0)
-    model = Qwen2_5_VLTextModel._from_config(Qwen2_5_VLTextConfig(**dict(QWEN3B_TEXT, num_hidden_layers=layers,
-                                                                         vocab_size=vocab)), dtype=torch.bfloat16)
+    model = Qwen2_5_VLTextModel._from_config(
+        Qwen2_5_VLTextConfig(**dict(QWEN3B_TEXT, num_hidden_layers=layers, vocab_size=vocab)), dtype=torch.bfloat16
+    )
     if lora and layers:
         common.apply_lora(model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"])
     common.fp32_trainable(model)
@@ -411,13 +638,16 @@ def layer_activation_bytes(S, lora=None):
 def vision_block_activation_bytes(grids=((1, 16, 16), (1, 32, 16))):
     """Saved bytes of one vision block (trained, fp32 master weights, bf16 autocast) per image patch: 2 blocks
     minus 1 block, at two image sizes (patches = t h w of the 14 x 14 grid)."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
     from transformers import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
     out = []
     for depth in (1, 2):
         torch.manual_seed(0)
         tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-            Qwen2_5_VLVisionConfig(**dict(QWEN3B_VISION, depth=depth, fullatt_block_indexes=[depth - 1])), dtype=torch.bfloat16)
+            Qwen2_5_VLVisionConfig(**dict(QWEN3B_VISION, depth=depth, fullatt_block_indexes=[depth - 1])),
+            dtype=torch.bfloat16,
+        )
         common.fp32_trainable(tower.train())
         row = []
         for g in grids:
@@ -436,6 +666,7 @@ def measure_layer_memory(S=(64, 128)):
     saved activations per token (a S1 / S2 two-point fit, and the weight copies autocast keeps), and the
     per-token bytes of the log-prob rows over the 151,936-word vocabulary."""
     import mrg_r1
+
     res = {}
     for name, lora in (("full", None), ("lora", mrg_r1.LORA)):
         model = text_stack(1, lora)
@@ -448,10 +679,12 @@ def measure_layer_memory(S=(64, 128)):
         opt = torch.optim.AdamW(train, lr=1e-6)
         opt.step()
         res[name] = dict(
-            train_params=sum(p.numel() for p in train), frozen_params=sum(p.numel() for p in frozen),
+            train_params=sum(p.numel() for p in train),
+            frozen_params=sum(p.numel() for p in frozen),
             weight_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
             grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in train),
-            adam_bytes=sum(v.numel() * v.element_size() for p in train for v in opt.state[p].values() if v.dim() > 0))
+            adam_bytes=sum(v.numel() * v.element_size() for p in train for v in opt.state[p].values() if v.dim() > 0),
+        )
         del model, layer, train, frozen, opt  # keep the peak under ~3 GB
         a1, a2 = layer_activation_bytes(S, lora)
         res[name]["act_per_token"] = (a2 - a1) / (S[1] - S[0])
@@ -474,7 +707,12 @@ def test_decoder_layer_memory():
     full, lora = m["full"], m["lora"]
     P = decoder_layer_params(QWEN3B_TEXT)
     # full fine-tuning: fp32 master weights (4 B), fp32 gradients (4 B), AdamW's two fp32 moments (8 B)
-    assert (full["train_params"], full["weight_bytes"], full["grad_bytes"], full["adam_bytes"]) == (P, 4 * P, 4 * P, 8 * P)
+    assert (full["train_params"], full["weight_bytes"], full["grad_bytes"], full["adam_bytes"]) == (
+        P,
+        4 * P,
+        4 * P,
+        8 * P,
+    )
     # LoRA r 128: the bf16 base (2 B) frozen, 1.64 M fp32 adapter parameters with their gradients and moments
     A = 128 * (2 * 4096 + 2 * 2304 + 3 * 13056)
     assert (lora["train_params"], lora["frozen_params"]) == (A, P)
@@ -499,16 +737,47 @@ def memory_table(m, prompt=380, views_tokens=320):
     a7 = lora["act_per_token"] * (3584 + 18944) / (2048 + 11008)  # 7B: scaled by d + ff (not measured)
     rows = {  # name: (states bytes, tokens/completion, completion tokens, completions per step, L, a, c, vision trains)
         "mrg_r1 7B LoRA r128 (paper)": (P7 * 2 + A7 * 18, prompt + 256, 256, 16, 28, a7, 2 * 3584, False),
-        "mrg_r1 on 3B, LoRA r128": (P3 * 2 + 36 * lora["train_params"] * 18, prompt + 256, 256, 16, L, lora["act_per_token"], 4096, False),
+        "mrg_r1 on 3B, LoRA r128": (
+            P3 * 2 + 36 * lora["train_params"] * 18,
+            prompt + 256,
+            256,
+            16,
+            L,
+            lora["act_per_token"],
+            4096,
+            False,
+        ),
         "orapo 3B full FT, G 8 x 4": (P3 * (16 + 2 + 2), prompt + 256, 256, 32, L, full["act_per_token"], 8192, True),
-        "deer SFT, vision tower, 64": (vis3 * 18 + lm3 * 2, prompt + 128, 128, 64, L, lora["act_per_token"], 4096, True),
-        "deer RL 3B full FT, 64 x 8": (P3 * (16 + 2), prompt + 256, 256, 512, L, full["act_per_token"], 8192, True)}
+        "deer SFT, vision tower, 64": (
+            vis3 * 18 + lm3 * 2,
+            prompt + 128,
+            128,
+            64,
+            L,
+            lora["act_per_token"],
+            4096,
+            True,
+        ),
+        "deer RL 3B full FT, 64 x 8": (P3 * (16 + 2), prompt + 256, 256, 512, L, full["act_per_token"], 8192, True),
+    }
     out = {}
     for name, (states, tok, T, N, layers, a, c, vis) in rows.items():
-        act = lambda n, ckpt=True: n * (tok * (layers * (c if ckpt else a) + (a if ckpt else 0)) + T * V * 6  # noqa: E731
-                                        + (pix * (D * (5120 if ckpt else v) + (v if ckpt else 0)) if vis else 0))
-        out[name] = dict(states=states / 1e9, act_per_completion=act(1) / 1e9, act_per_completion_no_ckpt=act(1, False) / 1e9,
-                         one_gpu=(states + act(N)) / 1e9, one_gpu_no_ckpt=(states + act(N, False)) / 1e9, completions=N)
+        act = lambda n, ckpt=True: (
+            n
+            * (
+                tok * (layers * (c if ckpt else a) + (a if ckpt else 0))
+                + T * V * 6
+                + (pix * (D * (5120 if ckpt else v) + (v if ckpt else 0)) if vis else 0)
+            )
+        )
+        out[name] = dict(
+            states=states / 1e9,
+            act_per_completion=act(1) / 1e9,
+            act_per_completion_no_ckpt=act(1, False) / 1e9,
+            one_gpu=(states + act(N)) / 1e9,
+            one_gpu_no_ckpt=(states + act(N, False)) / 1e9,
+            completions=N,
+        )
     return out
 
 

@@ -1,6 +1,7 @@
 """Real data as users have it: IU X-Ray in the R2GenGPT layout (1-5 views, flat Open-i names, no split field),
 R2Gen's cleaning by data set, degenerate output called out, each paper's CE convention, the "auto" defaults and
 a CheXbert that cannot be downloaded. The fixtures (tests/conftest.py) write text of our own, never Open-i's."""
+
 import dataclasses
 import json
 import time
@@ -27,10 +28,14 @@ def test_the_r2gengpt_layout_loads_with_its_view_counts(iu_xray):
 def test_r2gen_views_two_per_study_in_file_order():
     """R2Gen reads two views of an IU X-Ray study: the record's first two; a 1-view study repeats its view; a data
     set with one view per study (R2Gen's MIMIC-CXR file) keeps one."""
-    rec = lambda n: common.Record(f"s{n}", [f"v{k}.png" for k in range(n)], "r", "train")  # noqa: E731
+    rec = lambda n: common.Record(f"s{n}", [f"v{k}.png" for k in range(n)], "r", "train")
     two = common.r2gen_views({"train": [rec(1), rec(2), rec(5)], "test": [rec(3)]})
-    assert [r.image_paths for r in two["train"] + two["test"]] == [["v0.png", "v0.png"], ["v0.png", "v1.png"],
-                                                                  ["v0.png", "v1.png"], ["v0.png", "v1.png"]]
+    assert [r.image_paths for r in two["train"] + two["test"]] == [
+        ["v0.png", "v0.png"],
+        ["v0.png", "v1.png"],
+        ["v0.png", "v1.png"],
+        ["v0.png", "v1.png"],
+    ]
     assert common.r2gen_views({"train": [rec(1), rec(1)]})["train"][0].image_paths == ["v0.png"]
 
 
@@ -41,14 +46,23 @@ def test_cleaning_follows_the_data_set(small_synthetic, iu_xray_r2gen):
     assert common.clean_style(common.load_annotation(iu_xray_r2gen)["train"]) == "iu_xray"
     # IU X-Ray's rule keeps a line break (no sentence split there), MIMIC-CXR's turns it into a space and splits
     rows = [{"id": "a", "reference": "No effusion.\nClear lungs.", "generated": "No effusion clear lungs."}]
-    iu, mimic = (common.evaluate_generations(rows, common.RuleLabeler(), style, meteor=False) for style in ("iu_xray", "mimic_cxr"))
+    iu, mimic = (
+        common.evaluate_generations(rows, common.RuleLabeler(), style, meteor=False)
+        for style in ("iu_xray", "mimic_cxr")
+    )
     assert (iu["clean"], mimic["clean"]) == ("iu_xray", "mimic_cxr")
     assert iu["nlg"]["BLEU-4"] > 0.99 and mimic["nlg"]["BLEU-4"] < 0.5
 
 
 # --- degenerate output ------------------------------------------------------------------------
-REFS = ["The heart is normal in size. The lungs are clear.", "Small left pleural effusion.", "Mild cardiomegaly.",
-        "No pneumothorax. Stable sternotomy wires.", "The lungs are clear.", "Patchy right basilar opacity."] * 2
+REFS = [
+    "The heart is normal in size. The lungs are clear.",
+    "Small left pleural effusion.",
+    "Mild cardiomegaly.",
+    "No pneumothorax. Stable sternotomy wires.",
+    "The lungs are clear.",
+    "Patchy right basilar opacity.",
+] * 2
 
 
 def test_a_constant_normal_report_is_called_out():
@@ -72,15 +86,17 @@ def test_each_script_scores_ce_as_its_paper():
     assert mrg_r1.CE == rrgcl.CE == dcrrg.CE == dict(headline="micro_f1", uncertain_as=0)
     assert deer.CE == dict(headline="example_f1", uncertain_as=0)
     assert orapo.CE == dict(headline="macro_f1", uncertain_as=0)
-    rows = [{"id": "a", "reference": "Possible left pleural effusion.", "generated": "Possible left pleural effusion."},
-            {"id": "b", "reference": "Small left pleural effusion.", "generated": "Small left pleural effusion."}]
+    rows = [
+        {"id": "a", "reference": "Possible left pleural effusion.", "generated": "Possible left pleural effusion."},
+        {"id": "b", "reference": "Small left pleural effusion.", "generated": "Small left pleural effusion."},
+    ]
     out = common.evaluate_generations(rows, common.RuleLabeler(), meteor=False, **deer.CE)
     assert out["ce"]["example_f1"] == 0.5 and out["headline"] == "example_f1"  # the uncertain report has no positive
 
 
 # --- "auto" defaults and a CheXbert that cannot be reached --------------------------------------
 def test_auto_labeler_and_dtype():
-    args = lambda **k: dataclasses.replace(common.RunArgs(), **k)  # noqa: E731
+    args = lambda **k: dataclasses.replace(common.RunArgs(), **k)
     assert common.resolve_defaults(args()).labeler == "rule"  # synthetic, tiny
     assert common.resolve_defaults(args(data="/d/iu", model="tiny")).labeler == "rule"
     assert common.resolve_defaults(args(data="/d/iu", model="Qwen/Qwen2.5-VL-3B-Instruct")).labeler == "chexbert"
@@ -92,17 +108,22 @@ def test_a_real_run_without_chexbert_weights_stops_at_once(tmp_path, iu_xray, ti
     """A real model on real data labels with CheXbert by default; with no weights cached and the Hub out of reach it
     stops before anything is written, with one line naming --chexbert-weights and --labeler rule."""
     import socket
+
     import huggingface_hub
+
     real_download = huggingface_hub.hf_hub_download
 
     def not_cached(*a, local_files_only=False, **k):
         if local_files_only:
             raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
         return real_download(*a, **k)
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", not_cached)
     monkeypatch.setattr(socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(OSError("no network")))
     start = time.time()
-    with pytest.raises(SystemExit, match=r"^error: --labeler chexbert needs chexbert.pth .* --chexbert-weights FILE .* --labeler rule"):
+    with pytest.raises(
+        SystemExit, match=r"^error: --labeler chexbert needs chexbert.pth .* --chexbert-weights FILE .* --labeler rule"
+    ):
         mrg_r1.main(["--data", str(iu_xray), "--model", str(tiny_qwen_dir), "--out", str(tmp_path / "run")])
     assert time.time() - start < 30 and not (tmp_path / "run").exists()
 
@@ -114,7 +135,9 @@ def check_eval(out, n: int, headline: str):
     assert any("rule labeler" in note for note in config["notes"])
     result = results.get("test_after") or results["test"]
     assert result["n"] == n and result["clean"] == "iu_xray" and result["headline"] == headline
-    assert 0 <= result["ce"][headline] <= 1 and np.isfinite(result["nlg"]["BLEU-4"]) and "warning" in result["degenerate"]
+    assert (
+        0 <= result["ce"][headline] <= 1 and np.isfinite(result["nlg"]["BLEU-4"]) and "warning" in result["degenerate"]
+    )
     return config
 
 
@@ -124,7 +147,18 @@ def test_mrg_r1_orapo_deer_on_real_format_iu_xray(tmp_path, iu_xray, monkeypatch
     data = common.load_annotation(iu_xray)
     monkeypatch.setattr(mrg_r1, "WARM_START", dict(lr_tiny=3e-3, lr_hf=1e-2, batch_size=4))
     monkeypatch.setenv("RRG_FIGURES", "1")
-    rl = ["--data", str(iu_xray), "--steps", "1", "--prompts-per-step", "2", "--max-new-tokens", "8", "--sft-steps", "2"]
+    rl = [
+        "--data",
+        str(iu_xray),
+        "--steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--sft-steps",
+        "2",
+    ]
     mrg_r1.main(rl + ["--out", str(tmp_path / "m")])
     check_eval(tmp_path / "m", sum(len(r.image_paths) for r in data["test"]), "micro_f1")
     monkeypatch.delenv("RRG_FIGURES")
@@ -153,8 +187,19 @@ def test_all_five_scripts_on_iu_xray(tmp_path, layout, request, monkeypatch):
     orapo.main(rl + ["--out", str(tmp_path / "o"), "--group-size", "2"])
     deer.main(rl + ["--out", str(tmp_path / "d"), "--group-size", "2"])
     rrgcl.main(["--data", data, "--out", str(tmp_path / "r"), "--steps", "2", "--epochs", "1", "--batch-size", "8"])
-    dcrrg.main(["--data", data, "--out", str(tmp_path / "c"), "--batch-size", "8", "--decoder-batch-size", "4",
-                *[f for k in range(1, 5) for f in (f"--step{k}-steps", "2")]])
+    dcrrg.main(
+        [
+            "--data",
+            data,
+            "--out",
+            str(tmp_path / "c"),
+            "--batch-size",
+            "8",
+            "--decoder-batch-size",
+            "4",
+            *[f for k in range(1, 5) for f in (f"--step{k}-steps", "2")],
+        ]
+    )
     for out in ("m", "o", "d/rl_rule", "r", "c/step4"):
         text = (tmp_path / out / "eval.json").read_text()
         assert "NaN" not in text and json.loads((tmp_path / out / "config.json").read_text())["clean"] == "iu_xray"

@@ -3,6 +3,7 @@
 Every expected number is worked out by hand in the comments (float64 tensors, so the
 tolerances are tight); the rest are behavioural properties (gradient signs, exact zeros).
 """
+
 import math
 
 import pytest
@@ -71,14 +72,16 @@ def _logp():
     return (OLD + RATIO.log()).clone().requires_grad_(True)  # (N, T)
 
 
-@pytest.mark.parametrize("loss_type, mcl, expected", [
-    ("grpo", None, (-2.8 / 3 + 2.3 / 2) / 2),  # 0.108333...: mean per row, then over rows
-    ("bnpo", None, (-2.8 + 2.3) / 5),  # -0.1: token sum / token count
-    ("dr_grpo", 4, (-2.8 + 2.3) / (2 * 4)),  # -0.0625: / (N * max_completion_length)
-])
+@pytest.mark.parametrize(
+    "loss_type, mcl, expected",
+    [
+        ("grpo", None, (-2.8 / 3 + 2.3 / 2) / 2),  # 0.108333...: mean per row, then over rows
+        ("bnpo", None, (-2.8 + 2.3) / 5),  # -0.1: token sum / token count
+        ("dr_grpo", 4, (-2.8 + 2.3) / (2 * 4)),  # -0.0625: / (N * max_completion_length)
+    ],
+)
 def test_grpo_loss_hand_values(loss_type, mcl, expected):
-    loss, stats = grpo_loss(_logp(), OLD, None, ADV, MASK, loss_type=loss_type,
-                            max_completion_length=mcl)
+    loss, stats = grpo_loss(_logp(), OLD, None, ADV, MASK, loss_type=loss_type, max_completion_length=mcl)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
     assert stats["clip_fraction"] == pytest.approx(2 / 5)  # row 0 token 0, row 1 token 0
     assert stats["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.1 + 0.5 + 1.5) / 5)  # 1.02
@@ -127,9 +130,11 @@ def test_grpo_loss_k3_kl_hand_value():
 def test_grpo_loss_on_policy_ratio_one_loss_minus_mean_A_gradient_nonzero():
     # old_logp None: ratio exactly 1, per-token loss -A; A = [2, -1]
     adv = t([2.0, -1.0])
-    for loss_type, expected in [("grpo", -(2 - 1) / 2),  # -0.5
-                                ("bnpo", -(2 * 3 - 1 * 2) / 5),  # -0.8
-                                ("dr_grpo", -(2 * 3 - 1 * 2) / 6)]:  # -0.6667 (N * max_completion_length 3)
+    for loss_type, expected in [
+        ("grpo", -(2 - 1) / 2),  # -0.5
+        ("bnpo", -(2 * 3 - 1 * 2) / 5),  # -0.8
+        ("dr_grpo", -(2 * 3 - 1 * 2) / 6),
+    ]:  # -0.6667 (N * max_completion_length 3)
         logp = _logp()
         loss, stats = grpo_loss(logp, None, None, adv, MASK, loss_type=loss_type, max_completion_length=3)
         assert loss.item() == pytest.approx(expected, abs=1e-12)
@@ -160,8 +165,9 @@ def test_grpo_loss_identical_rewards_give_zero_policy_gradient():
 def test_grpo_loss_token_advantages_broadcast_equal_sequence_advantages():
     for loss_type in ("grpo", "bnpo", "dr_grpo"):
         l1, s1 = grpo_loss(_logp(), OLD, None, ADV, MASK, loss_type=loss_type, max_completion_length=3)
-        l2, s2 = grpo_loss(_logp(), OLD, None, ADV[:, None].expand(2, 3), MASK, loss_type=loss_type,
-                           max_completion_length=3)
+        l2, s2 = grpo_loss(
+            _logp(), OLD, None, ADV[:, None].expand(2, 3), MASK, loss_type=loss_type, max_completion_length=3
+        )
         assert l1.item() == l2.item() and s1 == s2
     # a token with advantage 0 contributes nothing: zero row 0 token 2 -> row 0 sum -1.7
     adv_t = ADV[:, None].expand(2, 3).clone()
@@ -183,8 +189,7 @@ def test_grpo_and_bnpo_agree_only_for_equal_lengths():
 
 def test_grpo_loss_empty_generation_is_finite():
     mask = t([[1, 1, 1], [0, 0, 0]])  # row 1 generated EOS-less nothing: length 0
-    for loss_type, expected in [("grpo", (-2.8 / 3 + 0) / 2), ("bnpo", -2.8 / 3),
-                                ("dr_grpo", -2.8 / 6)]:
+    for loss_type, expected in [("grpo", (-2.8 / 3 + 0) / 2), ("bnpo", -2.8 / 3), ("dr_grpo", -2.8 / 6)]:
         logp = _logp()
         loss, stats = grpo_loss(logp, OLD, None, ADV, mask, loss_type=loss_type, max_completion_length=3)
         loss.backward()

@@ -3,6 +3,7 @@ blocks against the naive N x N formula, MINE on Gaussians with a known mutual in
 ITAS, Q1, and end-to-end runs: the difficulty file (--measure-only, --difficulty), what one training step feeds the
 loss, resume, torchrun against one process, the Hugging Face path.
     python -m pytest -q tests/test_rrgcl.py -m slow -s      # VNS-Gap benchmarks: 20,000 x 512 on CPU, 270,000 on a GPU"""
+
 import json
 import math
 import os
@@ -15,9 +16,18 @@ import torch
 
 import common
 import rrgcl
-from conftest import Crash, metrics_rows, torchrun, fake_eval, update_relative_difference
-from rrgcl import (class_difficulty, class_members, dv_bound, pacing, rrgcl_lambda, rrgcl_subset, sample_difficulty,
-                   scheduling_exponents, vns_gap)
+from conftest import Crash, fake_eval, metrics_rows, torchrun, update_relative_difference
+from rrgcl import (
+    class_difficulty,
+    class_members,
+    dv_bound,
+    pacing,
+    rrgcl_lambda,
+    rrgcl_subset,
+    sample_difficulty,
+    scheduling_exponents,
+    vns_gap,
+)
 
 L = common.LABEL_INDEX
 
@@ -55,11 +65,13 @@ def test_alpha_weighs_vns_gap_and_1_minus_alpha_itas():
 # Classes, class difficulty, Eq. 11-13 ----------------------------------------------------------------
 def test_classes_are_13_keywords_multilabel_and_other():
     assert len(rrgcl.CLASSES) == 13 and "Support Devices" not in rrgcl.CLASSES and "No Finding" in rrgcl.CLASSES
-    labels = label_rows({"Edema": 1, "Cardiomegaly": 1},  # 0: two classes
-                        {"Edema": 1, "Pneumonia": -1},  # 1: uncertain does not count
-                        {"Support Devices": 1, "No Finding": 1},  # 2: devices only -> No Finding (CheXpert rule)
-                        {"Atelectasis": -1, "Edema": 0},  # 3: only uncertain -> no keyword -> "Other"
-                        {"No Finding": 1})  # 4
+    labels = label_rows(
+        {"Edema": 1, "Cardiomegaly": 1},  # 0: two classes
+        {"Edema": 1, "Pneumonia": -1},  # 1: uncertain does not count
+        {"Support Devices": 1, "No Finding": 1},  # 2: devices only -> No Finding (CheXpert rule)
+        {"Atelectasis": -1, "Edema": 0},  # 3: only uncertain -> no keyword -> "Other"
+        {"No Finding": 1},
+    )  # 4
     names, members = class_members(labels)
     assert names == ["Cardiomegaly", "Edema", "No Finding", "Other"]  # empty classes dropped, CLASSES order
     assert [m.tolist() for m in members] == [[0], [0, 1], [2, 4], [3]]
@@ -110,8 +122,14 @@ def test_algorithm1_by_hand():
     # class A (Edema): studies 0, 1, 2, 3 with difficulty 0.3, 0.1, 0.4, 0.2 -> easy-to-hard order 1, 3, 0, 2
     # class B (Cardiomegaly): studies 3, 4 (3 is in both classes); study 5 only uncertain -> "Other"
     dif = np.array([0.3, 0.1, 0.4, 0.2, 0.9, 0.8])
-    labels = label_rows({"Edema": 1}, {"Edema": 1}, {"Edema": 1}, {"Edema": 1, "Cardiomegaly": 1}, {"Cardiomegaly": 1},
-                        {"Lung Opacity": -1})
+    labels = label_rows(
+        {"Edema": 1},
+        {"Edema": 1},
+        {"Edema": 1},
+        {"Edema": 1, "Cardiomegaly": 1},
+        {"Cardiomegaly": 1},
+        {"Lung Opacity": -1},
+    )
     plan, names = plan_for(dif, labels)
     assert names == ["Cardiomegaly", "Edema", "Other"]
     assert [o.tolist() for o in plan["class_orders"]] == [[3, 4], [1, 3, 0, 2], [5]]
@@ -130,9 +148,9 @@ def test_algorithm1_subsets_grow_from_lambda0_and_reach_all_at_T():
     labels[rng.random(N) < 0.1] = np.nan  # some studies in no class
     labels[:5, :] = -1.0  # and some with only uncertain findings
     plan, _ = plan_for(rng.normal(size=N), labels)
-    subsets = [rrgcl.epoch_subset("rrgcl", t, T, plan) for t in range(0, T + 1)]  # t = 0..T (Algorithm 1 line 6)
+    subsets = [rrgcl.epoch_subset("rrgcl", t, T, plan) for t in range(T + 1)]  # t = 0..T (Algorithm 1 line 6)
     for o, l0 in zip(plan["class_orders"], plan["lambda0"]):  # t = 0: the easiest ceil(lambda_n(0) |D_n|) of each class
-        assert set(o[:math.ceil(l0 * len(o))]) <= set(subsets[0])
+        assert set(o[: math.ceil(l0 * len(o))]) <= set(subsets[0])
     assert len(subsets[0]) < len(subsets[1])
     for a, b in zip(subsets, subsets[1:]):
         assert set(a) <= set(b) and len(a) < len(b)  # grows monotonically (strictly here)
@@ -173,6 +191,7 @@ def test_global_subsets_follow_the_easy_to_hard_order():
 
 class FakeRun:
     """What epoch_batches reads of a common.Run: --batch-size and --seed, the training studies, the rank."""
+
     def __init__(self, records, batch_size=4, seed=0, rank=0, world_size=1):
         self.args, self.data = types.SimpleNamespace(batch_size=batch_size, seed=seed), {"train": records}
         self.rank, self.per_rank = rank, lambda b, flag: b // world_size
@@ -180,14 +199,22 @@ class FakeRun:
 
 def test_epoch_batches_pass_over_the_subset_and_resume_mid_epoch(small_synthetic):
     records = common.load_annotation(small_synthetic)["train"]
-    ids = lambda run, d_sub, first, end, start=None, e=0: [b["id"] for b in rrgcl.epoch_batches(  # noqa: E731
-        run, np.array(d_sub), first, end, e)(first if start is None else start)]
+    ids = lambda run, d_sub, first, end, start=None, e=0: [
+        b["id"]
+        for b in rrgcl.epoch_batches(
+            run, np.array(d_sub), first, end, e
+        )(first if start is None else start)
+    ]
     one = ids(FakeRun(records), range(20), 6, 11)  # 5 steps x 4 = one pass over 20 studies
     assert sorted(i for b in one for i in b) == sorted(records[k].id for k in range(20))
-    eight = [i for b in ids(FakeRun(records), [3, 5, 7, 11, 13], 0, 2) for i in b]  # 8 draws from 5: a pass, then 3 again
+    eight = [
+        i for b in ids(FakeRun(records), [3, 5, 7, 11, 13], 0, 2) for i in b
+    ]  # 8 draws from 5: a pass, then 3 again
     assert set(eight) == {records[k].id for k in (3, 5, 7, 11, 13)} and len(set(eight[:5])) == 5
     assert ids(FakeRun(records), range(20), 6, 11, start=8) == one[2:]  # a resumed run goes on with the same draw
-    assert ids(FakeRun(records, seed=1), range(20), 6, 11) != one and ids(FakeRun(records), range(20), 6, 11, e=1) != one
+    assert (
+        ids(FakeRun(records, seed=1), range(20), 6, 11) != one and ids(FakeRun(records), range(20), 6, 11, e=1) != one
+    )
     halves = [ids(FakeRun(records, rank=r, world_size=2), range(20), 6, 11) for r in (0, 1)]  # each rank half a step
     assert [a + b for a, b in zip(*halves)] == one
 
@@ -225,7 +252,7 @@ def test_vns_gap_meaning():
 @pytest.mark.slow
 def test_vns_gap_benchmark_20000_x_512():
     """Benchmark (README): VNS-Gap on CPU, N = 20,000, 512-dim features.
-        python -m pytest -q tests/test_rrgcl.py -m slow -s"""
+    python -m pytest -q tests/test_rrgcl.py -m slow -s"""
     torch.set_num_threads(int(os.environ.get("RRG_BENCH_THREADS", "2")))
     g = torch.Generator().manual_seed(0)
     v, t = torch.randn(20_000, 512, generator=g), torch.randn(20_000, 512, generator=g)
@@ -251,8 +278,10 @@ def test_vns_gap_benchmark_mimic_size_on_gpu():
     start = time.perf_counter()
     dif1 = vns_gap(v, t, block=4096, device="cuda")
     wall = time.perf_counter() - start
-    print(f"\nVNS-Gap N = 270,000 (2048 + 768 dims) on {torch.cuda.get_device_name()}: {wall:.1f} s, "
-          f"peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+    print(
+        f"\nVNS-Gap N = 270,000 (2048 + 768 dims) on {torch.cuda.get_device_name()}: {wall:.1f} s, "
+        f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    )
     rows = [0, 4095, 4096, 269_999]
     torch.testing.assert_close(dif1[rows], naive_rows(v, t, rows).cpu(), rtol=1e-5, atol=1e-2)
     assert dif1.shape == (270_000,) and torch.isfinite(dif1).all() and wall < 60
@@ -261,7 +290,9 @@ def test_vns_gap_benchmark_mimic_size_on_gpu():
 # Eq. 5-9: MINE ------------------------------------------------------------------------------------------
 def test_dv_bound_by_hand():
     # E[T_joint] = 1.5; log E[e^T_marg] = log((1 + 3) / 2) = log 2
-    assert dv_bound(torch.tensor([1.0, 2.0]), torch.tensor([0.0, math.log(3.0)])).item() == pytest.approx(1.5 - math.log(2))
+    assert dv_bound(torch.tensor([1.0, 2.0]), torch.tensor([0.0, math.log(3.0)])).item() == pytest.approx(
+        1.5 - math.log(2)
+    )
 
 
 def mine_estimate(T, image, text, seed=0):
@@ -274,12 +305,12 @@ def mine_estimate(T, image, text, seed=0):
 def gaussian_pairs(n, d, rho, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g)
-    return x, rho * x + math.sqrt(1 - rho ** 2) * torch.randn(n, d, generator=g)
+    return x, rho * x + math.sqrt(1 - rho**2) * torch.randn(n, d, generator=g)
 
 
 def test_mine_approaches_known_mutual_information_from_below():
     d, rho = 2, 0.8
-    true_mi = -d / 2 * math.log(1 - rho ** 2)  # 1.0217 nats for 2 dims with correlation 0.8
+    true_mi = -d / 2 * math.log(1 - rho**2)  # 1.0217 nats for 2 dims with correlation 0.8
     x, y = gaussian_pairs(4000, d, rho, 0)
     x_test, y_test = gaussian_pairs(20000, d, rho, 1)  # held out: the DV value is then a lower bound
     estimates = []
@@ -298,8 +329,11 @@ def test_itas_scores_every_pair_with_the_network_that_never_saw_it(monkeypatch):
     monkeypatch.setattr(rrgcl, "MINE", dict(steps=150, batch_size=128, lr=1e-3))
     x, y = gaussian_pairs(600, 2, 0.8, 0)
     fits, real = [], rrgcl.train_mine
-    monkeypatch.setattr(rrgcl, "train_mine", lambda image, text, **kw: fits.append((image, text, real(image, text, **kw)[0]))
-                        or (fits[-1][2], 0.0))
+    monkeypatch.setattr(
+        rrgcl,
+        "train_mine",
+        lambda image, text, **kw: fits.append((image, text, real(image, text, **kw)[0])) or (fits[-1][2], 0.0),
+    )
     dif2, stats = rrgcl.itas(x, y, seed=0)
     xs, ys = (x - x.mean(0)) / x.std(0), (y - y.mean(0)) / y.std(0)  # the standardised features MINE sees
     key = lambda rows: {tuple(r) for r in np.round(rows.numpy(), 5).tolist()}
@@ -317,14 +351,21 @@ def test_itas_scores_every_pair_with_the_network_that_never_saw_it(monkeypatch):
 def test_q1_per_class_bleu_and_spearman():
     ref = "the heart is enlarged and there is a small left pleural effusion with basilar atelectasis"
     rows, labels = [], []
-    for name, gen in (("Edema", ref), ("Cardiomegaly", "the heart is enlarged and there is a small right pleural "
-                                                       "effusion with mild atelectasis"), ("Fracture", "no acute findings seen today")):
+    for name, gen in (
+        ("Edema", ref),
+        ("Cardiomegaly", "the heart is enlarged and there is a small right pleural effusion with mild atelectasis"),
+        ("Fracture", "no acute findings seen today"),
+    ):
         for _ in range(3):
             rows.append({"reference": ref, "generated": gen})
             labels.append([1.0 if n == name else np.nan for n in common.CHEXPERT_LABELS])
-    classes = [{"name": "Edema", "size": 30, "difficulty": -0.5}, {"name": "Cardiomegaly", "size": 20, "difficulty": 0.1},
-               {"name": "Fracture", "size": 10, "difficulty": 0.4}, {"name": "Other", "size": 5, "difficulty": 0.0},
-               {"name": "Lung Lesion", "size": 4, "difficulty": 0.0}]  # Other is no keyword; Lung Lesion has no test study
+    classes = [
+        {"name": "Edema", "size": 30, "difficulty": -0.5},
+        {"name": "Cardiomegaly", "size": 20, "difficulty": 0.1},
+        {"name": "Fracture", "size": 10, "difficulty": 0.4},
+        {"name": "Other", "size": 5, "difficulty": 0.0},
+        {"name": "Lung Lesion", "size": 4, "difficulty": 0.0},
+    ]  # Other is no keyword; Lung Lesion has no test study
     out = rrgcl.q1_analysis(rows, np.array(labels), classes)
     bleu = {c["name"]: c["bleu4"] for c in out["per_class"]}
     assert list(bleu) == ["Edema", "Cardiomegaly", "Fracture"] and bleu["Edema"] == pytest.approx(1.0)
@@ -335,8 +376,12 @@ def test_q1_per_class_bleu_and_spearman():
 
 def test_the_measurer_and_q1_read_findings_and_impression():
     r = common.Record("s1", [], "The heart is enlarged.", "train", meta={"impression": " Mild pulmonary edema. "})
-    assert rrgcl.measure_text(r) == "The heart is enlarged. Mild pulmonary edema."  # Sec. 4.1: the two sections stitched
-    assert rrgcl.measure_text(common.Record("s2", [], "No effusion.", "train", meta={"impression": ""})) == "No effusion."
+    assert (
+        rrgcl.measure_text(r) == "The heart is enlarged. Mild pulmonary edema."
+    )  # Sec. 4.1: the two sections stitched
+    assert (
+        rrgcl.measure_text(common.Record("s2", [], "No effusion.", "train", meta={"impression": ""})) == "No effusion."
+    )
     labels = rrgcl.class_labels([r, common.Record("s3", [], "x", "test", labels=np.ones(14))], common.RuleLabeler())
     assert labels[0, L["Edema"]] == 1 and labels[0, L["Cardiomegaly"]] == 1 and (labels[1] == 1).all()  # the data's own
 
@@ -354,7 +399,17 @@ def fast_measure():
 def difficulty_file(tmp_path_factory, small_synthetic, fast_measure):
     """--measure-only on the small synthetic set, once."""
     tmp = tmp_path_factory.mktemp("difficulty")
-    rrgcl.main(["--data", str(small_synthetic), "--out", str(tmp / "m"), "--measure-only", "--difficulty", str(tmp / "dif.json")])
+    rrgcl.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--out",
+            str(tmp / "m"),
+            "--measure-only",
+            "--difficulty",
+            str(tmp / "dif.json"),
+        ]
+    )
     return tmp / "dif.json"
 
 
@@ -362,9 +417,14 @@ def read_jsonl(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_measure_only_writes_the_file_and_training_reads_it(tmp_path, small_synthetic, difficulty_file, monkeypatch, capsys):
+def test_measure_only_writes_the_file_and_training_reads_it(
+    tmp_path, small_synthetic, difficulty_file, monkeypatch, capsys
+):
     m = json.loads(difficulty_file.read_text())
-    assert len(m["ids"]) == len(m["dif1"]) == len(m["dif2"]) == len(m["labels"]) == 40 and len(m["mine"]["dv_held_out"]) == 2
+    assert (
+        len(m["ids"]) == len(m["dif1"]) == len(m["dif2"]) == len(m["labels"]) == 40
+        and len(m["mine"]["dv_held_out"]) == 2
+    )
     base = ["--data", str(small_synthetic), "--epochs", "2", "--batch-size", "8"]
     with pytest.raises(SystemExit, match="exists; delete it to measure again"):
         rrgcl.main(base + ["--out", str(tmp_path / "a"), "--measure-only", "--difficulty", str(difficulty_file)])
@@ -384,23 +444,46 @@ def test_measure_only_writes_the_file_and_training_reads_it(tmp_path, small_synt
     schedule = json.loads((out / "schedule.json").read_text())
     epochs = [x for x in read_jsonl(out / "metrics.jsonl") if "epoch" in x]
     assert [x["epoch"] for x in epochs] == schedule["t"] == [0, 1, 2]  # t = 0..T: the lambda_n(0) subset trains
-    assert [x["subset"] for x in epochs] == schedule["subset_sizes"] and epochs[0]["subset"] < epochs[-1]["subset"] == 40
+    assert [x["subset"] for x in epochs] == schedule["subset_sizes"] and epochs[0]["subset"] < epochs[-1][
+        "subset"
+    ] == 40
     steps = [max(1, s // 8) for s in schedule["subset_sizes"]]  # one pass over each D_sub(t)
-    assert [x["step"] for x in epochs] == (1 + np.cumsum([0] + steps[:-1])).tolist()  # logged at each epoch's first step
+    assert [x["step"] for x in epochs] == (
+        1 + np.cumsum([0] + steps[:-1])
+    ).tolist()  # logged at each epoch's first step
     assert read_jsonl(out / "metrics.jsonl")[-1]["step"] == sum(steps)
-    assert all(c["lambda"][0] == pytest.approx(c["lambda0"]) and c["lambda"][-1] == pytest.approx(1) for c in schedule["classes"])
+    assert all(
+        c["lambda"][0] == pytest.approx(c["lambda0"]) and c["lambda"][-1] == pytest.approx(1)
+        for c in schedule["classes"]
+    )
     for x in epochs:  # Fig. 3 from the run: every class's lambda_n(t) of the epoch
-        assert [x[f"lambda/{c['name']}"] for c in schedule["classes"]] == pytest.approx([c["lambda"][int(x["epoch"])] for c in schedule["classes"]])
+        assert [x[f"lambda/{c['name']}"] for c in schedule["classes"]] == pytest.approx(
+            [c["lambda"][int(x["epoch"])] for c in schedule["classes"]]
+        )
     results = json.loads((out / "eval.json").read_text())
     assert "BLEU-4" in results["test"]["nlg"] and results["test"]["q1"]["per_class"]
 
     rrgcl.main(["q1", "--data", str(small_synthetic), "--out", str(out), "--difficulty", str(difficulty_file)])
     assert json.loads((out / "q1.json").read_text()) == results["test"]["q1"]  # Fig. 1 on the run's generations
 
-    rrgcl.main(base + ["--out", str(tmp_path / "t1"), "--difficulty", str(difficulty_file), "--no-t0", "--steps", "7",
-                       "--scheduler", "one_pass"])
+    rrgcl.main(
+        base
+        + [
+            "--out",
+            str(tmp_path / "t1"),
+            "--difficulty",
+            str(difficulty_file),
+            "--no-t0",
+            "--steps",
+            "7",
+            "--scheduler",
+            "one_pass",
+        ]
+    )
     rows = read_jsonl(tmp_path / "t1" / "metrics.jsonl")
-    epochs = [x for x in rows if "epoch" in x]  # One Pass: two disjoint halves of 20; 7 steps shared 20 : 20 -> round(3.5) = 4, 3
+    epochs = [
+        x for x in rows if "epoch" in x
+    ]  # One Pass: two disjoint halves of 20; 7 steps shared 20 : 20 -> round(3.5) = 4, 3
     assert [x["epoch"] for x in epochs] == [1, 2] and [x["step"] for x in epochs] == [1, 5] and rows[-1]["step"] == 7
     assert sum(x["subset"] for x in epochs) == 40 and not any(k.startswith("lambda/") for k in epochs[0])
 
@@ -408,7 +491,7 @@ def test_measure_only_writes_the_file_and_training_reads_it(tmp_path, small_synt
 def independent_subset_t0(m):
     """Eq. 10-13 and Algorithm 1 lines 1-8 at t = 0, written out from the paper: the studies lambda_n(0) takes."""
     labels = np.array(m["labels"], dtype=float)
-    z = lambda x: (np.array(x) - np.mean(x)) / np.std(x)  # noqa: E731
+    z = lambda x: (np.array(x) - np.mean(x)) / np.std(x)
     dif = 0.6 * z(m["dif1"]) - 0.4 * z(m["dif2"])  # Eq. 10, ITAS subtracted
     pos = labels[:, [L[n] for n in rrgcl.CLASSES]] == 1
     classes = [np.flatnonzero(pos[:, k]) for k in range(13) if pos[:, k].any()] + [np.flatnonzero(~pos.any(1))]
@@ -416,11 +499,14 @@ def independent_subset_t0(m):
     mean = np.array([dif[c].mean() for c in classes])
     gamma = 1 + (1 - (mean - mean.min()) / (mean.max() - mean.min())) * len(classes)  # Eq. 12
     lam0 = gamma / gamma.sum()  # Eq. 13 = Eq. 11 at t = 0
-    return {m["ids"][i] for c, l in zip(classes, lam0) for i in sorted(c, key=lambda i: dif[i])[:math.ceil(l * len(c))]}
+    return {
+        m["ids"][i] for c, l in zip(classes, lam0) for i in sorted(c, key=lambda i: dif[i])[: math.ceil(l * len(c))]
+    }
 
 
-def test_one_step_feeds_the_loss_the_lambda0_studies_and_their_token_mean(tmp_path, small_synthetic, difficulty_file,
-                                                                        monkeypatch):
+def test_one_step_feeds_the_loss_the_lambda0_studies_and_their_token_mean(
+    tmp_path, small_synthetic, difficulty_file, monkeypatch
+):
     """What reaches the loss in the first epoch (t = 0): only studies of the lambda_n(0) subset worked out here from
     the difficulty file, each at most once; the loss is the token mean of their reports' NLL, recomputed from the
     policy's per-token log-probs at that moment, and it is what metrics.jsonl logs."""
@@ -431,13 +517,28 @@ def test_one_step_feeds_the_loss_the_lambda0_studies_and_their_token_mean(tmp_pa
         logp = self.completion_logprobs(prompts, ids, mask)  # (B, T)
         seen[-1]["expected"] = (-(logp * mask).sum() / mask.sum()).item()
         return real_loss(self, prompts, texts)
+
     real_loss = common.TinyPolicy.sft_loss
     monkeypatch.setattr(common.TinyPolicy, "sft_loss", sft_loss)
-    monkeypatch.setattr(rrgcl, "sft_step", lambda policy, batch, run: seen.append({"ids": batch["id"]}) or real_step(policy, batch, run))
+    monkeypatch.setattr(
+        rrgcl, "sft_step", lambda policy, batch, run: seen.append({"ids": batch["id"]}) or real_step(policy, batch, run)
+    )
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)
     out = tmp_path / "run"
-    rrgcl.main(["--data", str(small_synthetic), "--out", str(out), "--difficulty", str(difficulty_file), "--epochs", "1",
-                "--batch-size", "2"])
+    rrgcl.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--out",
+            str(out),
+            "--difficulty",
+            str(difficulty_file),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "2",
+        ]
+    )
     subset0 = independent_subset_t0(json.loads(difficulty_file.read_text()))
     n0 = len(subset0) // 2
     first = [i for s in seen[:n0] for i in s["ids"]]
@@ -448,8 +549,9 @@ def test_one_step_feeds_the_loss_the_lambda0_studies_and_their_token_mean(tmp_pa
     np.testing.assert_allclose(logged, [s["expected"] for s in seen], rtol=1e-6)
 
 
-def test_resume_matches_an_uninterrupted_run_on_real_format_iu_xray(tmp_path, iu_xray, fast_measure, monkeypatch,
-                                                                    crash_after_checkpoint):
+def test_resume_matches_an_uninterrupted_run_on_real_format_iu_xray(
+    tmp_path, iu_xray, fast_measure, monkeypatch, crash_after_checkpoint
+):
     """IU X-Ray as users have it (R2GenGPT layout, 1-5 views per study): the measurer reads R2Gen's two views of every
     study, the run cleans as R2Gen does IU X-Ray and scores every test study. Stopped after the step-4 checkpoint and
     resumed, a run ends with the weights and log of one never stopped; the resumed run reads its own difficulty.json
@@ -462,19 +564,29 @@ def test_resume_matches_an_uninterrupted_run_on_real_format_iu_xray(tmp_path, iu
     crash_after_checkpoint(4)
     with pytest.raises(Crash):
         rrgcl.main(flags + ["--out", str(tmp_path / "part")])  # measures into part/difficulty.json
-    assert set(views) == {2} and {len(r.image_paths) for r in common.load_annotation(iu_xray)["train"]} == {1, 2, 3, 4, 5}
+    assert set(views) == {2} and {len(r.image_paths) for r in common.load_annotation(iu_xray)["train"]} == {
+        1,
+        2,
+        3,
+        4,
+        5,
+    }
     crash_after_checkpoint(None)
     rrgcl.main(flags + ["--out", str(tmp_path / "full"), "--difficulty", str(tmp_path / "part" / "difficulty.json")])
     with pytest.raises(SystemExit, match="--alpha 0.6 in the run, 0.5 now"):
         rrgcl.main(flags + ["--out", str(tmp_path / "part"), "--resume", "--alpha", "0.5"])
     monkeypatch.setattr(rrgcl, "measure", lambda *a: pytest.fail("measured again on resume"))
     rrgcl.main(flags + ["--out", str(tmp_path / "part"), "--resume"])
-    full, part = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("full", "part"))
+    full, part = (
+        torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("full", "part")
+    )
     assert all(torch.equal(full[k], part[k]) for k in full)
-    rows = lambda d: metrics_rows(tmp_path / d / "metrics.jsonl")  # noqa: E731
+    rows = lambda d: metrics_rows(tmp_path / d / "metrics.jsonl")
     assert rows("full") == rows("part") and len(rows("part")) == 9
     config, result = (json.loads((tmp_path / "part" / f).read_text()) for f in ("config.json", "eval.json"))
-    assert config["clean"] == result["test"]["clean"] == "iu_xray" and result["test"]["n"] == 12 and result["steps"] == 9
+    assert (
+        config["clean"] == result["test"]["clean"] == "iu_xray" and result["test"]["n"] == 12 and result["steps"] == 9
+    )
 
 
 def test_itas_encoder_is_a_pre_trained_resnet18_from_a_state_dict(tmp_path, iu_xray, monkeypatch):
@@ -482,6 +594,7 @@ def test_itas_encoder_is_a_pre_trained_resnet18_from_a_state_dict(tmp_path, iu_x
     by the test in a DDP checkpoint's layout), used as it is on R2Gen's two views (mean over them), phi staying the small
     CNN; the run's notes drop the ITAS line; a file that is no ResNet-18 is one error naming the flag."""
     import torchvision
+
     monkeypatch.setattr(rrgcl, "ENCODER", dict(rrgcl.ENCODER, epochs=0, resnet_size=32))  # Sec. 4.1's 256 px: slow here
     torch.manual_seed(0)
     net = torchvision.models.resnet18()
@@ -491,8 +604,9 @@ def test_itas_encoder_is_a_pre_trained_resnet18_from_a_state_dict(tmp_path, iu_x
     feats = rrgcl.features(args, records, rrgcl.class_labels(records, common.RuleLabeler()), "cpu")
     net.fc, transform = torch.nn.Identity(), common.default_transform(32)
     with torch.no_grad():
-        expected = torch.stack([net.eval()(torch.stack([transform(common.load_image(p)) for p in r.image_paths])).mean(0)
-                                for r in records])  # (5, 512)
+        expected = torch.stack(
+            [net.eval()(torch.stack([transform(common.load_image(p)) for p in r.image_paths])).mean(0) for r in records]
+        )  # (5, 512)
     torch.testing.assert_close(feats["itas_image"], expected, rtol=1e-4, atol=1e-5)
     assert feats["vns_image"].shape == (5, 128)
     notes = rrgcl.measurer_notes(args)
@@ -512,14 +626,26 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, dif
     noise by its full lr either way): under 1e-3, seen 1e-6. Token weights that ignore the ranks (rrgcl.sft_step) halve
     the loss.
     Checked under ATEN_CPU_CAPABILITY=default and avx2."""
-    flags = ["--data", str(small_synthetic), "--difficulty", str(difficulty_file), "--epochs", "1", "--batch-size", "8",
-             "--steps", "6"]
+    flags = [
+        "--data",
+        str(small_synthetic),
+        "--difficulty",
+        str(difficulty_file),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--steps",
+        "6",
+    ]
     torchrun("rrgcl.py", *flags, "--out", str(tmp_path / "ddp"))
     rrgcl.main(flags + ["--out", str(tmp_path / "one")])
     ddp, one = read_jsonl(tmp_path / "ddp" / "metrics.jsonl"), read_jsonl(tmp_path / "one" / "metrics.jsonl")
     assert ddp[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-4)
     np.testing.assert_allclose([x["loss"] for x in ddp], [x["loss"] for x in one], rtol=1e-3)
-    a, b = (torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("ddp", "one"))
+    a, b = (
+        torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("ddp", "one")
+    )
     assert update_relative_difference(a, b, starting_weights[0]) < 1e-3
     gens = read_jsonl(tmp_path / "ddp" / "generations_test.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
@@ -528,8 +654,26 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, dif
 def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, difficulty_file, monkeypatch):
     monkeypatch.setattr(rrgcl, "LORA", dict(rrgcl.LORA, r=4, alpha=8))
     out = tmp_path / "hf"
-    rrgcl.main(["--data", str(small_synthetic), "--model", str(tiny_qwen_dir), "--labeler", "rule", "--out", str(out), "--epochs", "1",
-                "--steps", "2", "--batch-size", "2", "--difficulty", str(difficulty_file)])
+    rrgcl.main(
+        [
+            "--data",
+            str(small_synthetic),
+            "--model",
+            str(tiny_qwen_dir),
+            "--labeler",
+            "rule",
+            "--out",
+            str(out),
+            "--epochs",
+            "1",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--difficulty",
+            str(difficulty_file),
+        ]
+    )
     lines = read_jsonl(out / "metrics.jsonl")
     assert [x["step"] for x in lines] == [1, 2] and all(math.isfinite(x["loss"]) for x in lines)
     ck = torch.load(out / "last.pt", weights_only=True)  # LoRA: the adapters only, on the language model

@@ -1,6 +1,7 @@
 """The run scaffold (common.py section 7): LoRA, torchrun on one machine and across two "nodes"
 (gloo on CPU), seeding, the run folder (refusals, config, metrics), checkpoints with an exact
 resume, Ctrl-C, and the flags built from an Args dataclass."""
+
 import copy
 import hashlib
 import json
@@ -27,9 +28,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tiny_gpt2(seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=32, bos_token_id=1, eos_token_id=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=50,
+        n_positions=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -168,8 +180,13 @@ def _launch(tmp_path, *torchrun_flags):
     script = tmp_path / "torchrun_grpo.py"
     script.write_text(TORCHRUN_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests")))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun_flags, str(script), str(tmp_path)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *torchrun_flags, str(script), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_torchrun_gradient_equals_single_process(tmp_path):
@@ -188,8 +205,13 @@ def test_two_nodes_through_the_c10d_rendezvous_equal_one_process(tmp_path):
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-             "--rdzv-id=rrg-test"]
+    flags = [
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=rrg-test",
+    ]
     nodes = [_launch(tmp_path, *flags, f"--node-rank={k}") for k in (0, 1)]
     try:
         for proc in nodes:
@@ -238,8 +260,10 @@ def test_seed_everything_offsets_by_rank():
 @dataclass
 class ToyArgs(common.RunArgs):
     out: str = "runs/toy"
-    steps: int = 6  # steps of the toy run
-    lr: float = 1e-2  # its lr
+    steps: int = 6
+    """steps of the toy run"""
+    lr: float = 1e-2
+    """its lr"""
 
 
 def toy_train(args, interrupt_at=None):
@@ -295,8 +319,11 @@ def test_crashed_run_resumes_exactly(toy_args, tmp_path, monkeypatch, crash_afte
 def test_ctrl_c_saves_and_the_same_command_with_resume_continues(toy_args, tmp_path):
     """Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     _, model = toy_train(toy_args(out=str(tmp_path / "straight")))
-    with pytest.raises(KeyboardInterrupt, match=r"stopped after step 3, with .*last.pt saved: the same command "
-                                                r"with --resume continues"):
+    with pytest.raises(
+        KeyboardInterrupt,
+        match=r"stopped after step 3, with .*last.pt saved: the same command "
+        r"with --resume continues",
+    ):
         toy_train(toy_args(), interrupt_at=3)
     assert torch.load(Path(toy_args().out) / "last.pt", weights_only=True)["step"] == 3
     _, again = toy_train(toy_args(resume=True))
@@ -309,10 +336,15 @@ def test_run_folder_refusals(toy_args, tmp_path):
         toy_train(toy_args(resume=True))
     toy_train(toy_args())
     config = (out / "config.json").read_text()
-    with pytest.raises(ValueError, match=f"{out} already holds a run: pass --resume to continue it, or give another --out"):
+    with pytest.raises(
+        ValueError, match=f"{out} already holds a run: pass --resume to continue it, or give another --out"
+    ):
         toy_train(toy_args())
-    with pytest.raises(ValueError, match=r"--resume with flags that differ from .*config.json: --steps 6 in the run, "
-                                         r"8 now; --lr 0.01 in the run, 0.02 now"):
+    with pytest.raises(
+        ValueError,
+        match=r"--resume with flags that differ from .*config.json: --steps 6 in the run, "
+        r"8 now; --lr 0.01 in the run, 0.02 now",
+    ):
         toy_train(toy_args(resume=True, lr=0.02, steps=8))
     # bad input is refused before anything is written: the finished run's files stay as they were
     with pytest.raises(FileNotFoundError, match="annotation file not found"):
@@ -392,13 +424,16 @@ def test_optimizer_step_clips_and_returns_the_norm_before_clipping(tmp_path):
     torch.testing.assert_close(p.detach(), torch.tensor([-0.9, -1.2]))
 
 
-@pytest.mark.parametrize("schedule, warmup, expected", [
-    # total 10, w = int(warmup x 10): (s + 1) / w during the warm-up, then
-    ("linear", 0.2, [0.5, 1.0] + [(10 - s) / 8 for s in range(2, 10)]),  # (T - s) / (T - w)
-    ("cosine", 0.2, [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)]),
-    ("cosine", 0.0, [0.5 * (1 + math.cos(math.pi * s / 10)) for s in range(10)]),
-    ("constant", 0.3, [1 / 3, 2 / 3] + [1.0] * 8),
-])
+@pytest.mark.parametrize(
+    "schedule, warmup, expected",
+    [
+        # total 10, w = int(warmup x 10): (s + 1) / w during the warm-up, then
+        ("linear", 0.2, [0.5, 1.0] + [(10 - s) / 8 for s in range(2, 10)]),  # (T - s) / (T - w)
+        ("cosine", 0.2, [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)]),
+        ("cosine", 0.0, [0.5 * (1 + math.cos(math.pi * s / 10)) for s in range(10)]),
+        ("constant", 0.3, [1 / 3, 2 / 3] + [1.0] * 8),
+    ],
+)
 def test_lr_schedule_by_hand(schedule, warmup, expected):
     p = torch.nn.Parameter(torch.zeros(1))
     optimizer, scheduler = common.adamw([p], 2.0, 10, schedule, warmup)
@@ -445,11 +480,13 @@ def test_evaluation_pairs_each_report_with_its_own_reference_under_two_ranks(tmp
     _run(tmp_path, rank=1, world_size=2).evaluate(ImageEcho(), records, "test", "", 8)
     assert sent[0] == [expected[r.id] for r in records[1::2]]  # rank 1's share without its padding
     monkeypatch.setattr(common, "all_gather_objects", lambda mine: [mine, sent[0]])
-    _run(tmp_path, rank=0, world_size=2, labeler=common.RuleLabeler()).evaluate(ImageEcho(), records, "test", "", 8,
-                                                                                report=str.upper)
+    _run(tmp_path, rank=0, world_size=2, labeler=common.RuleLabeler()).evaluate(
+        ImageEcho(), records, "test", "", 8, report=str.upper
+    )
     rows = [json.loads(x) for x in (tmp_path / "run" / "generations_test.jsonl").read_text().splitlines()]
-    assert [(row["id"], row["reference"], row["completion"], row["generated"]) for row in rows] == \
-        [(r.id, r.report, expected[r.id], expected[r.id].upper()) for r in records]
+    assert [(row["id"], row["reference"], row["completion"], row["generated"]) for row in rows] == [
+        (r.id, r.report, expected[r.id], expected[r.id].upper()) for r in records
+    ]
 
 
 def test_all_reduce_gradients_averages_over_ranks(monkeypatch):

@@ -2,21 +2,30 @@
 the right place (patient's right = image left), and (slow) that a small CNN learns every finding.
     python -m pytest tests/test_synthetic_images.py -m slow -s    # the learnability check
 """
+
 import time
 
 import numpy as np
 import pytest
 
 import common
-
 from common import draw_synthetic_cxr
 
-ALL = {"Enlarged Cardiomediastinum": {}, "Cardiomegaly": {"severity": "large"},
-       "Lung Opacity": {"side": "bilateral"}, "Lung Lesion": {"side": "left"}, "Edema": {},
-       "Consolidation": {"side": "right"}, "Pneumonia": {"side": "left"}, "Atelectasis": {"side": "right"},
-       "Pneumothorax": {"side": "left", "severity": "moderate"},
-       "Pleural Effusion": {"side": "right", "severity": "small"}, "Pleural Other": {"side": "right"},
-       "Fracture": {"side": "left"}, "Support Devices": {"kind": "pacemaker"}}
+ALL = {
+    "Enlarged Cardiomediastinum": {},
+    "Cardiomegaly": {"severity": "large"},
+    "Lung Opacity": {"side": "bilateral"},
+    "Lung Lesion": {"side": "left"},
+    "Edema": {},
+    "Consolidation": {"side": "right"},
+    "Pneumonia": {"side": "left"},
+    "Atelectasis": {"side": "right"},
+    "Pneumothorax": {"side": "left", "severity": "moderate"},
+    "Pleural Effusion": {"side": "right", "severity": "small"},
+    "Pleural Other": {"side": "right"},
+    "Fracture": {"side": "left"},
+    "Support Devices": {"kind": "pacemaker"},
+}
 ALL = {name: {"uncertain": False, **attrs} for name, attrs in ALL.items()}
 
 
@@ -32,7 +41,7 @@ def _effect(name, attrs, seeds=range(4), size=64):
 
 def _region(a, rows, cols):
     n = a.shape[-1]
-    return a[..., int(rows[0] * n):int(rows[1] * n), int(cols[0] * n):int(cols[1] * n)]
+    return a[..., int(rows[0] * n) : int(rows[1] * n), int(cols[0] * n) : int(cols[1] * n)]
 
 
 def test_deterministic_from_the_rng_only():
@@ -68,8 +77,17 @@ def test_speed():
     assert len(studies) / cpu >= 100
 
 
-SIDED = ["Lung Opacity", "Lung Lesion", "Consolidation", "Pneumonia", "Atelectasis", "Pneumothorax",
-         "Pleural Effusion", "Pleural Other", "Fracture"]
+SIDED = [
+    "Lung Opacity",
+    "Lung Lesion",
+    "Consolidation",
+    "Pneumonia",
+    "Atelectasis",
+    "Pneumothorax",
+    "Pleural Effusion",
+    "Pleural Other",
+    "Fracture",
+]
 
 
 @pytest.mark.parametrize("name", SIDED)
@@ -86,22 +104,22 @@ def test_side_convention_patient_right_is_image_left(name):
 
 # (finding, attrs, rows, cols, statistic, bound): where each sign shows, as fractions of the image
 SIGNS = [
-    ("Enlarged Cardiomediastinum", {}, (0.15, 0.45), (0.38, 0.62), "mean", 5),      # wide upper mediastinum
-    ("Cardiomegaly", {"severity": "large"}, (0.45, 0.7), (0.62, 0.8), "mean", 8),   # heart shadow wider
-    ("Lung Opacity", {"side": "right"}, (0.15, 0.75), (0.05, 0.5), "mean", 2),       # hazy patch
-    ("Lung Lesion", {"side": "right"}, (0.0, 1.0), (0.0, 0.5), "max", 50),            # bright nodule
-    ("Edema", {}, (0.25, 0.7), (0.1, 0.9), "mean", 3),                                # bilateral haze
-    ("Consolidation", {"side": "right"}, (0.45, 0.7), (0.05, 0.5), "mean", 5),       # dense lower zone
-    ("Pneumonia", {"side": "left"}, (0.3, 0.75), (0.5, 0.95), "mean", 2),             # patchy blotches
-    ("Atelectasis", {"side": "right"}, (0.45, 0.75), (0.0, 0.5), "max", 40),          # plate-like line
+    ("Enlarged Cardiomediastinum", {}, (0.15, 0.45), (0.38, 0.62), "mean", 5),  # wide upper mediastinum
+    ("Cardiomegaly", {"severity": "large"}, (0.45, 0.7), (0.62, 0.8), "mean", 8),  # heart shadow wider
+    ("Lung Opacity", {"side": "right"}, (0.15, 0.75), (0.05, 0.5), "mean", 2),  # hazy patch
+    ("Lung Lesion", {"side": "right"}, (0.0, 1.0), (0.0, 0.5), "max", 50),  # bright nodule
+    ("Edema", {}, (0.25, 0.7), (0.1, 0.9), "mean", 3),  # bilateral haze
+    ("Consolidation", {"side": "right"}, (0.45, 0.7), (0.05, 0.5), "mean", 5),  # dense lower zone
+    ("Pneumonia", {"side": "left"}, (0.3, 0.75), (0.5, 0.95), "mean", 2),  # patchy blotches
+    ("Atelectasis", {"side": "right"}, (0.45, 0.75), (0.0, 0.5), "max", 40),  # plate-like line
     ("Pneumothorax", {"side": "right", "severity": "large"}, (0.1, 0.35), (0.05, 0.5), "-mean", 5),  # dark apex
     ("Pleural Effusion", {"side": "right", "severity": "moderate"}, (0.5, 0.72), (0.05, 0.5), "mean", 10),
-    ("Pleural Other", {"side": "right"}, (0.25, 0.65), (0.05, 0.3), "mean", 4),       # lateral band
-    ("Fracture", {"side": "left"}, (0.1, 0.8), (0.5, 1.0), "max", 30),                 # broken rib
+    ("Pleural Other", {"side": "right"}, (0.25, 0.65), (0.05, 0.3), "mean", 4),  # lateral band
+    ("Fracture", {"side": "left"}, (0.1, 0.8), (0.5, 1.0), "max", 30),  # broken rib
     ("Support Devices", {"kind": "endotracheal tube"}, (0.0, 0.3), (0.4, 0.6), "max", 80),
     ("Support Devices", {"kind": "central venous catheter"}, (0.0, 0.4), (0.2, 0.5), "max", 100),
     ("Support Devices", {"kind": "nasogastric tube"}, (0.75, 0.95), (0.45, 0.8), "max", 70),  # below the diaphragm
-    ("Support Devices", {"kind": "pacemaker"}, (0.1, 0.3), (0.6, 0.85), "mean", 20),   # generator box
+    ("Support Devices", {"kind": "pacemaker"}, (0.1, 0.3), (0.6, 0.85), "mean", 20),  # generator box
 ]
 
 
@@ -122,19 +140,27 @@ def test_hedged_findings_are_fainter_but_visible(name, attrs, rows, cols, stat, 
     assert 0.2 * sure < hedged < sure
 
 
-@pytest.mark.parametrize("name,rows,cols,sign", [
-    ("Cardiomegaly", (0.45, 0.7), (0.3, 0.85), 1), ("Pleural Effusion", (0.3, 0.75), (0.05, 0.5), 1),
-    ("Pneumothorax", (0.05, 0.75), (0.05, 0.5), -1)])
+@pytest.mark.parametrize(
+    "name,rows,cols,sign",
+    [
+        ("Cardiomegaly", (0.45, 0.7), (0.3, 0.85), 1),
+        ("Pleural Effusion", (0.3, 0.75), (0.05, 0.5), 1),
+        ("Pneumothorax", (0.05, 0.75), (0.05, 0.5), -1),
+    ],
+)
 def test_severity_grades(name, rows, cols, sign):
     """Bigger heart, higher fluid, larger airless rim: count the pixels changed by > 15 grey levels."""
     side = {} if name == "Cardiomegaly" else {"side": "right"}
-    areas = [(sign * _region(_effect(name, {"severity": sev, **side}), rows, cols) > 15).sum()
-             for sev in ("small", "moderate", "large")]
+    areas = [
+        (sign * _region(_effect(name, {"severity": sev, **side}), rows, cols) > 15).sum()
+        for sev in ("small", "moderate", "large")
+    ]
     assert 0 < areas[0] < areas[1] < areas[2], areas
 
 
 def test_make_synthetic_writes_the_drawn_images(tmp_path):
     from PIL import Image
+
     out = common.make_synthetic(tmp_path, n_train=3, n_val=1, n_test=1, size=48, seed=0)
     img = np.asarray(Image.open(out / "images" / "train_00000.png"))
     assert img.shape == (48, 48) and img.dtype == np.uint8 and img.std() > 20
@@ -146,6 +172,7 @@ def test_a_small_cnn_learns_every_finding():
     2000 more (hedged findings count as present; every finding has >= 20 test positives)."""
     import torch
     from sklearn.metrics import roc_auc_score
+
     torch.set_num_threads(2)
     torch.manual_seed(0)
 
@@ -166,21 +193,33 @@ def test_a_small_cnn_learns_every_finding():
 
     def block(i, o):
         return [torch.nn.Conv2d(i, o, 3, padding=1, bias=False), torch.nn.BatchNorm2d(o), torch.nn.ReLU()]
-    net = torch.nn.Sequential(*block(1, 16), torch.nn.MaxPool2d(2), *block(16, 32), torch.nn.MaxPool2d(2),
-                              *block(32, 64), torch.nn.MaxPool2d(2), *block(64, 64), torch.nn.Flatten(),
-                              torch.nn.Linear(64 * 8 * 8, 128), torch.nn.ReLU(), torch.nn.Linear(128, 13))
+
+    net = torch.nn.Sequential(
+        *block(1, 16),
+        torch.nn.MaxPool2d(2),
+        *block(16, 32),
+        torch.nn.MaxPool2d(2),
+        *block(32, 64),
+        torch.nn.MaxPool2d(2),
+        *block(64, 64),
+        torch.nn.Flatten(),
+        torch.nn.Linear(64 * 8 * 8, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 13),
+    )
     prevalence = y_train.mean(0).clamp_min(1e-3)
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=((1 - prevalence) / prevalence).sqrt())
     opt = torch.optim.AdamW(net.parameters(), 2e-3, weight_decay=1e-4)
 
     def norm(x):
         return (x.float() / 255 - 0.5) / 0.25
+
     start, epochs = time.time(), 6  # about a minute on 2 CPU cores
     for _ in range(epochs):
         net.train()
         perm = torch.randperm(len(x_train))
         for b in range(0, len(perm), 64):
-            idx = perm[b:b + 64]
+            idx = perm[b : b + 64]
             loss = loss_fn(net(norm(x_train[idx])), y_train[idx])
             opt.zero_grad()
             loss.backward()
@@ -188,7 +227,7 @@ def test_a_small_cnn_learns_every_finding():
     train_s = time.time() - start
     net.eval()
     with torch.no_grad():
-        scores = torch.cat([net(norm(x_test[b:b + 500])) for b in range(0, len(x_test), 500)]).numpy()
+        scores = torch.cat([net(norm(x_test[b : b + 500])) for b in range(0, len(x_test), 500)]).numpy()
     aucs = {name: roc_auc_score(y_test[:, i].numpy(), scores[:, i]) for i, name in enumerate(common.FINDINGS)}
     for name, auc in aucs.items():
         print(f"  {name:28s} AUROC {auc:.3f}")
