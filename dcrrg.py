@@ -17,13 +17,16 @@ epochs a step (ours), its BERT random without --text-encoder. Batch sizes are gl
 Equations, and where they are implemented:
     Sec. 3.1    targets: unmentioned negative, uncertain out;  observation_targets, draw_pairs (re-sampling),
                 per-observation balancing                      pair_weights (its expected loss)
+    Step 1      each encoder alone, a label per prompt         step1_loss, step1
     Eq. 1a, 2a  v = E_img(x_img), t = E_txt(x_txt)            DCRRG.embed_images, DCRRG.embed_texts
     Eq. 1b, 2b  v_p = f_v(concat(v, e_prompt)), t_p likewise  ProjectionHead
     Eq. 3-5     soft targets s, calibrated y^{v->t}, y^{t->v}  soft_targets
     Eq. 6-9     calibrated semantic matching loss              csm_loss, step2_loss (over the global batch)
-    Sec. 3.3    observation descriptions from sentences        split_sentences, assign_sentences
-    Eq. 10-12   post-LN decoder layer (MMHA, CA, FFN)          DecoderLayer
+    Step 2      DCCLIP: align the encoders                     step2
+    Sec. 3.3    observation descriptions from sentences        split_sentences, assign_sentences, description_records
+    Eq. 10-12   post-LN decoder layer (MMHA, CA, FFN)          DecoderLayer, Attention
     Eq. 13-14   autoregressive decoder, token cross-entropy    Decoder, lm_loss
+    Step 3      a description per observation, either view     step3_inputs, step3
     Sec. 3.4    P-Tuning v2 prefixes + fresh output head       DCRRG.prefix, step4
     App. A      beam search of width 3                         beam_search
     Sec. 4.4.2  P@K retrieval on 5 x N; Table 6 AUROC          retrieval, auroc_per_observation; Table 4: ablation()
@@ -53,11 +56,11 @@ class Args(common.RunArgs):
     model: Literal["tiny", "paper"] = "tiny"
     """tiny: small CNN, BERT-Tiny shape, width 128 (CPU); paper: ResNet-50, BERT 512/8 heads (App. A)"""
     pretrained: str = "imagenet"
-    """--model paper: the ResNet-50's start, "imagenet" (App. A: torchvision's weights, downloaded once), "none" (random)
-    or a state-dict file"""
+    """--model paper: the ResNet-50's start, "imagenet" (App. A: torchvision's weights, downloaded once), "none"
+    (random) or a state-dict file"""
     text_encoder: str | None = None
-    """HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT, as it is: 768 / 12 heads); None: a random BERT (paper: 512
-    hidden, 8 heads) on our vocabulary"""
+    """HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT, as it is: 768 / 12 heads); None: a random BERT (paper:
+    512 hidden, 8 heads) on our vocabulary"""
     extra_data: str | None = None
     """annotation.json whose train records join Step 1 only (Tables 1 and 5: CheXpert)"""
     lr: float | None = None
@@ -91,24 +94,20 @@ SIZES = {  # --model: image size, random text BERT (hidden, heads, layers), widt
 }  # App. A; 8 layers: ours
 K = len(common.CHEXPERT_LABELS)  # 14 observations = 14 prompts
 NO_FINDING = common.LABEL_INDEX["No Finding"]
-FIVE = [
-    "Atelectasis",
-    "Cardiomegaly",
-    "Consolidation",
-    "Edema",
-    "Pleural Effusion",
-]  # CheXpert 5x200 / competition tasks
+# CheXpert 5x200's classes, CheXpert's competition tasks
+FIVE = ["Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion"]
 MODALITIES = ("image", "text")
 WEIGHT_DECAY, BEAM = 1e-6, 3  # App. A
 DROPOUT = 0.1  # decoder and text encoder (paper silent: Vaswani et al.'s and BERT's)
 MAX_TEXT_TOKENS, MAX_DESCRIPTION_TOKENS, MAX_REPORT_TOKENS = 256, 48, 128  # word pieces read / Step 3 / Step 4 (ours)
 VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become characters (ours)
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
-CE = dict(
-    headline="micro_f1", uncertain_as=0
-)  # Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
-# No schedule in the paper (ours): --model tiny's default run within ~280 CPU-s; --model paper: EPOCHS passes over each step's examples
-TINY_STEPS, EPOCHS = dict(step1=300, step2=200, step3=600, step4=400), 10
+# Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
+CE = dict(headline="micro_f1", uncertain_as=0)
+# No schedule in the paper (ours): --model tiny's default run within ~280 CPU-s; --model paper: EPOCHS passes over
+# each step's examples
+TINY_STEPS = dict(step1=300, step2=200, step3=600, step4=400)
+EPOCHS = 10
 
 
 # Sec. 3.1 and 3.3: targets ----------------------------------------------------------------------
@@ -189,73 +188,58 @@ class ProjectionHead(nn.Module):
         return self.fc2(F.gelu(self.fc1(torch.cat([self.norm(x)[:, None].expand(-1, K, -1), e], -1))))  # (B, 14, P)
 
 
-class DCRRG(nn.Module):  # all the parts: each step trains some (set_trainable) and saves all
+class DCRRG(nn.Module):
+    """All the parts: each step trains some (set_trainable) and saves all."""
+
     def __init__(self, args: Args, tokenizer):
         super().__init__()
-        size, self.tokenizer = SIZES[args.model], tokenizer
+        size = SIZES[args.model]
+        self.tokenizer = tokenizer
         # Eq. 1a's E_img, averaged over a study's views: a small CNN or ResNet-50's pooled 2048-d feature (App. A)
-        self.image_encoder = (
-            common.ViewMean(common.SmallCNN())
-            if args.model == "tiny"
-            else common.resnet_encoder(50, None if args.pretrained == "none" else args.pretrained, "--pretrained")
-        )
+        if args.model == "tiny":
+            self.image_encoder = common.ViewMean(common.SmallCNN())
+        else:
+            weights = None if args.pretrained == "none" else args.pretrained
+            self.image_encoder = common.resnet_encoder(50, weights, "--pretrained")
         from transformers import AutoModel, BertConfig, BertModel
 
         dropout = dict(hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT)
-        self.text_encoder = (
-            AutoModel.from_pretrained(args.text_encoder, **dropout)
-            if args.text_encoder
-            else BertModel(
-                BertConfig(
-                    vocab_size=len(tokenizer),
-                    hidden_size=size["hidden"],
-                    num_attention_heads=size["heads"],
-                    num_hidden_layers=size["layers"],
-                    intermediate_size=4 * size["hidden"],
-                    **dropout,
-                ),
-                add_pooling_layer=False,
-            )
-        )
+        if args.text_encoder:
+            self.text_encoder = AutoModel.from_pretrained(args.text_encoder, **dropout)
+        else:
+            hidden = size["hidden"]
+            shape = dict(hidden_size=hidden, num_attention_heads=size["heads"], num_hidden_layers=size["layers"])
+            config = BertConfig(vocab_size=len(tokenizer), intermediate_size=4 * hidden, **shape, **dropout)
+            self.text_encoder = BertModel(config, add_pooling_layer=False)
         D, M, P = self.image_encoder.dim, self.text_encoder.config.hidden_size, size["width"]
         self.f_v, self.f_t = ProjectionHead(D, P), ProjectionHead(M, P)  # Eq. 1b, 2b
         self.cls_v, self.cls_t = nn.Linear(P, 2), nn.Linear(P, 2)  # Step 1: negative/positive under any prompt
-        self.heads = {
-            "image": (self.f_v, self.cls_v),
-            "text": (self.f_t, self.cls_t),
-        }  # per modality: projection, classifier
+        # per modality: projection, classifier
+        self.heads = {"image": (self.f_v, self.cls_v), "text": (self.f_t, self.cls_t)}
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # Eq. 7: 1 / tau, tau = 0.07 at first
         self.decoder = Decoder(len(tokenizer), P, size["dec_heads"], DROPOUT)
         # Step 4, P-Tuning v2 (Liu et al. 2022, arXiv:2110.07602): in every layer, L_p trainable keys and values
         # before those of both attentions, and a "randomly-initialized classification head"
-        self.prefix = nn.Parameter(
-            torch.randn(len(self.decoder.layers), 2, 2, args.prefix_len, P) * 0.02
-        )  # (layer, self/cross, k/v, L_p, P)
+        self.prefix = nn.Parameter(torch.randn(len(self.decoder.layers), 2, 2, args.prefix_len, P) * 0.02)
         self.prompt_head = nn.Linear(P, len(tokenizer))
 
     def embed_images(self, images):  # Eq. 1a: (B, V, C, H, W) -> v (B, D)
         return self.image_encoder(images.to(self.logit_scale.device))
 
-    def embed_texts(self, texts: list[str]):  # Eq. 2a: t (B, M), mean of the last hidden states (paper silent)
-        return common.mean_pooled_bert_features(
-            self.text_encoder, self.tokenizer, texts, self.logit_scale.device, MAX_TEXT_TOKENS
-        )
+    def embed_texts(self, texts: list[str]):
+        """Eq. 2a: t (B, M), the mean of the last hidden states (paper silent)."""
+        device = self.logit_scale.device
+        return common.mean_pooled_bert_features(self.text_encoder, self.tokenizer, texts, device, MAX_TEXT_TOKENS)
 
     def embed(self, records, modality: str, transform):  # Eq. 1a / 2a of records -> (B, D) or (B, M)
-        return (
-            self.embed_images(load_images(records, transform))
-            if modality == "image"
-            else self.embed_texts([r.report for r in records])
-        )
+        if modality == "image":
+            return self.embed_images(load_images(records, transform))
+        return self.embed_texts([r.report for r in records])
 
     @torch.no_grad()
     def project(self, records, modality: str, transform):  # Eq. 1 / 2 of records, 64 at a time -> (N, 14, P)
-        return torch.cat(
-            [
-                self.heads[modality][0](self.embed(records[b : b + 64], modality, transform))
-                for b in range(0, len(records), 64)
-            ]
-        )
+        f = self.heads[modality][0]
+        return torch.cat([f(self.embed(records[b : b + 64], modality, transform)) for b in range(0, len(records), 64)])
 
 
 def build_tokenizer(args: Args, reports: list[str], run):
@@ -266,21 +250,14 @@ def build_tokenizer(args: Args, reports: list[str], run):
 
     if args.text_encoder:
         return AutoTokenizer.from_pretrained(args.text_encoder)
-    path, problem = run.out / "tokenizer" / "vocab.txt", None
+    path = run.out / "tokenizer" / "vocab.txt"
+    problem = None
     if run.is_main:
         counts = Counter(w for r in reports for w in re.findall(r"\w+|[^\w\s]", r.lower()))
-        words, chars = (
-            sorted(counts, key=lambda w: (-counts[w], w))[:VOCAB_SIZE],
-            sorted({c for w in counts for c in w}),
-        )
-        vocab = (
-            "\n".join(
-                dict.fromkeys(
-                    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words
-                )
-            )
-            + "\n"
-        )
+        words = sorted(counts, key=lambda w: (-counts[w], w))[:VOCAB_SIZE]
+        chars = sorted({c for w in counts for c in w})
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        vocab = "\n".join(dict.fromkeys(specials + chars + ["##" + c for c in chars] + words)) + "\n"
         if path.is_file() and path.read_text() != vocab and any(run.out.rglob("*.pt")):
             problem = (
                 f"{path} was made from other training reports than those of --data {args.data}: {run.out} holds "
@@ -288,7 +265,8 @@ def build_tokenizer(args: Args, reports: list[str], run):
             )
         else:  # new, the same, or left by a start that trained nothing
             run.write("tokenizer/vocab.txt", vocab)
-    if problem := common.broadcast_object(problem):  # the other ranks read the file once it is there
+    problem = common.broadcast_object(problem)  # the other ranks read the file once it is there
+    if problem:
         raise ValueError(problem)
     return BertTokenizerFast.from_pretrained(str(path.parent))
 
@@ -296,20 +274,23 @@ def build_tokenizer(args: Args, reports: list[str], run):
 def step1_loss(model: DCRRG, batch, records, targets, weights, transform):
     """Sec. 3.1: per modality, the CE of each pair's label under its observation's prompt. batch: per modality
     (rows, observations) of re-sampled pairs, or (rows, None): samples under all 14 prompts, pair_weights."""
-    loss, stats, device = 0.0, {}, model.logit_scale.device
+    device = model.logit_scale.device
+    loss, stats = 0.0, {}
     for m in MODALITIES:
-        (f, cls), (rows, obs) = model.heads[m], batch[m]
+        f, cls = model.heads[m]
+        rows, obs = batch[m]
         logits = cls(f(model.embed([records[i] for i in rows], m, transform)))  # Eq. 1-2: (B, 14, 2), every prompt
-        y, w = (targets[rows], weights[rows]) if obs is None else (targets[rows, obs], np.ones(len(rows)))
-        logits = logits if obs is None else logits[torch.arange(len(rows)), torch.as_tensor(obs)]  # own prompt: (B, 2)
+        if obs is None:
+            y, w = targets[rows], weights[rows]
+        else:  # each pair under its own observation's prompt: (B, 2)
+            y, w = targets[rows, obs], np.ones(len(rows))
+            logits = logits[torch.arange(len(rows)), torch.as_tensor(obs)]
         y_t = torch.as_tensor(np.nan_to_num(y), device=device).long()
         ce = F.cross_entropy(logits.float().flatten(0, -2), y_t.flatten(), reduction="none").view(y_t.shape)
         loss_m = (torch.as_tensor(w, device=device, dtype=torch.float32) * ce).sum() / len(rows)
         loss = loss + loss_m
-        stats[f"{m}_loss"], stats[f"{m}_acc"] = (
-            loss_m.item(),
-            float((logits.argmax(-1) == y_t).cpu().numpy()[~np.isnan(y)].mean()),
-        )
+        stats[f"{m}_loss"] = loss_m.item()
+        stats[f"{m}_acc"] = float((logits.argmax(-1) == y_t).cpu().numpy()[~np.isnan(y)].mean())
     return loss, stats
 
 
@@ -319,44 +300,36 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     balance = args.balance or ("resample" if args.model == "paper" else "reweight")
     records = env["train"] + env["extra"]
     targets = observation_targets(np.stack([r.labels for r in records]))
-    weights, n = pair_weights(targets, balance != "none"), run.per_rank(args.batch_size, "--batch-size")
+    weights = pair_weights(targets, balance != "none")
+    n = run.per_rank(args.batch_size, "--batch-size")
 
-    def batches(
-        start,
-    ):  # the global batch depends on (seed, step) only, so a resumed run draws the same; ranks slice it
+    def batches(start):
+        """The global batch depends on (seed, step) only, so a resumed run draws the same; ranks slice it."""
         for step in range(start, 1 << 62):
-            rng, mine = np.random.default_rng([args.seed, step]), slice(run.rank * n, (run.rank + 1) * n)
-            yield {
-                m: tuple(a[mine] for a in draw_pairs(targets, args.batch_size, rng))
-                if balance == "resample"
-                else (rng.integers(len(records), size=args.batch_size)[mine], None)
-                for m in MODALITIES
-            }
+            rng = np.random.default_rng([args.seed, step])
+            mine = slice(run.rank * n, (run.rank + 1) * n)
+            batch = {}
+            for m in MODALITIES:  # each modality its own draw
+                if balance == "resample":
+                    batch[m] = tuple(a[mine] for a in draw_pairs(targets, args.batch_size, rng))
+                else:
+                    batch[m] = (rng.integers(len(records), size=args.batch_size)[mine], None)
+            yield batch
 
-    def evaluate(model, st):  # AUROC of the (N, 14) positive probabilities
-        y, p = (
-            observation_targets(np.stack([r.labels for r in env["test"]])),
-            lambda m: (
-                torch.softmax(model.heads[m][1](model.project(env["test"], m, env["transform"])).float(), -1)[..., 1]
-                .cpu()
-                .numpy()
-            ),
-        )
-        return {"balance": balance, **{f"auroc_{m}": auroc_per_observation(p(m), y) for m in MODALITIES}}
+    def loss_fn(model, batch):
+        return step1_loss(model, batch, records, targets, weights, env["transform"])
 
-    return fit(
-        run,
-        args,
-        env,
-        name,
-        init,
-        "step1",
-        len(records),
-        ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"],
-        batches,
-        lambda model, batch: step1_loss(model, batch, records, targets, weights, env["transform"]),
-        evaluate,
-    )
+    def evaluate(model, st):
+        """Table 6: AUROC of the (N, 14) positive probabilities."""
+        y = observation_targets(np.stack([r.labels for r in env["test"]]))
+        out = {"balance": balance}
+        for m in MODALITIES:
+            logits = model.heads[m][1](model.project(env["test"], m, env["transform"]))  # (N, 14, 2)
+            out[f"auroc_{m}"] = auroc_per_observation(torch.softmax(logits.float(), -1)[..., 1].cpu().numpy(), y)
+        return out
+
+    parts = ["image_encoder", "f_v", "cls_v", "text_encoder", "f_t", "cls_t"]
+    return fit(run, args, env, name, init, "step1", len(records), parts, batches, loss_fn, evaluate)
 
 
 # Step 2: calibrated semantic matching loss (Eq. 3-9) and its loop ---------------------------------
@@ -399,9 +372,8 @@ def step2_loss(model: DCRRG, batch, world_size: int):
     """Eq. 1-2 then Eq. 3-9 on the global batch of image-report pairs (every rank gathers all candidates)."""
     v, t = model.embed_images(batch["images"]), model.embed_texts(batch["report"])  # Eq. 1a, 2a
     v_p, t_p = model.f_v(v), model.f_t(t)  # Eq. 1b, 2b: (B, 14, P), under every prompt
-    l = (
-        ((batch["labels"] == 1) | (batch["labels"] == -1)).float().to(v.device)
-    )  # Eq. 3's l: positive, uncertain (paper silent); l_img = l_txt
+    # Eq. 3's l: positive, uncertain (paper silent); l_img = l_txt
+    l = ((batch["labels"] == 1) | (batch["labels"] == -1)).float().to(v.device)
     v_p, t_p, v, t, l = (gather_batch(x, world_size) for x in (v_p, t_p, v, t, l))
     # Which prompt feeds Eq. 6 is not said: the loss is averaged over all 14, so each is aligned (Steps 3-4 read all)
     per_prompt = [csm_loss(v_p[:, k], t_p[:, k], v, t, l, l, model.logit_scale) for k in range(K)]
@@ -411,33 +383,28 @@ def step2_loss(model: DCRRG, batch, world_size: int):
 def step2(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     """Eq. 3-9: align the encoders on image-report pairs (DCCLIP); then retrieval P@K (Table 2)."""
 
+    def loss_fn(model, batch):
+        return step2_loss(model, batch, run.world_size)
+
     def evaluate(model, st):
-        out = {"retrieval": retrieval(model, env["test"], env["transform"])}
-        if st.is_main and (skipped := out["retrieval"]["skipped"]):
+        found = retrieval(model, env["test"], env["transform"])
+        if st.is_main and found["skipped"]:
             common.log.warning(
                 "Step 2 retrieval skips %s (no test study positive for it alone): %s",
-                ", ".join(skipped),
-                "P@K over the other classes" if "P@1" in out["retrieval"] else "no P@K (under two classes)",
+                ", ".join(found["skipped"]),
+                "P@K over the other classes" if "P@1" in found else "no P@K (under two classes)",
             )
-        return out
+        return {"retrieval": found}
 
-    return fit(
-        run,
-        args,
-        env,
-        name,
-        init,
-        "step2",
-        len(env["train"]),
-        ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"],
-        run.study_batches(env["train"], args.batch_size, "--batch-size", env["transform"]),
-        lambda model, batch: step2_loss(model, batch, run.world_size),
-        evaluate,
-    )
+    parts = ["image_encoder", "f_v", "text_encoder", "f_t", "logit_scale"]
+    batches = run.study_batches(env["train"], args.batch_size, "--batch-size", env["transform"])
+    return fit(run, args, env, name, init, "step2", len(env["train"]), parts, batches, loss_fn, evaluate)
 
 
 # The decoder (Eq. 10-14) --------------------------------------------------------------------------
-class Attention(nn.Module):  # multi-head; keys and values may start with P-Tuning v2 prefixes
+class Attention(nn.Module):
+    """Multi-head attention (Eq. 11-12's MMHA and CA); keys and values may start with P-Tuning v2 prefixes."""
+
     def __init__(self, d: int, heads: int, dropout: float):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
@@ -445,13 +412,17 @@ class Attention(nn.Module):  # multi-head; keys and values may start with P-Tuni
 
     def forward(self, x, source, causal: bool, prefix=None):
         B, T, d = x.shape
-        split = lambda z: z.reshape(B, -1, self.heads, d // self.heads).transpose(1, 2)
+
+        def split(z):  # (B, S, d) -> (B, heads, S, d / heads)
+            return z.reshape(B, -1, self.heads, d // self.heads).transpose(1, 2)
+
         q, k, v = split(self.q(x)), split(self.k(source)), split(self.v(source))
         if prefix is not None:  # prefix (2, L_p, d): keys and values every position sees
-            k, v = (torch.cat([split(prefix[i].expand(B, -1, -1)), z], 2) for i, z in ((0, k), (1, v)))
-        mask = (
-            torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T) if causal else None
-        )  # i: keys <= i
+            k = torch.cat([split(prefix[0].expand(B, -1, -1)), k], 2)
+            v = torch.cat([split(prefix[1].expand(B, -1, -1)), v], 2)
+        mask = None
+        if causal:  # query i sees the prefix and the keys up to i
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.o(out.transpose(1, 2).reshape(B, T, d))
 
@@ -472,16 +443,18 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Two post-LN layers over token embeddings (Sec. 3.3), cross-attending to f_I (N, 14, P), then a linear head (Eq. 13:
-    p(T|I) = prod_t p(y_t | y_<t, I)). Paper silent: f_I is the study under all 14 prompts, a slot each (with v_p^k
-    alone, softmax over one key is 1: cross-attention never learns); Step 3 adds the observation's prompt embedding to
-    the first input. Step 2 pulls all projections together (cosine ~0.9), so f_I is standardised per slot and feature
-    by fixed training-image statistics (fit(); BatchNorm's would differ in Step 3's image + text batches)."""
+    """Two post-LN layers over token embeddings (Sec. 3.3), cross-attending to f_I (N, 14, P), then a linear head
+    (Eq. 13: p(T|I) = prod_t p(y_t | y_<t, I)). Paper silent: f_I is the study under all 14 prompts, a slot each (with
+    v_p^k alone, softmax over one key is 1: cross-attention never learns); Step 3 adds the observation's prompt
+    embedding to the first input. Step 2 pulls all projections together (cosine ~0.9), so f_I is standardised per slot
+    and feature by fixed training-image statistics (standardise_memory; BatchNorm's would differ in Step 3's image +
+    text batches)."""
 
     def __init__(self, vocab: int, d: int, heads: int, dropout: float, layers: int = 2):
         super().__init__()
         self.embed, self.prompts = nn.Embedding(vocab, d), nn.Embedding(K, d)  # prompts: Step 3, one per observation
-        self.register_buffer("memory_mean", torch.zeros(K, d)), self.register_buffer("memory_std", torch.ones(K, d))
+        self.register_buffer("memory_mean", torch.zeros(K, d))
+        self.register_buffer("memory_std", torch.ones(K, d))
         self.slots = nn.Parameter(torch.randn(K, d))  # (14, d)
         self.layers = nn.ModuleList(DecoderLayer(d, heads, dropout) for _ in range(layers))
         self.head = nn.Linear(d, vocab)
@@ -497,14 +470,19 @@ class Decoder(nn.Module):
         return (head or self.head)(y)  # (N, T, V)
 
 
+@torch.no_grad()
+def standardise_memory(model: DCRRG, records, transform):
+    """The decoder's fixed f_I mean and std per slot and feature, from the first 512 training images."""
+    f = model.project(records[:512], "image", transform)  # (N, 14, P)
+    model.decoder.memory_mean.copy_(f.mean(0))
+    model.decoder.memory_std.copy_(f.std(0) + 1e-5)
+
+
 def lm_loss(decoder, f_I, texts: list[str], tokenizer, max_len: int, prefix=None, head=None, obs=None):
     """Eq. 14: -sum_t log p(y_t | y_<t, I) over the batch's tokens ([SEP] ends each text) / their number."""
     pieces = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 1)["input_ids"]
-    ids = nn.utils.rnn.pad_sequence(
-        [torch.tensor([tokenizer.cls_token_id, *p, tokenizer.sep_token_id]) for p in pieces],
-        batch_first=True,
-        padding_value=tokenizer.pad_token_id,
-    ).to(f_I.device)  # (N, T)
+    rows = [torch.tensor([tokenizer.cls_token_id, *p, tokenizer.sep_token_id]) for p in pieces]
+    ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=tokenizer.pad_token_id).to(f_I.device)
     labels = ids[:, 1:].masked_fill(ids[:, 1:] == tokenizer.pad_token_id, -100)  # (N, T-1)
     logits = decoder(ids[:, :-1], f_I, prefix, head, obs=obs)  # (N, T-1, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
@@ -524,61 +502,37 @@ def step3_inputs(model: DCRRG, images, rows, text_view: bool = True) -> dict:
 
 def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     """Eq. 10-14: the decoder writes one observation's description from either view; then held-out ones (Table 7)."""
-    tok, transform, examples = env["tokenizer"], env["transform"], description_records(env["train"], env["labeler"])
+    tok, transform = env["tokenizer"], env["transform"]
+    examples = description_records(env["train"], env["labeler"])
     by_id = {r.id: r for r in examples}
 
     def loss_fn(model, batch):
-        inputs = step3_inputs(model, batch["images"], [by_id[i] for i in batch["id"]])
-        return lm_loss(
-            model.decoder, texts=batch["report"] * 2, tokenizer=tok, max_len=MAX_DESCRIPTION_TOKENS, **inputs
-        ), {}
+        inputs = step3_inputs(model, batch["images"], [by_id[i] for i in batch["id"]])  # image rows, then text rows
+        texts = batch["report"] * 2
+        return lm_loss(model.decoder, texts=texts, tokenizer=tok, max_len=MAX_DESCRIPTION_TOKENS, **inputs), {}
 
-    def evaluate(model, st):  # held-out descriptions of the first 64 validation studies
+    def evaluate(model, st):
+        """Held-out descriptions of the first 64 validation studies: the loss from each view, 24 beam-searched."""
         val = description_records(env["val"][:64], env["labeler"])
         inputs = step3_inputs(model, load_images(val, transform), val)  # image rows, then text rows
-        out = {
-            f"val_loss_{m}_view": lm_loss(
-                model.decoder, f, [r.report for r in val], tok, MAX_DESCRIPTION_TOKENS, obs=o
-            ).item()
-            for m, f, o in zip(MODALITIES, inputs["f_I"].chunk(2), inputs["obs"].chunk(2))
-        }
-        texts = generate(
-            model,
-            lambda rs: step3_inputs(model, load_images(rs, transform), rs, False),
-            val[:24],
-            st,
-            MAX_DESCRIPTION_TOKENS,
-        )
-        st.write(
-            "descriptions_val.jsonl",
-            "".join(
-                json.dumps(
-                    {
-                        "id": r.id,
-                        "observation": common.CHEXPERT_LABELS[r.meta["obs"]],
-                        "reference": r.report,
-                        "generated": g,
-                    }
-                )
-                + "\n"
-                for r, g in zip(val, texts)
-            ),
-        )
+        out = {}
+        for m, f_I, obs in zip(MODALITIES, inputs["f_I"].chunk(2), inputs["obs"].chunk(2)):
+            loss = lm_loss(model.decoder, f_I, [r.report for r in val], tok, MAX_DESCRIPTION_TOKENS, obs=obs)
+            out[f"val_loss_{m}_view"] = loss.item()
+
+        def inputs_fn(rows):  # the image view alone
+            return step3_inputs(model, load_images(rows, transform), rows, text_view=False)
+
+        texts = generate(model, inputs_fn, val[:24], st, MAX_DESCRIPTION_TOKENS)
+        rows = [
+            {"id": r.id, "observation": common.CHEXPERT_LABELS[r.meta["obs"]], "reference": r.report, "generated": g}
+            for r, g in zip(val, texts)
+        ]
+        st.write("descriptions_val.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
         return out
 
-    return fit(
-        run,
-        args,
-        env,
-        name,
-        init,
-        "step3",
-        len(examples),
-        ["decoder"],
-        run.study_batches(examples, args.decoder_batch_size, "--decoder-batch-size", transform),
-        loss_fn,
-        evaluate,
-    )
+    batches = run.study_batches(examples, args.decoder_batch_size, "--decoder-batch-size", transform)
+    return fit(run, args, env, name, init, "step3", len(examples), ["decoder"], batches, loss_fn, evaluate)
 
 
 # Step 4: prefixes (P-Tuning v2) and beam search ------------------------------------------------------
@@ -592,9 +546,8 @@ def beam_search(
     f_I = f_I.repeat_interleave(beam, 0)  # (B*k, S, P)
     obs = None if obs is None else obs.repeat_interleave(beam, 0)
     tokens = torch.full((B * beam, 1), bos, dtype=torch.long, device=dev)
-    scores = torch.tensor([0.0] + [-math.inf] * (beam - 1), device=dev).repeat(
-        B, 1
-    )  # (B, k): all equal, expand the first
+    # (B, k): all beams start equal, so only the first is expanded
+    scores = torch.tensor([0.0] + [-math.inf] * (beam - 1), device=dev).repeat(B, 1)
     done, length = torch.zeros(B * beam, dtype=torch.bool, device=dev), torch.zeros(B * beam, device=dev)
     for _ in range(max_len):
         logp = F.log_softmax(decoder(tokens, f_I, prefix, head, obs)[:, -1].float(), -1)  # (B*k, V)
@@ -602,10 +555,8 @@ def beam_search(
         logp[:, list(banned)] = -math.inf
         logp[done] = torch.where(torch.arange(V, device=dev) == pad, 0.0, -math.inf)  # finished: pad at no cost
         scores, idx = (scores.view(-1, 1) + logp).view(B, beam * V).topk(beam, dim=1)  # (B, k)
-        origin, tok = (
-            (idx // V + torch.arange(B, device=dev)[:, None] * beam).flatten(),
-            (idx % V).flatten(),
-        )  # (B*k,) each
+        origin = (idx // V + torch.arange(B, device=dev)[:, None] * beam).flatten()  # (B*k,): the beam extended
+        tok = (idx % V).flatten()  # (B*k,): by this token
         tokens = torch.cat([tokens[origin], tok[:, None]], 1)
         length = length[origin] + (~done[origin]).float()  # tokens up to and including EOS
         done = done[origin] | (tok == eos)
@@ -617,22 +568,17 @@ def beam_search(
 
 
 @torch.no_grad()
-def generate(model: DCRRG, inputs_fn, records, st, max_len: int, **decoder_kw) -> list[str]:
-    """Beam-searched texts of `records`, a strided share per rank. inputs_fn(records) -> {"f_I"[, "obs"]}."""
-    tok, mine, texts = model.tokenizer, records[st.rank :: st.world_size], []
-    banned = [i for i in tok.all_special_ids if i != tok.sep_token_id]
+def generate(model: DCRRG, inputs_fn, records, st, max_len: int) -> list[str]:
+    """Beam-searched texts of `records`, a strided share per rank. inputs_fn(records) -> {"f_I"[, "obs", "prefix",
+    "head"]}: beam_search's inputs."""
+    tok = model.tokenizer
+    specials = dict(bos=tok.cls_token_id, eos=tok.sep_token_id, pad=tok.pad_token_id)
+    banned = [i for i in tok.all_special_ids if i != tok.sep_token_id]  # [SEP] ends a text; no other is written
+    mine = records[st.rank :: st.world_size]
+    texts = []
     for b in range(0, len(mine), 32):
-        ids = beam_search(
-            model.decoder,
-            bos=tok.cls_token_id,
-            eos=tok.sep_token_id,
-            pad=tok.pad_token_id,
-            beam=BEAM,
-            max_len=max_len,
-            banned=banned,
-            **inputs_fn(mine[b : b + 32]),
-            **decoder_kw,
-        )
+        inputs = inputs_fn(mine[b : b + 32])
+        ids = beam_search(model.decoder, **specials, beam=BEAM, max_len=max_len, banned=banned, **inputs)
         # BERT's pre-tokenizer splits "plate-like" into three pieces that decode as "plate - like"
         texts += [re.sub(r"\s*-\s*", "-", t) for t in tok.batch_decode(ids, skip_special_tokens=True)]
     return common.gather_strided(texts, st.world_size)
@@ -640,46 +586,36 @@ def generate(model: DCRRG, inputs_fn, records, st, max_len: int, **decoder_kw) -
 
 def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     """Sec. 3.4: P-Tuning v2 (or --step4 fft) writes the report from f_I, no observation prompt; then test NLG, CE."""
-    tok, transform, pt = env["tokenizer"], env["transform"], args.step4 == "pt"
-    decoder_kw = lambda model: dict(prefix=model.prefix, head=model.prompt_head) if pt else {}
-    f_I = lambda model, images: model.f_v(model.embed_images(images))
+    tok, transform = env["tokenizer"], env["transform"]
+    pt = args.step4 == "pt"
+
+    def decoder_inputs(model, images):
+        """f_I, the study under all 14 prompts; P-Tuning v2 writes through the prefixes and the fresh head."""
+        f_I = model.f_v(model.embed_images(images))
+        if pt:
+            return dict(f_I=f_I, prefix=model.prefix, head=model.prompt_head)
+        return dict(f_I=f_I)
+
+    def loss_fn(model, batch):
+        inputs = decoder_inputs(model, batch["images"])
+        return lm_loss(model.decoder, texts=batch["report"], tokenizer=tok, max_len=MAX_REPORT_TOKENS, **inputs), {}
 
     def evaluate(model, st):
         records = env["test"][: args.n_test or (200 if args.model == "tiny" else None)]
-        texts = generate(
-            model,
-            lambda rs: {"f_I": f_I(model, load_images(rs, transform))},
-            records,
-            st,
-            MAX_REPORT_TOKENS,
-            **decoder_kw(model),
-        )
+
+        def inputs_fn(rows):
+            return decoder_inputs(model, load_images(rows, transform))
+
+        texts = generate(model, inputs_fn, records, st, MAX_REPORT_TOKENS)
         rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
         st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
-        return {
-            "step4": args.step4,
-            **(common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {}),
-        }
+        scores = common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {}
+        return {"step4": args.step4, **scores}
 
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
-    return fit(
-        run,
-        args,
-        env,
-        name,
-        init,
-        "step4",
-        len(env["train"]),
-        ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"],
-        run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform),
-        lambda model, batch: (
-            lm_loss(
-                model.decoder, f_I(model, batch["images"]), batch["report"], tok, MAX_REPORT_TOKENS, **decoder_kw(model)
-            ),
-            {},
-        ),
-        evaluate,
-    )
+    parts = ["prefix", "prompt_head"] if pt else ["image_encoder", "f_v", "decoder"]
+    batches = run.study_batches(env["train"], args.decoder_batch_size, "--decoder-batch-size", transform)
+    return fit(run, args, env, name, init, "step4", len(env["train"]), parts, batches, loss_fn, evaluate)
 
 
 # Evaluation: AUROC, retrieval ----------------------------------------------------------------------
@@ -693,7 +629,10 @@ def auroc_per_observation(scores: np.ndarray, targets: np.ndarray) -> dict:
         for k, (name, m) in enumerate(zip(common.CHEXPERT_LABELS, masks))
         if 0 < targets[m, k].sum() < m.sum()
     }
-    mean = lambda xs: float(np.mean(xs)) if xs else math.nan
+
+    def mean(xs):
+        return float(np.mean(xs)) if xs else math.nan
+
     return {**out, "mean": mean(list(out.values())), "mean_5": mean([out[c] for c in FIVE if c in out])}
 
 
@@ -721,9 +660,9 @@ def retrieval(model: DCRRG, records, transform) -> dict:
     out = {"n_per_class": len(rows) // max(len(kept), 1), "skipped": [c for i, c in enumerate(FIVE) if i not in kept]}
     if len(kept) < 2:
         return out
-    v_p, t_p = (
-        F.normalize(model.project([records[i] for i in rows], m, transform), dim=-1) for m in MODALITIES
-    )  # (5N, 14, P)
+    studies = [records[i] for i in rows]
+    v_p = F.normalize(model.project(studies, "image", transform), dim=-1)  # (5N, 14, P)
+    t_p = F.normalize(model.project(studies, "text", transform), dim=-1)
     return out | precision_at_k(torch.einsum("ikp,jkp->ij", v_p, t_p) / K, classes, classes)
 
 
@@ -741,29 +680,21 @@ def set_trainable(model: DCRRG, names: list[str]) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def budget(args: Args, kind: str, n: int) -> int:  # --stepN-steps, else TINY_STEPS, or EPOCHS passes over n examples
-    steps, batch = (
-        getattr(args, f"{kind}_steps"),
-        args.batch_size if kind in ("step1", "step2") else args.decoder_batch_size,
-    )
-    return steps if steps is not None else TINY_STEPS[kind] if args.model == "tiny" else EPOCHS * -(-n // batch)
+def budget(args: Args, kind: str, n: int) -> int:
+    """--stepN-steps, else TINY_STEPS with --model tiny, or EPOCHS passes over the step's n examples."""
+    steps = getattr(args, f"{kind}_steps")
+    if steps is not None:
+        return steps
+    if args.model == "tiny":
+        return TINY_STEPS[kind]
+    batch = args.batch_size if kind in ("step1", "step2") else args.decoder_batch_size
+    return EPOCHS * -(-n // batch)  # batches rounded up
 
 
-def fit(
-    run,
-    args: Args,
-    env: dict,
-    name: str,
-    init: str | None,
-    kind: str,
-    n: int,
-    parts: list[str],
-    batches,
-    loss_fn,
-    evaluate,
-) -> dict:
-    """One step in out/<name> from out/<init>/model.pt (None: fresh): AdamW on `parts` (App. A; constant lr, no schedule
-    given) for budget() steps, evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their results."""
+def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, batches, loss_fn, evaluate) -> dict:
+    """One step in out/<name> from out/<init>/model.pt (None: fresh): AdamW on `parts` (App. A; constant lr, no
+    schedule given) for budget() steps, evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their
+    results."""
     others = {"resume", "out"} | {f"{s}_steps" for s in STEPS if s != kind}  # --resume checks this step's flags only
     st = run.stage(name, [f.name for f in dataclasses.fields(args) if f.name not in others])
     if st.done is not None:
@@ -771,22 +702,27 @@ def fit(
     common.seed_everything(args.seed)  # the same fresh weights on every rank
     model = DCRRG(args, env["tokenizer"]).to(run.device)
     if init is not None:
-        if not (path := run.out / init / "model.pt").is_file():
+        path = run.out / init / "model.pt"
+        if not path.is_file():
             raise FileNotFoundError(f"{path} not found: run {init} first")
-        if (then := json.loads((path.parent / "config.json").read_text())["data"]) != args.data:
+        then = json.loads((path.parent / "config.json").read_text())["data"]
+        if then != args.data:
             raise ValueError(f"{path} was trained on --data {then}, not {args.data}: give another --out")
-        model.load_state_dict(
-            torch.load(path, map_location=run.device, weights_only=True)
-        )  # Step 4: prefixes, head as drawn
+        # every part, Step 4's prefixes and head as drawn (no step before trains them)
+        model.load_state_dict(torch.load(path, map_location=run.device, weights_only=True))
     params = set_trainable(model, parts)
     if kind in ("step3", "step4") and bool((model.decoder.memory_std == 1).all()):  # Step 3, or Step 4 without it
-        with torch.no_grad():  # the decoder's fixed f_I mean and std per slot and feature: 512 training images
-            f = model.project(env["train"][:512], "image", env["transform"])  # (N, 14, P)
-            model.decoder.memory_mean.copy_(f.mean(0)), model.decoder.memory_std.copy_(f.std(0) + 1e-5)
+        standardise_memory(model, env["train"], env["transform"])
     common.broadcast_parameters(model)
-    # --lr, else App. A's 1e-4; --model tiny: 1e-3, 5e-3 for P-Tuning v2 (its range), 1e-4 for Step 2 (1e-3 undid Step 1)
-    tiny = 1e-4 if kind == "step2" else 5e-3 if kind == "step4" and args.step4 == "pt" else 1e-3
-    lr, total = args.lr or (tiny if args.model == "tiny" else 1e-4), budget(args, kind, n)
+    # --lr, else App. A's 1e-4; --model tiny: 1e-3, 1e-4 for Step 2 (1e-3 undid Step 1), 5e-3 for P-Tuning v2 (its
+    # range)
+    tiny_lr = 1e-3
+    if kind == "step2":
+        tiny_lr = 1e-4
+    elif kind == "step4" and args.step4 == "pt":
+        tiny_lr = 5e-3
+    lr = args.lr or (tiny_lr if args.model == "tiny" else 1e-4)
+    total = budget(args, kind, n)
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
     st.restore(model, optimizer)
     for _, batch in st.steps(total, batches, f"DCRRG {name}"):
@@ -807,22 +743,19 @@ def fit(
 STEPS = {"step1": step1, "step2": step2, "step3": step3, "step4": step4}
 # Table 4: (folder under out/ablation, step, the folder it starts from, Step 4 mode); shared steps train once
 ABLATION = [
-    tuple(None if w == "-" else w for w in x.split())
-    for x in (
-        "step1 step1 - -",
-        "step2 step2 step1 -",
-        "step3 step3 step2 -",
-        "m6_pt step4 step3 pt",
-        "m7_fft step4 step3 fft",
-        "m5_fft step4 step2 fft",
-        "m1_fft step4 step1 fft",
-        "step3_no_step2 step3 step1 -",
-        "m4_pt step4 step3_no_step2 pt",
-        "step2_no_step1 step2 - -",
-        "m2_fft step4 step2_no_step1 fft",
-        "step3_no_step1 step3 step2_no_step1 -",
-        "m3_pt step4 step3_no_step1 pt",
-    )
+    ("step1", "step1", None, None),
+    ("step2", "step2", "step1", None),
+    ("step3", "step3", "step2", None),
+    ("m6_pt", "step4", "step3", "pt"),
+    ("m7_fft", "step4", "step3", "fft"),
+    ("m5_fft", "step4", "step2", "fft"),
+    ("m1_fft", "step4", "step1", "fft"),
+    ("step3_no_step2", "step3", "step1", None),
+    ("m4_pt", "step4", "step3_no_step2", "pt"),
+    ("step2_no_step1", "step2", None, None),
+    ("m2_fft", "step4", "step2_no_step1", "fft"),
+    ("step3_no_step1", "step3", "step2_no_step1", None),
+    ("m3_pt", "step4", "step3_no_step1", "pt"),
 ]
 TABLE4 = {
     "1 (Step 1, FFT)": "m1_fft",
@@ -837,16 +770,11 @@ TABLE4 = {
 
 def ablation(run, args: Args, env: dict) -> dict:
     """Table 4's seven models on one budget and seed -> out/ablation/ablation.json."""
-    done = {
-        folder: STEPS[step](
-            run,
-            dataclasses.replace(args, step4=mode or args.step4),
-            env,
-            f"ablation/{folder}",
-            f"ablation/{init}" if init else None,
-        )
-        for folder, step, init, mode in ABLATION
-    }
+    done = {}
+    for folder, step, init, mode in ABLATION:
+        step_args = dataclasses.replace(args, step4=mode or args.step4)
+        start = f"ablation/{init}" if init else None
+        done[folder] = STEPS[step](run, step_args, env, f"ablation/{folder}", start)
     ce = {"CE P": "micro_precision", "CE R": "micro_recall", "CE F1": "micro_f1"}
     table = {
         row: {
@@ -871,9 +799,11 @@ def prepare(run, args: Args) -> dict:
                 f"--pretrained imagenet: torchvision's ImageNet ResNet-50 weights could not be downloaded ({e}); "
                 "pass --pretrained none for random weights, or a state-dict file"
             ) from None
-    relabel = lambda recs: [
-        dataclasses.replace(r, labels=l) for r, l in zip(recs, run.labeler([r.report for r in recs]))
-    ]
+
+    def relabel(records):
+        labels = run.labeler([r.report for r in records])
+        return [dataclasses.replace(r, labels=l) for r, l in zip(records, labels)]
+
     extra = common.load_annotation(args.extra_data, ("train",), args.drop_invalid)["train"] if args.extra_data else []
     extra = [r for r in extra if r.labels is not None] + relabel([r for r in extra if r.labels is None])
     # R2Gen's two views of an IU X-Ray study (Sec. 4.1 follows R2Gen's preprocessing), averaged by the image encoder
@@ -888,13 +818,19 @@ def prepare(run, args: Args) -> dict:
     )
 
 
-def paper_notes(args: Args) -> list[str]:  # what --model paper cannot do as App. A does: logged, in config.json
-    resnet = "image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights"
-    bert = (
-        "text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' words, "
-        "not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)"
-    )
-    return [] if args.model == "tiny" else [resnet] * (args.pretrained == "none") + [bert] * (args.text_encoder is None)
+def paper_notes(args: Args) -> list[str]:
+    """What --model paper cannot do as App. A does: logged, in config.json."""
+    notes = []
+    if args.model == "tiny":
+        return notes
+    if args.pretrained == "none":
+        notes.append("image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights")
+    if args.text_encoder is None:
+        notes.append(
+            "text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' "
+            "words, not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)"
+        )
+    return notes
 
 
 def train(command: str, args: Args) -> dict:
@@ -902,11 +838,12 @@ def train(command: str, args: Args) -> dict:
     env = prepare(run, args)
     if command == "ablation":
         return ablation(run, args, env)
-    results = {
-        name: step(run, args, env, name, previous)  # Steps 1-4, each from the one before
-        for name, step, previous in zip(STEPS, STEPS.values(), [None, *STEPS])
-        if command in ("all", name)
-    }
+    results = {}
+    previous = None
+    for name, step in STEPS.items():  # Steps 1-4, each from the one before
+        if command in ("all", name):
+            results[name] = step(run, args, env, name, previous)
+        previous = name
     if command == "all":
         run.write("eval.json", json.dumps(results, indent=2))
     if run.is_main and "step4" in results:  # the paper's CE number, BLEU-4, and a degenerate-output warning
