@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -101,8 +102,11 @@ class Record:
 R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: see above
 
 
-def clean_report(report: str, style: str = "mimic_cxr") -> str:  # as R2Gen's clean_report_mimic_cxr / _iu_xray (style)
-    def collapse(t, old, new, times):  # R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes
+def clean_report(report: str, style: str = "mimic_cxr") -> str:
+    """R2Gen's clean_report_mimic_cxr (style "mimic_cxr") or clean_report_iu_xray ("iu_xray")."""
+
+    def collapse(t, old, new, times):
+        """R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes."""
         for _ in range(times):
             t = t.replace(old, new)
         return t
@@ -121,7 +125,8 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:  # as R2Gen's cl
     )
 
 
-def clean_style(records: list[Record]) -> str:  # "iu_xray" for Open-i image names (CXR<n>_IM-...), else "mimic_cxr"
+def clean_style(records: list[Record]) -> str:
+    """Open-i image names (CXR<n>_IM-...) give "iu_xray", others "mimic_cxr"."""
     iu = re.compile(r"(?:^|/)CXR\d+_IM-\d+")
     return "iu_xray" if any(iu.search(p) for r in records for p in r.image_paths) else "mimic_cxr"
 
@@ -130,7 +135,10 @@ def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Rec
     """R2Gen's image input: n views per study (IU X-Ray: 2), the first n of the record; a study with fewer repeats
     its last (R2Gen's own IU file keeps 2-view studies only); n = 1 when no study has more (MIMIC-CXR's file)."""
     n = min(n, max(len(r.image_paths) for records in data.values() for r in records))
-    views = lambda p: (p + [p[-1]] * n)[:n]
+
+    def views(paths):
+        return (paths + [paths[-1]] * n)[:n]
+
     return {
         split: [dataclasses.replace(r, image_paths=views(r.image_paths)) for r in records]
         for split, records in data.items()
@@ -153,9 +161,11 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
             f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}"
         )
     root = path.parent / "images" if (path.parent / "images").is_dir() else path.parent
-    out, problems = {split: [] for split in splits}, []
+    out = {split: [] for split in splits}
+    problems = []
 
-    def image_problem(name: str) -> str | None:  # its header only: a 0-byte or foreign file fails at load, not mid-run
+    def image_problem(name: str) -> str | None:
+        """Reads the header only: a 0-byte or foreign file fails at load, not mid-run."""
         try:
             with Image.open(root / name) as im:
                 return None if min(im.size) > 0 else f"empty image {name}"
@@ -164,11 +174,12 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
         except (UnidentifiedImageError, OSError) as e:
             return f"cannot read image {name} ({type(e).__name__})"
 
+    # every image's header, in threads
     names = {
         p
         for split in splits
         for row in raw[split]
-        if isinstance(row, dict)  # every image's header, in threads
+        if isinstance(row, dict)
         for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
         if isinstance(p, str)
     }
@@ -215,7 +226,8 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
     return out
 
 
-def load_image(path: str, record_id: str = "?"):  # 8-bit grey-scale PIL; a clear error names the file and the record
+def load_image(path: str, record_id: str = "?"):
+    """An 8-bit grey-scale PIL image; a clear error names the file and the record."""
     try:
         with Image.open(path) as im:
             return im.convert("L")
@@ -262,16 +274,24 @@ class ReportDataset(torch.utils.data.Dataset):
         }
 
 
-def collate(batch: list[dict]) -> dict:  # images (B, V, C, H, W) zero-padded, "view_mask" (B, V): 1 for a real view
+def pad_views(studies: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """B studies' views (V_i, C, H, W) -> (B, V, C, H, W) zero-padded to the most views, view_mask (B, V): 1 if real."""
+    images = torch.nn.utils.rnn.pad_sequence(studies, batch_first=True)
+    view_mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in studies], batch_first=True)
+    return images, view_mask
+
+
+def collate(batch: list[dict]) -> dict:
+    """ReportDataset items -> a batch; tensor images as pad_views() gives them, with "view_mask"."""
     out = {k: [b[k] for b in batch] for k in ("id", "report", "images")}
     out["labels"] = torch.stack([b["labels"] for b in batch])
     if isinstance(out["images"][0], torch.Tensor):
-        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
-        out["images"], out["view_mask"] = pad(out["images"]), pad([torch.ones(len(x)) for x in out["images"]])
+        out["images"], out["view_mask"] = pad_views(out["images"])
     return out
 
 
-def split_batch(batch: dict, n: int) -> list[dict]:  # B studies -> n micro-batches of B / n (gradient accumulation)
+def split_batch(batch: dict, n: int) -> list[dict]:
+    """B studies -> n micro-batches of B / n (gradient accumulation)."""
     size = exact_div(len(batch["id"]), n, "studies per process / --grad-accum")
     return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(n)]
 
@@ -302,50 +322,27 @@ def study_batches(
 
 # Synthetic chest X-ray set: a sandbox, not a benchmark. Each finding has a visible sign in the image and templated
 # sentences (varied wording, negations, hedges); labels stored with every record; prevalences roughly MIMIC-CXR's.
-SYNTHETIC_PREVALENCE = {
-    "Support Devices": 0.29,
-    "Pleural Effusion": 0.23,
-    "Lung Opacity": 0.22,
-    "Atelectasis": 0.20,
-    "Cardiomegaly": 0.19,
-    "Edema": 0.12,
-    "Pneumonia": 0.07,
-    "Consolidation": 0.05,
-    "Pneumothorax": 0.045,
-    "Enlarged Cardiomediastinum": 0.035,
-    "Lung Lesion": 0.03,
-    "Fracture": 0.02,
-    "Pleural Other": 0.015,
+# finding: (prevalence, chance that it is mentioned as negative when absent, else it goes unmentioned)
+SYNTHETIC_RATES = {
+    "Support Devices": (0.29, 0.0),
+    "Pleural Effusion": (0.23, 0.7),
+    "Lung Opacity": (0.22, 0.2),
+    "Atelectasis": (0.20, 0.1),
+    "Cardiomegaly": (0.19, 0.6),
+    "Edema": (0.12, 0.4),
+    "Pneumonia": (0.07, 0.25),
+    "Consolidation": (0.05, 0.6),
+    "Pneumothorax": (0.045, 0.7),
+    "Enlarged Cardiomediastinum": (0.035, 0.4),
+    "Lung Lesion": (0.03, 0.15),
+    "Fracture": (0.02, 0.25),
+    "Pleural Other": (0.015, 0.05),
 }
 SYNTHETIC_P_UNCERTAIN = 0.15  # of present findings, reported with a hedge (drawn fainter)
-SYNTHETIC_P_NEGATED = {  # chance that an absent finding is mentioned as negative, else not mentioned
-    "Pneumothorax": 0.7,
-    "Pleural Effusion": 0.7,
-    "Consolidation": 0.6,
-    "Cardiomegaly": 0.6,
-    "Edema": 0.4,
-    "Enlarged Cardiomediastinum": 0.4,
-    "Pneumonia": 0.25,
-    "Lung Opacity": 0.2,
-    "Fracture": 0.25,
-    "Lung Lesion": 0.15,
-    "Atelectasis": 0.1,
-    "Pleural Other": 0.05,
-    "Support Devices": 0.0,
-}
-SIDED = {
-    "Lung Opacity",
-    "Lung Lesion",
-    "Consolidation",
-    "Pneumonia",
-    "Atelectasis",
-    "Pneumothorax",
-    "Pleural Effusion",
-    "Pleural Other",
-    "Fracture",
-}
+SIDED = set(FINDINGS) - {"Enlarged Cardiomediastinum", "Cardiomegaly", "Edema", "Support Devices"}  # in a lung, a side
 BILATERAL_OK = {"Lung Opacity", "Atelectasis", "Pleural Effusion"}
 GRADED = {"Pleural Effusion", "Pneumothorax", "Cardiomegaly"}
+DEGREES = {"small": ("mild", "mildly"), "moderate": ("moderate", "moderately"), "large": ("severe", "severely")}
 DEVICE_KINDS = ["endotracheal tube", "central venous catheter", "nasogastric tube", "pacemaker"]
 # Sentence templates, variants separated by " | ". Fields: {side} left/right/bilateral, {sev} small/moderate/large,
 # {deg} mild/..., {degly} mildly/...; {Side} at a sentence start. One finding per sentence: labels follow from them.
@@ -356,32 +353,38 @@ POSITIVE_TEMPLATES = {
     "The cardiac silhouette is {degly} enlarged.",
     "Lung Opacity": "There is a hazy opacity in the {side} lung. | Hazy {side} lung opacity. | "
     "An ill-defined opacity projects over the {side} lung.",
-    "Lung Lesion": "There is a nodule in the {side} lung. | A rounded {side} lung nodule is seen. | A {side} lung mass is present.",
+    "Lung Lesion": "There is a nodule in the {side} lung. | A rounded {side} lung nodule is seen. | "
+    "A {side} lung mass is present.",
     "Edema": "There is mild pulmonary edema. | Mild pulmonary edema. | The lungs show interstitial edema.",
-    "Consolidation": "There is dense consolidation in the {side} lower lobe. | Dense {side} lower lobe consolidation. | "
-    "Consolidation is present in the {side} lung.",
+    "Consolidation": "There is dense consolidation in the {side} lower lobe. | "
+    "Dense {side} lower lobe consolidation. | Consolidation is present in the {side} lung.",
     "Pneumonia": "Patchy {side} lower lobe pneumonia. | There is patchy pneumonia in the {side} lung. | "
     "Patchy airspace findings represent {side} pneumonia.",
     "Atelectasis": "There is plate-like atelectasis at the {side} base. | {Side} basilar atelectasis. | "
     "Linear atelectasis is seen at the {side} base.",
-    "Pneumothorax": "There is a {sev} {side} pneumothorax. | {Sev} {side} apical pneumothorax. | A {sev} {side} pneumothorax is present.",
+    "Pneumothorax": "There is a {sev} {side} pneumothorax. | {Sev} {side} apical pneumothorax. | "
+    "A {sev} {side} pneumothorax is present.",
     "Pleural Effusion": "There is a {sev} {side} pleural effusion. | {Sev} {side} pleural effusion. | "
     "A {sev} {side} pleural effusion is present.",
     "Pleural Other": "There is {side} pleural thickening. | {Side} pleural thickening is noted.",
     "Fracture": "There is a displaced {side} rib fracture. | A {side} rib fracture is seen.",
-    "endotracheal tube": "An endotracheal tube is in standard position. | The endotracheal tube terminates above the carina.",
+    "endotracheal tube": "An endotracheal tube is in standard position. | "
+    "The endotracheal tube terminates above the carina.",
     "central venous catheter": "A right internal jugular central venous catheter ends in the lower SVC. | "
     "A central venous catheter is in place.",
     "nasogastric tube": "A nasogastric tube courses below the diaphragm. | The nasogastric tube ends in the stomach.",
-    "pacemaker": "A left chest wall pacemaker is in place with leads in the right heart. | A dual-lead pacemaker is present.",
+    "pacemaker": "A left chest wall pacemaker is in place with leads in the right heart. | "
+    "A dual-lead pacemaker is present.",
 }
 UNCERTAIN_TEMPLATES = {
     "Enlarged Cardiomediastinum": "Possible mediastinal widening. | The mediastinum may be widened.",
-    "Cardiomegaly": "Possible {deg} cardiomegaly. | The heart is likely {degly} enlarged. | Probable {deg} cardiomegaly.",
+    "Cardiomegaly": "Possible {deg} cardiomegaly. | The heart is likely {degly} enlarged. | "
+    "Probable {deg} cardiomegaly.",
     "Lung Opacity": "Possible faint opacity in the {side} lung. | Questionable {side} lung opacity.",
     "Lung Lesion": "Possible small nodule in the {side} lung. | Questionable {side} lung nodule.",
     "Edema": "Possible mild pulmonary edema. | Mild pulmonary edema cannot be excluded.",
-    "Consolidation": "Possible {side} lower lobe consolidation. | Subtle consolidation in the {side} lung cannot be excluded.",
+    "Consolidation": "Possible {side} lower lobe consolidation. | "
+    "Subtle consolidation in the {side} lung cannot be excluded.",
     "Pneumonia": "Findings are concerning for early {side} pneumonia. | Possible {side} pneumonia. | "
     "Cannot exclude pneumonia in the {side} lung.",
     "Atelectasis": "Probable {side} basilar atelectasis. | Possible minimal atelectasis at the {side} base.",
@@ -405,7 +408,8 @@ NEGATED_PHRASES = {  # the noun phrase of a finding listed as absent
 NEGATED_SINGLE = {  # findings that also have a negative sentence of their own
     "Cardiomegaly": "Heart size is normal. | The heart is not enlarged. | Normal heart size. | "
     "The cardiac silhouette is within normal limits.",
-    "Enlarged Cardiomediastinum": "The mediastinal contours are normal. | The cardiomediastinal silhouette is within normal limits.",
+    "Enlarged Cardiomediastinum": "The mediastinal contours are normal. | "
+    "The cardiomediastinal silhouette is within normal limits.",
     "Pneumothorax": "Pneumothorax is not seen. | No pneumothorax is identified.",
     "Fracture": "No displaced fracture is seen.",
 }
@@ -415,12 +419,13 @@ NORMAL_EXTRAS = "No acute cardiopulmonary process. | The lungs are clear. | The 
 
 def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
     """One study's findings, {label: attrs} (side, severity, device kind, uncertain), and its (14,) labels."""
-    labels, findings = np.full(len(CHEXPERT_LABELS), np.nan), {}
+    labels = np.full(len(CHEXPERT_LABELS), np.nan)
+    findings = {}
     for name in FINDINGS:
-        if rng.random() < SYNTHETIC_PREVALENCE[name]:
-            a = findings[name] = {
-                "uncertain": bool(name not in ("Support Devices", "Fracture") and rng.random() < SYNTHETIC_P_UNCERTAIN)
-            }
+        prevalence, p_negated = SYNTHETIC_RATES[name]
+        if rng.random() < prevalence:
+            uncertain = name not in ("Support Devices", "Fracture") and rng.random() < SYNTHETIC_P_UNCERTAIN
+            a = findings[name] = {"uncertain": bool(uncertain)}
             if name in SIDED:
                 a["side"] = str(rng.choice(["left", "right"] + (["bilateral"] if name in BILATERAL_OK else [])))
             if name in GRADED:
@@ -428,25 +433,24 @@ def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
             if name == "Support Devices":
                 a["kind"] = str(rng.choice(DEVICE_KINDS))
             labels[LABEL_INDEX[name]] = UNCERTAIN if a["uncertain"] else POSITIVE
-        elif rng.random() < SYNTHETIC_P_NEGATED[name]:
+        elif rng.random() < p_negated:
             labels[LABEL_INDEX[name]] = NEGATIVE
     return findings, apply_no_finding_rule(labels)
 
 
 def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
     """A study's report: a sentence per finding in FINDINGS order, then the negated in "No A, B, or C." sentences."""
-    pick = lambda variants: str(rng.choice(variants.split(" | ")))
+
+    def pick(variants: str) -> str:
+        return str(rng.choice(variants.split(" | ")))
+
     sentences, negated = [], []
     for name in FINDINGS:
         a = findings.get(name)
         if name == "Support Devices" and a:
             sentences.append(pick(POSITIVE_TEMPLATES[a["kind"]]))
         elif a:
-            deg, degly = {
-                "small": ("mild", "mildly"),
-                "moderate": ("moderate", "moderately"),
-                "large": ("severe", "severely"),
-            }[a.get("severity", "small")]
+            deg, degly = DEGREES[a.get("severity", "small")]
             fields = {"side": a.get("side", ""), "sev": a.get("severity", ""), "deg": deg, "degly": degly}
             fields |= {k.capitalize(): v.capitalize() for k, v in fields.items()}
             text = pick((UNCERTAIN_TEMPLATES if a["uncertain"] else POSITIVE_TEMPLATES)[name]).format(**fields)
@@ -462,11 +466,10 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
     while negated:
         k = int(rng.integers(1, 5))
         phrases, negated = [NEGATED_PHRASES[n] for n in negated[:k]], negated[k:]
-        items = (
-            phrases[0]
-            if len(phrases) == 1
-            else ", ".join(phrases[:-1]) + (", or " if len(phrases) > 2 else " or ") + phrases[-1]
-        )
+        if len(phrases) == 1:
+            items = phrases[0]
+        else:
+            items = ", ".join(phrases[:-1]) + (", or " if len(phrases) > 2 else " or ") + phrases[-1]
         sentences.append(pick(NEGATED_LIST_TEMPLATES).format(list=items))
     if labels[LABEL_INDEX["No Finding"]] == 1 and (not sentences or rng.random() < 0.5):
         sentences.append(pick(NORMAL_EXTRAS))
@@ -477,10 +480,30 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
 def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128) -> np.ndarray:
     """A (size, size) uint8 frontal radiograph with one visible sign per finding ({label: attrs}), hedged ones
     fainter. The per-image variation is drawn from `rng` first: adding a finding changes only its region."""
-    U = lambda a, b: float(rng.uniform(a, b))
+
+    def U(a, b):
+        return float(rng.uniform(a, b))
+
+    def sides(name):  # -1 the patient's right, 1 the left
+        return {"right": (-1,), "left": (1,), "bilateral": (-1, 1)}[findings[name].get("side", "bilateral")]
+
+    def ramp(d, edge):  # 0 below d = 0, 1 above, linear across a band `edge` wide
+        return np.clip(d / edge + 0.5, 0.0, 1.0)
+
+    def gauss(cx, cy, sx, sy):
+        return np.exp(-0.5 * ((x - cx) / sx) ** 2 - 0.5 * ((y - cy) / sy) ** 2)
+
+    def radius(cx, cy, a, b):  # 1 on the ellipse
+        return np.sqrt(((x - cx) / a) ** 2 + ((y - cy) / b) ** 2)
+
+    def line(d, sigma):  # a thin line's profile at distance d
+        return np.exp(-0.5 * (d / sigma) ** 2)
+
+    def rib_coordinate(cx, cy):  # ribs descend laterally; an integer value is the centre of a rib
+        return (cy - 0.14 * (abs(cx - 0.5) / 0.35) ** 2) / rib_sp + rib_ph
+
     soft = {n: 0.6 if a.get("uncertain") else 1.0 for n, a in findings.items()}
     grade = {n: ("small", "moderate", "large").index(a["severity"]) for n, a in findings.items() if "severity" in a}
-    sides = lambda n: {"right": (-1,), "left": (1,), "bilateral": (-1, 1)}[findings[n].get("side", "bilateral")]
     dx, dy, zoom = U(-0.03, 0.03), U(-0.03, 0.03), U(0.92, 1.04)  # position and zoom
     t = np.arange(size, dtype=np.float32) / (size - 1) - 0.5
     x, y = ((t - dx) / zoom + 0.5)[None, :], ((t - dy) / zoom + 0.5)[:, None]  # anatomical coordinates
@@ -490,45 +513,36 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     heart_w, medi_w, rib_sp, rib_ph = U(0.14, 0.155), U(0.05, 0.06), U(0.07, 0.08), U(0.0, 1.0)
     contrast, bright = U(0.85, 1.15), U(-0.06, 0.06)
     noise = U(0.01, 0.03) * rng.standard_normal((size, size), dtype=np.float32)
-    ramp = lambda d, edge: np.clip(d / edge + 0.5, 0.0, 1.0)
-    gauss = lambda cx, cy, sx, sy: np.exp(-0.5 * ((x - cx) / sx) ** 2 - 0.5 * ((y - cy) / sy) ** 2)
-    radius = lambda cx, cy, a, b: np.sqrt(((x - cx) / a) ** 2 + ((y - cy) / b) ** 2)
     # Normal anatomy: the body, two dark lung fields with diaphragm domes (the right one higher)
-    img, L = 0.03 + 0.47 * ramp((1 - radius(0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02), {}
+    img = 0.03 + 0.47 * ramp((1 - radius(0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02)
+    L = {}
     for s in (-1, 1):
         cx = 0.5 + s * lx
         r = radius(cx, ly, ax, ay)
-        dome = ly + 0.8 * ay - 0.07 * (1 - np.clip((x - cx) / ax, -1, 1) ** 2) - 0.02 * (s < 0)
+        dome = ly + 0.8 * ay - 0.07 * (1 - np.clip((x - cx) / ax, -1, 1) ** 2) - (0.02 if s < 0 else 0.0)
         thorax = ramp((1 - r) * ax, 0.012)  # the lung with its costophrenic recess
         L[s] = dict(cx=cx, r=r, dome=dome, thorax=thorax, lung=thorax * ramp(dome - y, 0.012))
         img += (0.16 - img) * L[s]["lung"]
     lungs = L[-1]["lung"] + L[1]["lung"]
     if "Lung Opacity" in findings:  # a large faint hazy patch
+        a = soft["Lung Opacity"]
         for s in sides("Lung Opacity"):
-            sd = U(0.07, 0.1) * (0.85 + 0.15 * soft["Lung Opacity"])
-            img += (
-                0.22
-                * soft["Lung Opacity"]
-                * gauss(L[s]["cx"] + s * U(-0.3, 0.3) * ax, ly + U(-0.3, 0.3) * ay, sd, 1.3 * sd)
-                * L[s]["lung"]
-            )
+            sd = U(0.07, 0.1) * (0.85 + 0.15 * a)
+            patch = gauss(L[s]["cx"] + s * U(-0.3, 0.3) * ax, ly + U(-0.3, 0.3) * ay, sd, 1.3 * sd)
+            img += 0.22 * a * patch * L[s]["lung"]
     if "Edema" in findings:  # bilateral perihilar haze
         img += 0.2 * soft["Edema"] * sum(gauss(0.5 + s * 0.12, ly + 0.05, 0.09, 0.13) * L[s]["lung"] for s in (-1, 1))
     if "Consolidation" in findings:  # a dense, homogeneous lower-zone area
         s, a = sides("Consolidation")[0], soft["Consolidation"]
-        area = ramp(
-            (1 - radius(L[s]["cx"] + s * U(0, 0.2) * ax, ly + U(0.3, 0.4) * ay, 0.8 * ax, 0.27 * ay)) * 0.08, 0.006
-        )
-        img += (0.68 - img) * area * L[s]["lung"] * 0.9 * a
+        r = radius(L[s]["cx"] + s * U(0, 0.2) * ax, ly + U(0.3, 0.4) * ay, 0.8 * ax, 0.27 * ay)
+        img += (0.68 - img) * ramp((1 - r) * 0.08, 0.006) * L[s]["lung"] * 0.9 * a
     if "Pneumonia" in findings:  # patchy blotches, mid and lower zone
         s, a = sides("Pneumonia")[0], soft["Pneumonia"]
-        for sd in (U(0.016, 0.028) * (0.7 + 0.3 * a) for _ in range(10)):
-            img += (
-                a
-                * U(0.15, 0.3)
-                * gauss(L[s]["cx"] + s * U(-0.6, 0.7) * ax, ly + U(-0.2, 0.6) * ay, sd, sd)
-                * L[s]["lung"]
-            )
+        for _ in range(10):
+            sd = U(0.016, 0.028) * (0.7 + 0.3 * a)
+            strength = a * U(0.15, 0.3)
+            blotch = gauss(L[s]["cx"] + s * U(-0.6, 0.7) * ax, ly + U(-0.2, 0.6) * ay, sd, sd)
+            img += strength * blotch * L[s]["lung"]
     if "Lung Lesion" in findings:  # a small, round, sharp-edged bright nodule
         s, a = sides("Lung Lesion")[0], soft["Lung Lesion"]
         cx, cy = L[s]["cx"] + s * U(-0.4, 0.6) * ax, ly + U(-0.6, 0.4) * ay
@@ -538,31 +552,26 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
             a = soft["Atelectasis"]
             xc, half = L[s]["cx"] + s * U(-0.2, 0.3) * ax, U(0.07, 0.1) * (0.7 + 0.3 * a)
             d = y - (ly + 0.8 * ay - 0.07 - U(0.05, 0.09) + U(-0.15, 0.15) * (x - xc))
-            img += 0.35 * a * np.exp(-0.5 * (d / (1.3 * lw)) ** 2) * ramp(half - np.abs(x - xc), 0.02) * L[s]["lung"]
+            img += 0.35 * a * line(d, 1.3 * lw) * ramp(half - np.abs(x - xc), 0.02) * L[s]["lung"]
     if "Pneumothorax" in findings:  # a dark rim at the apex and the side: the lung collapsed towards the hilum
         s, a = sides("Pneumothorax")[0], soft["Pneumothorax"]
         c = 0.15 if a < 1 else (0.2, 0.32, 0.45)[grade["Pneumothorax"]]
         ri = radius(L[s]["cx"] - s * 0.5 * c * ax, ly + 0.7 * c * ay, ax * (1 - 0.5 * c), ay * (1 - 0.7 * c))
         img += (0.05 - img) * ramp((ri - 1) * ax * (1 - 0.5 * c), 0.006) * L[s]["lung"] * (0.5 + 0.5 * a)
-    # Ribs: faint lines descending laterally; a fracture breaks one, with a displaced bright fragment
-    u = (y - 0.14 * (np.abs(x - 0.5) / 0.35) ** 2) / rib_sp + rib_ph  # integer u: the centre of a rib
+    # Ribs: faint lines; a fracture breaks one, with a displaced bright fragment
+    u = rib_coordinate(x, y)
     rib_w = max(0.011, lw)
-    ribs = np.exp(-0.5 * ((u - np.rint(u)) * rib_sp / rib_w) ** 2)
+    ribs = line((u - np.rint(u)) * rib_sp, rib_w)
     if "Fracture" in findings:
         s = sides("Fracture")[0]
         xf, yf = L[s]["cx"] + s * U(0.25, 0.55) * ax, ly + U(-0.4, 0.3) * ay
-        k = float(np.rint((yf - 0.14 * (abs(xf - 0.5) / 0.35) ** 2) / rib_sp + rib_ph))  # the broken rib
-        rib_k = np.exp(-0.5 * ((u - k) * rib_sp / rib_w) ** 2)
+        k = float(np.rint(rib_coordinate(xf, yf)))  # the broken rib
+        rib_k = line((u - k) * rib_sp, rib_w)
         lateral = ramp(s * (x - xf), 2 * px) * ramp(0.1 - s * (x - xf), 0.02)
-        ribs += lateral * (2.5 * np.exp(-0.5 * ((u - k - 0.4) * rib_sp / rib_w) ** 2) - rib_k)  # shifted fragment
-        ribs = np.maximum(ribs - rib_k * np.exp(-0.5 * ((x - xf) / (2 * lw)) ** 2), 0)  # the gap
-    img += (
-        0.1
-        * ribs
-        * (0.4 + 0.6 * np.minimum(lungs, 1))
-        * np.maximum(L[-1]["thorax"], L[1]["thorax"])
-        * ramp(y - 0.08, 0.03)
-    )
+        ribs += lateral * (2.5 * line((u - k - 0.4) * rib_sp, rib_w) - rib_k)  # shifted fragment
+        ribs = np.maximum(ribs - rib_k * line(x - xf, 2 * lw), 0)  # the gap
+    chest = np.maximum(L[-1]["thorax"], L[1]["thorax"])
+    img += 0.1 * ribs * (0.4 + 0.6 * np.minimum(lungs, 1)) * chest * ramp(y - 0.08, 0.03)
     # Mediastinum (its upper part wider with Enlarged Cardiomediastinum), trachea, heart (wider with Cardiomegaly)
     wide = 0.05 * soft.get("Enlarged Cardiomediastinum", 0) * np.exp(-0.5 * ((y - 0.3) / 0.1) ** 2)
     img += (0.72 - img) * ramp(medi_w + wide - np.abs(x - 0.5), 0.01) * ramp(y - 0.08, 0.03) * ramp(0.62 - y, 0.04)
@@ -582,8 +591,12 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
         band = ramp(L[s]["r"] - 1 + th, 0.05) * L[s]["thorax"] * ramp(s * (x - L[s]["cx"]) - 0.3 * ax, 0.03)
         img += (0.68 - img) * band * ramp(y - ly + 0.55 * ay, 0.05) * ramp(ly + 0.45 * ay - y, 0.05) * (0.6 + 0.4 * a)
     if "Support Devices" in findings:  # thin, very bright tubes along a few segments
-        j, kind = lambda: U(-0.015, 0.015), findings["Support Devices"]["kind"]
-        curves = {
+        kind = findings["Support Devices"]["kind"]
+
+        def j():  # a jitter
+            return U(-0.015, 0.015)
+
+        curves = {  # every kind's points are drawn (rng), one kind's are used
             "endotracheal tube": [[(0.5 + j(), -0.02), (0.5 + j(), 0.12), (0.5, 0.27 + j())]],  # above the carina
             "central venous catheter": [
                 [(0.35 + j(), -0.02), (0.42 + j(), 0.14), (0.47, 0.2 + j()), (0.47 + j(), 0.42)]
@@ -595,10 +608,11 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
             ],
         }[kind]
         tube = np.zeros((size, size), np.float32)
-        for (x0, y0), (x1, y1) in ((a, b) for points in curves for a, b in zip(points, points[1:])):
-            t = np.clip(((x - x0) * (x1 - x0) + (y - y0) * (y1 - y0)) / ((x1 - x0) ** 2 + (y1 - y0) ** 2), 0, 1)
-            d = np.sqrt((x - x0 - t * (x1 - x0)) ** 2 + (y - y0 - t * (y1 - y0)) ** 2)  # to the segment
-            tube = np.maximum(tube, np.exp(-0.5 * (d / max(0.008, 0.6 * px)) ** 2))
+        for points in curves:
+            for (x0, y0), (x1, y1) in itertools.pairwise(points):
+                t = np.clip(((x - x0) * (x1 - x0) + (y - y0) * (y1 - y0)) / ((x1 - x0) ** 2 + (y1 - y0) ** 2), 0, 1)
+                d = np.sqrt((x - x0 - t * (x1 - x0)) ** 2 + (y - y0 - t * (y1 - y0)) ** 2)  # to the segment
+                tube = np.maximum(tube, line(d, max(0.008, 0.6 * px)))
         img += (0.97 - img) * tube
         if kind == "pacemaker":  # the generator box on the left upper chest
             bx, by = 0.72 + j(), 0.2 + j()
@@ -652,7 +666,9 @@ def load_data(data: str, **kwargs) -> dict[str, list[Record]]:  # --data: "synth
 
 
 # ==== 3. Labelers =================================================================================
-def _words(*phrases: str) -> str:  # RuleLabeler puts one \b before all of a label's phrases: faster than one each
+def _words(*phrases: str) -> str:
+    """The phrases as one group that ends a word (RuleLabeler puts one word start before all of a label's phrases:
+    faster than one each)."""
     return r"(?:" + "|".join(phrases) + r")\b"
 
 
@@ -672,57 +688,34 @@ class RuleLabeler:
 
     # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
     # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
-    MENTIONS = {
+    MENTIONS: ClassVar[dict] = {
         "Enlarged Cardiomediastinum": [
             _words(
-                "mediastinal widening",
-                r"widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum",
-                r"enlarged cardiomediastinum",
-                r"enlarged cardiomediastinal silhouette",
+                r"mediastinal widening|widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum|enlarged cardiomediastinum"
+                r"|enlarged cardiomediastinal silhouette"
             ),
             _MEDIASTINUM + _GAP + r"{0,30}?\b" + _words(r"widened", r"enlarged", _NORMAL),
             _words("normal") + " " + _MEDIASTINUM,
         ],
         "Cardiomegaly": [
             _words(
-                "cardiomegaly",
-                r"(?:cardiac|heart) enlargement",
-                r"enlarged (?:heart|cardiac silhouette)",
-                r"enlargement of the (?:heart|cardiac silhouette)",
-                r"increase in (?:the )?heart size",
+                r"cardiomegaly|(?:cardiac|heart) enlargement|enlarged (?:heart|cardiac silhouette)"
+                r"|enlargement of the (?:heart|cardiac silhouette)|increase in (?:the )?heart size"
             ),
             _HEART + r"\b" + _GAP + r"{0,30}?\b" + _words(r"enlarged", r"increased", r"large", r"borderline", _NORMAL),
             _words("normal") + " " + _HEART + r"\b",
         ],
         "Lung Opacity": [
             _words(
-                r"opacit(?:y|ies)",
-                r"opacification",
-                r"opacified",
-                r"infiltrat(?:e|es|ion)",
-                r"haziness",
-                r"hazy",
-                r"air ?space (?:disease|process)",
-                r"ground[- ]glass",
-                r"scar(?:s|ring)?",
-                r"interstitial (?:markings?|pattern)",
-                r"reticular (?:pattern|markings?)",
-                r"reticulation",
-                r"(?:peribronchial|wall) thickening",
-                r"increased density",
+                r"opacit(?:y|ies)|opacification|opacified|infiltrat(?:e|es|ion)|haziness|hazy"
+                r"|air ?space (?:disease|process)|ground[- ]glass|scar(?:s|ring)?|interstitial (?:markings?|pattern)"
+                r"|reticular (?:pattern|markings?)|reticulation|(?:peribronchial|wall) thickening|increased density"
             )
         ],
         "Lung Lesion": [
             _words(
-                r"mass(?:es)?",
-                r"mass-?like",
-                r"nodules?",
-                r"lumps?",
-                r"cavitary lesions?",
-                r"carcinoma",
-                r"nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)",
-                r"neoplasms?",
-                r"tumou?rs?",
+                r"mass(?:es)?|mass-?like|nodules?|lumps?|cavitary lesions?|carcinoma"
+                r"|nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)|neoplasms?|tumou?rs?"
             )
         ],
         "Edema": [_words(r"edema", r"heart failure", r"chf")],
@@ -734,66 +727,45 @@ class RuleLabeler:
         "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
         "Pleural Other": [
             _words(
-                r"pleural (?:thickening|plaques?|calcifications?)",
-                r"fibrothorax",
-                r"fibrosis",
-                r"pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?",
+                r"pleural (?:thickening|plaques?|calcifications?)|fibrothorax|fibrosis"
+                r"|pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?"
             )
         ],
         "Fracture": [_words(r"fractur(?:e|es|ed)")],
         "Support Devices": [
             _words(
-                r"endotracheal tube",
-                r"et tube",
-                r"ett",
-                r"tracheostomy(?: tube)?",
-                r"(?:naso|oro)gastric tube",
-                r"ng tube",
-                r"og tube",
-                r"enteric tube",
-                r"feeding tube",
-                r"dobhoff(?: tube)?",
-                r"chest tubes?",
-                r"(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?",
-                r"central (?:venous )?line",
-                r"picc(?: line)?",
-                r"port-a-cath",
-                r"portacath",
-                r"mediport",
-                r"pacemaker",
-                r"pacer",
-                r"icd",
-                r"defibrillator",
-                r"pacing leads?",
-                r"sternotomy wires",
-                r"intra-aortic balloon pump",
-                r"iabp",
-                r"stents?",
-                r"drains?",
-                r"prosthetic valve",
-                r"valve replacement",
-                r"lvad",
+                r"endotracheal tube|et tube|ett|tracheostomy(?: tube)?|(?:naso|oro)gastric tube|ng tube|og tube"
+                r"|enteric tube|feeding tube|dobhoff(?: tube)?|chest tubes?"
+                r"|(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?"
+                r"|central (?:venous )?line|picc(?: line)?|port-a-cath|portacath|mediport|pacemaker|pacer|icd"
+                r"|defibrillator|pacing leads?|sternotomy wires|intra-aortic balloon pump|iabp|stents?|drains?"
+                r"|prosthetic valve|valve replacement|lvad"
             )
         ],
         # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
         # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
         "No Finding": [
-            r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
-            r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
-            r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
-            r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
-            r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
-            r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
-            r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
-            r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
+            (
+                r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
+                r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
+                r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
+                r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
+                r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
+                r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
+                r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
+                r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
+            )
         ],
     }
     # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
     # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
-    UNMENTIONS = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
+    UNMENTIONS: ClassVar[dict] = {
+        "Pleural Effusion": r"pericardial effusion",
+        "Lung Opacity": r"pleural scar",
+    }
     # At most uncertain (positive -> uncertain, negative stays): CheXpert's post-negation uncertainty patterns (a stable
     # heart, "vascular congestion", ...) and, from its aggregation, "chf" and "heart failure" as uncertain Cardiomegaly.
-    HEDGED = {
+    HEDGED: ClassVar[dict] = {
         "Enlarged Cardiomediastinum": [_MEDIASTINUM + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _MEDIASTINUM],
         "Cardiomegaly": [
             _words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
@@ -806,50 +778,40 @@ class RuleLabeler:
     # direction, reach: characters from cue to mention). kind: "pre_neg_unc" (uncertain despite a negation), "neg",
     # "unc"; direction: "pre" acts on mentions after the cue, "post" on those before; one inside a mention acts on it.
     CLAUSE = 1000  # reach to the end of the clause
-    CUES = [
-        (
-            r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
-            r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
-            r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)",
-            "pre_neg_unc",
-            "both",
-            CLAUSE,
-        ),
-        (
-            r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
-            r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
-            r"|widened)",
-            "neg",
-            "post",
-            40,
-        ),
+    PRE_NEGATION_UNCERTAINTY = (
+        r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
+        r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
+        r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)"
+    )
+    NEGATION_AFTER = (  # "the effusion has resolved"
+        r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
+        r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
+        r"|widened)"
+    )
+    NEGATION_BEFORE = (  # "no effusion"
+        r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
+        r"|history of|disappearance of|rather than|without|no|not|nor|neither|never"
+    )
+    UNCERTAINTY_AFTER = (  # "pneumonia is suspected"
+        r"is possible|are possible|(?:is |are )?suspected|is likely|are likely|is questioned|may be present"
+        r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration"
+    )
+    UNCERTAINTY_BEFORE = (  # "possible pneumonia"
+        r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
+        r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
+        r"|suggestion of|maybe|favou?r(?:s|ing|ed)?|differential|consider(?:ed)?|equivocal|presumed|presumably"
+        r"|indeterminate|evaluate for|evaluation for|assess for|rule out|r/o|correlate clinically for"
+    )
+    CUES = (
+        (PRE_NEGATION_UNCERTAINTY, "pre_neg_unc", "both", CLAUSE),
+        (NEGATION_AFTER, "neg", "post", 40),
         (r"not well[- ](?:seen|visualized|evaluated|appreciated)|poorly evaluated", "unc", "post", 40),
-        (
-            r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
-            r"|history of|disappearance of|rather than|without|no|not|nor|neither|never",
-            "neg",
-            "pre",
-            CLAUSE,
-        ),
+        (NEGATION_BEFORE, "neg", "pre", CLAUSE),
         (r"normal|within normal limits|unremarkable", "neg", "both", 0),  # only inside "heart size is normal"
-        (
-            r"is possible|are possible|(?:is |are )?suspected|is likely|are likely|is questioned|may be present"
-            r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration",
-            "unc",
-            "post",
-            30,
-        ),
-        (
-            r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
-            r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
-            r"|suggestion of|maybe|favou?r(?:s|ing|ed)?|differential|consider(?:ed)?|equivocal|presumed|presumably"
-            r"|indeterminate|evaluate for|evaluation for|assess for|rule out|r/o|correlate clinically for",
-            "unc",
-            "pre",
-            CLAUSE,
-        ),
-        (r"\?", "unc", "both", CLAUSE),
-    ]  # last: the one cue that need not start a word
+        (UNCERTAINTY_AFTER, "unc", "post", 30),
+        (UNCERTAINTY_BEFORE, "unc", "pre", CLAUSE),
+        (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
+    )
     # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
     TERMINATORS = (
         r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
@@ -858,45 +820,47 @@ class RuleLabeler:
     SENTENCE_ENDS = r"\.(?<!\bvs\.)(?!\d)|;|\n"  # not "1.2 cm", not "vs."
 
     def __init__(self):
-        self.mentions = [
-            (
-                LABEL_INDEX[name],
-                re.compile(
-                    r"\b" * (name != "No Finding")
-                    + "(?:"
-                    + "|".join(
-                        [f"(?:{p})" for p in pats]
-                        + [f"(?P<hedged>{'|'.join(h)})" for h in [self.HEDGED.get(name)] if h]
-                    )
-                    + ")"
-                ),
-                re.compile(self.UNMENTIONS.get(name, "(?!)")),
-            )
-            for name, pats in self.MENTIONS.items()
-        ]
+        self.mentions = []  # (label index, mention pattern, unmention pattern), one per label
+        for name, phrases in self.MENTIONS.items():
+            alternatives = [f"(?:{p})" for p in phrases]
+            hedged = self.HEDGED.get(name)
+            if hedged:
+                alternatives.append(f"(?P<hedged>{'|'.join(hedged)})")
+            word_start = "" if name == "No Finding" else r"\b"  # No Finding's phrases match inside words
+            pattern = re.compile(word_start + "(?:" + "|".join(alternatives) + ")")
+            unmention = re.compile(self.UNMENTIONS.get(name, "(?!)"))
+            self.mentions.append((LABEL_INDEX[name], pattern, unmention))
         # One pass over the text finds every cue; group i+1 is CUES[i].
-        self.cues = re.compile(
-            r"(?<!\w)(?:" + "|".join(f"({p})" for p, *_ in self.CUES[:-1]) + rf")(?!\w)|({self.CUES[-1][0]})"
-        )
+        words = "|".join(f"({pattern})" for pattern, *_ in self.CUES[:-1])
+        self.cues = re.compile(rf"(?<!\w)(?:{words})(?!\w)|({self.CUES[-1][0]})")
         self.boundaries = re.compile(f"{self.SENTENCE_ENDS}|{self.TERMINATORS}")
 
     def _mentions(self, text: str) -> np.ndarray:
         """(14,) labels of one lower-cased report; No Finding's place holds the abnormal findings outside the 13."""
         labels = np.full(len(CHEXPERT_LABELS), np.nan)
-        starts, ends = zip(*[(0, 0)] + [m.span() for m in self.boundaries.finditer(text)] + [(len(text), len(text))])
+        boundaries = [(0, 0)] + [m.span() for m in self.boundaries.finditer(text)] + [(len(text), len(text))]
+        starts = [start for start, _ in boundaries]
+        ends = [end for _, end in boundaries]
         cues = [(m.start(), m.end(), self.CUES[m.lastindex - 1]) for m in self.cues.finditer(text)]
         for idx, pattern, unmention in self.mentions:
-            found, unmentions = set(), None
+            found = set()
+            unmentions = None  # looked for at the label's first mention
             for m in pattern.finditer(text):
-                unmentions = unmentions if unmentions is not None else [u.span() for u in unmention.finditer(text)]
+                if unmentions is None:
+                    unmentions = [u.span() for u in unmention.finditer(text)]
                 if any(a < m.end() and m.start() < b for a, b in unmentions):
                     continue
                 # the clause around a mention: the last boundary before it, the first after it
-                lo, hi = ends[bisect.bisect_right(ends, m.start()) - 1], starts[bisect.bisect_left(starts, m.end())]
+                lo = ends[bisect.bisect_right(ends, m.start()) - 1]
+                hi = starts[bisect.bisect_left(starts, m.end())]
                 state = self._state(*m.span(), lo, hi, cues)
                 found.add(UNCERTAIN if m.lastgroup == "hedged" and state == POSITIVE else state)
-            if found:
-                labels[idx] = POSITIVE if POSITIVE in found else UNCERTAIN if UNCERTAIN in found else NEGATIVE
+            if POSITIVE in found:
+                labels[idx] = POSITIVE
+            elif UNCERTAIN in found:
+                labels[idx] = UNCERTAIN
+            elif found:
+                labels[idx] = NEGATIVE
         return labels
 
     @staticmethod
@@ -908,17 +872,16 @@ class RuleLabeler:
             or (lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach)
             or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)
         }
-        return (
-            UNCERTAIN
-            if "pre_neg_unc" in kinds
-            else NEGATIVE
-            if "neg" in kinds
-            else UNCERTAIN
-            if "unc" in kinds
-            else POSITIVE
-        )
+        if "pre_neg_unc" in kinds:
+            return UNCERTAIN
+        if "neg" in kinds:
+            return NEGATIVE
+        if "unc" in kinds:
+            return UNCERTAIN
+        return POSITIVE
 
-    def __call__(self, reports: list[str]) -> np.ndarray:  # (N, 14) float, 1 / 0 / -1 / NaN, CHEXPERT_LABELS order
+    def __call__(self, reports: list[str]) -> np.ndarray:
+        """(N, 14) float labels, 1 / 0 / -1 / NaN, in CHEXPERT_LABELS order."""
         if not reports:
             return np.zeros((0, len(CHEXPERT_LABELS)))
         labels = np.stack([self._mentions(r.lower()) for r in reports])
@@ -2582,7 +2545,39 @@ def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
     scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
     stop = set(
-        ["a", "an", "the", "and", "or", "of", "in", "on", "at", "to", "is", "are", "was", "were", "be", "been", "there", "no", "not", "with", "without", "for", "as", "by", "this", "that", "it", "its", "from", "has", "have"]
+        [
+            "a",
+            "an",
+            "the",
+            "and",
+            "or",
+            "of",
+            "in",
+            "on",
+            "at",
+            "to",
+            "is",
+            "are",
+            "was",
+            "were",
+            "be",
+            "been",
+            "there",
+            "no",
+            "not",
+            "with",
+            "without",
+            "for",
+            "as",
+            "by",
+            "this",
+            "that",
+            "it",
+            "its",
+            "from",
+            "has",
+            "have",
+        ]
     )
     words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - stop
     vocab, (top, count) = set().union(*map(words, refs)), Counter(hyps).most_common(1)[0]
