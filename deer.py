@@ -22,15 +22,19 @@ ddsampling/, rl_<weighting>/: rl_grad is DEER); --resume continues a stage, skip
 CE metric (Sec. 4.1, PromptMRG's): sample-wise (example) F1 over the 14 labels, positives only.
 
 Equations, and where they are implemented:
-    Eq. 1     reward F1(C(o), C(y)) + gamma BLEU-2, two phases     reward(), gamma_at()
-    Eq. 2     group advantages                                  ditpo_step() -> common.group_advantages
-    Eq. 3-4   per-label std over K samples, D(I) = sum_c sigma_c   diagnostic_diversity()
-    Eq. 5     log-rank sampling probabilities, the draw           log_rank_probs(), select_subset()
-    Eq. 6     token-level advantages A_i w_i^t                   ditpo_step()
-    Eq. 7-8   TF-IDF over the group, w = 1 + alpha TF-IDF         tfidf_weights()
-    Eq. 9-11  CheXbert saliency of the reference's findings       reference_targets(), chexbert_saliency()
-    Eq. 11-12 word pieces -> policy tokens (max), w = 1 + beta s~  token_spans(), align_to_tokens(), gradient_weights()
-    Tables 6-7 token masking, reward diversity                   tables()
+    Stage 1    SFT cold start: vision encoder + projector train     sft(), sft_trainable()
+    Stage 2    DDSampling: K samples per image, D(I), RL subset     ddsampling(), score_chunk()
+    Stage 3    DiTPO: G rollouts, reward, token weights, update     ditpo(), token_weights()
+    Eq. 1      reward F1(C(o), C(y)) + gamma BLEU-2, two phases     report_f1(), reward(), gamma_at()
+    Eq. 2      group advantages                                     ditpo_step() -> common.group_advantages
+    Eq. 3-4    per-label std over K samples, D(I) = sum_c sigma_c   diagnostic_diversity()
+    Eq. 5      log-rank sampling probabilities, the draw            log_rank_probs(), select_subset()
+    Eq. 6      token-level advantages A_i w_i^t                     ditpo_step()
+    Eq. 7-8    TF-IDF over the group, w = 1 + alpha TF-IDF          tfidf_weights()
+    Eq. 9-11   CheXbert saliency of the reference's findings        reference_targets(), chexbert_saliency()
+    Eq. 11-12  word pieces -> policy tokens (max), w = 1 + beta s~  token_spans(), align_to_tokens(), gradient_weights()
+    Table 6    top-10 % token masking by each weighting             tables(), mask_top_tokens(), masking_effect()
+    Table 7    reward diversity of the SFT model's groups           tables(), reward_diversity()
 """
 
 from __future__ import annotations
@@ -87,44 +91,64 @@ class Args(common.RunArgs):
 
 # Sec. 4.1's settings that are not worth a flag, and our choices where the paper is silent
 SFT = dict(lr_hf=1e-5, lr_tiny=1e-3, batch_hf=64, batch_tiny=32)  # Sec. 4.1 (HF); the tiny model starts random: ours
-K, TOP_P, DD_CHUNK = 10, 0.9, 32  # Sec. 3.2's K; "nucleus sampling" without a top-p: ours; studies per generation chunk
+K = 10  # Sec. 3.2: sampled reports per image
+TOP_P = 0.9  # "nucleus sampling" without a top-p: ours
+DD_CHUNK = 32  # DDSampling: studies per generation chunk
 GAMMA_SWITCH = 0.5  # share of RL steps in the F1-only phase: the paper gives no switch point (ours)
-TEMPERATURE, MAX_GRAD_NORM = 1.0, 1.0  # the paper gives neither: 1.0 samples the policy itself; verl's clip
-LOSS_TYPE, MASK_FRAC = "grpo", 0.1  # the paper's loss normalisation is unsaid: each report's token mean; Table 6's 10 %
+TEMPERATURE = 1.0  # the paper gives none: 1.0 samples the policy itself
+MAX_GRAD_NORM = 1.0  # the paper gives none: verl's clip
+LOSS_TYPE = "grpo"  # the paper's loss normalisation is unsaid: each report's token mean
+MASK_FRAC = 0.1  # Table 6's 10 %
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
 ANALYSIS_N = 200  # Tables 6-7: studies drawn from each set, G rollouts each (Table 6: 10,000 rollouts in the paper)
-CE = dict(
-    headline="example_f1", uncertain_as=0
-)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives, 14 labels
-SHARED = (
-    "data",
-    "model",
-    "seed",
-    "dtype",
-    "max_pixels",
-    "max_new_tokens",
-    "drop_invalid",
-)  # a stage's output depends on these
-STAGE_FLAGS = {
+RULE_NOTE = (
+    "DiTPO with the rule TF-IDF token weights (Eq. 7-8), not the CheXbert-gradient weights the paper adopts (Eq. 9-12)"
+)
+CE = dict(headline="example_f1", uncertain_as=0)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives
+SHARED = ("data", "model", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")
+RL_FLAGS = ("labeler", "weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step", "grad_accum", "lr")
+STAGE_FLAGS = {  # the flags a stage's output depends on
     "sft": SHARED + ("sft_steps",),
     "ddsampling": SHARED + ("labeler",),  # --grad-accum: memory, SFT may differ
-    "rl": SHARED
-    + (
-        "labeler",
-        "weighting",
-        "alpha",
-        "beta",
-        "gamma",
-        "group_size",
-        "prompts_per_step",
-        "grad_accum",
-        "lr",
-        "steps",
-        "subset",
-        "fraction",
-        "fsdp",
-    ),
-}  # --steps places the phase switch
+    "rl": SHARED + RL_FLAGS + ("steps", "subset", "fraction", "fsdp"),  # --steps places the phase switch
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What Args leaves to the model, resolved once: the paper's values for HF models, ours for the tiny model."""
+
+    tiny: bool
+    max_new: int  # --max-new-tokens, every stage
+    lr: float  # RL
+    prompts: int  # RL studies per step
+    steps: int | None  # RL; None: one epoch of the RL data
+    sft_lr: float
+    sft_batch: int
+    sft_steps: int | None  # None: one epoch
+    pool: int | None  # DDSampling's and --subset random's studies: the first `pool`; None: all
+
+    @classmethod
+    def from_args(cls, args: Args) -> Settings:
+        tiny = args.model == "tiny"
+
+        def pick(value, tiny_default, hf_default):
+            """The flag's value if given, else the model's default."""
+            if value is not None:
+                return value
+            return tiny_default if tiny else hf_default
+
+        return cls(
+            tiny=tiny,
+            max_new=pick(args.max_new_tokens, 96, 256),
+            lr=pick(args.lr, 1e-4, 1e-6),
+            prompts=pick(args.prompts_per_step, 8, 64),
+            steps=pick(args.steps, 120, None),
+            sft_lr=SFT["lr_tiny" if tiny else "lr_hf"],
+            sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
+            sft_steps=pick(args.sft_steps, 500, None),
+            pool=1000 if tiny else None,  # DDSampling, the costliest stage, of 1000: a ~5-CPU-minute default run
+        )
 
 
 # Eq. 1: the reward ------------------------------------------------------------------------------
@@ -140,7 +164,8 @@ def reward(texts: list[str], refs: list[str], ref_labels: np.ndarray, labeler, g
     f1 = report_f1(labeler(texts), ref_labels)  # (N,)
     if not gamma:
         return f1, {"f1": float(f1.mean())}
-    hyps, refs = ([common.clean_report(t, style) if t.strip() else "" for t in x] for x in (texts, refs))
+    hyps = [common.clean_report(t, style) if t.strip() else "" for t in texts]
+    refs = [common.clean_report(t, style) if t.strip() else "" for t in refs]
     b2 = np.asarray(common.nlg_metrics(hyps, refs, meteor=False, per_sample=True)["per_sample"]["BLEU-2"])  # (N,)
     return f1 + gamma * b2, {"f1": float(f1.mean()), "bleu2": float(b2.mean())}
 
@@ -166,7 +191,8 @@ def log_rank_probs(n: int) -> np.ndarray:
 
 def select_subset(ids: list[str], D: np.ndarray, fraction: float, seed: int) -> dict:
     """Rank by D descending (ties in random order); draw round(fraction n) ranks without replacement with Eq. 5's P."""
-    rng, n = np.random.default_rng(seed), len(ids)
+    n = len(ids)
+    rng = np.random.default_rng(seed)
     shuffled = rng.permutation(n)
     order = shuffled[np.argsort(-D[shuffled], kind="stable")]  # study indices, rank 1 first
     P = log_rank_probs(n)
@@ -204,7 +230,8 @@ def reference_targets(ref_labels: np.ndarray) -> list[list[str]]:
 def chexbert_saliency(chexbert, reports: list[str], targets: list[str]) -> list[dict]:
     """Eq. 9-11 for reports sharing one target set T -> per report its word pieces ("tokens"), their character "offsets"
     and s^j = ||dS_target / de_j||_2 ("saliency"), no [CLS]/[SEP]; in fp32 whatever the caller's autocast."""
-    tok, model, heads = chexbert.tokenizer, chexbert.model, [common.LABEL_INDEX[t] for t in targets]
+    tok, model = chexbert.tokenizer, chexbert.model
+    heads = [common.LABEL_INDEX[t] for t in targets]
     enc = [tok(r, add_special_tokens=False, return_offsets_mapping=True) for r in reports]
     pieces = [e["input_ids"][: common.CHEXBERT_MAX_PIECES - 2] for e in enc]
     out = [
@@ -218,16 +245,14 @@ def chexbert_saliency(chexbert, reports: list[str], targets: list[str]) -> list[
     rows = [i for i, p in enumerate(pieces) if p]
     for b in range(0, len(rows), chexbert.batch_size):
         chunk = rows[b : b + chexbert.batch_size]
-        ids, att = common.pad_completions(
-            [[tok.cls_token_id] + pieces[i] + [tok.sep_token_id] for i in chunk], tok.pad_token_id, chexbert.device
-        )  # (B, L) each, right-padded
+        framed = [[tok.cls_token_id] + pieces[i] + [tok.sep_token_id] for i in chunk]
+        ids, att = common.pad_completions(framed, tok.pad_token_id, chexbert.device)  # (B, L) each, right-padded
         with torch.enable_grad(), torch.autocast(ids.device.type, enabled=False):
             E = model.bert.embeddings.word_embeddings(ids).detach().requires_grad_(True)  # (B, L, H)
             cls = model.bert(inputs_embeds=E, attention_mask=att.long())[0][:, 0]  # (B, H) the [CLS] representation
             logits = [model.linear_heads[h](cls) for h in heads]  # (B, 4) each: blank, positive, negative, uncertain
-            S = sum(
-                lg[:, 1] + lg[:, 3] for lg in logits
-            )  # Eq. 9: S_target = sum_{c in T} logit_c^pos + logit_c^unc, (B,)
+            # Eq. 9: S_target = sum_{c in T} logit_c^pos + logit_c^unc, (B,)
+            S = sum(lg[:, 1] + lg[:, 3] for lg in logits)
             (g,) = torch.autograd.grad(S.sum(), E)  # Eq. 10: g = dS_target / dE, (B, L, H)
         s = g.norm(dim=-1).cpu().numpy()  # Eq. 11: s^j = ||g^j||_2, (B, L)
         for k, i in enumerate(chunk):
@@ -238,7 +263,8 @@ def chexbert_saliency(chexbert, reports: list[str], targets: list[str]) -> list[
 def token_spans(policy, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[str], list[list[tuple[int, int]]]]:
     """For Eq. 11: (texts, spans), token t covering text[a:b], b the length of the prefix decoded up to t, a where it
     first differs from the prefix up to t - 1 (spans tile the text; EOS: a = b). Any tokenizer: policy.decode only."""
-    texts, spans, prefix = [""] * len(ids), [[] for _ in ids], torch.zeros_like(mask)  # prefix (N, T)
+    texts, spans = [""] * len(ids), [[] for _ in ids]  # per report
+    prefix = torch.zeros_like(mask)  # (N, T) the tokens decoded so far
     for t in range(ids.shape[1]):
         if not mask[:, t].any():
             break
@@ -251,7 +277,7 @@ def token_spans(policy, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[str
 
 
 def align_to_tokens(spans, piece_offsets, piece_scores) -> np.ndarray:
-    """Eq. 11 -> s~: each policy token [a, b) takes the max over the word pieces [c, d) overlapping it (c < b, a < d)."""
+    """Eq. 11 -> s~: each policy token [a, b) gets the max over the word pieces [c, d) it overlaps (c < b, a < d)."""
     if not len(spans) or not len(piece_offsets):
         return np.zeros(len(spans))
     a, b = np.asarray(spans, dtype=float).T  # (T,) each
@@ -285,15 +311,13 @@ def token_weights(weighting: str, args: Args, policy, labeler, ids, mask, ref_la
 def ditpo_step(policy, roll: common.Rollout, w: torch.Tensor, G: int):
     """Eq. 2 -> 6 -> the GRPO loss. One update per rollout: pi_old = pi_theta (detached), the PPO ratio is 1 and its
     clip never acts (no clip flag); the gradient is -sum_i sum_t A_i^t grad log pi(o_i^t) / |o_i| / N."""
-    A = common.group_advantages(
-        roll.rewards, G
-    )  # (N,) Eq. 2: (r - mean) / std over the group (Bessel's std + 1e-4, as TRL)
+    # Eq. 2: A_i = (r_i - mean) / std over the group (Bessel's std + 1e-4, as TRL)
+    A = common.group_advantages(roll.rewards, G)  # (N,)
     A_t = A[:, None] * w  # (N, T) Eq. 6: A_i^t = A_i * w_i^t
     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (N, T)
-    loss, stats = common.grpo_loss(
-        logp, None, None, A_t, roll.completion_mask, loss_type=LOSS_TYPE
-    )  # no KL term in the paper
-    m, r = roll.completion_mask.bool(), roll.rewards.view(-1, G)  # (N, T), (B, G)
+    loss, stats = common.grpo_loss(logp, None, None, A_t, roll.completion_mask, loss_type=LOSS_TYPE)  # no KL term
+    m = roll.completion_mask.bool()  # (N, T)
+    r = roll.rewards.view(-1, G)  # (B, G)
     return loss, {
         **stats,
         "reward": roll.rewards.mean().item(),
@@ -306,7 +330,7 @@ def ditpo_step(policy, roll: common.Rollout, w: torch.Tensor, G: int):
 
 # Stage 1: SFT cold start -------------------------------------------------------------------------
 def sft_trainable(policy, tiny: bool) -> list:
-    """Sec. 4.1: the LM frozen, the vision encoder + projector (Qwen's tower with its merger) train; tiny: all (ours)."""
+    """Sec. 4.1: the LM frozen, the vision encoder + projector (Qwen's tower and merger) train; tiny: all (ours)."""
     policy.model.requires_grad_(tiny)
     if not tiny:
         policy.vision_and_language()[0].requires_grad_(True)
@@ -314,23 +338,20 @@ def sft_trainable(policy, tiny: bool) -> list:
     return [p for p in policy.model.parameters() if p.requires_grad]
 
 
-def sft(run: common.Run, args: Args, s: dict) -> dict:
+def sft(run: common.Run, args: Args, s: Settings) -> dict:
+    """Stage 1, SFT cold start: the reports teacher-forced, sft_trainable()'s parameters train; then the test split."""
     if run.done:
         return run.done
+    studies = run.data["train"]
     policy = common.make_policy(
-        args.model,
-        [r.report for r in run.data["train"]],
-        run.device,
-        run.dtype,
-        s["max_new"],
-        max_pixels=args.max_pixels,
+        args.model, [r.report for r in studies], run.device, run.dtype, s.max_new, max_pixels=args.max_pixels
     )
     common.broadcast_parameters(policy.model)
-    params = sft_trainable(policy, s["tiny"])
-    total = s["sft_steps"] if s["sft_steps"] is not None else len(run.data["train"]) // s["sft_batch"]  # one epoch
-    optimizer, _ = common.adamw(params, s["sft_lr"], total)  # constant lr: the paper names no schedule
+    params = sft_trainable(policy, s.tiny)
+    total = s.sft_steps if s.sft_steps is not None else len(studies) // s.sft_batch  # one epoch
+    optimizer, _ = common.adamw(params, s.sft_lr, total)  # constant lr: the paper names no schedule
     run.restore(policy.model, optimizer)
-    for _, batch in run.steps(total, run.study_batches(run.data["train"], s["sft_batch"], "the SFT batch"), "DEER SFT"):
+    for _, batch in run.steps(total, run.study_batches(studies, s.sft_batch, "the SFT batch"), "DEER SFT"):
         for micro in common.split_batch(batch, args.grad_accum):
             with run.autocast():
                 loss = policy.sft_loss(policy.prompt_batch(micro["images"], PROMPT), micro["report"])
@@ -341,10 +362,10 @@ def sft(run: common.Run, args: Args, s: dict) -> dict:
 
 
 # Stage 2: DDSampling -----------------------------------------------------------------------------
-def repeated_prompts(policy, records, n: int) -> dict:  # the prompts of `records` (images only), each n times
-    return policy.repeat(
-        policy.prompt_batch([[common.load_image(p, r.id) for p in r.image_paths] for r in records], PROMPT), n
-    )
+def repeated_prompts(policy, records, n: int) -> dict:
+    """The prompts of `records` (their images only, no report), each n times."""
+    images = [[common.load_image(p, r.id) for p in r.image_paths] for r in records]
+    return policy.repeat(policy.prompt_batch(images, PROMPT), n)
 
 
 @torch.no_grad()
@@ -354,23 +375,25 @@ def score_chunk(policy, records, labeler, max_new: int) -> np.ndarray:
     return diagnostic_diversity(labeler(policy.decode(ids, mask)).reshape(len(records), K, -1))  # (B, K, 14) -> (B,)
 
 
-def ddsampling(run: common.Run, args: Args, s: dict) -> dict:
-    """D(I) of every study of the pool (s["pool"]), a chunk per rank and step, chunk c seeded by c (the same samples
-    under any ranks or a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
+def ddsampling(run: common.Run, args: Args, s: Settings) -> dict:
+    """Stage 2: D(I) of every study of the pool (the first s.pool), a chunk per rank and step, chunk c seeded by c (the
+    same samples under any ranks or a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
     if run.done:
         return run.done
-    pool, scores, W, policy = run.data["train"][: s["pool"]], {}, run.world_size, sft_policy(run, args)
+    pool = run.data["train"][: s.pool]
+    policy = sft_policy(run, args)
     chunks = [pool[c : c + DD_CHUNK] for c in range(0, len(pool), DD_CHUNK)]
+    scores = {}  # study id -> D(I)
     run.restore(torch.nn.Module(), state=scores)  # no weights to save: the checkpoint holds the scores
+    W = run.world_size
     for step, _ in run.steps(math.ceil(len(chunks) / W), lambda start: iter(range(start, len(chunks))), "DDSampling"):
         c = step * W + run.rank
         torch.manual_seed(args.seed * 1_000_003 + c)
-        with run.autocast():
-            mine = (
-                dict(zip([r.id for r in chunks[c]], score_chunk(policy, chunks[c], run.labeler, s["max_new"]).tolist()))
-                if c < len(chunks)
-                else {}
-            )
+        mine = {}  # a rank past the last chunk scores nothing
+        if c < len(chunks):
+            with run.autocast():
+                D_chunk = score_chunk(policy, chunks[c], run.labeler, s.max_new)
+            mine = dict(zip([r.id for r in chunks[c]], D_chunk.tolist()))
         shards = common.all_gather_objects(mine)
         scores.update({k: v for shard in shards for k, v in shard.items()})
         run.log(D=np.mean([d for shard in shards for d in shard.values()]))
@@ -389,63 +412,54 @@ def rl_records(args: Args, train: list, subset: str, pool: int | None) -> list:
     if subset == "all":
         return train
     if subset == "random":
-        rng, train = np.random.default_rng(args.seed), train[:pool]
-        return [
-            train[i] for i in sorted(rng.choice(len(train), max(1, round(args.fraction * len(train))), replace=False))
-        ]
+        train = train[:pool]
+        rng = np.random.default_rng(args.seed)
+        drawn = rng.choice(len(train), max(1, round(args.fraction * len(train))), replace=False)
+        return [train[i] for i in sorted(drawn)]
     path = Path(args.out) / "ddsampling" / "selection.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"no DDSampling selection at {path}: run `deer.py sample` first, or pass --subset all|random"
         )
-    by_id, ids = {r.id: r for r in train}, json.loads(path.read_text())["ids"]
+    by_id = {r.id: r for r in train}
+    ids = json.loads(path.read_text())["ids"]
     if any(i not in by_id for i in ids):
         raise ValueError(f"{path}: selected ids are not in the training set of --data {args.data}")
     return [by_id[i] for i in ids]
 
 
-def ditpo(run: common.Run, args: Args, s: dict) -> dict:
-    """Per step: G rollouts per study, Eq. 1 in its phase, token weights (Eq. 7-8 or 9-12), Eq. 2 -> 6, one update."""
+def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
+    """Stage 3, from the SFT model on the RL data. Per step: G rollouts per study, Eq. 1 in its phase, token weights
+    (Eq. 7-8 or 9-12), Eq. 2 -> 6, one update. The test split's metrics at the end."""
     if run.done:
         return run.done
-    records, G = rl_records(args, run.data["train"], args.subset, s["pool"]), args.group_size
-    total = s["steps"] if s["steps"] is not None else len(records) // s["prompts"]  # one epoch
+    records = rl_records(args, run.data["train"], args.subset, s.pool)
+    G = args.group_size
+    total = s.steps if s.steps is not None else len(records) // s.prompts  # one epoch
+    init = Path(args.out) / "sft" / "final"  # the SFT model, all of it trainable
     policy, _ = common.build_policy(
-        run,
-        records,
-        s["max_new"],
-        reference=False,
-        init=Path(args.out) / "sft" / "final",
-        max_pixels=args.max_pixels,
-        fsdp=args.fsdp,
-    )  # the SFT model, all of it trainable
+        run, records, s.max_new, reference=False, init=init, max_pixels=args.max_pixels, fsdp=args.fsdp
+    )
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer, _ = common.adamw(params, s["lr"], total)  # constant lr: the paper names no schedule
+    optimizer, _ = common.adamw(params, s.lr, total)  # constant lr: the paper names no schedule
     run.restore(policy.model, optimizer)
-    batches = run.study_batches(records, s["prompts"], "--prompts-per-step")
+    batches = run.study_batches(records, s.prompts, "--prompts-per-step")
     for step, batch in run.steps(total, batches, "GRPO" if args.weighting == "none" else f"DiTPO ({args.weighting})"):
         gamma = gamma_at(step, total, args.gamma)  # Sec. 3.1: F1 first, then + gamma BLEU-2
         for micro in common.split_batch(batch, args.grad_accum):
             ref_labels = run.labeler(micro["report"])  # (B, 14) C(y)
 
-            def reward_fn(texts, owners):
-                r, terms = reward(
-                    texts, [micro["report"][o] for o in owners], ref_labels[owners], run.labeler, gamma, args.clean
-                )
+            def reward_fn(texts, owners, refs=micro["report"], ref_labels=ref_labels, gamma=gamma):
+                """Eq. 1 for the rollouts, owners[n] the study of rollout n; logs each term's mean."""
+                r, terms = reward(texts, [refs[o] for o in owners], ref_labels[owners], run.labeler, gamma, args.clean)
                 run.log(**terms)
                 return r
 
             with run.autocast():
-                roll = common.rollout(policy, micro["images"], PROMPT, G, reward_fn, s["max_new"], TEMPERATURE)
-            w = token_weights(
-                args.weighting,
-                args,
-                policy,
-                run.labeler,
-                roll.completion_ids,
-                roll.completion_mask,
-                np.repeat(ref_labels, G, axis=0),
-            )  # (N, T)
+                roll = common.rollout(policy, micro["images"], PROMPT, G, reward_fn, s.max_new, TEMPERATURE)
+            ids, mask = roll.completion_ids, roll.completion_mask  # (N, T) each
+            group_labels = np.repeat(ref_labels, G, axis=0)  # (N, 14) each reference's labels, G times
+            w = token_weights(args.weighting, args, policy, run.labeler, ids, mask, group_labels)  # (N, T)
             with run.autocast():
                 loss, stats = ditpo_step(policy, roll, w, G)  # Eq. 2 -> 6 -> loss
             (loss / args.grad_accum).backward()
@@ -455,9 +469,9 @@ def ditpo(run: common.Run, args: Args, s: dict) -> dict:
 
 
 # Evaluation and Tables 6-7 ---------------------------------------------------------------------
-def evaluate(run: common.Run, policy, s: dict) -> dict:
+def evaluate(run: common.Run, policy, s: Settings) -> dict:
     """Greedy reports on the test split: NLG and CE metrics (METEOR where Java is), into the stage's folder."""
-    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s["max_new"], meteor=True, ce=CE)
+    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s.max_new, meteor=True, ce=CE)
     if run.is_main:
         print(f"{run.out}: {common.summary(results)}")
     return results
@@ -470,7 +484,7 @@ def sft_policy(run: common.Run, args: Args):
 
 
 def reward_diversity(rewards: np.ndarray) -> dict:
-    """Table 7 from rewards (groups, G): share of groups with equal rewards, distinct rewards and (population) std per group."""
+    """Table 7 from rewards (groups, G): share of groups of equal rewards; distinct rewards, population std a group."""
     r = np.round(rewards, 6)
     return {
         "zero_variance": float((r == r[:, :1]).all(1).mean()),
@@ -481,7 +495,7 @@ def reward_diversity(rewards: np.ndarray) -> dict:
 
 
 def mask_top_tokens(weights: torch.Tensor, candidates: torch.Tensor, frac: float, rng) -> torch.Tensor:
-    """Table 6: per row, drop the ceil(frac n) candidates with the largest weights (ties at random) -> keep mask (N, T)."""
+    """Table 6: per row, drop the ceil(frac n) candidates of largest weight (ties at random) -> keep mask (N, T)."""
     keep = candidates.clone().float().cpu()
     for i in range(len(keep)):
         pos = candidates[i].cpu().nonzero().flatten().numpy()
@@ -505,102 +519,76 @@ def masking_effect(policy, labeler, ids, mask, w, labels: np.ndarray, frac: floa
 
 
 @torch.no_grad()
-def sample_groups(run: common.Run, args: Args, s: dict, records, rng):
+def sample_groups(run: common.Run, args: Args, s: Settings, records, rng):
     """The SFT model's G rollouts (temperature sampling, as in RL) for ANALYSIS_N studies drawn from `records`."""
-    policy, drawn = (
-        sft_policy(run, args),
-        sorted(rng.choice(len(records), min(ANALYSIS_N, len(records)), replace=False)),
-    )
+    policy = sft_policy(run, args)
+    drawn = sorted(rng.choice(len(records), min(ANALYSIS_N, len(records)), replace=False))
     for b in range(0, len(drawn), DD_CHUNK):
         chunk = [records[i] for i in drawn[b : b + DD_CHUNK]]
         with run.autocast():
-            ids, mask = policy.generate(repeated_prompts(policy, chunk, args.group_size), s["max_new"], TEMPERATURE)
+            ids, mask = policy.generate(repeated_prompts(policy, chunk, args.group_size), s.max_new, TEMPERATURE)
         refs = [r.report for r in chunk for _ in range(args.group_size)]
-        yield (
-            policy,
-            {
-                "ids": ids,
-                "mask": mask,
-                "texts": policy.decode(ids, mask),
-                "refs": refs,
-                "ref_labels": run.labeler(refs),
-            },
-        )
+        yield policy, dict(ids=ids, mask=mask, texts=policy.decode(ids, mask), refs=refs, ref_labels=run.labeler(refs))
 
 
-def tables(command: str, run: common.Run, args: Args, s: dict) -> dict:
-    """Table 7: reward diversity (phase-1 reward) of the SFT model's groups on the training set vs the DDSampling subset.
-    Table 6: mask the top 10 % of each SFT rollout's tokens by random, rule and (with CheXbert) grad weights."""
-    rng, results = np.random.default_rng(args.seed), {"G": args.group_size, "mask_frac": MASK_FRAC}
+def tables(command: str, run: common.Run, args: Args, s: Settings) -> dict:
+    """Table 7: reward diversity (phase-1 reward) of the SFT model's groups on the training set vs the DDSampling
+    subset. Table 6: mask the top 10 % of each SFT rollout's tokens by random, rule and (with CheXbert) grad weights."""
+    rng = np.random.default_rng(args.seed)
+    results = {"G": args.group_size, "mask_frac": MASK_FRAC}
     if command == "table7":
         for name, subset in (("random_100", "all"), ("ddsampling", "ddsampling")):
-            groups = sample_groups(run, args, s, rl_records(args, run.data["train"], subset, s["pool"]), rng)
+            groups = sample_groups(run, args, s, rl_records(args, run.data["train"], subset, s.pool), rng)
             r = [reward(g["texts"], g["refs"], g["ref_labels"], run.labeler, 0.0)[0] for _, g in groups]  # phase 1: F1
             results[name] = reward_diversity(np.concatenate(r).reshape(-1, args.group_size))
     else:
-        strategies = ["random", "rule"] + (["grad"] if isinstance(run.labeler, common.CheXbertLabeler) else [])
+        strategies = ["random", "rule"]
+        if isinstance(run.labeler, common.CheXbertLabeler):  # Eq. 9-11 need CheXbert's gradients
+            strategies.append("grad")
         stats = {name: defaultdict(list) for name in strategies}
         for policy, g in sample_groups(run, args, s, run.data["train"], rng):
             labels = run.labeler(g["texts"])  # (N, 14) C(o)
             for name in strategies:
-                w = (
-                    torch.rand(g["mask"].shape)
-                    if name == "random"
-                    else token_weights(name, args, policy, run.labeler, g["ids"], g["mask"], g["ref_labels"])
-                )
+                if name == "random":
+                    w = torch.rand(g["mask"].shape)
+                else:
+                    w = token_weights(name, args, policy, run.labeler, g["ids"], g["mask"], g["ref_labels"])
                 for k, v in masking_effect(policy, run.labeler, g["ids"], g["mask"], w, labels, MASK_FRAC, rng).items():
                     stats[name][k] += v
-        results.update(
-            {name: {k: float(np.mean(v)) for k, v in stats[name].items()} for name in strategies},
-            n_reports=len(stats["random"]["post_mask_f1"]),
-        )
+        for name in strategies:
+            results[name] = {k: float(np.mean(v)) for k, v in stats[name].items()}
+        results["n_reports"] = len(stats["random"]["post_mask_f1"])
     print(json.dumps(results, indent=1))
     run.write(f"{command}.json", json.dumps(results, indent=2))
     return results
 
 
 # Running ---------------------------------------------------------------------------------------
-def settings(args: Args) -> dict:
-    """The model-dependent defaults: the paper's for HF models, ours for the tiny model (it starts random)."""
-    tiny = args.model == "tiny"
-    pick = lambda value, t, hf: value if value is not None else (t if tiny else hf)
-    return dict(
-        tiny=tiny,
-        max_new=pick(args.max_new_tokens, 96, 256),
-        lr=pick(args.lr, 1e-4, 1e-6),
-        prompts=pick(args.prompts_per_step, 8, 64),
-        steps=pick(args.steps, 120, None),
-        sft_lr=SFT["lr_tiny" if tiny else "lr_hf"],
-        sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
-        sft_steps=pick(args.sft_steps, 500, None),
-        pool=1000 if tiny else None,
-    )
-    # Tiny: ~5 CPU-minutes; DDSampling (K = 10 samples each, the costliest stage) scores the first 1000 studies. HF: all.
-
-
 def train(command: str, args: Args) -> dict:
-    if common.resolve_defaults(args).weighting == "auto":
+    """The commands of the module doc string: Stages 1, 2, 3 in order (--resume skips finished ones); Tables 6-7."""
+    common.resolve_defaults(args)
+    if args.weighting == "auto":
         args.weighting = "grad" if args.labeler == "chexbert" else "rule"
     if args.weighting == "grad" and args.labeler != "chexbert":
         raise ValueError("--weighting grad needs --labeler chexbert (CheXbert's input-embedding saliency, Eq. 9-11)")
     if not 0 < args.fraction <= 1:
         raise ValueError(f"--fraction must lie in (0, 1], got {args.fraction}")
-    note = "DiTPO with the rule TF-IDF token weights (Eq. 7-8), not the CheXbert-gradient weights the paper adopts (Eq. 9-12)"
-    run, s = common.start_run(args, stages=True, notes=[note] * (args.weighting == "rule")), settings(args)
+    run = common.start_run(args, stages=True, notes=[RULE_NOTE] if args.weighting == "rule" else [])
+    s = Settings.from_args(args)
+    for stage, batch, flag in (("sft", s.sft_batch, "the SFT batch"), ("rl", s.prompts, "--prompts-per-step")):
+        if command in (stage, "all"):  # fail now, not hours later
+            common.exact_div(run.per_rank(batch, flag), args.grad_accum, f"{flag} per process / --grad-accum")
+    results = {}
+    if command in ("sft", "all"):  # Stage 1: SFT cold start
+        results["sft"] = sft(run.stage("sft", STAGE_FLAGS["sft"]), args, s)
+    if command in ("sample", "all"):  # Stage 2: DDSampling, the RL subset
+        results["ddsampling"] = ddsampling(run.stage("ddsampling", STAGE_FLAGS["ddsampling"]), args, s)
+    if command in ("rl", "all"):  # Stage 3: DiTPO from the SFT model on the subset (--weighting none: GRPO)
+        results["rl"] = ditpo(run.stage(f"rl_{args.weighting}", STAGE_FLAGS["rl"]), args, s)
     if command in ("table6", "table7"):  # analyses of the SFT policy, in one process
         if run.world_size > 1:
             raise ValueError(f"run `deer.py {command}` with python, not torchrun (a single-process analysis)")
         return tables(command, run, args, s)
-    for stage, batch, flag in (("sft", s["sft_batch"], "the SFT batch"), ("rl", s["prompts"], "--prompts-per-step")):
-        if command in (stage, "all"):  # fail now, not hours later
-            common.exact_div(run.per_rank(batch, flag), args.grad_accum, f"{flag} per process / --grad-accum")
-    results = {}  # the stages in order, each skipped under --resume when done
-    if command in ("sft", "all"):
-        results["sft"] = sft(run.stage("sft", STAGE_FLAGS["sft"]), args, s)
-    if command in ("sample", "all"):
-        results["ddsampling"] = ddsampling(run.stage("ddsampling", STAGE_FLAGS["ddsampling"]), args, s)
-    if command in ("rl", "all"):
-        results["rl"] = ditpo(run.stage(f"rl_{args.weighting}", STAGE_FLAGS["rl"]), args, s)
     return results
 
 

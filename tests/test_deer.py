@@ -15,6 +15,7 @@ import torch
 
 import common
 import deer
+import test_chexbert
 from conftest import Crash, labels, metrics_rows, torchrun
 from deer import (
     align_to_tokens,
@@ -29,9 +30,9 @@ from deer import (
     tfidf_weights,
     token_spans,
 )
-from test_chexbert import local_tokenizer, tiny_config, vocab_file  # noqa: F401 (vocab_file is a fixture)
 
 L = common.LABEL_INDEX
+vocab_file = test_chexbert.vocab_file  # its module-scoped fixture, for the tiny CheXbert below
 
 
 def tiny_policy(texts, max_len=32):
@@ -90,9 +91,9 @@ def test_rl_records_random_draws_fraction_of_pool_and_tiny_defaults():
     drawn = deer.rl_records(args, train, "random", 20)  # the tiny default's pool: the first `pool` studies
     assert len(drawn) == 4 == len(set(drawn)) and all(x < 20 for x in drawn)
     assert len(deer.rl_records(args, train, "random", None)) == 10 and deer.rl_records(args, train, "all", 20) == train
-    s = deer.settings(deer.Args())
-    assert (s["sft_steps"], s["steps"], s["pool"]) == (500, 120, 1000)  # the 5-CPU-minute default
-    assert deer.settings(deer.Args(model="Qwen/Qwen2.5-VL-3B-Instruct"))["pool"] is None  # HF: every training study
+    s = deer.Settings.from_args(deer.Args())
+    assert (s.sft_steps, s.steps, s.pool) == (500, 120, 1000)  # the 5-CPU-minute default
+    assert deer.Settings.from_args(deer.Args(model="Qwen/Qwen2.5-VL-3B-Instruct")).pool is None  # HF: every study
 
 
 # Eq. 7-8 -----------------------------------------------------------------------------------------
@@ -144,10 +145,12 @@ def test_reference_targets_positive_or_uncertain_without_no_finding():
 
 
 @pytest.fixture(scope="module")
-def chexbert(vocab_file):  # noqa: F811
-    tok = local_tokenizer(vocab_file)
+def chexbert(vocab_file):
+    """test_chexbert's tiny random CheXbert, in batches of 2."""
+    tok = test_chexbert.local_tokenizer(vocab_file)
     torch.manual_seed(0)
-    return common.CheXbertLabeler(model=common.chexbert_model(tiny_config(tok.vocab_size)), tokenizer=tok, batch_size=2)
+    model = common.chexbert_model(test_chexbert.tiny_config(tok.vocab_size))
+    return common.CheXbertLabeler(model=model, tokenizer=tok, batch_size=2)
 
 
 def test_chexbert_saliency_by_hand(chexbert):
@@ -211,9 +214,9 @@ def test_eq6_token_weights_scale_each_tokens_gradient(small_synthetic):
         loss.backward()
         return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
 
-    logp = lambda: policy.completion_logprobs(prompts, ids, mask)
+    logp = policy.completion_logprobs(prompts, ids, mask)
     n = mask.sum(1)
-    expected = grads(-((A[:, None] * w * logp() * mask).sum(1) / n).mean())
+    expected = grads(-((A[:, None] * w * logp * mask).sum(1) / n).mean())
     torch.testing.assert_close(grads(deer.ditpo_step(policy, roll, w, 2)[0]), expected)
     unweighted = grads(deer.ditpo_step(policy, roll, torch.ones(mask.shape), 2)[0])
     assert not torch.allclose(unweighted, expected, atol=1e-6)
@@ -406,16 +409,25 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
     shutil.copytree(out / "sft", tmp_path / "sft")
     seen, rolls = [], []
     real_loss, real_rollout = common.grpo_loss, common.rollout
-    monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen.append((a, k)) or real_loss(*a, **k))
-    monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
+
+    def recorded_loss(*a, **k):
+        seen.append((a, k))
+        return real_loss(*a, **k)
+
+    def recorded_rollout(*a, **k):
+        rolls.append(real_rollout(*a, **k))
+        return rolls[-1]
+
+    def first_studies(self, records, n, flag):
+        def batches(start):
+            return iter([common.collate([common.ReportDataset(records[:n])[i] for i in range(n)])])
+
+        return batches
+
+    monkeypatch.setattr(common, "grpo_loss", recorded_loss)
+    monkeypatch.setattr(common, "rollout", recorded_rollout)
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})  # not under test
-    monkeypatch.setattr(
-        common.Run,
-        "study_batches",
-        lambda self, records, n, flag: (
-            lambda start: iter([common.collate([common.ReportDataset(records[:n])[i] for i in range(n)])])
-        ),
-    )  # the first 2 studies
+    monkeypatch.setattr(common.Run, "study_batches", first_studies)  # the first 2 studies
     deer.main(
         [
             "rl",
@@ -433,7 +445,7 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
             "24",
         ]
     )
-    (logp, old, ref_logp, A_t, mask), kw = seen[0]
+    (_, old, ref_logp, A_t, mask), kw = seen[0]
     roll, G, lab = rolls[0], 8, common.RuleLabeler()
     refs = [r.report for r in common.load_data(base[1])["train"][:2] for _ in range(G)]
     h, y = ((x == 1) | (x == -1) for x in (lab(roll.texts), lab(refs)))  # positive or uncertain
@@ -468,29 +480,21 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     length mod 7, so every step updates. Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
     out, base = staged
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
-    monkeypatch.setattr(
-        deer,
-        "reward",
-        lambda texts, refs, ref_labels, labeler, gamma, style: (  # logs the gamma it is given
-            (np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0, "reward_gamma": gamma})
-        ),
-    )
+
+    def length_reward(texts, refs, ref_labels, labeler, gamma, style):
+        """The text's length mod 7; logs the gamma it is given."""
+        return np.array([len(t) % 7 / 7 for t in texts]), {"f1": 0.0, "reward_gamma": gamma}
+
+    monkeypatch.setattr(deer, "reward", length_reward)
     for d in ("full", "part"):
         shutil.copytree(out / "sft", tmp_path / d / "sft")
         shutil.copytree(out / "ddsampling", tmp_path / d / "ddsampling")
-    rl = lambda d: [
-        "rl",
-        *base[:2],
-        "--out",
-        str(tmp_path / d),
-        *base[4:],
-        "--prompts-per-step",
-        "2",
-        "--grad-accum",
-        "2",
-        "--steps",
-        "4",
-    ]
+
+    def rl(d):
+        """The RL command into tmp_path / d, --steps last."""
+        flags = ["--prompts-per-step", "2", "--grad-accum", "2", "--steps", "4"]
+        return ["rl", *base[:2], "--out", str(tmp_path / d), *base[4:], *flags]
+
     deer.main(rl("full"))
     crash_after_checkpoint(2)
     with pytest.raises(Crash):
@@ -501,11 +505,17 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     with pytest.raises(SystemExit, match="--lr None in the run, 0.01 now"):
         deer.main(rl("part") + ["--resume", "--lr", "0.01"])
     deer.main(rl("part") + ["--resume"])
-    weights = lambda d: torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]
+
+    def weights(d):
+        return torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]
+
     full, part, sft = weights("full/rl_rule"), weights("part/rl_rule"), weights("full/sft")
     assert all(torch.equal(full[k], part[k]) for k in full)
     assert any(not torch.equal(full[k], sft[k]) for k in full)  # RL changed the weights
-    rows = lambda d: metrics_rows(tmp_path / d / "rl_rule" / "metrics.jsonl")
+
+    def rows(d):
+        return metrics_rows(tmp_path / d / "rl_rule" / "metrics.jsonl")
+
     assert rows("full") == rows("part") and [x["step"] for x in rows("part")] == [1, 2, 3, 4]
     assert [x["gamma"] for x in rows("part")] == [x["reward_gamma"] for x in rows("part")] == [0, 0, 0.25, 0.25]
     # GRPO from the same SFT model and subset, beside it; `all --resume` skips the finished stages
