@@ -9,24 +9,17 @@ to write one observation's description; Step 4 learns P-Tuning v2 prefixes and a
     python dcrrg.py                  # = dcrrg.py all: synthetic set, tiny sizes, 4 steps + evaluation
     python dcrrg.py step3 --resume   # one step, from out/step2/model.pt
     python dcrrg.py ablation         # Table 4's Models 1-7 -> out/ablation/ablation.json (one --seed per run)
-    python dcrrg.py --data /data/mimic_cxr --model paper --text-encoder emilyalsentzer/Bio_ClinicalBERT   # one GPU
-    torchrun --nproc_per_node=4 dcrrg.py --data /data/mimic_cxr --model paper ...   # same flags
---model paper is App. A (ImageNet ResNet-50, AdamW 1e-4, batch 32 / 16; CheXbert labels, bf16 on a GPU) for EPOCHS
-epochs a step (ours), its BERT random without --text-encoder. Batch sizes are global; Step 2 contrasts all of it.
 
 Equations, and where they are implemented:
     Sec. 3.1    targets: unmentioned negative, uncertain out;  observation_targets, draw_pairs (re-sampling),
-                per-observation balancing                      pair_weights (its expected loss)
-    Step 1      each encoder alone, a label per prompt         step1_loss, step1
+                per-observation balancing                      pair_weights (its expected loss); step1_loss, step1
     Eq. 1a, 2a  v = E_img(x_img), t = E_txt(x_txt)            DCRRG.embed_images, DCRRG.embed_texts
     Eq. 1b, 2b  v_p = f_v(concat(v, e_prompt)), t_p likewise  ProjectionHead
     Eq. 3-5     soft targets s, calibrated y^{v->t}, y^{t->v}  soft_targets
-    Eq. 6-9     calibrated semantic matching loss              csm_loss, step2_loss (over the global batch)
-    Step 2      DCCLIP: align the encoders                     step2
+    Eq. 6-9     calibrated semantic matching loss              csm_loss, step2_loss (over the global batch), step2
     Sec. 3.3    observation descriptions from sentences        split_sentences, assign_sentences, description_records
     Eq. 10-12   post-LN decoder layer (MMHA, CA, FFN)          DecoderLayer, Attention
-    Eq. 13-14   autoregressive decoder, token cross-entropy    Decoder, lm_loss
-    Step 3      a description per observation, either view     step3_inputs, step3
+    Eq. 13-14   autoregressive decoder, token cross-entropy    Decoder, lm_loss; Step 3: step3_inputs, step3
     Sec. 3.4    P-Tuning v2 prefixes + fresh output head       DCRRG.prefix, step4
     App. A      beam search of width 3                         beam_search
     Sec. 4.4.2  P@K retrieval on 5 x N; Table 6 AUROC          retrieval, auroc_per_observation; Table 4: ablation()
@@ -94,18 +87,15 @@ SIZES = {  # --model: image size, random text BERT (hidden, heads, layers), widt
 }  # App. A; 8 layers: ours
 K = len(common.CHEXPERT_LABELS)  # 14 observations = 14 prompts
 NO_FINDING = common.LABEL_INDEX["No Finding"]
-# CheXpert 5x200's classes, CheXpert's competition tasks
-FIVE = ["Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion"]
+FIVE = ["Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion"]  # CheXpert's 5 tasks, 5x200
 MODALITIES = ("image", "text")
 WEIGHT_DECAY, BEAM = 1e-6, 3  # App. A
 DROPOUT = 0.1  # decoder and text encoder (paper silent: Vaswani et al.'s and BERT's)
 MAX_TEXT_TOKENS, MAX_DESCRIPTION_TOKENS, MAX_REPORT_TOKENS = 256, 48, 128  # word pieces read / Step 3 / Step 4 (ours)
 VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become characters (ours)
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
-# Sec. 4.2: CE P/R/F1 of the CheXpert labeler's positives, micro (R2Gen's protocol)
-CE = dict(headline="micro_f1", uncertain_as=0)
-# No schedule in the paper (ours): --model tiny's default run within ~280 CPU-s; --model paper: EPOCHS passes over
-# each step's examples
+CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2: micro CE P/R/F1 of labels' positives (R2Gen's)
+# No schedule in the paper (ours): --model tiny's steps (its default run: ~280 CPU-s), --model paper's epochs
 TINY_STEPS = dict(step1=300, step2=200, step3=600, step4=400)
 EPOCHS = 10
 
@@ -214,8 +204,7 @@ class DCRRG(nn.Module):
         D, M, P = self.image_encoder.dim, self.text_encoder.config.hidden_size, size["width"]
         self.f_v, self.f_t = ProjectionHead(D, P), ProjectionHead(M, P)  # Eq. 1b, 2b
         self.cls_v, self.cls_t = nn.Linear(P, 2), nn.Linear(P, 2)  # Step 1: negative/positive under any prompt
-        # per modality: projection, classifier
-        self.heads = {"image": (self.f_v, self.cls_v), "text": (self.f_t, self.cls_t)}
+        self.heads = {"image": (self.f_v, self.cls_v), "text": (self.f_t, self.cls_t)}  # projection, classifier
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # Eq. 7: 1 / tau, tau = 0.07 at first
         self.decoder = Decoder(len(tokenizer), P, size["dec_heads"], DROPOUT)
         # Step 4, P-Tuning v2 (Liu et al. 2022, arXiv:2110.07602): in every layer, L_p trainable keys and values
@@ -320,11 +309,10 @@ def step1(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         return step1_loss(model, batch, records, targets, weights, env["transform"])
 
     def evaluate(model, st):
-        """Table 6: AUROC of the (N, 14) positive probabilities."""
         y = observation_targets(np.stack([r.labels for r in env["test"]]))
         out = {"balance": balance}
         for m in MODALITIES:
-            logits = model.heads[m][1](model.project(env["test"], m, env["transform"]))  # (N, 14, 2)
+            logits = model.heads[m][1](model.project(env["test"], m, env["transform"]))  # (N, 14, 2): Table 6
             out[f"auroc_{m}"] = auroc_per_observation(torch.softmax(logits.float(), -1)[..., 1].cpu().numpy(), y)
         return out
 
@@ -446,9 +434,8 @@ class Decoder(nn.Module):
     """Two post-LN layers over token embeddings (Sec. 3.3), cross-attending to f_I (N, 14, P), then a linear head
     (Eq. 13: p(T|I) = prod_t p(y_t | y_<t, I)). Paper silent: f_I is the study under all 14 prompts, a slot each (with
     v_p^k alone, softmax over one key is 1: cross-attention never learns); Step 3 adds the observation's prompt
-    embedding to the first input. Step 2 pulls all projections together (cosine ~0.9), so f_I is standardised per slot
-    and feature by fixed training-image statistics (standardise_memory; BatchNorm's would differ in Step 3's image +
-    text batches)."""
+    embedding to the first input. Step 2 pulls all projections together (cosine ~0.9): standardise_memory fixes f_I's
+    statistics per slot and feature (BatchNorm's would differ in Step 3's image + text batches)."""
 
     def __init__(self, vocab: int, d: int, heads: int, dropout: float, layers: int = 2):
         super().__init__()
@@ -508,7 +495,7 @@ def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
     def loss_fn(model, batch):
         inputs = step3_inputs(model, batch["images"], [by_id[i] for i in batch["id"]])  # image rows, then text rows
-        texts = batch["report"] * 2
+        texts = batch["report"] * 2  # for the image rows, then the text rows
         return lm_loss(model.decoder, texts=texts, tokenizer=tok, max_len=MAX_DESCRIPTION_TOKENS, **inputs), {}
 
     def evaluate(model, st):
@@ -537,17 +524,14 @@ def step3(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
 # Step 4: prefixes (P-Tuning v2) and beam search ------------------------------------------------------
 @torch.no_grad()
-def beam_search(
-    decoder, f_I, bos: int, eos: int, pad: int, beam: int, max_len: int, prefix=None, head=None, obs=None, banned=()
-):
+def beam_search(decoder, f_I, bos, eos, pad, beam: int, max_len: int, prefix=None, head=None, obs=None, banned=()):
     """Width-`beam` search (App. A) -> a token list per row of f_I, without BOS/EOS. Beams compete on summed log-probs,
     finished ones pad at no cost; the answer has the best log-prob per token (paper silent). No key/value cache."""
     B, dev = f_I.shape[0], f_I.device
     f_I = f_I.repeat_interleave(beam, 0)  # (B*k, S, P)
     obs = None if obs is None else obs.repeat_interleave(beam, 0)
     tokens = torch.full((B * beam, 1), bos, dtype=torch.long, device=dev)
-    # (B, k): all beams start equal, so only the first is expanded
-    scores = torch.tensor([0.0] + [-math.inf] * (beam - 1), device=dev).repeat(B, 1)
+    scores = torch.tensor([0.0] + [-math.inf] * (beam - 1), device=dev).repeat(B, 1)  # (B, k): expand the first
     done, length = torch.zeros(B * beam, dtype=torch.bool, device=dev), torch.zeros(B * beam, device=dev)
     for _ in range(max_len):
         logp = F.log_softmax(decoder(tokens, f_I, prefix, head, obs)[:, -1].float(), -1)  # (B*k, V)
@@ -592,9 +576,7 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
     def decoder_inputs(model, images):
         """f_I, the study under all 14 prompts; P-Tuning v2 writes through the prefixes and the fresh head."""
         f_I = model.f_v(model.embed_images(images))
-        if pt:
-            return dict(f_I=f_I, prefix=model.prefix, head=model.prompt_head)
-        return dict(f_I=f_I)
+        return dict(f_I=f_I, prefix=model.prefix, head=model.prompt_head) if pt else dict(f_I=f_I)
 
     def loss_fn(model, batch):
         inputs = decoder_inputs(model, batch["images"])
@@ -602,11 +584,9 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
 
     def evaluate(model, st):
         records = env["test"][: args.n_test or (200 if args.model == "tiny" else None)]
-
-        def inputs_fn(rows):
-            return decoder_inputs(model, load_images(rows, transform))
-
-        texts = generate(model, inputs_fn, records, st, MAX_REPORT_TOKENS)
+        texts = generate(
+            model, lambda rows: decoder_inputs(model, load_images(rows, transform)), records, st, MAX_REPORT_TOKENS
+        )
         rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
         st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
         scores = common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {}
@@ -692,9 +672,8 @@ def budget(args: Args, kind: str, n: int) -> int:
 
 
 def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, batches, loss_fn, evaluate) -> dict:
-    """One step in out/<name> from out/<init>/model.pt (None: fresh): AdamW on `parts` (App. A; constant lr, no
-    schedule given) for budget() steps, evaluate(model, stage), out/<name>/model.pt. --resume: done steps return their
-    results."""
+    """One step in out/<name>, from out/<init>/model.pt or fresh: AdamW on `parts` (App. A; constant lr: no schedule
+    given) for budget() steps, evaluate(model, stage), out/<name>/model.pt. --resume returns a done step's results."""
     others = {"resume", "out"} | {f"{s}_steps" for s in STEPS if s != kind}  # --resume checks this step's flags only
     st = run.stage(name, [f.name for f in dataclasses.fields(args) if f.name not in others])
     if st.done is not None:
@@ -708,14 +687,12 @@ def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, b
         then = json.loads((path.parent / "config.json").read_text())["data"]
         if then != args.data:
             raise ValueError(f"{path} was trained on --data {then}, not {args.data}: give another --out")
-        # every part, Step 4's prefixes and head as drawn (no step before trains them)
-        model.load_state_dict(torch.load(path, map_location=run.device, weights_only=True))
+        model.load_state_dict(torch.load(path, map_location=run.device, weights_only=True))  # prefixes, head: as drawn
     params = set_trainable(model, parts)
     if kind in ("step3", "step4") and bool((model.decoder.memory_std == 1).all()):  # Step 3, or Step 4 without it
         standardise_memory(model, env["train"], env["transform"])
     common.broadcast_parameters(model)
-    # --lr, else App. A's 1e-4; --model tiny: 1e-3, 1e-4 for Step 2 (1e-3 undid Step 1), 5e-3 for P-Tuning v2 (its
-    # range)
+    # --lr, else App. A's 1e-4; tiny: 1e-3, Step 2 1e-4 (1e-3 undid Step 1), P-Tuning v2 5e-3 (its range)
     tiny_lr = 1e-3
     if kind == "step2":
         tiny_lr = 1e-4
@@ -773,8 +750,7 @@ def ablation(run, args: Args, env: dict) -> dict:
     done = {}
     for folder, step, init, mode in ABLATION:
         step_args = dataclasses.replace(args, step4=mode or args.step4)
-        start = f"ablation/{init}" if init else None
-        done[folder] = STEPS[step](run, step_args, env, f"ablation/{folder}", start)
+        done[folder] = STEPS[step](run, step_args, env, f"ablation/{folder}", f"ablation/{init}" if init else None)
     ce = {"CE P": "micro_precision", "CE R": "micro_recall", "CE F1": "micro_f1"}
     table = {
         row: {
@@ -810,22 +786,16 @@ def prepare(run, args: Args) -> dict:
     data = common.r2gen_views({split: relabel(recs) for split, recs in run.data.items()} | {"extra": extra})
     # No augmentation: R2Gen's random flip swaps left and right, which the reports name
     transform = common.default_transform(SIZES[args.model]["image_size"], channels=1 if args.model == "tiny" else 3)
-    return dict(
-        data,
-        labeler=run.labeler,
-        transform=transform,
-        tokenizer=build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run),
-    )
+    tokenizer = build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run)
+    return dict(data, labeler=run.labeler, transform=transform, tokenizer=tokenizer)
 
 
 def paper_notes(args: Args) -> list[str]:
     """What --model paper cannot do as App. A does: logged, in config.json."""
     notes = []
-    if args.model == "tiny":
-        return notes
-    if args.pretrained == "none":
+    if args.model == "paper" and args.pretrained == "none":
         notes.append("image encoder: a random ResNet-50 (--pretrained none), not App. A's ImageNet weights")
-    if args.text_encoder is None:
+    if args.model == "paper" and args.text_encoder is None:
         notes.append(
             "text encoder: a random BERT (512 hidden, 8 heads, 8 layers) on our vocabulary of the training reports' "
             "words, not App. A's ClinicalBERT weights (--text-encoder emilyalsentzer/Bio_ClinicalBERT)"
