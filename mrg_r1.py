@@ -1,17 +1,19 @@
 """MRG-R1: semantic-driven reinforcement learning for medical report generation.
 
 Paper: "MRG-R1: Reinforcement Learning for Clinically Aligned Medical Report Generation"
-(Pengyu Wang, Shuchang Ye, Usman Naseem, Jinman Kim; arXiv:2512.16145). A vision-language model samples G reports per study; each is scored by the
-margin CheXbert cosine similarity (MCCS) of the signed label vectors of the generated and the
-reference report, plus a small reward for a "<think>...</think> <report>...</report>" answer;
-GRPO turns each group's rewards into advantages and updates the policy (LoRA) under a KL penalty
-to the frozen starting model. With the tagged prompt only the text inside <report> is scored.
+(Pengyu Wang, Shuchang Ye, Usman Naseem, Jinman Kim; arXiv:2512.16145). A vision-language model samples
+G reports per study; each is scored by the margin CheXbert cosine similarity (MCCS) of the signed label
+vectors of the generated and the reference report, plus a small reward for a
+"<think>...</think> <report>...</report>" answer; GRPO turns each group's rewards into advantages and
+updates the policy (LoRA) under a KL penalty to the frozen starting model. With the tagged prompt only
+the text inside <report> is scored.
 
     python mrg_r1.py                                    # synthetic set, tiny model: 2.5 CPU minutes
     python mrg_r1.py --reward ce_f1+format              # a Table II row (also mccs, format, nlg, ...)
     python mrg_r1.py --data /data/iu_xray --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL \\
         --grad-accum 4                                  # one GPU (CheXbert labels and bf16 by default)
-    torchrun --nproc_per_node=4 mrg_r1.py --data /data/mimic_cxr --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL
+    torchrun --nproc_per_node=4 mrg_r1.py --data /data/mimic_cxr \\
+        --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL
     python mrg_r1.py --model ... --steps 0              # Table II's Base row: evaluation only
 
 CE metric (Sec. IV-A): CheXbert P/R/F1 micro over the 14 observations, positives only (uncertain = negative).
@@ -78,8 +80,10 @@ LORA = dict(
     dropout=0.05,
     targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 )
-ADAMW = dict(betas=(0.9, 0.99), weight_decay=0.1)  # with a cosine schedule, 10 % warm-up, grad clip 0.1 (Sec. IV-B)
-WARMUP, MAX_GRAD_NORM, ADV_EPS = 0.1, 0.1, 1e-6  # Eq. 2's eps "on the order of 1e-8 to 1e-6"
+ADAMW = dict(betas=(0.9, 0.99), weight_decay=0.1)  # with a cosine schedule (Sec. IV-B)
+WARMUP = 0.1  # the schedule's warm-up: 10 % of the steps (Sec. IV-B)
+MAX_GRAD_NORM = 0.1  # Sec. IV-B
+ADV_EPS = 1e-6  # Eq. 2's eps "on the order of 1e-8 to 1e-6"
 FORMAT_PARTIAL = 0.5  # credit for a minor format violation: Sec. III-B1 gives no value (ours)
 TEMPERATURE = 1.0  # rollout sampling: the paper gives none; 1.0 samples the policy itself
 WARM_START = dict(lr_tiny=1e-3, lr_hf=1e-5, batch_size=32)  # the paper's SFT row names no settings (ours)
@@ -233,11 +237,12 @@ def warm_start_targets(batch: dict, labeler, tags: bool) -> list[str]:
 # Training ---------------------------------------------------------------------------------------
 def train(args: Args) -> dict:
     run = common.start_run(args)
-    tiny, tags = args.model == "tiny", "format" in args.reward  # Table II's rows without format ask for no tags
-    lr = args.lr if args.lr is not None else 1e-4 if tiny else 5e-6
+    tiny = args.model == "tiny"
+    tags = "format" in args.reward  # Table II's rows without format ask for no tags
+    prompt = PROMPTS["tags" if tags else "plain"]
+    lr = args.lr if args.lr is not None else (1e-4 if tiny else 5e-6)
     max_new = args.max_new_tokens or (128 if tiny else 256)
-    sft_steps = args.sft_steps if args.sft_steps is not None else 400 if tiny else 0
-    prompt, report = PROMPTS["tags" if tags else "plain"], extract_report if tags else str.strip
+    sft_steps = args.sft_steps if args.sft_steps is not None else (400 if tiny else 0)
     data = {split: split_views(records) for split, records in run.data.items()}  # Sec. IV-A
     train_set, test_set = data["train"], data["test"]
     # CIDEr's document frequencies from the training references: a reward must not depend on the batch
@@ -262,14 +267,17 @@ def train(args: Args) -> dict:
         max_pixels=args.max_pixels,
     )
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    total = (
-        args.steps if args.steps is not None else 300 if tiny else len(train_set) // args.prompts_per_step
-    )  # one epoch
+    total = args.steps
+    if total is None:  # one epoch (Sec. IV-B); the tiny model: ours
+        total = 300 if tiny else len(train_set) // args.prompts_per_step
     optimizer, scheduler = common.adamw(params, lr, total, "cosine", WARMUP, **ADAMW)
     run.restore(policy.model, optimizer, scheduler)
 
-    def evaluate(records, name):  # greedy reports on the test split, scored by the common metrics and the reward
-        def score(rows, labeler):  # the training reward of the greedy reports
+    def evaluate(records, name):
+        """Greedy reports on the test split, scored by the common metrics and the reward."""
+
+        def score(rows, labeler):
+            """The training reward of the greedy reports."""
             r, terms = total_reward(
                 [row.get("completion", row["generated"]) for row in rows],
                 [row["reference"] for row in rows],
@@ -281,30 +289,25 @@ def train(args: Args) -> dict:
                 row["reward"] = float(value)
             return {"reward": float(r.mean()), **terms}
 
-        return run.evaluate(policy, records, name, prompt, max_new, report if tags else None, score, meteor=True, ce=CE)
+        report = extract_report if tags else None  # what the metrics score: the text in <report>, or all of it
+        return run.evaluate(policy, records, name, prompt, max_new, report, score, meteor=True, ce=CE)
 
     results = {"test_before": evaluate(test_set, "test_before")}
-    for step, batch in run.steps(
-        total, run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step"), "MRG-R1"
-    ):
+    batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
+    ref_logp_from = ref if args.beta > 0 else "none"  # no KL, no reference pass (with LoRA, ref is "lora" even so)
+    for _, batch in run.steps(total, batches, "MRG-R1"):
         labels = common.LabelCache(run.labeler)  # each distinct text labelled once this step
         for micro in common.split_batch(batch, args.grad_accum):
 
-            def reward_fn(texts, owners):
-                r, terms = total_reward(texts, [micro["report"][o] for o in owners], labels, args, cider_df)
+            def reward_fn(texts, owners, references=micro["report"], labels=labels):
+                """common.rollout's: each completion's total_reward against its study's reference, logged."""
+                r, terms = total_reward(texts, [references[o] for o in owners], labels, args, cider_df)
                 run.log(**terms)
                 return r
 
             with run.autocast():
                 roll = common.rollout(
-                    policy,
-                    micro["images"],
-                    prompt,
-                    args.group_size,
-                    reward_fn,
-                    max_new,
-                    TEMPERATURE,
-                    ref=ref if args.beta > 0 else "none",
+                    policy, micro["images"], prompt, args.group_size, reward_fn, max_new, TEMPERATURE, ref=ref_logp_from
                 )
                 loss, stats = grpo_step(policy, roll, args, max_new)  # Eq. 1-2
             (loss / args.grad_accum).backward()

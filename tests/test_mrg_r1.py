@@ -64,7 +64,8 @@ GOOD = "<think> effusion </think> <report> Small effusion. </report>"
 
 
 def _malformed():
-    """Every way an answer can be malformed, from GOOD, with the credit format_reward's docstring gives (partial 0.3)."""
+    """Every way an answer can be malformed, from GOOD, with the credit format_reward's docstring gives
+    (partial 0.3)."""
     out = []
     for tag in mrg_r1.TAGS:  # each tag missing, or repeated (before itself and at the end)
         out += [(GOOD.replace(tag, ""), 0.0), (GOOD.replace(tag, tag + " " + tag), 0.0), (GOOD + " " + tag, 0.0)]
@@ -212,7 +213,10 @@ def test_one_step_feeds_eq1_the_paper_quantities(tmp_path, small_synthetic, fast
     a tagged report: the study's own reference, or another training report (MCCS between 0 and 1, not only 0)."""
     seen, rolls, micro = [], [], []
     pool = [r.report for r in common.load_data(str(small_synthetic))["train"]]
-    answers = lambda n: micro[-1]["report"][n // 4] if n % 4 == 1 else pool[n]
+
+    def answers(n):
+        return micro[-1]["report"][n // 4] if n % 4 == 1 else pool[n]
+
     real_decode = common.TinyPolicy.decode
     monkeypatch.setattr(
         common.TinyPolicy,
@@ -247,14 +251,16 @@ def test_one_step_feeds_eq1_the_paper_quantities(tmp_path, small_synthetic, fast
     references = [micro[0]["report"][n // G] for n in range(len(roll.texts))]  # completion n answers study n // G
     lab = common.RuleLabeler()
     keep = [i for i, name in enumerate(common.CHEXPERT_LABELS) if name != "No Finding"]
-    inside = [m.group(1).strip() if (m := re.search("<report>(.*?)</report>", t, re.DOTALL)) else "" for t in roll.texts]
+    found = [re.search("<report>(.*?)</report>", t, re.DOTALL) for t in roll.texts]
+    inside = [m.group(1).strip() if m else "" for m in found]
     z, zr = (
         np.select([x == 1, x == -1, x == 0], [1.0, 1.0, -1.0], 0.0)
         for x in (lab(inside)[:, keep], lab(references)[:, keep])
     )
     cos = (z * zr).sum(1) / ((np.linalg.norm(z, axis=1) + 1e-8) * (np.linalg.norm(zr, axis=1) + 1e-8))
 
-    def fmt(t):  # Sec. III-B1 written out: each tag once, in order; 0.5 for text outside / between or an empty think
+    def fmt(t):
+        """Sec. III-B1 written out: each tag once, in order; 0.5 for text outside / between or an empty think."""
         m = re.fullmatch(r"(.*)<think>(.*)</think>(.*)<report>(.*)</report>(.*)", t, re.DOTALL)
         if not m or any(t.count(tag) != 1 for tag in mrg_r1.TAGS) or not m.group(4).strip():
             return 0.0
@@ -283,7 +289,10 @@ def test_policy_gradient_raises_the_best_completion(small_synthetic):
     texts = [" ".join(words[:n]) for n in (2, 5, 9, 3)]
     ids, mask = policy.encode_targets(texts)
     roll = common.Rollout(prompts, ids, mask, texts, torch.tensor([0.0, 1.0, 0.25, 0.5]), None)
-    seq_logp = lambda: (policy.completion_logprobs(prompts, ids, mask) * mask).sum(1)
+
+    def seq_logp():
+        return (policy.completion_logprobs(prompts, ids, mask) * mask).sum(1)
+
     args = mrg_r1.Args(beta=0.0)
 
     def grads(loss):
