@@ -64,13 +64,13 @@ class Args(common.RunArgs):
     steps: int | None = None
     """RL steps; None: 3 epochs (TRL's default) for HF models, 250 for the tiny model; 0: evaluate only"""
     sft_steps: int | None = None
-    """warm start before RL (not in the paper: RL only); None: 300 for the tiny model (a random model earns no reward), 0
-    for HF"""
+    """warm start before RL (not in the paper: RL only); None: 300 for the tiny model (a random model earns no
+    reward), 0 for HF"""
     max_new_tokens: int | None = None
     """None: 256 (TRL's max_completion_length) for HF models, 96 for the tiny model"""
     loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"
-    """the normaliser, as TRL's loss_type: dr_grpo token sum / (G max_new_tokens) (App. A); advantages are Dr. GRPO's r -
-    mean"""
+    """the normaliser, as TRL's loss_type: dr_grpo token sum / (G max_new_tokens) (App. A); advantages are Dr.
+    GRPO's r - mean"""
     beta: float = 0.04
     """Eq. 4's KL weight: Sec. 3.2's "dominated by the KL regularizer" needs beta > 0; DeepSeekMath's 0.04 (ours)"""
     lambda_min: float = 0.05
@@ -87,19 +87,21 @@ class Args(common.RunArgs):
     """torchrun: shard policy and reference over the GPUs (FSDP2), as full fine-tuning of 3B needs on 24 GB"""
 
 
-# Settings not worth a flag, and our choices where the paper is silent (TRL's GRPOTrainer defaults: the paper trains with it)
+# Settings not worth a flag, and our choices where the paper is silent (TRL's GRPOTrainer defaults: the paper
+# trains with it)
 PROMPT = "You are a radiologist. Look at the chest X-ray and write the findings section of the report."
 SECTIONS = ("findings", "impression")  # Sec. 4.1: "we exclude reports with missing sections"
-LORA = (
-    None  # the paper fine-tunes the whole 3B policy; dict(r=64, alpha=128, dropout=0.05, targets=[...]) trains adapters
-)
-HF_EPOCHS, TINY_STEPS, MAX_GRAD_NORM, TEMPERATURE = 3, 250, 1.0, 1.0  # TRL's defaults (the tiny model: ours)
+# The paper fine-tunes the whole 3B policy; dict(r=64, alpha=128, dropout=0.05, targets=[...]) trains adapters
+LORA = None
+HF_EPOCHS = 3  # TRL's default
+TINY_STEPS = 250  # the tiny model's RL steps (ours)
+MAX_GRAD_NORM = 1.0  # TRL's default
+TEMPERATURE = 1.0  # TRL's default
 FACTS_BETA = 2.0  # Eq. 15's beta > 1 weights recall; no value given (ours)
 FACT_TOKENS = 256  # the hf: extractor's answer length
 ZRR_MOMENTUM, ZRR_POWER = 0.5, 2.0  # Eq. 9's EMA momentum m and Eq. 10's sharpening exponent p: Table 6 (arXiv v2)
 WARM_START = dict(lr=1e-3, batch_size=32)  # --sft-steps' settings (ours)
-# Sec. 4.2: "macro-averaged over labels": P/R/F1 of each of the 14 conditions, then their unweighted mean; the CheXpert
-# labeller's positives (uncertain = negative: the benchmark it follows scores label == 1)
+# Sec. 4.2: "macro-averaged over labels", the unweighted mean over the 14; positives (the benchmark scores label == 1)
 CE = dict(headline="macro_f1", uncertain_as=0)
 EVAL_EVERY, N_EVAL = 100, 64  # Fig. 2 (right): Pneumonia and Fracture F1 on N_EVAL val studies every EVAL_EVERY steps
 
@@ -124,7 +126,8 @@ def balanced_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
         return np.arange(len(pos))
     rng = np.random.default_rng(seed)
     pools = [list(rng.permutation(np.flatnonzero(pos[:, c]))) for c in range(pos.shape[1])]
-    taken, counts = np.zeros(len(pos), dtype=bool), np.zeros(pos.shape[1])
+    taken = np.zeros(len(pos), dtype=bool)
+    counts = np.zeros(pos.shape[1])  # (14,) positives taken per label
     while taken.sum() < n:
         for pool in pools:  # drop studies already taken through another label
             while pool and taken[pool[-1]]:
@@ -134,7 +137,8 @@ def balanced_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
             taken[rng.permutation(np.flatnonzero(~taken))[: n - taken.sum()]] = True
             break
         i = pools[min(open_labels, key=lambda k: counts[k])].pop()
-        taken[i], counts = True, counts + pos[i]
+        taken[i] = True
+        counts = counts + pos[i]
     return np.flatnonzero(taken)
 
 
@@ -150,8 +154,11 @@ class SentenceFacts:
     pneumothorax." -> two facts). The paper prompts GPT-4.1."""
 
     def __call__(self, reports: list[str]) -> list[list[str]]:
-        clauses = lambda r: (c for s in _SENTENCE_END.split(r) for c in _CLAUSE_END.split(s))
-        return [[c.strip(" ,:-") for c in clauses(r) if re.search(r"[a-zA-Z]", c)] for r in reports]
+        facts = []
+        for report in reports:
+            clauses = [c for s in _SENTENCE_END.split(report) for c in _CLAUSE_END.split(s)]
+            facts.append([c.strip(" ,:-") for c in clauses if re.search(r"[a-zA-Z]", c)])
+        return facts
 
 
 FACT_PROMPT = (
@@ -170,39 +177,36 @@ class LLMFacts:
 
         self.tok = tokenizer or AutoTokenizer.from_pretrained(name)
         self.model = (model or AutoModelForCausalLM.from_pretrained(name)).to(device).eval()
-        self.tok.padding_side, self.tok.pad_token = "left", self.tok.pad_token or self.tok.eos_token
+        self.tok.padding_side = "left"
+        self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
 
     @torch.no_grad()
     def __call__(self, reports: list[str]) -> list[list[str]]:
         ask = [FACT_PROMPT.format(report=r) for r in reports]
         if self.tok.chat_template:
-            ask = [
-                self.tok.apply_chat_template(
-                    [{"role": "user", "content": a}], tokenize=False, add_generation_prompt=True
-                )
-                for a in ask
-            ]
+            chats = [[{"role": "user", "content": a}] for a in ask]
+            ask = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         enc = self.tok(ask, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
         ids = self.model.generate(
             **enc, max_new_tokens=FACT_TOKENS, do_sample=False, pad_token_id=self.tok.pad_token_id
         )
         answers = self.tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        lines = lambda a: (re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", x).strip() for x in a.splitlines())
-        return [
-            [x for x in lines(a) if re.search(r"[a-zA-Z]", x)] if r.strip() else [] for r, a in zip(reports, answers)
-        ]
+        facts = []
+        for report, answer in zip(reports, answers):
+            lines = [re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", x).strip() for x in answer.splitlines()]
+            facts.append([x for x in lines if re.search(r"[a-zA-Z]", x)] if report.strip() else [])
+        return facts
 
 
 def fact_claims(fact_labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Eq. 14, one report: its F facts' labels (F, 14) -> the labels it claims present (positive or uncertain) and
     those it claims absent, (14,) bool each. No Finding is decided per report (CheXpert's rule over the claims)."""
-    present, absent = (
-        np.zeros(len(common.CHEXPERT_LABELS), dtype=bool),
-        np.zeros(len(common.CHEXPERT_LABELS), dtype=bool),
-    )
+    present = np.zeros(len(common.CHEXPERT_LABELS), dtype=bool)
+    absent = np.zeros(len(common.CHEXPERT_LABELS), dtype=bool)
     if len(fact_labels) == 0:  # no facts, no claims
         return present, absent
-    F, nf = len(common.FINDINGS), common.LABEL_INDEX["No Finding"]  # the 13 findings come first
+    F = len(common.FINDINGS)  # the 13 findings come first
+    nf = common.LABEL_INDEX["No Finding"]
     present[:F] = np.isin(fact_labels[:, :F], (common.POSITIVE, common.UNCERTAIN)).any(0)
     absent[:F] = (fact_labels[:, :F] == common.NEGATIVE).any(0)
     present[nf] = common.apply_no_finding_rule(np.where(present, common.POSITIVE, np.nan))[nf] == common.POSITIVE
@@ -210,10 +214,12 @@ def fact_claims(fact_labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def facts_counts(present: np.ndarray, absent: np.ndarray, gt_positive: np.ndarray) -> tuple[int, int, int]:
-    """Eq. 14 -> TP, FP, FN over the 14 labels. A claim the ground truth does not hold is a false positive; so is a
-    claimed absence of a label it holds ("explicit contradictions to y_c are treated as false positives"), a miss too."""
-    tp, fn = present & gt_positive, gt_positive & ~present
+    """Eq. 14 -> TP, FP, FN over the 14 labels. A claim the ground truth does not hold is a false positive; so is
+    a claimed absence of a label it holds ("explicit contradictions to y_c are treated as false positives"), a miss
+    too."""
+    tp = present & gt_positive
     fp = (present & ~gt_positive) | (absent & gt_positive)
+    fn = gt_positive & ~present
     return int(tp.sum()), int(fp.sum()), int(fn.sum())
 
 
@@ -226,11 +232,13 @@ def facts_reward(
     flat = [f for fs in facts for f in fs]
     labels = labeler(flat) if flat else np.empty((0, len(common.CHEXPERT_LABELS)))  # (F_total, 14) each fact's labels
     gt_positive = common.binarize(gt_labels).astype(bool)  # (N, 14)
-    P, R, start = np.zeros(len(facts)), np.zeros(len(facts)), 0
+    P, R = np.zeros(len(facts)), np.zeros(len(facts))  # (N,) precision and recall
+    start = 0  # report n's facts are labels[start : start + len(facts[n])]
     for n, fs in enumerate(facts):
         tp, fp, fn = facts_counts(*fact_claims(labels[start : start + len(fs)]), gt_positive[n])  # Eq. 14
         start += len(fs)
-        P[n], R[n] = tp / (tp + fp) if tp + fp else 0.0, tp / (tp + fn) if tp + fn else 0.0
+        P[n] = tp / (tp + fp) if tp + fp else 0.0
+        R[n] = tp / (tp + fn) if tp + fn else 0.0
     rewards = (1 + beta**2) * P * R / (beta**2 * P + R + eps)  # Eq. 15: F-beta, beta > 1 weights recall
     return rewards, {
         "facts_precision": float(P.mean()),
@@ -249,24 +257,25 @@ class ZeroRewardRate:
     """Eq. 9, ZRR_q <- m ZRR_q + (1 - m) z_q, per prompt (study id). The paper also allows one rate per minibatch;
     we keep both: the minibatch rate (an EMA of the batch's zero-group fraction, from 0) is where a study starts
     on its first visit, so a study seen once still gets a lambda that says how it did against how all do. m 0.5
-    "reacts quickly to persistent failures" (3 failures in a row: ZRR 0.88, lambda 0.127 of Table 6's 0.05-0.15) and,
-    with p = 2, falls back "toward lambda_min" on one success (ZRR 0.44: lambda 0.069). Under torchrun every rank applies
-    every rank's z in rank order, so all hold the same state (a study can land on another rank next epoch) and any
-    rank's is the checkpoint's."""
+    "reacts quickly to persistent failures" (3 failures in a row: ZRR 0.88, lambda 0.127 of Table 6's 0.05-0.15)
+    and, with p = 2, falls back "toward lambda_min" on one success (ZRR 0.44: lambda 0.069). Under torchrun every
+    rank applies every rank's z in rank order, so all hold the same state (a study can land on another rank next
+    epoch) and any rank's is the checkpoint's."""
 
     def __init__(self, momentum: float):
         assert 0 <= momentum < 1, momentum
-        self.m, self.values = momentum, {}  # study id -> ZRR, and "minibatch" -> the minibatch rate
+        self.m = momentum
+        self.values = {}  # study id -> ZRR, and "minibatch" -> the minibatch rate
 
     def update(self, ids: list[str], z: np.ndarray) -> np.ndarray:
         """This rank's z (B,) for its studies `ids` -> their ZRR after this step (B,)."""
-        pairs, m = [p for rank in common.all_gather_objects(list(zip(ids, z.tolist()))) for p in rank], self.m
+        m = self.m
+        pairs = [p for rank in common.all_gather_objects(list(zip(ids, z.tolist()))) for p in rank]
         prior = self.values.get("minibatch", 0.0)
         for key, z_q in pairs:
             self.values[key] = m * self.values.get(key, prior) + (1 - m) * z_q  # Eq. 9
-        self.values["minibatch"] = m * prior + (1 - m) * float(
-            np.mean([z_q for _, z_q in pairs])
-        )  # Eq. 9, minibatch scope
+        z_minibatch = float(np.mean([z_q for _, z_q in pairs]))
+        self.values["minibatch"] = m * prior + (1 - m) * z_minibatch  # Eq. 9, minibatch scope
         return np.array([self.values[k] for k in ids])
 
 
@@ -304,27 +313,20 @@ def orapo_loss(
     l_grpo, l_dpo, acc, stats = [], [], [], []
     for q in range(len(lambdas)):
         g = slice(q * G, (q + 1) * G)
+        ref_g = None if ref_logp is None else ref_logp[g]
         loss, s = common.grpo_loss(
-            logp[g],
-            None,
-            None if ref_logp is None else ref_logp[g],
-            advantages[g],
-            mask[g],
-            beta=beta,
-            loss_type=loss_type,
-            max_completion_length=max_len,
+            logp[g], None, ref_g, advantages[g], mask[g], beta=beta, loss_type=loss_type, max_completion_length=max_len
         )  # Eq. 3-4
         l_grpo.append(loss)
         if chosen_logp is not None:  # Eq. 12: y+ the ground-truth report, y- each of the G completions
-            rep = lambda x: x[q : q + 1].expand(G, -1)
             loss, d = common.dpo_loss(
-                rep(chosen_logp),
+                chosen_logp[q : q + 1].expand(G, -1),
                 logp[g],
-                rep(ref_chosen_logp),
+                ref_chosen_logp[q : q + 1].expand(G, -1),
                 ref_logp[g],
                 dpo_beta,
                 length_normalize=True,
-                chosen_mask=rep(chosen_mask),
+                chosen_mask=chosen_mask[q : q + 1].expand(G, -1),
                 rejected_mask=mask[g],
             )  # Eq. 5-7
             l_dpo.append(loss)
@@ -402,30 +404,30 @@ def train(args: Args) -> dict:
         raise ValueError(f"need 0 <= --lambda-min <= --lambda-max <= 1, got {args.lambda_min}, {args.lambda_max}")
     if not (args.facts == "sentences" or args.facts.startswith("hf:") and len(args.facts) > 3):
         raise ValueError(f"--facts must be 'sentences' or 'hf:<model id or folder>', got {args.facts!r}")
-    run = common.start_run(
-        args,
-        notes=[
+    notes = []
+    if args.facts == "sentences":
+        notes.append(
             "FactS (Eq. 13-14): a report's facts are its sentences and clauses labelled by the "
             "labeler, not GPT-4.1's atomic facts and entailment (--facts hf:<id> asks a local LM)"
-        ]
-        * (args.facts == "sentences"),
-    )
-    zrr, tiny = ZeroRewardRate(ZRR_MOMENTUM), args.model == "tiny"
-    lr = args.lr if args.lr is not None else 5e-4 if tiny else 1e-6
+        )
+    run = common.start_run(args, notes=notes)
+    zrr = ZeroRewardRate(ZRR_MOMENTUM)
+    tiny = args.model == "tiny"
+    lr = args.lr if args.lr is not None else (5e-4 if tiny else 1e-6)
     max_new = args.max_new_tokens or (96 if tiny else 256)
-    train_size = args.train_size if args.train_size is not None else 250 if tiny else 1000
+    train_size = args.train_size if args.train_size is not None else (250 if tiny else 1000)
 
     # Sec. 4.1: complete reports, then a label-balanced subset. The labels are the labeler's on the reference
     # reports (the paper: the CheXpert labeller), labelled on rank 0 and shared, and are FactS's ground truth y.
     pool = drop_missing_sections(run.data["train"])
     y = common.broadcast_object(run.labeler([r.report for r in pool]) if run.is_main else None)  # (N, 14)
     keep = balanced_subset(y, train_size, args.seed)
-    train_set, gt = [pool[i] for i in keep], {pool[i].id: y[i] for i in keep}
+    train_set = [pool[i] for i in keep]
+    gt = {pool[i].id: y[i] for i in keep}  # study id -> y (14,)
     extractor = SentenceFacts() if args.facts == "sentences" else LLMFacts(args.facts[3:], run.device)
 
-    warm_start = dict(
-        WARM_START, steps=args.sft_steps if args.sft_steps is not None else 300 if tiny else 0, prompt=PROMPT
-    )
+    sft_steps = args.sft_steps if args.sft_steps is not None else (300 if tiny else 0)
+    warm_start = dict(WARM_START, steps=sft_steps, prompt=PROMPT)
     policy, ref = common.build_policy(
         run,
         train_set,
@@ -437,18 +439,16 @@ def train(args: Args) -> dict:
         fsdp=args.fsdp,
     )  # DPO, KL use it
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    total = (
-        args.steps
-        if args.steps is not None
-        else TINY_STEPS
-        if tiny
-        else HF_EPOCHS * len(train_set) // args.prompts_per_step
-    )
+    total = args.steps
+    if total is None:
+        total = TINY_STEPS if tiny else HF_EPOCHS * len(train_set) // args.prompts_per_step
     # AdamW with linear decay, no warm-up, no weight decay: TRL's defaults (the paper names only the lr)
     optimizer, scheduler = common.adamw(params, lr, total, "linear", weight_decay=0.0)
     run.restore(policy.model, optimizer, scheduler, state=zrr.values)  # the ZRR state is in every checkpoint
 
-    def evaluate(records, name):  # greedy reports; CE metrics (Sec. 4.2: macro), and FactS
+    def evaluate(records, name):
+        """Greedy reports; CE metrics (Sec. 4.2: macro), and FactS."""
+
         def score(rows, labeler):
             reward, stats = facts_reward(
                 [r["generated"] for r in rows], labeler([r["reference"] for r in rows]), extractor, labeler
@@ -460,12 +460,15 @@ def train(args: Args) -> dict:
         return run.evaluate(policy, records, name, PROMPT, max_new, score=score, ce=CE)
 
     results = {"test_before": evaluate(run.data["test"], "test_before")}
-    for step, batch in run.steps(
-        total, run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step"), "OraPO"
-    ):
+    batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
+    for step, batch in run.steps(total, batches, "OraPO"):
         labels = common.LabelCache(run.labeler)  # each distinct fact labelled once this step
         y_batch = np.stack([gt[i] for i in batch["id"]])  # (B, 14)
-        reward_fn = lambda texts, owners: facts_reward(texts, y_batch[owners], extractor, labels)[0]
+
+        def reward_fn(texts, owners, y_batch=y_batch, labels=labels):
+            """common.rollout's: FactS (Eq. 13-15) of each completion against its study's ground truth."""
+            return facts_reward(texts, y_batch[owners], extractor, labels)[0]
+
         with run.autocast():
             roll = common.rollout(
                 policy, batch["images"], PROMPT, args.group_size, reward_fn, max_new, TEMPERATURE, ref=ref
@@ -484,10 +487,8 @@ def train(args: Args) -> dict:
         results["test_after"] = evaluate(run.data["test"], "test_after")
     if run.is_main:
         for key, r in results.items():
-            print(
-                f"{key}: FactS {r['facts_reward']:.3f}, macro P/R {r['ce']['macro_precision']:.3f}/{r['ce']['macro_recall']:.3f}, "
-                f"{common.summary(r)}"
-            )
+            pr = f"{r['ce']['macro_precision']:.3f}/{r['ce']['macro_recall']:.3f}"
+            print(f"{key}: FactS {r['facts_reward']:.3f}, macro P/R {pr}, {common.summary(r)}")
     return run.finish(results, policy)
 
 

@@ -80,10 +80,12 @@ def test_table6_values_are_the_defaults():
     "m, expected, minibatch",
     [
         # Eq. 9 by hand. Step 1 (a, b) z (1, 0); step 2 (a, c) z (1, 1), c new; step 3 (b, d) z (1, 0), d new.
-        # m 0.9: a 0.9 x 0 + 0.1 = 0.1, b 0; rate 0.1 x 0.5 = 0.05 | a 0.9 x 0.1 + 0.1 = 0.19, c 0.9 x 0.05 + 0.1 = 0.145;
-        #        rate 0.9 x 0.05 + 0.1 = 0.145 | b 0.9 x 0 + 0.1 = 0.1, d 0.9 x 0.145 = 0.1305; rate 0.1305 + 0.05 = 0.1805
+        # m 0.9: a 0.9 x 0 + 0.1 = 0.1, b 0; rate 0.1 x 0.5 = 0.05
+        #        | a 0.9 x 0.1 + 0.1 = 0.19, c 0.9 x 0.05 + 0.1 = 0.145; rate 0.9 x 0.05 + 0.1 = 0.145
+        #        | b 0.9 x 0 + 0.1 = 0.1, d 0.9 x 0.145 = 0.1305; rate 0.1305 + 0.05 = 0.1805
         (0.9, [[0.1, 0.0], [0.19, 0.145], [0.1, 0.1305]], [0.05, 0.145, 0.1805]),
-        # m 0.2: a 0.8, b 0; rate 0.4 | a 0.16 + 0.8 = 0.96, c 0.2 x 0.4 + 0.8 = 0.88; rate 0.88 | b 0.8, d 0.176; rate 0.576
+        # m 0.2: a 0.8, b 0; rate 0.4 | a 0.16 + 0.8 = 0.96, c 0.2 x 0.4 + 0.8 = 0.88; rate 0.88
+        #        | b 0.8, d 0.176; rate 0.576
         (0.2, [[0.8, 0.0], [0.96, 0.88], [0.8, 0.176]], [0.4, 0.88, 0.576]),
     ],
 )
@@ -155,8 +157,11 @@ def test_mixed_loss_is_ln_dpo_at_lambda_1_written_out():
     logp, ref, mask, chosen, ref_chosen, c_mask, rewards = _batch(B, G)
     A = common.group_advantages(rewards, G, scale="none")
     loss, _ = orapo_loss(logp, ref, A, mask, np.ones(B), G, chosen, ref_chosen, c_mask, dpo_beta=2.0, max_len=8)
+
+    def mean(x, m):
+        return (x * m).sum(1) / m.sum(1)
+
     # Eq. 5-7 and 12 by hand: mean per-token log-ratio of the ground truth minus that of each completion
-    mean = lambda x, m: (x * m).sum(1) / m.sum(1)
     c = (mean(chosen, c_mask) - mean(ref_chosen, c_mask)).repeat_interleave(G)  # (B*G,)
     h = 2.0 * (c - (mean(logp, mask) - mean(ref, mask)))
     torch.testing.assert_close(loss, -torch.nn.functional.logsigmoid(h).mean())
@@ -204,7 +209,10 @@ def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
         orapo.ref_logprobs(policy, ref, prompts, c_ids, c_mask),
     )
     opt = torch.optim.SGD(policy.model.parameters(), lr=0.05)
-    mean = lambda x, m: (x * m).sum(1) / m.sum(1)
+
+    def mean(x, m):
+        return (x * m).sum(1) / m.sum(1)
+
     for k in range(4):
         loss, s = orapo_loss(
             policy.completion_logprobs(rep, ids, mask),
@@ -336,7 +344,9 @@ def test_balanced_subset_takes_the_label_with_fewest_positives_so_far():
 
 
 def test_drop_missing_sections():
-    R = lambda i, **meta: common.Record(str(i), ["x.png"], "report", "train", None, meta)
+    def R(i, **meta):
+        return common.Record(str(i), ["x.png"], "report", "train", None, meta)
+
     records = [
         R(0, section_findings="Clear.", section_impression="Normal."),
         R(1, section_findings="Clear."),
@@ -406,7 +416,7 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
         ]
         + fast
     )
-    roll, ((policy, ref, _, batch, *_), (loss, stats)) = rolls[0], steps[0]
+    roll, ((policy, _, _, batch, *_), (loss, stats)) = rolls[0], steps[0]
     G, B, T = 4, 2, 16
     gt = common.RuleLabeler()(batch["report"])
     expected = independent_facts(roll.texts, gt[np.arange(B * G) // G])
@@ -533,7 +543,8 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     script.write_text(  # STOP=k: Ctrl-C right after the step-k checkpoint (every step checkpoints)
         "import os, common, orapo\norapo.WARM_START = dict(lr=3e-3, batch_size=4)\n"
         "common.CHECKPOINT_EVERY, save = 1, common.Run.checkpoint\n"
-        "def stop(run, step):\n    save(run, step)\n    if step == int(os.environ.get('STOP', -1)):\n        raise KeyboardInterrupt\n"
+        "def stop(run, step):\n    save(run, step)\n"
+        "    if step == int(os.environ.get('STOP', -1)):\n        raise KeyboardInterrupt\n"
         "common.Run.checkpoint = stop\norapo.main()\n"
     )
     torchrun(
