@@ -9,21 +9,28 @@ every class, easy classes (by their studies' mean) faster, all at t = T; around 
     python rrgcl.py                                   # synthetic set, tiny model: ~2 CPU-minutes
     python rrgcl.py --scheduler none --difficulty runs/rrgcl/difficulty.json --out runs/none   # the baseline
     python rrgcl.py q1 --out runs/rrgcl               # Fig. 1 on the run's (or any model's) test reports
-    python rrgcl.py --data /data/mimic_cxr --labeler chexbert --visual-encoder resnet101_chexpert.pth --itas-encoder \\
-        resnet18_cxr.pth --text-encoder emilyalsentzer/Bio_ClinicalBERT --measure-only --difficulty mimic_dif.json  # GPU
-    torchrun --nproc_per_node=4 rrgcl.py --data /data/mimic_cxr --difficulty mimic_dif.json --model Qwen/Qwen2.5-VL-3B-Instruct
+    python rrgcl.py --data /data/mimic_cxr --labeler chexbert --measure-only --difficulty mimic_dif.json \\
+        --visual-encoder resnet101_chexpert.pth --itas-encoder resnet18_cxr.pth \\
+        --text-encoder emilyalsentzer/Bio_ClinicalBERT                                       # GPU
+    torchrun --nproc_per_node=4 rrgcl.py --data /data/mimic_cxr --difficulty mimic_dif.json \\
+        --model Qwen/Qwen2.5-VL-3B-Instruct
 
 Equations, and where they are implemented:
-    Eq. 1-4       S^v, S^t cosines, G = |S^v - S^t|, dif1 = row sums of G     vns_gap() (row blocks, never N x N)
-    Eq. 5-9       MINE's DV bound maximised over T; dif2(i) = T*(I_i, R_i)      dv_bound(), train_mine(), itas()
-    Eq. 10        dif = alpha z(dif1) + beta z(dif2) (ITAS sign)               sample_difficulty()
-    Alg. 1 l.1-3  classes D_n, class difficulty, easy-to-hard orders           class_members(), class_difficulty(), curriculum_plan()
-    Eq. 11        lambda_n(t) = min(1, (l0^g + (1 - l0^g) t / T)^(1/g))         rrgcl_lambda()
-    Eq. 12-13     gamma_n = 1 + (1 - diff_C) c, lambda_n(0) = gamma_n / sum    scheduling_exponents()
-    Alg. 1 l.6-11 for t: easiest lambda_n(t) of each D_n, united; train G on it  rrgcl_subset(), the loop in train()
-    Table 2       Baby Step, Linear, One Pass, Root, Geom                      pacing(), epoch_subset()
-    Fig. 1        per-class BLEU-4 vs class size and difficulty              q1_analysis()
-    Fig. 3        lambda_n(t) curves                                         <out>/schedule.json; per epoch in metrics.jsonl
+    Sec. 3.2       the learning difficulty measurer: dif1, dif2 of each study   measure()
+    Eq. 1-2        phi(I_i), psi(R_i): the image and report features            features()
+    Eq. 1-4        S^v, S^t cosines, G = |S^v - S^t|, dif1 = row sums of G      vns_gap() (row blocks, never N x N)
+    Eq. 5-9        MINE's DV bound maximised over T; dif2(i) = T*(I_i, R_i)     dv_bound(), train_mine(), itas()
+    Eq. 7          T_theta(I, R): MINE's statistics network                     StatisticsNetwork
+    Eq. 10         dif = alpha z(dif1) + beta z(dif2) (ITAS sign)               zscore(), sample_difficulty()
+    Alg. 1 l.1-3   classes D_n, class difficulty, easy-to-hard orders           class_members(), class_difficulty(),
+                                                                                curriculum_plan()
+    Eq. 11         lambda_n(t) = min(1, (l0^g + (1 - l0^g) t / T)^(1/g))        rrgcl_lambda()
+    Eq. 12-13      gamma_n = 1 + (1 - diff_C) c, lambda_n(0) = gamma_n / sum    scheduling_exponents()
+    Alg. 1 l.6-11  for t: each D_n's easiest lambda_n(t), united; train on it   rrgcl_subset(), the loop in train()
+    Table 2        Baby Step, Linear, One Pass, Root, Geom                      pacing(), epoch_subset()
+    Fig. 1         per-class BLEU-4 vs class size and difficulty                q1_analysis()
+    Fig. 3         lambda_n(t) curves                                           <out>/schedule.json; per epoch in
+                                                                                metrics.jsonl
 """
 
 from __future__ import annotations
@@ -76,36 +83,31 @@ class Args(common.RunArgs):
 
 
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
-CE = dict(
-    headline="micro_f1", uncertain_as=0
-)  # Sec. 4.2's CE P/R/F1 on MIMIC-CXR, as R2Gen's protocol: micro over 14, positives
-# Sec. 4.1: "13 keywords excluding Support Devices" (12 findings and No Finding); a study is in every class it is labelled 1 for
+# Sec. 4.2's CE P/R/F1 on MIMIC-CXR, as R2Gen's protocol: micro over 14, positives
+CE = dict(headline="micro_f1", uncertain_as=0)
+# Sec. 4.1: "13 keywords excluding Support Devices" (12 findings and No Finding); a study is in every class it is
+# labelled 1 for
 CLASSES = [n for n in common.CHEXPERT_LABELS if n != "Support Devices"]
-ENCODER = dict(
-    image_size=64, epochs=4, batch_size=64, lr=1e-3, resnet_size=256
-)  # small ones: ours (text 2 x epochs); ResNets: Sec. 4.1
-RESNET = {
-    "--visual-encoder": 101,
-    "--itas-encoder": 18,
-}  # Sec. 4.3's; ITAS: the smallest torchvision ResNet (Liao et al.'s isn't one)
+# The measurer's encoders: the small ones ours (text 2 x epochs); ResNets at Sec. 4.1's 256 px
+ENCODER = dict(image_size=64, epochs=4, batch_size=64, lr=1e-3, resnet_size=256)
+# Sec. 4.3's ResNet depths; ITAS: the smallest torchvision ResNet (Liao et al.'s isn't one)
+RESNET = {"--visual-encoder": 101, "--itas-encoder": 18}
 MINE = dict(steps=2000, batch_size=256, lr=1e-4)  # per half (itas()); the lr of Belghazi et al. 2018
 VNS_BLOCK = 2048  # rows of G computed at once: memory O(N x block)
 ARRAYS = ("labels", "dif1", "dif2")  # of the difficulty file, NaN (a blank label) written as null
-C0, BUCKETS = (
-    0.01,
-    5,
-)  # Linear / Root / Geom start (Platanios et al. 2019); Baby Step / One Pass buckets (Bengio 2009 gives none)
-MAX_GRAD_NORM, LORA = (
-    1.0,
-    dict(r=16, alpha=32, dropout=0.05, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-)
+C0 = 0.01  # Linear / Root / Geom start (Platanios et al. 2019)
+BUCKETS = 5  # Baby Step / One Pass buckets (Bengio 2009 gives none)
+MAX_GRAD_NORM = 1.0
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = dict(r=16, alpha=32, dropout=0.05, targets=LORA_TARGETS)
 
 
 # Eq. 1-4: visual neighbourhood semantic gap -----------------------------------------------------
 @torch.no_grad()
 def vns_gap(v: torch.Tensor, t: torch.Tensor, block: int = VNS_BLOCK, device="cpu") -> torch.Tensor:
-    """dif1 (N,) float64 for (N, d_v), (N, d_t) features, in row blocks (memory O(N x block)). [v, t] . [v, -t]' = S^v - S^t;
-    G is symmetric, so a block computes columns j >= its first row and adds those right of it to their rows."""
+    """dif1 (N,) float64 for (N, d_v), (N, d_t) features, in row blocks (memory O(N x block)).
+    [v, t] . [v, -t]' = S^v - S^t; G is symmetric, so a block computes columns j >= its first row and adds those
+    right of it to their rows."""
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     v = F.normalize(v.to(device, dtype), dim=1)  # Eq. 1's denominators
     t = F.normalize(t.to(device, dtype), dim=1)  # Eq. 2's denominators
@@ -138,12 +140,13 @@ def dv_bound(t_joint: torch.Tensor, t_marginal: torch.Tensor) -> torch.Tensor:
 
 
 def train_mine(image, text, steps: int, batch_size: int = 256, lr: float = 1e-4, seed: int = 0):
-    """Eq. 8: theta* = argmax of the DV bound, Adam on batches, marginals by shuffling the batch's reports; no moving-average
-    correction (Belghazi et al. 2018, Sec. 3.2). Returns (T, mean DV bound of the last 50 batches)."""
+    """Eq. 8: theta* = argmax of the DV bound, Adam on batches, marginals by shuffling the batch's reports; no
+    moving-average correction (Belghazi et al. 2018, Sec. 3.2). Returns (T, mean DV bound of the last 50 batches)."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     T = StatisticsNetwork(image.shape[1] + text.shape[1])
-    opt, last = torch.optim.Adam(T.parameters(), lr=lr), []
+    opt = torch.optim.Adam(T.parameters(), lr=lr)
+    last = []  # the last 50 batches' bounds
     for _ in range(steps):
         i = torch.randint(len(image), (batch_size,), generator=g)
         j = i[torch.randperm(batch_size, generator=g)]  # shuffled reports: P(I) x P(R)
@@ -152,20 +155,23 @@ def train_mine(image, text, steps: int, batch_size: int = 256, lr: float = 1e-4,
         (-mi).backward()  # Eq. 8: maximise the bound
         opt.step()
         last = (last + [mi.item()])[-50:]
-    return T.eval(), float(np.mean(last)) if last else float("nan")
+    dv = float(np.mean(last)) if last else float("nan")
+    return T.eval(), dv
 
 
 @torch.no_grad()
 def itas(image: torch.Tensor, text: torch.Tensor, seed: int = 0) -> tuple[np.ndarray, dict]:
-    """Eq. 9: dif2(i) = T*(I_i, R_i), cross-fitted (ours): T fit on one half of the pairs scores the other half, and the other
-    way round; each half's scores standardised apart, as the DV bound leaves T free up to a constant."""
+    """Eq. 9: dif2(i) = T*(I_i, R_i), cross-fitted (ours): T fit on one half of the pairs scores the other half,
+    and the other way round; each half's scores standardised apart, as the DV bound leaves T free up to a constant."""
     image, text = ((x - x.mean(0)) / x.std(0).clamp_min(1e-6) for x in (image, text))  # standardised features (ours)
     a, b = np.array_split(np.random.default_rng(seed).permutation(len(image)), 2)
-    dif2, stats = np.zeros(len(image)), {"dv_train": [], "dv_held_out": []}
+    dif2 = np.zeros(len(image))
+    stats = {"dv_train": [], "dv_held_out": []}
     for k, (held, fit) in enumerate([(a, b), (b, a)]):
         with torch.enable_grad():
             T, dv_train = train_mine(image[fit], text[fit], seed=seed + k, **MINE)
-        t_joint, shuffled = T(image[held], text[held]), np.random.default_rng(seed + k).permutation(held)  # (N/2,)
+        t_joint = T(image[held], text[held])  # (N/2,)
+        shuffled = np.random.default_rng(seed + k).permutation(held)
         stats["dv_train"].append(dv_train)
         stats["dv_held_out"].append(dv_bound(t_joint, T(image[held], text[shuffled])).item())  # Eq. 7 on unseen pairs
         dif2[held] = zscore(t_joint.double().numpy())
@@ -174,11 +180,13 @@ def itas(image: torch.Tensor, text: torch.Tensor, seed: int = 0) -> tuple[np.nda
 
 # Eq. 10, and Algorithm 1 lines 1-4: classes, class difficulty, Eq. 11-13 ------------------------------
 def zscore(x) -> np.ndarray:
-    return (np.asarray(x, float) - np.mean(x)) / (np.std(x) or 1.0)  # population std (the paper names mu, sigma only)
+    """Eq. 10's z: (x - mu) / sigma, the population std (the paper names mu, sigma only)."""
+    return (np.asarray(x, float) - np.mean(x)) / (np.std(x) or 1.0)
 
 
 def sample_difficulty(dif1, dif2, alpha: float = 0.6, itas_sign: int = -1) -> np.ndarray:
-    """Eq. 10 with beta = 1 - alpha, ITAS entering with itas_sign: -1 (ours) as Sec. 3.2.1 calls aligned pairs easier."""
+    """Eq. 10 with beta = 1 - alpha, ITAS entering with itas_sign: -1 (ours) as Sec. 3.2.1 calls aligned
+    pairs easier."""
     return alpha * zscore(dif1) + itas_sign * (1 - alpha) * zscore(dif2)
 
 
@@ -195,7 +203,8 @@ def class_difficulty(dif: np.ndarray, members: list[np.ndarray]) -> tuple[np.nda
     """Algorithm 1 line 2: diff_C(n) = mean dif(i) over D_n -> (raw, min-max normalised: Eq. 12 needs [0, 1]; ours)."""
     raw = np.array([dif[m].mean() for m in members])
     span = raw.max() - raw.min()
-    return raw, (raw - raw.min()) / span if span > 0 else np.zeros_like(raw)
+    normalised = (raw - raw.min()) / span if span > 0 else np.zeros_like(raw)
+    return raw, normalised
 
 
 def rrgcl_lambda(t, T: int, gamma, lambda0):
@@ -245,16 +254,19 @@ def pacing(name: str, t: int, T: int, c0: float = C0, buckets: int = BUCKETS) ->
         "root": math.sqrt(t * (1 - c0**2) / T + c0**2),  # Platanios et al. 2019
         "geom": c0 ** (1 - t / T),  # Penha & Hauff 2020: 2^(log2(c0) (1 - t / T))
         "baby_step": stage / K,  # Bengio 2009: K buckets, one more at every stage
-        "one_pass": stage / K,
-    }.get(name, 1.0)  # Cirik et al. 2016: each bucket once, alone, easiest first
-    return ((stage - 1) / K if name == "one_pass" else 0.0), min(1.0, hi)
+        "one_pass": stage / K,  # Cirik et al. 2016: each bucket once, alone, easiest first
+    }.get(name, 1.0)
+    lo = (stage - 1) / K if name == "one_pass" else 0.0
+    return lo, min(1.0, hi)
 
 
 def epoch_subset(scheduler: str, t: int, T: int, plan: dict) -> np.ndarray:
-    """D_sub(t) under any scheduler (all studies at t = T, except One Pass's last bucket); train() writes RRGCL's out."""
+    """D_sub(t) under any scheduler (all studies at t = T, except One Pass's last bucket); train() writes
+    RRGCL's out."""
     if scheduler == "rrgcl":
         return rrgcl_subset(plan["class_orders"], rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"]))
-    (lo, hi), n = pacing(scheduler, t, T), len(plan["order"])
+    lo, hi = pacing(scheduler, t, T)
+    n = len(plan["order"])
     return np.sort(plan["order"][math.ceil(lo * n - 1e-9) : math.ceil(hi * n - 1e-9)])
 
 
@@ -268,34 +280,27 @@ def train(args: Args) -> dict:
     m, path = difficulty_scores(run, args)  # labels, dif1 (Eq. 1-4), dif2 (Eq. 5-9): read, or measured on rank 0
     dif = sample_difficulty(m["dif1"], m["dif2"], args.alpha, args.itas_sign)  # Eq. 10
     plan = curriculum_plan(dif, m["labels"])  # D_n sorted easy to hard, diff_C(n), gamma_n, lambda_n(0)
-    T, ts = args.epochs, list(range(0 if args.t0 else 1, args.epochs + 1))
+    T = args.epochs
+    ts = list(range(0 if args.t0 else 1, T + 1))  # the epochs t
     sizes = [len(epoch_subset(args.scheduler, t, T, plan)) for t in ts]  # |D_sub(t)|: the step budget needs them first
     curves = rrgcl_lambda(np.arange(T + 1)[:, None], T, plan["gamma"], plan["lambda0"])  # Fig. 3: (T + 1, c)
-    run.write(
-        "schedule.json",
-        json.dumps(
-            {
-                "t": ts,
-                "subset_sizes": sizes,
-                "classes": [{**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])],
-            },
-            indent=1,
-        ),
-    )
+    classes = [{**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])]
+    run.write("schedule.json", json.dumps({"t": ts, "subset_sizes": sizes, "classes": classes}, indent=1))
     if args.measure_only:
         return run.finish({"difficulty": str(path), "classes": plan["table"], "mine": m["mine"]})
 
-    # The wrapped report generator G_theta (tiny: all of it; HF: LoRA), the same initial weights whether measured here or not
+    # The wrapped report generator G_theta (tiny: all of it; HF: LoRA), the same initial weights whether measured
+    # here or not
     common.seed_everything(args.seed)
-    tiny, max_new = args.model == "tiny", 96 if args.model == "tiny" else 256  # max_new: greedy test reports
+    tiny = args.model == "tiny"
+    max_new = 96 if tiny else 256  # the greedy test reports' length
     policy, _ = common.build_policy(run, train_set, max_new, lora=None if tiny else LORA, reference=False)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     # Algorithm 1 line 11: an epoch is one pass over D_sub(t); or --steps shared in proportion to |D_sub(t)|
-    steps = (
-        [max(1, n // args.batch_size) for n in sizes]
-        if args.steps is None
-        else np.diff(np.round(args.steps * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
-    )
+    if args.steps is None:
+        steps = [max(1, n // args.batch_size) for n in sizes]
+    else:
+        steps = np.diff(np.round(args.steps * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
     ends = np.cumsum(steps)  # each epoch's last step
     optimizer, scheduler = common.adamw(params, args.lr or (1e-3 if tiny else 1e-4), int(ends[-1]))
     start = run.restore(policy.model, optimizer, scheduler)  # > 0 under --resume
@@ -304,31 +309,32 @@ def train(args: Args) -> dict:
     for e, t in enumerate(ts):  # line 6: for t = 0 to T
         lam = rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"])  # Eq. 11: lambda_n(t) of every class n, (c,)
         # lines 7-10: D_sub(t) = the easiest lambda_n(t) of each D_n, united (Table 2's schedulers: a global slice)
-        d_sub = (
-            rrgcl_subset(plan["class_orders"], lam)
-            if args.scheduler == "rrgcl"
-            else epoch_subset(args.scheduler, t, T, plan)
-        )
-        first, end = int(ends[e - 1]) if e else 0, int(ends[e])
+        if args.scheduler == "rrgcl":
+            d_sub = rrgcl_subset(plan["class_orders"], lam)
+        else:
+            d_sub = epoch_subset(args.scheduler, t, T, plan)
+        first = int(ends[e - 1]) if e else 0  # the epoch's steps: first..end - 1
+        end = int(ends[e])
         if max(start, first) >= end:
             continue  # trained before --resume, or no step of --steps falls in this epoch
         batches = epoch_batches(run, d_sub, first, end, e)
-        for step, batch in run.steps(
-            end, batches, f"RRGCL t = {t}", start=max(start, first)
-        ):  # line 11: train G on D_sub(t)
+        # line 11: train G on D_sub(t)
+        for step, batch in run.steps(end, batches, f"RRGCL t = {t}", start=max(start, first)):
             if step == first:
-                run.log(
-                    epoch=t,
-                    subset=len(d_sub),
-                    **{f"lambda/{n}": x for n, x in zip(plan["classes"], lam) if args.scheduler == "rrgcl"},
-                )
+                lambdas = {}
+                if args.scheduler == "rrgcl":
+                    lambdas = {f"lambda/{n}": x for n, x in zip(plan["classes"], lam)}
+                run.log(epoch=t, subset=len(d_sub), **lambdas)
             with run.autocast():
                 loss = sft_step(policy, batch, run)
             loss.backward()
             run.log(loss=loss.item())
             run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
 
-    q1 = lambda rows, labeler: {"q1": q1_analysis(rows, class_labels(test_set, labeler), plan["table"], args.clean)}
+    def q1(rows, labeler):
+        """Fig. 1 on the greedy test reports."""
+        return {"q1": q1_analysis(rows, class_labels(test_set, labeler), plan["table"], args.clean)}
+
     result = run.evaluate(policy, test_set, "test", PROMPT, max_new, score=q1, meteor=True, ce=CE)
     if run.is_main:
         print(f"{args.scheduler} after {ends[-1]} steps: {common.summary(result)}")
@@ -341,26 +347,28 @@ def train(args: Args) -> dict:
 def epoch_batches(run: common.Run, d_sub: np.ndarray, first: int, end: int, epoch: int):
     """batches(start) for run.steps over steps first..end - 1: passes over D_sub(t), each shuffled from (seed, epoch)
     alone (a resumed run draws the same); each step's --batch-size studies shared over the ranks."""
-    B, n, dataset = (
-        run.args.batch_size,
-        run.per_rank(run.args.batch_size, "--batch-size"),
-        common.ReportDataset(run.data["train"]),
-    )
+    B = run.args.batch_size
+    n = run.per_rank(B, "--batch-size")  # this rank's studies per step
+    dataset = common.ReportDataset(run.data["train"])
     rng = np.random.default_rng([run.args.seed, epoch])
     studies = np.concatenate([rng.permutation(d_sub) for _ in range(math.ceil((end - first) * B / len(d_sub)))])
     studies = studies[: (end - first) * B].reshape(-1, B)  # (steps, B)
-    return lambda start: (
-        common.collate([dataset[i] for i in idx[run.rank * n : (run.rank + 1) * n]]) for idx in studies[start - first :]
-    )
+
+    def batches(start: int):
+        """The batches of steps start..end - 1: this rank's share of each step's studies."""
+        for idx in studies[start - first :]:  # (B,) study indices per step
+            yield common.collate([dataset[i] for i in idx[run.rank * n : (run.rank + 1) * n]])
+
+    return batches
 
 
 def sft_step(policy, batch, run) -> torch.Tensor:
-    """The wrapped generator's loss: teacher-forced NLL, the token mean over the whole step: this rank's token mean times
-    n / mean n over ranks (its share of the step's tokens times the world size: optimizer_step averages over ranks)."""
+    """The wrapped generator's loss: teacher-forced NLL, the token mean over the whole step: this rank's token mean
+    times n / mean n over ranks (its share of the step's tokens times the world size: optimizer_step averages over
+    ranks)."""
     n = float(policy.encode_targets(batch["report"])[1].sum())  # this rank's report tokens
-    return policy.sft_loss(policy.prompt_batch(batch["images"], PROMPT), batch["report"]) * (
-        n / common.all_reduce_mean(n)
-    )
+    loss = policy.sft_loss(policy.prompt_batch(batch["images"], PROMPT), batch["report"])  # this rank's token mean
+    return loss * (n / common.all_reduce_mean(n))
 
 
 # The measurer's plumbing (Sec. 4.1, 4.3): texts, labels, encoders, the difficulty file ----------------
@@ -383,10 +391,8 @@ class SmallTextEncoder(torch.nn.Module):
 
     def __init__(self, vocab_size: int):
         super().__init__()
-        self.embed, self.conv = (
-            torch.nn.Embedding(vocab_size, 64, padding_idx=0),
-            torch.nn.Conv1d(64, 128, 3, padding=1),
-        )
+        self.embed = torch.nn.Embedding(vocab_size, 64, padding_idx=0)
+        self.conv = torch.nn.Conv1d(64, 128, 3, padding=1)
         self.head = torch.nn.Linear(128, 14)  # trained on the labels, then dropped
 
     def forward(self, ids):
@@ -412,63 +418,44 @@ def fit_and_extract(model, dataset, x: str, epochs: int, device, seed: int) -> t
 
 
 def features(args: Args, records, labels: np.ndarray, device) -> dict:
-    """(N, d) features: "vns_image" (phi), "itas_image" (ITAS's image network), "text" (psi). Images: "small" is 5
-    strided conv blocks (64 px) fit to the labels; a ResNet (a state dict, or "imagenet") is used as it is, at 256 px."""
+    """Eq. 1-2's (N, d) features: "vns_image" (phi), "itas_image" (ITAS's image network), "text" (psi). Images:
+    "small" is 5 strided conv blocks (64 px) fit to the labels; a ResNet (a state dict, or "imagenet") is used as it
+    is, at 256 px."""
     studies = [common.Record(r.id, r.image_paths, r.report, r.split, l) for r, l in zip(records, labels)]
 
     def image_features(choice: str, flag: str) -> torch.Tensor:
-        small = choice == "small"
-        net = (
-            common.ViewMean(
-                common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14)
-            )
-            if small
-            else common.resnet_encoder(RESNET[flag], choice, flag)
-        )
-        size, channels, epochs = (
-            (ENCODER["image_size"], 1, ENCODER["epochs"]) if small else (ENCODER["resnet_size"], 3, 0)
-        )
-        return fit_and_extract(
-            net,
-            common.ReportDataset(studies, common.default_transform(size, channels)),
-            "images",
-            epochs,
-            device,
-            args.seed,
-        )
+        if choice == "small":
+            cnn = common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None)
+            net = common.ViewMean(cnn, torch.nn.Linear(128, 14))
+            size, channels, epochs = ENCODER["image_size"], 1, ENCODER["epochs"]
+        else:
+            net = common.resnet_encoder(RESNET[flag], choice, flag)
+            size, channels, epochs = ENCODER["resnet_size"], 3, 0  # not trained
+        dataset = common.ReportDataset(studies, common.default_transform(size, channels))
+        return fit_and_extract(net, dataset, "images", epochs, device, args.seed)
 
     feats = {"vns_image": image_features(args.visual_encoder, "--visual-encoder")}
-    feats["itas_image"] = (
-        feats["vns_image"]
-        if args.itas_encoder == args.visual_encoder == "small"
-        else image_features(args.itas_encoder, "--itas-encoder")
-    )  # the small CNN is fit once when both ask for it
+    if args.itas_encoder == args.visual_encoder == "small":  # the small CNN is fit once when both ask for it
+        feats["itas_image"] = feats["vns_image"]
+    else:
+        feats["itas_image"] = image_features(args.itas_encoder, "--itas-encoder")
     texts = [measure_text(r) for r in records]
     if args.text_encoder == "small":
         tok = common.WordTokenizer.build(texts)
-        ids = torch.nn.utils.rnn.pad_sequence(
-            [torch.tensor(tok.encode(t)[:256] or [tok.unk_id]) for t in texts],
-            batch_first=True,
-            padding_value=tok.pad_id,
-        )  # (N, L); pad id 0
+        seqs = [torch.tensor(tok.encode(t)[:256] or [tok.unk_id]) for t in texts]
+        ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.pad_id)  # (N, L); pad id 0
         data = [{"ids": i, "labels": torch.as_tensor(l, dtype=torch.float32)} for i, l in zip(ids, labels)]
-        feats["text"] = fit_and_extract(
-            SmallTextEncoder(len(tok.vocab)), data, "ids", 2 * ENCODER["epochs"], device, args.seed
-        )
+        encoder = SmallTextEncoder(len(tok.vocab))
+        feats["text"] = fit_and_extract(encoder, data, "ids", 2 * ENCODER["epochs"], device, args.seed)
     else:  # Clinical BERT, mean-pooled over word pieces (the paper does not say how it pools)
         from transformers import AutoModel, AutoTokenizer
 
-        tok, bert = (
-            AutoTokenizer.from_pretrained(args.text_encoder),
-            AutoModel.from_pretrained(args.text_encoder).to(device).eval(),
-        )
+        tok = AutoTokenizer.from_pretrained(args.text_encoder)
+        bert = AutoModel.from_pretrained(args.text_encoder).to(device).eval()
+        chunks = [texts[i : i + 64] for i in range(0, len(texts), 64)]
         with torch.no_grad():
-            feats["text"] = torch.cat(
-                [
-                    common.mean_pooled_bert_features(bert, tok, texts[i : i + 64], device).float().cpu()
-                    for i in range(0, len(texts), 64)
-                ]
-            )
+            parts = [common.mean_pooled_bert_features(bert, tok, c, device).float().cpu() for c in chunks]
+            feats["text"] = torch.cat(parts)
     return feats
 
 
@@ -476,10 +463,8 @@ def measure(args: Args, records, labeler, device) -> dict:
     """{"ids", "labels" (N, 14), "dif1" (Eq. 1-4), "dif2" (Eq. 9), "mine", "encoders"} of the training studies."""
     labels = class_labels(records, labeler)
     feats = features(args, records, labels, device)
-    N, d = (
-        len(records),
-        feats["vns_image"].shape[1] + feats["text"].shape[1],
-    )  # MIMIC-CXR: 270,000^2 x (2048 + 768) = 2e14 FLOP
+    N = len(records)
+    d = feats["vns_image"].shape[1] + feats["text"].shape[1]  # MIMIC-CXR: 270,000^2 x (2048 + 768) = 2e14 FLOP
     if torch.device(device).type == "cpu" and N * N * d > 1e12:
         common.log.warning(
             "VNS-Gap: %d studies, about %.0e FLOP: hours on a CPU (measure on a GPU with --measure-only)", N, N * N * d
@@ -504,7 +489,9 @@ def difficulty_scores(run: common.Run, args: Args) -> tuple[dict, Path]:
     path = Path(args.difficulty or run.out / "difficulty.json")
     if args.measure_only and args.difficulty and path.is_file():
         raise ValueError(f"--measure-only: {path} exists; delete it to measure again")
-    if run.is_main and not (args.difficulty and not args.measure_only or run.resuming and path.is_file()):
+    # a file to read: --difficulty (unless --measure-only is to write it), or the resumed run's own
+    readable = (args.difficulty and not args.measure_only) or (run.resuming and path.is_file())
+    if run.is_main and not readable:
         m = measure(args, run.data["train"], run.labeler, run.device)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**m, **{k: np.where(np.isnan(m[k]), None, m[k]).tolist() for k in ARRAYS}}))
@@ -512,6 +499,7 @@ def difficulty_scores(run: common.Run, args: Args) -> tuple[dict, Path]:
 
 
 def read_difficulty(path: Path, records) -> dict:
+    """The difficulty file, checked against the training studies; ARRAYS as float arrays (null: NaN)."""
     if not path.is_file():
         raise FileNotFoundError(f"--difficulty {path}: no such file (write it with --measure-only --difficulty {path})")
     m = json.loads(path.read_text())
@@ -522,16 +510,17 @@ def read_difficulty(path: Path, records) -> dict:
 
 def measurer_notes(args: Args) -> list[str]:
     """What this run's measurer does not do as Sec. 4.3 does, one line each (none when it reads --difficulty)."""
+    if args.difficulty and not args.measure_only:
+        return []
     notes = {
-        "visual": "VNS-Gap images (phi, Eq. 1): a small CNN fit to the labels, not a CheXpert-tuned ResNet-101 (--visual-encoder FILE)",
-        "itas": "ITAS images: a small CNN fit to the labels, not a pre-trained 5-layer ResNet (--itas-encoder FILE: a ResNet-18)",
-        "text": "reports (psi, Eq. 2): a word CNN fit to the labels, not Clinical BERT (--text-encoder emilyalsentzer/Bio_ClinicalBERT)",
+        "visual": "VNS-Gap images (phi, Eq. 1): a small CNN fit to the labels, not a CheXpert-tuned ResNet-101 "
+        "(--visual-encoder FILE)",
+        "itas": "ITAS images: a small CNN fit to the labels, not a pre-trained 5-layer ResNet "
+        "(--itas-encoder FILE: a ResNet-18)",
+        "text": "reports (psi, Eq. 2): a word CNN fit to the labels, not Clinical BERT "
+        "(--text-encoder emilyalsentzer/Bio_ClinicalBERT)",
     }
-    return [
-        note
-        for k, note in notes.items()
-        if getattr(args, f"{k}_encoder") == "small" and (args.measure_only or not args.difficulty)
-    ]
+    return [note for k, note in notes.items() if getattr(args, f"{k}_encoder") == "small"]
 
 
 # Fig. 1: Q1 --------------------------------------------------------------------------------------
@@ -550,37 +539,36 @@ def q1_analysis(rows: list[dict], labels: np.ndarray, classes: list[dict], style
             refs = [common.clean_report(rows[i]["reference"], style) for i in sel]
             per_class.append({**c, "n_test": len(sel), "bleu4": common.nlg_metrics(hyps, refs, meteor=False)["BLEU-4"]})
     out = {"per_class": sorted(per_class, key=lambda c: -c["size"])}
-    for key in ("size", "difficulty") if len(per_class) >= 3 else ():
-        rho, p = spearmanr([c[key] for c in per_class], [c["bleu4"] for c in per_class])
-        out[f"spearman_bleu4_vs_{key}"] = {"rho": float(rho), "p": float(p), "n_classes": len(per_class)}
+    if len(per_class) >= 3:
+        for key in ("size", "difficulty"):
+            rho, p = spearmanr([c[key] for c in per_class], [c["bleu4"] for c in per_class])
+            out[f"spearman_bleu4_vs_{key}"] = {"rho": float(rho), "p": float(p), "n_classes": len(per_class)}
     return out
 
 
 def q1_command(args: Args) -> dict:
     """`python rrgcl.py q1 --out DIR`: Fig. 1 for DIR/generations_test.jsonl (any model's: id, generated)."""
-    data, out = common.load_data(args.data), Path(common.resolve_defaults(args).out)  # (resolves --labeler auto)
-    test, rows = {r.id: r for r in data["test"]}, common.read_generations(out / "generations_test.jsonl")
+    data = common.load_data(args.data)
+    out = Path(common.resolve_defaults(args).out)  # (resolves --labeler auto)
+    test = {r.id: r for r in data["test"]}
+    rows = common.read_generations(out / "generations_test.jsonl")
     if any(row["id"] not in test for row in rows):
         raise ValueError(f"{out / 'generations_test.jsonl'}: ids that are not test studies of --data {args.data}")
     labels = class_labels([test[row["id"]] for row in rows], common.make_labeler(args.labeler, args.chexbert_weights))
     m = read_difficulty(Path(args.difficulty or out / "difficulty.json"), data["train"])
     plan = curriculum_plan(sample_difficulty(m["dif1"], m["dif2"], args.alpha, args.itas_sign), m["labels"])
-    result = q1_analysis(
-        rows, labels, plan["table"], common.clean_style(data["train"]) if args.clean == "auto" else args.clean
-    )
+    style = common.clean_style(data["train"]) if args.clean == "auto" else args.clean
+    result = q1_analysis(rows, labels, plan["table"], style)
     (out / "q1.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "per_class"}, indent=1))
     return result
 
 
 def main(argv=None):
-    return common.run_main(
-        lambda command, args: q1_command(args) if command == "q1" else train(args),
-        Args,
-        argv,
-        __doc__,
-        commands=("train", "q1"),
-    )
+    def command(name: str, args: Args) -> dict:
+        return q1_command(args) if name == "q1" else train(args)
+
+    return common.run_main(command, Args, argv, __doc__, commands=("train", "q1"))
 
 
 if __name__ == "__main__":

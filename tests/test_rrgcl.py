@@ -2,8 +2,9 @@
 blocks against the naive N x N formula, MINE on Gaussians with a known mutual information and its cross-fitted
 ITAS, Q1, and end-to-end runs: the difficulty file (--measure-only, --difficulty), what one training step feeds the
 loss, resume, torchrun against one process, the Hugging Face path.
-    python -m pytest -q tests/test_rrgcl.py -m slow -s      # VNS-Gap benchmarks: 20,000 x 512 on CPU, 270,000 on a GPU"""
+    python -m pytest -q tests/test_rrgcl.py -m slow -s  # VNS-Gap benchmarks: 20,000 x 512 on CPU, 270,000 on a GPU"""
 
+import itertools
 import json
 import math
 import os
@@ -53,8 +54,9 @@ def test_eq10_by_hand_and_the_itas_sign():
 
 
 def test_alpha_weighs_vns_gap_and_1_minus_alpha_itas():
-    """alpha 0.8 is Eq. 10 with alpha 0.8, beta 0.2: z(dif1) = (-3, -1, 1, 3) / sqrt 5, z(dif2) = (3, -3, -1, 1) / sqrt 5,
-    dif = 0.8 z1 - 0.2 z2 = (-3, -0.2, 1, 2.2) / sqrt 5: easy to hard 0, 1, 2, 3 (alpha and beta swapped: 0, 3, 2, 1)."""
+    """alpha 0.8 is Eq. 10 with alpha 0.8, beta 0.2: z(dif1) = (-3, -1, 1, 3) / sqrt 5, z(dif2) = (3, -3, -1, 1) /
+    sqrt 5, dif = 0.8 z1 - 0.2 z2 = (-3, -0.2, 1, 2.2) / sqrt 5: easy to hard 0, 1, 2, 3 (alpha and beta swapped: 0,
+    3, 2, 1)."""
     dif = sample_difficulty(np.array([0.0, 1.0, 2.0, 3.0]), np.array([3.0, 0.0, 1.0, 2.0]), 0.8)
     np.testing.assert_allclose(dif, np.array([-3, -0.2, 1, 2.2]) / math.sqrt(5), atol=1e-12)
     plan = rrgcl.curriculum_plan(dif, label_rows(*[{"Edema": 1}] * 4))
@@ -89,7 +91,10 @@ def test_eq12_eq13_eq11_by_hand():
     np.testing.assert_allclose(gamma, [4.0, 2.5, 1.0])  # Eq. 12: 1 + (1 - d) * 3
     np.testing.assert_allclose(lambda0, [4 / 7.5, 2.5 / 7.5, 1 / 7.5])  # Eq. 13
     T = 10
-    lam = lambda t: rrgcl_lambda(t, T, gamma, lambda0)
+
+    def lam(t):
+        return rrgcl_lambda(t, T, gamma, lambda0)
+
     np.testing.assert_allclose(lam(0), lambda0)  # the curve starts at lambda_n(0)
     np.testing.assert_allclose(lam(T), [1, 1, 1])  # lambda_n(T) = 1: every study in at the last epoch
     # t = T / 2. Hardest (gamma 1): linear, 1/7.5 + (6.5/7.5) / 2 = 0.56667.
@@ -152,7 +157,7 @@ def test_algorithm1_subsets_grow_from_lambda0_and_reach_all_at_T():
     for o, l0 in zip(plan["class_orders"], plan["lambda0"]):  # t = 0: the easiest ceil(lambda_n(0) |D_n|) of each class
         assert set(o[: math.ceil(l0 * len(o))]) <= set(subsets[0])
     assert len(subsets[0]) < len(subsets[1])
-    for a, b in zip(subsets, subsets[1:]):
+    for a, b in itertools.pairwise(subsets):
         assert set(a) <= set(b) and len(a) < len(b)  # grows monotonically (strictly here)
     assert subsets[-1].tolist() == list(range(N))  # all studies at t = T, none twice
     assert all(len(np.unique(s)) == len(s) for s in subsets)
@@ -161,14 +166,17 @@ def test_algorithm1_subsets_grow_from_lambda0_and_reach_all_at_T():
 # Table 2 schedulers ---------------------------------------------------------------------------------------
 def test_ablation_schedulers_shapes():
     T, c0, K = 10, 0.01, 5
-    hi = lambda name: [pacing(name, t, T, c0, K)[1] for t in range(1, T + 1)]
+
+    def hi(name):
+        return [pacing(name, t, T, c0, K)[1] for t in range(1, T + 1)]
+
     np.testing.assert_allclose(hi("linear"), [0.01 + 0.99 * t / 10 for t in range(1, 11)])
     np.testing.assert_allclose(hi("root")[0], math.sqrt(0.1 * (1 - 1e-4) + 1e-4))  # 0.31623
     np.testing.assert_allclose(hi("geom")[4], 0.1)  # 0.01^(1 - 5/10)
     assert hi("baby_step") == [0.2, 0.2, 0.4, 0.4, 0.6, 0.6, 0.8, 0.8, 1.0, 1.0]  # staircase, one bucket per 2 epochs
     for name in ("linear", "root", "geom", "baby_step"):
         h = hi(name)
-        assert h[-1] == pytest.approx(1.0) and all(a <= b for a, b in zip(h, h[1:]))
+        assert h[-1] == pytest.approx(1.0) and all(a <= b for a, b in itertools.pairwise(h))
         assert all(pacing(name, t, T)[0] == 0 for t in range(1, T + 1))  # always from the easiest
     assert hi("root")[0] > hi("linear")[0] > hi("geom")[0]  # root fastest early, geometric slowest
     one = [pacing("one_pass", t, T, c0, K) for t in range(1, T + 1)]
@@ -180,8 +188,13 @@ def test_global_subsets_follow_the_easy_to_hard_order():
     N, T = 100, 10
     dif = np.random.default_rng(1).normal(size=N)
     plan = {"order": np.argsort(dif)}
-    sub = lambda name, t: rrgcl.epoch_subset(name, t, T, plan)
-    easiest = lambda k: set(np.argsort(dif)[:k])
+
+    def sub(name, t):
+        return rrgcl.epoch_subset(name, t, T, plan)
+
+    def easiest(k):
+        return set(np.argsort(dif)[:k])
+
     assert set(sub("root", 1)) == easiest(32)  # ceil(0.31623 * 100)
     assert set(sub("geom", 5)) == easiest(10) and len(sub("linear", 10)) == N
     buckets = [set(sub("one_pass", t)) for t in (1, 3, 5, 7, 9)]
@@ -193,18 +206,22 @@ class FakeRun:
     """What epoch_batches reads of a common.Run: --batch-size and --seed, the training studies, the rank."""
 
     def __init__(self, records, batch_size=4, seed=0, rank=0, world_size=1):
-        self.args, self.data = types.SimpleNamespace(batch_size=batch_size, seed=seed), {"train": records}
-        self.rank, self.per_rank = rank, lambda b, flag: b // world_size
+        self.args = types.SimpleNamespace(batch_size=batch_size, seed=seed)
+        self.data = {"train": records}
+        self.rank = rank
+        self.world_size = world_size
+
+    def per_rank(self, batch_size, flag):
+        return batch_size // self.world_size
 
 
 def test_epoch_batches_pass_over_the_subset_and_resume_mid_epoch(small_synthetic):
     records = common.load_annotation(small_synthetic)["train"]
-    ids = lambda run, d_sub, first, end, start=None, e=0: [
-        b["id"]
-        for b in rrgcl.epoch_batches(
-            run, np.array(d_sub), first, end, e
-        )(first if start is None else start)
-    ]
+
+    def ids(run, d_sub, first, end, start=None, e=0):
+        batches = rrgcl.epoch_batches(run, np.array(d_sub), first, end, e)
+        return [b["id"] for b in batches(first if start is None else start)]
+
     one = ids(FakeRun(records), range(20), 6, 11)  # 5 steps x 4 = one pass over 20 studies
     assert sorted(i for b in one for i in b) == sorted(records[k].id for k in range(20))
     eight = [
@@ -336,7 +353,10 @@ def test_itas_scores_every_pair_with_the_network_that_never_saw_it(monkeypatch):
     )
     dif2, stats = rrgcl.itas(x, y, seed=0)
     xs, ys = (x - x.mean(0)) / x.std(0), (y - y.mean(0)) / y.std(0)  # the standardised features MINE sees
-    key = lambda rows: {tuple(r) for r in np.round(rows.numpy(), 5).tolist()}
+
+    def key(rows):
+        return {tuple(r) for r in np.round(rows.numpy(), 5).tolist()}
+
     fitted = [key(f[0]) for f in fits]
     assert not fitted[0] & fitted[1] and len(fitted[0] | fitted[1]) == 600  # two disjoint halves
     for (_, _, T), seen in zip(fits, fitted):
@@ -491,7 +511,10 @@ def test_measure_only_writes_the_file_and_training_reads_it(
 def independent_subset_t0(m):
     """Eq. 10-13 and Algorithm 1 lines 1-8 at t = 0, written out from the paper: the studies lambda_n(0) takes."""
     labels = np.array(m["labels"], dtype=float)
-    z = lambda x: (np.array(x) - np.mean(x)) / np.std(x)
+
+    def z(x):
+        return (np.array(x) - np.mean(x)) / np.std(x)
+
     dif = 0.6 * z(m["dif1"]) - 0.4 * z(m["dif2"])  # Eq. 10, ITAS subtracted
     pos = labels[:, [L[n] for n in rrgcl.CLASSES]] == 1
     classes = [np.flatnonzero(pos[:, k]) for k in range(13) if pos[:, k].any()] + [np.flatnonzero(~pos.any(1))]
@@ -581,7 +604,10 @@ def test_resume_matches_an_uninterrupted_run_on_real_format_iu_xray(
         torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("full", "part")
     )
     assert all(torch.equal(full[k], part[k]) for k in full)
-    rows = lambda d: metrics_rows(tmp_path / d / "metrics.jsonl")
+
+    def rows(d):
+        return metrics_rows(tmp_path / d / "metrics.jsonl")
+
     assert rows("full") == rows("part") and len(rows("part")) == 9
     config, result = (json.loads((tmp_path / "part" / f).read_text()) for f in ("config.json", "eval.json"))
     assert (
@@ -590,9 +616,10 @@ def test_resume_matches_an_uninterrupted_run_on_real_format_iu_xray(
 
 
 def test_itas_encoder_is_a_pre_trained_resnet18_from_a_state_dict(tmp_path, iu_xray, monkeypatch):
-    """--itas-encoder FILE: ITAS's image features are the torchvision ResNet-18 of the state dict (here random, written
-    by the test in a DDP checkpoint's layout), used as it is on R2Gen's two views (mean over them), phi staying the small
-    CNN; the run's notes drop the ITAS line; a file that is no ResNet-18 is one error naming the flag."""
+    """--itas-encoder FILE: ITAS's image features are the torchvision ResNet-18 of the state dict (here random,
+    written by the test in a DDP checkpoint's layout), used as it is on R2Gen's two views (mean over them), phi
+    staying the small CNN; the run's notes drop the ITAS line; a file that is no ResNet-18 is one error naming the
+    flag."""
     import torchvision
 
     monkeypatch.setattr(rrgcl, "ENCODER", dict(rrgcl.ENCODER, epochs=0, resnet_size=32))  # Sec. 4.1's 256 px: slow here
