@@ -42,13 +42,15 @@ def onehots(*names_per_row):
     return torch.tensor(out, dtype=torch.float32)
 
 
+def label_vectors(labels):
+    """Eq. 3's l: 1 for positive and uncertain, 0 otherwise."""
+    return ((labels == 1) | (labels == -1)).float()
+
+
 # Eq. 3-5 ---------------------------------------------------------------------------------------
 def test_soft_targets_by_hand():
     # labels: {Cardiomegaly}, {Cardiomegaly, Edema}, {Edema}: Eq. 3 cosines 1, 1/sqrt2, 0
-    l = (
-        (onehots(["Cardiomegaly"], ["Cardiomegaly", "Edema"], ["Edema"]) == 1)
-        | (onehots(["Cardiomegaly"], ["Cardiomegaly", "Edema"], ["Edema"]) == -1)
-    ).float()
+    l = label_vectors(onehots(["Cardiomegaly"], ["Cardiomegaly", "Edema"], ["Edema"]))
     # candidates' uni-modal embeddings: 0 and 1 identical (w = 1), 2 orthogonal to both (w = 0.5)
     x = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]])
     y = soft_targets(l, l, x)
@@ -72,11 +74,8 @@ def test_soft_targets_by_hand():
 
 
 def test_soft_targets_eq5_uses_the_other_modality_and_no_gradient():
-    l_img = ((onehots(["Edema"], ["Cardiomegaly"]) == 1) | (onehots(["Edema"], ["Cardiomegaly"]) == -1)).float()
-    l_txt = (
-        (onehots(["Edema", "Cardiomegaly"], ["Cardiomegaly"]) == 1)
-        | (onehots(["Edema", "Cardiomegaly"], ["Cardiomegaly"]) == -1)
-    ).float()
+    l_img = label_vectors(onehots(["Edema"], ["Cardiomegaly"]))
+    l_txt = label_vectors(onehots(["Edema", "Cardiomegaly"], ["Cardiomegaly"]))
     v = torch.randn(2, 5, requires_grad=True)
     y_tv = soft_targets(l_txt, l_img, v)  # text j over images i, calibrated by image similarity
     assert not y_tv.requires_grad
@@ -88,7 +87,7 @@ def test_soft_targets_eq5_uses_the_other_modality_and_no_gradient():
 
 def test_csm_loss_by_hand_and_symmetric_as_eq9():
     # two pairs with disjoint labels, orthogonal embeddings, tau = 0.5
-    l = ((onehots(["Edema"], ["Cardiomegaly"]) == 1) | (onehots(["Edema"], ["Cardiomegaly"]) == -1)).float()
+    l = label_vectors(onehots(["Edema"], ["Cardiomegaly"]))
     e = torch.eye(2)
     scale = torch.tensor(math.log(1 / 0.5))
     loss, stats = csm_loss(e, e, e, e, l, l, scale)
@@ -99,14 +98,8 @@ def test_csm_loss_by_hand_and_symmetric_as_eq9():
     # Eq. 9 is symmetric: exchanging the modalities (projections, embeddings, labels) changes nothing
     torch.manual_seed(0)
     v_p, t_p, v, t = torch.randn(6, 8), torch.randn(6, 8), torch.randn(6, 5), torch.randn(6, 7)
-    l_img = (
-        (torch.tensor(np.random.default_rng(0).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == 1)
-        | (torch.tensor(np.random.default_rng(0).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == -1)
-    ).float()
-    l_txt = (
-        (torch.tensor(np.random.default_rng(1).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == 1)
-        | (torch.tensor(np.random.default_rng(1).choice([1.0, 0.0, -1.0, np.nan], (6, 14))) == -1)
-    ).float()
+    l_img = label_vectors(torch.tensor(np.random.default_rng(0).choice([1.0, 0.0, -1.0, np.nan], (6, 14))))
+    l_txt = label_vectors(torch.tensor(np.random.default_rng(1).choice([1.0, 0.0, -1.0, np.nan], (6, 14))))
     scale = torch.tensor(math.log(1 / 0.07))
     a, _ = csm_loss(v_p, t_p, v, t, l_img, l_txt, scale)
     b, _ = csm_loss(t_p, v_p, t, v, l_txt, l_img, scale)
@@ -127,7 +120,9 @@ def _np_softmax(z):
 
 
 def _np_cos(a, b):
-    a, b = a / np.linalg.norm(a, axis=1, keepdims=True), b / np.linalg.norm(b, axis=1, keepdims=True)
+    """Row cosines; an all-zero row (a label vector with nothing positive) gives 0, as F.normalize does."""
+    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
     return a @ b.T
 
 
@@ -146,10 +141,11 @@ def test_csm_loss_calibrates_each_direction_by_the_candidates_modality():
     y_tv = _np_softmax((_np_cos(v, v) / 2 + 0.5) * _np_cos(l_txt, l_img))  # Eq. 5: anchor text i, candidate image j
     l_vt = -(y_vt * np.log(_np_softmax(logits))).sum(1).mean()  # Eq. 8
     l_tv = -(y_tv * np.log(_np_softmax(logits.T))).sum(1).mean()
-    T = lambda x: torch.tensor(x, dtype=torch.float64)
-    loss, _ = csm_loss(
-        T(v_p), T(t_p), T(v), T(t), T(l_img), T(l_txt), torch.tensor(math.log(1 / tau), dtype=torch.float64)
-    )
+
+    def T(x):
+        return torch.tensor(x, dtype=torch.float64)
+
+    loss, _ = csm_loss(T(v_p), T(t_p), T(v), T(t), T(l_img), T(l_txt), T(math.log(1 / tau)))
     assert loss.item() == pytest.approx((l_vt + l_tv) / 2, rel=1e-5)  # Eq. 9 (in float32: a few ulp per exp and log)
     swapped = (
         -(_np_softmax((_np_cos(v, v) / 2 + 0.5) * _np_cos(l_img, l_txt)) * np.log(_np_softmax(logits))).sum(1).mean()
@@ -166,7 +162,12 @@ def test_step2_label_vectors_hold_positive_and_uncertain(tmp_path, monkeypatch):
     labels[0, :4] = torch.tensor([1.0, -1.0, 0.0, float("nan")])
     labels[1, 13], labels[2, 5] = 1.0, -1.0
     seen, real = [], dcrrg.csm_loss
-    monkeypatch.setattr(dcrrg, "csm_loss", lambda *a: seen.append(a) or real(*a))
+
+    def spy(*a):
+        seen.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(dcrrg, "csm_loss", spy)
     dcrrg.step2_loss(
         model,
         {"images": torch.randn(3, 1, 1, 64, 64), "report": ["mild cardiomegaly."] * 3, "labels": labels},
@@ -269,7 +270,10 @@ def test_description_records_with_the_rule_labeler():
         "No pneumothorax or focal consolidation. No acute cardiopulmonary process."
     )
     normal = "FINDINGS: Heart size is normal. IMPRESSION: 1. No acute cardiopulmonary process."
-    nf = lambda v: np.array([N] * 13 + [v])
+
+    def nf(v):  # only No Finding matters here
+        return np.array([N] * 13 + [v])
+
     records = [common.Record("a", [], report, "train", nf(N)), common.Record("b", [], normal, "train", nf(1.0))]
     got = {(r.id, r.meta["obs"]): r.report for r in dcrrg.description_records(records, common.RuleLabeler())}
     # the effusion makes study a abnormal: its last sentence describes nothing and is dropped
@@ -334,7 +338,10 @@ def _reference_decoder(dec, tokens, f_I, prefix, obs):
     def attention(m, x, source, causal, pre):
         B, T, d = x.shape
         H = m.heads
-        heads = lambda z: z.reshape(B, -1, H, d // H).transpose(1, 2)
+
+        def heads(z):
+            return z.reshape(B, -1, H, d // H).transpose(1, 2)
+
         q = heads(linear(m.q, x))
         k = heads(torch.cat([pre[0].expand(B, -1, -1), linear(m.k, source)], 1))
         v = heads(torch.cat([pre[1].expand(B, -1, -1), linear(m.v, source)], 1))
@@ -449,9 +456,9 @@ def test_precision_at_k_by_hand():
     sim = torch.tensor(
         [
             [0.9, 0.1, 0.8, 0.2],  # query of class 0: ranks 0, 2, 3, 1 -> hits 1, 0, 0, 1
-            [0.9, 0.4, 0.3, 0.2],
+            [0.9, 0.4, 0.3, 0.2],  # query of class 1: ranks 0, 1, 2, 3 -> hits 0, 0, 1, 1
         ]
-    )  # query of class 1: ranks 0, 1, 2, 3 -> hits 0, 0, 1, 1
+    )
     p = precision_at_k(sim, [0, 1], [0, 0, 1, 1], ks=(1, 2, 3, 4))
     assert p == pytest.approx({"P@1": (1 + 0) / 2, "P@2": (0.5 + 0) / 2, "P@3": (1 / 3 + 1 / 3) / 2, "P@4": 0.5})
     tie = precision_at_k(torch.zeros(1, 4), [1], [0, 0, 1, 1], ks=(1, 2))  # ties: lower index first
@@ -504,9 +511,14 @@ def test_lm_loss_is_the_mean_over_real_tokens(tmp_path):
     -log p(y_t | y_{t-1}) over each text's tokens and its [SEP], never over padding."""
     tok = dcrrg.build_tokenizer(dcrrg.Args(), ["alpha beta gamma"], Rank0(tmp_path))
     table = torch.randn(len(tok), len(tok), generator=torch.Generator().manual_seed(0))
-    decoder = lambda tokens, f_I, prefix=None, head=None, obs=None: table[tokens]
+
+    def decoder(tokens, f_I, prefix=None, head=None, obs=None):  # (N, T, V)
+        return table[tokens]
+
+    def ids(t):
+        return [tok.cls_token_id] + tok(t, add_special_tokens=False)["input_ids"] + [tok.sep_token_id]
+
     loss = dcrrg.lm_loss(decoder, torch.zeros(2, 14, 4), ["alpha", "alpha beta gamma"], tok, 16)
-    ids = lambda t: [tok.cls_token_id] + tok(t, add_special_tokens=False)["input_ids"] + [tok.sep_token_id]
     nll = [
         -torch.log_softmax(table[a], 0)[b] for t in ("alpha", "alpha beta gamma") for a, b in zip(ids(t), ids(t)[1:])
     ]
@@ -548,12 +560,20 @@ def test_generate_gathers_each_ranks_texts_in_record_order(tmp_path, monkeypatch
         return out
 
     model = type("Model", (), {"tokenizer": tok, "decoder": staticmethod(says)})
-    inputs = lambda rs: {
-        "f_I": torch.tensor([float(tok.convert_tokens_to_ids(w)) for w in rs])[:, None, None].expand(-1, 14, 4)
-    }
+
+    def inputs(rs):
+        return {"f_I": torch.tensor([float(tok.convert_tokens_to_ids(w)) for w in rs])[:, None, None].expand(-1, 14, 4)}
+
+    def rank(r):
+        return type("Stage", (), {"rank": r, "world_size": 2})
+
     sent = []
-    monkeypatch.setattr(common, "all_gather_objects", lambda mine: sent.append(mine) or [mine, mine])
-    rank = lambda r: type("Stage", (), {"rank": r, "world_size": 2})
+
+    def gather_on_rank_1(mine):
+        sent.append(mine)
+        return [mine, mine]
+
+    monkeypatch.setattr(common, "all_gather_objects", gather_on_rank_1)
     dcrrg.generate(model, inputs, words, rank(1), 4)
     assert sent == [["beta", "delta"]]
     monkeypatch.setattr(common, "all_gather_objects", lambda mine: [mine, sent[0]])
@@ -570,20 +590,8 @@ class Rank0:
 
 
 # End to end ----------------------------------------------------------------------------------------
-FAST = [
-    "--step1-steps",
-    "4",
-    "--step2-steps",
-    "2",
-    "--step3-steps",
-    "3",
-    "--step4-steps",
-    "3",
-    "--batch-size",
-    "8",
-    "--decoder-batch-size",
-    "4",
-]
+FAST = ["--step1-steps", "4", "--step2-steps", "2", "--step3-steps", "3", "--step4-steps", "3"]  # a few steps each
+FAST += ["--batch-size", "8", "--decoder-batch-size", "4"]
 
 
 @pytest.fixture
@@ -607,34 +615,32 @@ def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_wei
     folder where a start on other data failed after making its vocabulary; then other data there is refused."""
     out = tmp_path / "run"
     with monkeypatch.context() as m:  # a start that fails after prepare(): nothing trained
-        m.setattr(dcrrg, "DCRRG", lambda *a: (_ for _ in ()).throw(ValueError("no model today")))
+
+        def no_model(*a):
+            raise ValueError("no model today")
+
+        m.setattr(dcrrg, "DCRRG", no_model)
         with pytest.raises(SystemExit, match="no model today"):
             dcrrg.main(["all", "--data", str(small_synthetic), "--out", str(out)] + FAST)
     synthetic_vocab = (out / "tokenizer" / "vocab.txt").read_text()
     results = dcrrg.main(["all", "--data", str(iu_xray), "--out", str(out)] + FAST)
     vocab = (out / "tokenizer" / "vocab.txt").read_text().split()
     assert vocab != synthetic_vocab.split() and "xxxx" in vocab and "granuloma" in vocab  # made anew from IU X-Ray's
-    assert (
-        set(results) == {"step1", "step2", "step3", "step4"} and json.loads((out / "eval.json").read_text()) == results
-    )
+    assert set(results) == {"step1", "step2", "step3", "step4"}
+    assert json.loads((out / "eval.json").read_text()) == results
     assert all((out / s / "model.pt").is_file() for s in results)
     assert results["step1"]["balance"] == "reweight" and 0 <= results["step1"]["auroc_image"]["mean_5"] <= 1
     # IU X-Ray's test split has no study positive for Atelectasis, Consolidation or Edema alone (rule labels)
     retrieval = results["step2"]["retrieval"]
     assert retrieval["skipped"] == ["Atelectasis", "Consolidation", "Edema"] and retrieval["n_per_class"] == 1
-    assert (
-        set(retrieval) >= {"P@1", "P@2"} and "Step 2 retrieval skips Atelectasis, Consolidation, Edema" in caplog.text
-    )
+    assert set(retrieval) >= {"P@1", "P@2"}
+    assert "Step 2 retrieval skips Atelectasis, Consolidation, Edema" in caplog.text
     assert "val_loss_text_view" in results["step3"] and (out / "step3" / "descriptions_val.jsonl").is_file()
     gens = [json.loads(x) for x in (out / "step4" / "generations_test.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [r["id"] for r in json.loads(iu_xray.read_text())["test"]]
     step4 = results["step4"]
-    assert (
-        step4["step4"] == "pt"
-        and step4["clean"] == "iu_xray"
-        and step4["n"] == 12
-        and 0 <= step4["ce"]["micro_f1"] <= 1
-    )
+    assert (step4["step4"], step4["clean"], step4["n"]) == ("pt", "iu_xray", 12)
+    assert 0 <= step4["ce"]["micro_f1"] <= 1
     assert (step4["headline"], step4["uncertain_as"]) == ("micro_f1", 0) and "BLEU-4" in step4["nlg"]
     assert json.loads((out / "step1" / "config.json").read_text())["clean"] == "iu_xray"
     assert [x["step"] for x in metrics_rows(out / "step2" / "metrics.jsonl")] == [1, 2]
@@ -658,21 +664,16 @@ def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_syntheti
     """Wiring: run Step 2 for one step and capture what reaches csm_loss; check it against the batch's studies
     recomputed from the Step 1 weights, label vectors written from the labels, and the logged loss against
     Eq. 3-9 computed here from the captured tensors. Then a step from these weights on other --data is refused."""
-    flags = [
-        "--data",
-        str(small_synthetic),
-        "--out",
-        str(tmp_path),
-        "--batch-size",
-        "8",
-        "--step1-steps",
-        "2",
-        "--step2-steps",
-        "1",
-    ]
+    flags = ["--data", str(small_synthetic), "--out", str(tmp_path), "--batch-size", "8"]
+    flags += ["--step1-steps", "2", "--step2-steps", "1"]
     dcrrg.main(["step1"] + flags)
     calls, real = [], dcrrg.csm_loss
-    monkeypatch.setattr(dcrrg, "csm_loss", lambda *a: calls.append([x.detach().clone() for x in a]) or real(*a))
+
+    def spy(*a):
+        calls.append([x.detach().clone() for x in a])
+        return real(*a)
+
+    monkeypatch.setattr(dcrrg, "csm_loss", spy)
     dcrrg.main(["step2"] + flags)
     assert len(calls) == 14  # one per prompt
     v_p = torch.stack([c[0] for c in calls], 1)  # (8, 14, P)
@@ -701,22 +702,14 @@ def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_syntheti
     assert torch.equal(l_img, l_txt) and scale.exp().item() == pytest.approx(1 / 0.07)  # tau = 0.07 at first
 
     # Eq. 3-9 by hand (numpy, float64), mean over the 14 prompts -> the logged loss of step 1
-    def cos(a, b):
-        a, b = (
-            a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12),
-            b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12),
-        )
-        return a @ b.T
-
-    softmax = lambda z: np.exp(z - z.max(1, keepdims=True)) / np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)
     L_ = l_img.double().numpy()
-    s = cos(L_, L_)  # Eq. 3
-    y_vt = softmax((cos(t.double().numpy(), t.double().numpy()) / 2 + 0.5) * s)  # Eq. 4
-    y_tv = softmax((cos(v.double().numpy(), v.double().numpy()) / 2 + 0.5) * s)  # Eq. 5
+    s = _np_cos(L_, L_)  # Eq. 3
+    y_vt = _np_softmax((_np_cos(t.double().numpy(), t.double().numpy()) / 2 + 0.5) * s)  # Eq. 4
+    y_tv = _np_softmax((_np_cos(v.double().numpy(), v.double().numpy()) / 2 + 0.5) * s)  # Eq. 5
     losses = []
     for k in range(14):
-        logits = cos(v_p[:, k].double().numpy(), t_p[:, k].double().numpy()) / 0.07  # Eq. 6-7
-        log_vt, log_tv = np.log(softmax(logits)), np.log(softmax(logits.T))
+        logits = _np_cos(v_p[:, k].double().numpy(), t_p[:, k].double().numpy()) / 0.07  # Eq. 6-7
+        log_vt, log_tv = np.log(_np_softmax(logits)), np.log(_np_softmax(logits.T))
         losses.append((-(y_vt * log_vt).sum(1).mean() - (y_tv * log_tv).sum(1).mean()) / 2)  # Eq. 8-9
     logged = metrics_rows(tmp_path / "step2" / "metrics.jsonl")[0]
     assert logged["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
@@ -767,10 +760,15 @@ def test_model_paper_offline_is_one_error_at_once(tmp_path, small_synthetic, mon
     import socket
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # no cached weights: the download is tried
-    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror(-3, "no network")))
-    monkeypatch.setattr(
-        common.RuleLabeler, "__call__", lambda *a: pytest.fail("labelled the data before fetching the weights")
-    )
+
+    def no_network(*a, **k):
+        raise socket.gaierror(-3, "no network")
+
+    def labeller(*a):
+        pytest.fail("labelled the data before fetching the weights")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(common.RuleLabeler, "__call__", labeller)
     out = tmp_path / "run"
     with pytest.raises(
         SystemExit, match=r"--pretrained imagenet: .*ImageNet ResNet-50 .*no network.*--pretrained none"
@@ -785,20 +783,13 @@ def test_paper_size_defaults_notes_and_help(capsys):
     tiny, paper = dcrrg.Args(), dcrrg.Args(model="paper")
     assert paper.pretrained == "imagenet" and (paper.lr, paper.batch_size, paper.decoder_batch_size) == (None, 32, 16)
     assert [dcrrg.budget(tiny, f"step{k}", 1000) for k in range(1, 5)] == [300, 200, 600, 400]
-    assert [dcrrg.budget(paper, f"step{k}", 1000) for k in range(1, 5)] == [
-        10 * 32,
-        10 * 32,
-        10 * 63,
-        10 * 63,
-    ]  # ceil(1000 / batch)
+    # ceil(1000 / batch) batches an epoch
+    assert [dcrrg.budget(paper, f"step{k}", 1000) for k in range(1, 5)] == [10 * 32, 10 * 32, 10 * 63, 10 * 63]
     assert dcrrg.budget(dataclasses.replace(paper, step3_steps=0), "step3", 1000) == 0
     assert dcrrg.paper_notes(tiny) == [] and dcrrg.paper_notes(dataclasses.replace(paper, text_encoder="x")) == []
     resnet, bert = dcrrg.paper_notes(dataclasses.replace(paper, pretrained="none"))
-    assert (
-        "random ResNet-50" in resnet
-        and "random BERT" in bert
-        and "--text-encoder emilyalsentzer/Bio_ClinicalBERT" in bert
-    )
+    assert "random ResNet-50" in resnet
+    assert "random BERT" in bert and "--text-encoder emilyalsentzer/Bio_ClinicalBERT" in bert
     with pytest.raises(SystemExit):
         dcrrg.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -818,7 +809,7 @@ def test_ablation_plan_is_table_4():
         plan[folder] = (step, init, mode)
 
     def steps(folder):  # the Steps a model went through, from its Step 4 back
-        step, init, mode = plan[folder]
+        step, init, _ = plan[folder]
         return (steps(init) if init else []) + [step]
 
     # Table 4's check marks: Models 1-7 (Steps 1, 2, 3 and the Step 4 mode)
@@ -838,9 +829,8 @@ def test_ablation_plan_is_table_4():
 @pytest.mark.slow
 def test_ablation_command(tmp_path, small_synthetic, fast):
     table = dcrrg.main(["ablation", "--data", str(small_synthetic), "--out", str(tmp_path)] + FAST)
-    assert len(table) == 7 and json.loads((tmp_path / "ablation" / "ablation.json").read_text()) == json.loads(
-        json.dumps(table)
-    )
+    assert len(table) == 7
+    assert json.loads((tmp_path / "ablation" / "ablation.json").read_text()) == json.loads(json.dumps(table))
 
 
 def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, fast, starting_weights):
@@ -861,11 +851,8 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, fas
         "    setattr(dcrrg, k, v)\ndcrrg.main()\n"
     )
     torchrun(str(script), "all", "--out", str(tmp_path / "ddp"), *flags)
-    assert [x["step"] for x in metrics_rows(tmp_path / "ddp" / "step4" / "metrics.jsonl")] == [
-        1,
-        2,
-        3,
-    ]  # rank 0 alone writes
+    # rank 0 alone writes
+    assert [x["step"] for x in metrics_rows(tmp_path / "ddp" / "step4" / "metrics.jsonl")] == [1, 2, 3]
     gens = [json.loads(x) for x in (tmp_path / "ddp" / "step4" / "generations_test.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
     dcrrg.main(["step1", "--out", str(tmp_path / "one")] + flags)
@@ -887,9 +874,12 @@ def test_gather_batch_in_rank_order_with_the_gradient_to_this_ranks_part(monkeyp
     this rank's rows only, times 3 (every rank computes the same loss; the all-reduce then averages)."""
     others = {0: torch.tensor([[1.0, 2.0]]), 2: torch.tensor([[5.0, 6.0]])}
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    monkeypatch.setattr(
-        torch.distributed, "all_gather", lambda parts, x: [p.copy_(others.get(r, x)) for r, p in enumerate(parts)]
-    )
+
+    def all_gather(parts, x):
+        for r, p in enumerate(parts):
+            p.copy_(others.get(r, x))
+
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
     x = torch.tensor([[3.0, 4.0]], requires_grad=True)
     out = dcrrg.gather_batch(x, 3)
     torch.testing.assert_close(out, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
