@@ -1,19 +1,24 @@
-"""Regenerate the README's effect tables and paper figures over declared seeds.
+"""Regenerate the README's effect tables and paper figures from declared seeds, and print them from committed results.
 
-    python tests/reproduce.py NAME --seeds 100-107 [--jobs 2] [--out runs/reproduce] [--figures tests/figures]
-    python tests/reproduce.py NAME --seeds 100-107 --dry-run      # the commands, nothing run
-    python tests/reproduce.py labels --gold FILE.csv              # the rule labeler against radiologists' labels
+    python tests/reproduce.py NAME                     # run the declared seeds, write tests/results/NAME.json, print
+    python tests/reproduce.py NAME --report            # run nothing: the README's lines from tests/results/NAME.json
+    python tests/reproduce.py NAME --report --readme README.md   # ...and write them between the README's markers
+    python tests/reproduce.py NAME --seeds 108-111     # more seeds: an extension, with its own verdicts
+    python tests/reproduce.py NAME --dry-run           # the command lines still to run, nothing run
+    python tests/reproduce.py labels --gold FILE.csv   # a labeler against radiologists' labels
 
-For NAME (mrg_r1, deer, orapo, rrgcl, dcrrg) it runs exactly what the README's table claims: every arm with its
-flags and budgets, the same seeds in every arm (paired), each run a script's own command line in its own folder
-under --out/NAME. A run whose result file exists is skipped, so a long sweep can stop (Ctrl-C) and go on later with
-the same command; a run stopped half-way is continued with --resume. Then it prints the table as the README shows it
-(per-seed rows of the headline metric, paired mean difference +- standard error, how many seeds agree in sign), writes
---out/NAME/results.json (every run's numbers) and table.md, and draws the paper's figure into --figures/NAME.png.
+For NAME (mrg_r1, deer, orapo, rrgcl, dcrrg), each arm of the table is the script's own command line, the same seeds in
+every arm (paired), each run in its own folder under --out/NAME. A finished run is skipped (after checking that it ran
+this command); a run stopped half-way is continued with --resume, so a sweep can stop (Ctrl-C) and go on later. Then
+tests/results/NAME.json gets every run's numbers and, per run, the machine (CPU model, the kernels torch picked), torch
+and Python versions, the numeric pins, the project's commit and the command line.
 
-Runs use one thread each (--jobs of them at once), skip METEOR (a JVM per run; no table uses it) and their own
-figures. On this project's 2-core machine, one seed costs about: mrg_r1 7, deer 6, orapo 5, rrgcl 8, dcrrg 10
-CPU-minutes.
+Seeds and the primary comparison (the paper's claim) of each table are declared in EXPERIMENTS below, before a sweep.
+The README leads with the primary verdict on the declared seeds; any other seeds are an extension, reported apart with
+their own verdicts, never pooled with the declared ones. A verdict is one of the words of `verdict()`.
+
+Runs take one thread each (--jobs of them at once) under the PINS below, skip METEOR (no table uses it) and their own
+figures. CPU-minutes per seed, as measured on the development machine, are in each results file and the README.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -35,11 +41,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common
 
+RESULTS = ROOT / "tests" / "results"
+# The same CPU kernels on any x86-64 with AVX2: one thread, ATen's AVX2 kernels (not AVX-512 where the CPU has it),
+# MKL's and oneDNN's AVX2 code paths. With these a run repeats to the bit on one machine kind and, as far as we
+# measured, across kinds (README, "Results vary from run to run").
+PINS = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+QUIET = {"RRG_METEOR": "0", "RRG_FIGURES": "0"}  # no JVM per run, no figure per run
+
 
 @dataclass
 class Job:
-    """One run: `python ROOT/<argv[0]> argv[1:] --out root/<name>`, finished when root/<name>/<done> exists. Jobs of one
-    folder (DEER's stages and tables) run one after another; `after` names the folders that must be finished first."""
+    """One run: `python ROOT/<argv[0]> argv[1:] --out root/<name>`, finished when root/<name>/<done> exists.
+
+    Jobs of one folder (DEER's stages and tables) run one after another; `after` names the folders that must be
+    finished first. "{root}" in argv stands for the sweep's folder."""
 
     name: str
     argv: list
@@ -50,30 +71,87 @@ class Job:
         return root / self.name
 
 
-# --- the experiments: jobs per seed, and the numbers read back --------------------------------------------------
-def ce(result: dict) -> float:
-    """The paper's headline CE metric of an evaluation (its eval JSON says which)."""
-    return result["ce"][result["headline"]]
+@dataclass
+class Claim:
+    """A comparison's verdict line: a - b on `metric`. sign +1: the paper says a > b; -1: a < b; 0: a check of the
+    sandbox, not a claim (its words say which way it went)."""
+
+    a: str
+    b: str
+    metric: str
+    sign: int
+    label: str
 
 
 @dataclass
 class Experiment:
     title: str
-    jobs: callable  # seed, seeds -> [Job]
-    read: callable  # folder of NAME, seed -> {arm: {metric: value}}
-    comparisons: list  # (arm a, arm b, label): paired a - b
-    metrics: list  # metric names shown, the first is the headline
-    figure: callable = None  # (results, path) -> None
-    note: str = ""
-    extra: dict = field(default_factory=dict)
+    jobs: object  # (seed, declared seeds) -> [Job]
+    read: object  # (folder of NAME, seed) -> {arm: {metric: value}, ...}
+    metrics: list  # the paired table's columns; the first is the per-seed table's
+    comparisons: list  # (a, b, label): the paired table's rows, a - b
+    claims: list  # [Claim]: verdict lines, the first is the primary one (the paper's claim)
+    declared: list  # the seeds declared before the sweep
+    figure: object = None  # (experiment, results, seeds, path) -> None
+    extra: object = None  # (results, seeds) -> [markdown lines] printed under the verdicts
+    notes: list = field(default_factory=list)
 
 
-def mrg_r1_jobs(seed, seeds):
-    """Table II rows from the same 400-step warm start (deterministic from the seed, so every arm recomputes the same
-    one), 100 GRPO steps each; a fifth arm trains 100 more SFT steps instead."""
+# --- the rule: when a paired difference is an effect, and the words a verdict may use --------------------------------
+CLAIM_WORDS = {1: "reproduced", -1: "reversed", 0: "not reproduced"}
+CHECK_WORDS = {1: "higher", -1: "lower", 0: "no effect"}
+
+
+def paired(a, b) -> dict:
+    """Paired a - b over seeds: mean, standard error (sample sd / sqrt n), how many seeds have a > b."""
+    d = np.asarray(a, float) - np.asarray(b, float)
+    se = d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+    return {"mean": float(d.mean()), "se": float(se), "positive": int((d > 0).sum()), "n": len(d), "d": d}
+
+
+def effect_sign(p: dict) -> int:
+    """+1 or -1 when the paired difference is an effect by the README's rule, else 0. The rule: the mean is at least two
+    standard errors from 0 and has its sign on more than half of the seeds (two seeds at least)."""
+    d = p["d"]
+    if len(d) < 2 or np.isnan(d).any() or p["mean"] == 0:
+        return 0
+    sign = 1 if p["mean"] > 0 else -1
+    same = int((np.sign(d) == sign).sum())
+    return sign if abs(p["mean"]) >= 2 * p["se"] and same > len(d) / 2 else 0
+
+
+def verdict(p: dict, claim_sign: int) -> str:
+    """The word for a paired difference: for a paper's claim (sign +1 or -1) "reproduced" (an effect the claimed way),
+    "reversed" (an effect the other way) or "not reproduced"; for a check (sign 0) "higher", "lower" or "no effect"."""
+    found = effect_sign(p)
+    if claim_sign == 0:
+        return CHECK_WORDS[found]
+    return CLAIM_WORDS[found * claim_sign]
+
+
+def difference(p: dict) -> str:
+    """'+0.012 ± 0.004 (8 of 8)': mean ± SE, and on how many seeds a > b. n/a: an arm lacks the metric."""
+    if math.isnan(p["mean"]):
+        return "n/a"
+    return f"{p['mean']:+.3f} ± {p['se']:.3f} ({p['positive']} of {p['n']})"
+
+
+# --- the experiments: jobs per seed, the numbers read back ------------------------------------------------------------
+def ce(result: dict) -> float:
+    """The paper's headline CE metric of an evaluation (its eval JSON says which)."""
+    return result["ce"][result["headline"]]
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def mrg_r1_jobs(seed, declared):
+    """Table II rows from the same warm start (deterministic from the seed, so every arm recomputes the same one), 100
+    GRPO steps each; one more arm trains 100 more SFT steps instead."""
     base = ["mrg_r1.py", "--seed", str(seed)]
     arms = {
-        "mccs+format": ["--steps", "100"],
+        "mccs+format": ["--reward", "mccs+format", "--steps", "100"],
         "format": ["--reward", "format", "--steps", "100"],
         "ce_f1+format": ["--reward", "ce_f1+format", "--steps", "100"],
         "sft+100": ["--sft-steps", "500", "--steps", "0"],
@@ -81,30 +159,31 @@ def mrg_r1_jobs(seed, seeds):
     return [Job(f"s{seed}/{arm}", base + flags) for arm, flags in arms.items()]
 
 
+def mrg_r1_arm(result: dict) -> dict:
+    return {
+        "CE micro F1": ce(result),
+        "greedy reward": result["reward"],
+        "greedy MCCS": result.get("reward_mccs", math.nan),
+    }
+
+
 def mrg_r1_read(root, seed):
-    out = {}
-    for arm in ("mccs+format", "format", "ce_f1+format", "sft+100"):
-        r = json.loads((root / f"s{seed}" / arm / "eval.json").read_text())
-        after = r.get("test_after", r["test_before"])
-        out[arm] = {
-            "CE micro F1": ce(after),
-            "greedy reward": after["reward"],
-            "greedy MCCS": after.get("reward_mccs", math.nan),
-        }
-        if arm == "mccs+format":
-            before = r["test_before"]
-            out["warm start"] = {
-                "CE micro F1": ce(before),
-                "greedy reward": before["reward"],
-                "greedy MCCS": before.get("reward_mccs", math.nan),
-            }
+    folder = root / f"s{seed}"
+    mccs = read_json(folder / "mccs+format" / "eval.json")
+    out = {"warm start": mrg_r1_arm(mccs["test_before"])}
+    for arm in ("mccs+format", "format", "ce_f1+format"):
+        out[arm] = mrg_r1_arm(read_json(folder / arm / "eval.json")["test_after"])
+    out["sft+100"] = mrg_r1_arm(read_json(folder / "sft+100" / "eval.json")["test_before"])  # --steps 0: no RL
     return out
 
 
-def deer_jobs(seed, seeds):
+def deer_jobs(seed, declared):
     """Each seed its own SFT model and DDSampling subset (deer.py all: DiTPO with rule weights), then GRPO from the same
     SFT model and subset; Tables 6 and 7 on that SFT model."""
-    job = lambda command, *flags, done: Job(f"s{seed}", ["deer.py", command, "--seed", str(seed), *flags], done)
+
+    def job(command, *flags, done):
+        return Job(f"s{seed}", ["deer.py", command, "--seed", str(seed), *flags], done)
+
     return [
         job("all", done="rl_rule/eval.json"),
         job("rl", "--weighting", "none", done="rl_none/eval.json"),
@@ -114,25 +193,26 @@ def deer_jobs(seed, seeds):
 
 
 def deer_read(root, seed):
+    folder = root / f"s{seed}"
     out = {}
     for arm, stage in (("SFT", "sft"), ("DiTPO (rule)", "rl_rule"), ("GRPO", "rl_none")):
-        r = json.loads((root / f"s{seed}" / stage / "eval.json").read_text())["test"]
+        r = read_json(folder / stage / "eval.json")["test"]
         out[arm] = {"CE example F1": ce(r), "CE micro F1": r["ce"]["micro_f1"], "BLEU-4": r["nlg"]["BLEU-4"]}
-    t6, t7 = (json.loads((root / f"s{seed}" / f"table{k}.json").read_text()) for k in (6, 7))
-    out["Table 6"] = {
-        f"{w} {k}": t6[w][k] for w in ("rule", "random") for k in ("label_mod_ratio_binary", "post_mask_f1")
-    }
-    out["Table 7"] = {
-        f"{s} {k}": t7[s][k]
-        for s in ("random_100", "ddsampling")
-        for k in ("zero_variance", "unique_rewards", "reward_std")
-    }
+    t6 = read_json(folder / "table6.json")
+    t7 = read_json(folder / "table7.json")
+    for w in ("rule", "random"):
+        out[f"Table 6, {w}"] = {"labels changed": t6[w]["label_mod_ratio_binary"], "F1 after": t6[w]["post_mask_f1"]}
+    for s in ("random_100", "ddsampling"):
+        out[f"Table 7, {s}"] = {
+            "zero-variance groups": t7[s]["zero_variance"],
+            "distinct rewards": t7[s]["unique_rewards"],
+            "reward std": t7[s]["reward_std"],
+        }
     return out
 
 
-def orapo_jobs(seed, seeds):
-    """Fig. 2: OraPO against vanilla GRPO (lambda 0) in the tiny default regime (250 studies, 250 steps of 4: each
-    study seen 4 times, so the per-study ZRR acts), paired by seed."""
+def orapo_jobs(seed, declared):
+    """Fig. 2: OraPO against vanilla GRPO (lambda 0), paired by seed."""
     base = ["orapo.py", "--seed", str(seed)]
     return [Job(f"s{seed}/orapo", base), Job(f"s{seed}/grpo", base + ["--lambda-min", "0", "--lambda-max", "0"])]
 
@@ -140,55 +220,57 @@ def orapo_jobs(seed, seeds):
 def orapo_read(root, seed):
     out = {}
     for arm in ("orapo", "grpo"):
-        lines = [json.loads(x) for x in (root / f"s{seed}" / arm / "metrics.jsonl").read_text().splitlines()]
-        r = json.loads((root / f"s{seed}" / arm / "eval.json").read_text())["test_after"]
+        folder = root / f"s{seed}" / arm
+        lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        r = read_json(folder / "eval.json")["test_after"]
+        zero = [x["zero_group_ratio"] for x in lines]
         out[arm] = {
             "test macro F1": ce(r),
             "test FactS": r["facts_reward"],
-            "zero-reward group ratio": float(np.mean([x["zero_group_ratio"] for x in lines])),
-            "zero-reward ratio, last 50 steps": float(np.mean([x["zero_group_ratio"] for x in lines[-50:]])),
-            "DPO accuracy x zero groups": float(np.mean([x["dpo_accuracy_x_zero"] for x in lines])),
-            "curve": [x["zero_group_ratio"] for x in lines],
+            "zero-reward groups": float(np.mean(zero)),
+            "zero-reward groups, last 50 steps": float(np.mean(zero[-50:])),
+            "curve": zero,
         }
     return out
 
 
-def rrgcl_jobs(seed, seeds):
+def rrgcl_jobs(seed, declared):
     """Curriculum against random order at equal steps (400), both ways of pairing the difficulty: each seed's own
-    measurement (--measure-only --seed S, as the README's commands read) and the first seed's file for every seed;
-    Table 2's global Root scheduler on the seed's own file."""
-    own, first = f"s{seed}/measure", f"s{seeds[0]}/measure"  # each writes <folder>/difficulty.json
-    base, dif = (
-        ["rrgcl.py", "--seed", str(seed), "--steps", "400"],
-        lambda m: ["--difficulty", f"{{root}}/{m}/difficulty.json"],
-    )
+    measurement and the first declared seed's file for every seed; Table 2's global Root scheduler on the seed's own."""
+    own, first = f"s{seed}/measure", f"s{declared[0]}/measure"  # each writes <folder>/difficulty.json
+    base = ["rrgcl.py", "--seed", str(seed), "--steps", "400"]
+
+    def difficulty(measure):
+        return ["--difficulty", f"{{root}}/{measure}/difficulty.json"]
+
     return [
+        Job(first, ["rrgcl.py", "--seed", str(declared[0]), "--measure-only"]),  # once, whatever seeds run
         Job(own, ["rrgcl.py", "--seed", str(seed), "--measure-only"]),
-        Job(f"s{seed}/none", base + ["--scheduler", "none"] + dif(own), after=(own,)),
-        Job(f"s{seed}/rrgcl", base + dif(own), after=(own,)),
-        Job(f"s{seed}/rrgcl_first_file", base + dif(first), after=(first,)),
-        Job(f"s{seed}/root", base + ["--scheduler", "root"] + dif(own), after=(own,)),
+        Job(f"s{seed}/none", base + ["--scheduler", "none"] + difficulty(own), after=(own,)),
+        Job(f"s{seed}/rrgcl", base + difficulty(own), after=(own,)),
+        Job(f"s{seed}/rrgcl_first_file", base + difficulty(first), after=(first,)),
+        Job(f"s{seed}/root", base + ["--scheduler", "root"] + difficulty(own), after=(own,)),
     ]
 
 
 def rrgcl_read(root, seed):
     out = {}
     for arm in ("none", "rrgcl", "rrgcl_first_file", "root"):
-        r = json.loads((root / f"s{seed}" / arm / "eval.json").read_text())["test"]
+        r = read_json(root / f"s{seed}" / arm / "eval.json")["test"]
         out[arm] = {
             "CE micro F1": ce(r),
             "CE macro F1": r["ce"]["macro_f1"],
             "BLEU-4": r["nlg"]["BLEU-4"],
             "CIDEr": r["nlg"]["CIDEr"],
         }
-    out["schedule"] = json.loads((root / f"s{seed}" / "rrgcl" / "schedule.json").read_text())
+    out["schedule"] = read_json(root / f"s{seed}" / "rrgcl" / "schedule.json")
     return out
 
 
 TABLE4 = {1: "m1_fft", 2: "m2_fft", 3: "m3_pt", 4: "m4_pt", 5: "m5_fft", 6: "m6_pt", 7: "m7_fft"}
 
 
-def dcrrg_jobs(seed, seeds):
+def dcrrg_jobs(seed, declared):
     """Table 4's seven models (dcrrg.py ablation) at the default budgets, one seed each."""
     return [Job(f"s{seed}", ["dcrrg.py", "ablation", "--seed", str(seed)], done="ablation/ablation.json")]
 
@@ -196,7 +278,7 @@ def dcrrg_jobs(seed, seeds):
 def dcrrg_read(root, seed):
     out = {}
     for model, folder in TABLE4.items():
-        r = json.loads((root / f"s{seed}" / "ablation" / folder / "eval.json").read_text())
+        r = read_json(root / f"s{seed}" / "ablation" / folder / "eval.json")
         out[f"Model {model}"] = {
             "CE micro F1": ce(r),
             "BLEU-4": r["nlg"]["BLEU-4"],
@@ -206,17 +288,51 @@ def dcrrg_read(root, seed):
     return out
 
 
-# --- the rule labeler against radiologists (NegBio's Open-i gold) ------------------------------------------
+def deer_tables(results, seeds) -> list[str]:
+    """Tables 6 and 7 of each seed's SFT model, paired by seed."""
+    lines = ["", "| DEER Tables 6-7 (paired by seed) | mean ± sd | difference (mean ± SE, seeds >) | verdict |"]
+    lines.append("|---|---|---|---|")
+    rows = [
+        (
+            "Table 6, rule",
+            "Table 6, random",
+            "labels changed",
+            1,
+            "Table 6: labels changed, top 10 % by weight vs random",
+        ),
+        ("Table 7, ddsampling", "Table 7, random_100", "zero-variance groups", -1, "Table 7: zero-variance groups"),
+        ("Table 7, ddsampling", "Table 7, random_100", "distinct rewards", 1, "Table 7: distinct rewards per group"),
+    ]
+    for a, b, metric, sign, label in rows:
+        va = [results[s][a][metric] for s in seeds]
+        vb = [results[s][b][metric] for s in seeds]
+        p = paired(va, vb)
+        lines.append(
+            f"| {label} | {np.mean(va):.3f} ± {np.std(va, ddof=1):.3f} vs {np.mean(vb):.3f} ± {np.std(vb, ddof=1):.3f}"
+            f" | {difference(p)} | {verdict(p, sign)} |"
+        )
+    return lines
+
+
+# --- the rule labeler against radiologists (NegBio's Open-i gold) ----------------------------------------------------
 # NegBio's Open-i gold standard (its examples/openi_gld_std14.csv joined with the reports on the CXR id): ChestX-ray14
 # names, 1 = stated present (uncertain and negated are 0, so our uncertain counts absent here), `normal` = no finding.
 GOLD_COLUMNS = {
-    n: (n,) for n in ("Atelectasis", "Cardiomegaly", "Pneumonia", "Pneumothorax", "Consolidation", "Edema")
-} | {"Pleural Effusion": ("Effusion",), "Lung Lesion": ("Mass", "Nodule"), "No Finding": ("normal",)}  # No Finding last
+    "Atelectasis": ("Atelectasis",),
+    "Cardiomegaly": ("Cardiomegaly",),
+    "Pneumonia": ("Pneumonia",),
+    "Pneumothorax": ("Pneumothorax",),
+    "Consolidation": ("Consolidation",),
+    "Edema": ("Edema",),
+    "Pleural Effusion": ("Effusion",),
+    "Lung Lesion": ("Mass", "Nodule"),
+    "No Finding": ("normal",),  # last
+}
 
 
 def gold_agreement(path, labeler) -> dict:
-    """Per label precision, recall, F1 and counts of `labeler` against a gold CSV (columns report, the
-    ChestX-ray14 findings, normal), the micro F1 over the 8 findings and the No Finding rate."""
+    """Per label precision, recall, F1 and counts of `labeler` against a gold CSV (columns report, the ChestX-ray14
+    findings, normal), the micro F1 over the 8 findings and the No Finding rate."""
     import csv
 
     if not Path(path).is_file():
@@ -226,29 +342,22 @@ def gold_agreement(path, labeler) -> dict:
     for column in ["report"] + [c for cols in GOLD_COLUMNS.values() for c in cols]:
         if not rows or column not in rows[0]:
             raise ValueError(f"{path}: no column {column!r} (needs report, the ChestX-ray14 findings and normal)")
-        bad = next((n for n, r in enumerate(rows, 2) if column != "report" and r[column] not in ("0", "1")), None)
+        if column == "report":
+            continue
+        bad = next((n for n, r in enumerate(rows, 2) if r[column] not in ("0", "1")), None)
         if bad:
             raise ValueError(f"{path}:{bad}: column {column!r} is {rows[bad - 2][column]!r}, not 0 or 1")
     gold = np.array([[any(r[c] == "1" for c in cols) for cols in GOLD_COLUMNS.values()] for r in rows])  # (N, 9)
-    ours = (
-        common.binarize(labeler([r["report"] for r in rows]), uncertain_as=0)[
-            :, [common.LABEL_INDEX[n] for n in GOLD_COLUMNS]
-        ]
-        == 1
-    )
+    labels = common.binarize(labeler([r["report"] for r in rows]), uncertain_as=0)
+    ours = labels[:, [common.LABEL_INDEX[n] for n in GOLD_COLUMNS]] == 1  # (N, 9)
     tp, fp, fn = (ours & gold).sum(0), (ours & ~gold).sum(0), (~ours & gold).sum(0)  # (9,) each
-    out = {
-        name: dict(
-            zip(("precision", "recall", "f1"), map(float, prf)), gold=int(gold[:, i].sum()), ours=int(ours[:, i].sum())
-        )
-        for i, (name, *prf) in enumerate(zip(GOLD_COLUMNS, *common._prf(tp, fp, fn)))
-    }
-    return out | {
-        "micro_f1": float(common._prf(tp[:8].sum(), fp[:8].sum(), fn[:8].sum())[2]),
-        "n": len(rows),
-        "no_finding_rate": float(ours[:, -1].mean()),
-        "normal_rate": float(gold[:, -1].mean()),
-    }
+    out = {}
+    for i, (name, *prf) in enumerate(zip(GOLD_COLUMNS, *common._prf(tp, fp, fn))):
+        out[name] = dict(zip(("precision", "recall", "f1"), map(float, prf)))
+        out[name] |= {"gold": int(gold[:, i].sum()), "ours": int(ours[:, i].sum())}
+    out["micro_f1"] = float(common._prf(tp[:8].sum(), fp[:8].sum(), fn[:8].sum())[2])
+    out |= {"n": len(rows), "no_finding_rate": float(ours[:, -1].mean()), "normal_rate": float(gold[:, -1].mean())}
+    return out
 
 
 def labels_table(gold: str, labeler) -> list[str]:
@@ -256,54 +365,128 @@ def labels_table(gold: str, labeler) -> list[str]:
     out = gold_agreement(gold, labeler)
     lines = [f"{'':<17} precision recall   F1  gold ours"]
     for name in GOLD_COLUMNS:
+        o = out[name]
+        normal = "  (gold: normal)" if name == "No Finding" else ""
         lines.append(
-            f"{name:<17} {out[name]['precision']:9.3f} {out[name]['recall']:6.3f} {out[name]['f1']:6.3f} "
-            f"{out[name]['gold']:5d} {out[name]['ours']:4d}" + ("  (gold: normal)" if name == "No Finding" else "")
+            f"{name:<17} {o['precision']:9.3f} {o['recall']:6.3f} {o['f1']:6.3f} {o['gold']:5d} {o['ours']:4d}{normal}"
         )
-    return lines + [
+    lines.append(
         f"micro F1 over the 8 findings: {out['micro_f1']:.3f}; No Finding on {out['no_finding_rate']:.1%} of "
         f"{out['n']} reports (gold normal: {out['normal_rate']:.1%}); uncertain counts as absent"
-    ]
+    )
+    return lines
 
 
-# --- statistics and tables --------------------------------------------------------------------------------------
-def paired(a, b) -> dict:
-    """Paired a - b over seeds: mean, standard error (sample sd / sqrt n), and how many seeds have a > b."""
-    d = np.asarray(a, float) - np.asarray(b, float)
-    se = d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else math.nan
-    return {"mean": float(d.mean()), "se": float(se), "positive": int((d > 0).sum()), "n": len(d)}
-
-
-def verdict(p: dict) -> str:
-    """'+0.012 +- 0.004 (8 of 8 > 0)'; the sign is stable when the mean is 2 SE from 0. n/a: an arm lacks the metric."""
-    if math.isnan(p["mean"]):
-        return "n/a"
-    return f"{p['mean']:+.3f} ± {p['se']:.3f} ({p['positive']} of {p['n']} > 0)"
-
-
-def arms_of(exp: Experiment, results: dict, seeds: list, metric: str) -> list[str]:
+# --- tables -----------------------------------------------------------------------------------------------------------
+def arms_of(results: dict, seeds: list, metric: str) -> list[str]:
     return [a for a, v in results[seeds[0]].items() if isinstance(v, dict) and metric in v]
 
 
-def render(exp: Experiment, results: dict, seeds: list) -> list[str]:
-    """Markdown: the headline metric of every arm per seed (a column each), then each paired comparison per metric."""
+def values(results, seeds, arm, metric) -> list[float]:
+    return [results[s][arm].get(metric, math.nan) for s in seeds]
+
+
+def seed_table(exp: Experiment, results: dict, seeds: list) -> list[str]:
+    """The headline metric of every arm, a column per seed."""
     head = exp.metrics[0]
     lines = [f"| {head} | " + " | ".join(map(str, seeds)) + " | mean ± sd |", "|---" * (len(seeds) + 2) + "|"]
-    for a in arms_of(exp, results, seeds, head):
-        v = [results[s][a][head] for s in seeds]
-        lines.append(
-            f"| {a} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {np.mean(v):.3f} ± {np.std(v, ddof=1):.3f} |"
-        )
-    lines += ["", "| paired difference | " + " | ".join(exp.metrics) + " |", "|---" * (len(exp.metrics) + 1) + "|"]
+    for arm in arms_of(results, seeds, head):
+        v = values(results, seeds, arm, head)
+        cells = " | ".join(f"{x:.3f}" for x in v)
+        lines.append(f"| {arm} | {cells} | {np.mean(v):.3f} ± {np.std(v, ddof=1):.3f} |")
+    return lines
+
+
+def paired_table(exp: Experiment, results: dict, seeds: list) -> list[str]:
+    """Each comparison a - b on each metric: mean ± SE over seeds, and on how many seeds a > b."""
+    lines = [f"| a - b, paired by seed (mean ± SE, seeds with a > b) | {' | '.join(exp.metrics)} |"]
+    lines.append("|---" * (len(exp.metrics) + 1) + "|")
     for a, b, label in exp.comparisons:
-        cells = [
-            verdict(paired([results[s][a][m] for s in seeds], [results[s][b][m] for s in seeds])) for m in exp.metrics
-        ]
+        cells = [difference(paired(values(results, seeds, a, m), values(results, seeds, b, m))) for m in exp.metrics]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
-# --- figures ----------------------------------------------------------------------------------------------------
+def verdict_lines(exp: Experiment, results: dict, seeds: list) -> list[str]:
+    lines = []
+    for k, c in enumerate(exp.claims):
+        p = paired(values(results, seeds, c.a, c.metric), values(results, seeds, c.b, c.metric))
+        kind = "primary: the paper's claim" if k == 0 else ("the paper's" if c.sign else "a check, no claim")
+        claimed = {1: ", claimed > 0", -1: ", claimed < 0", 0: ""}[c.sign]
+        line = f"- {c.label}, {c.metric}: **{verdict(p, c.sign)}**, {difference(p)}{claimed} ({kind})"
+        lines.append(line)
+    return lines
+
+
+def span(seeds: list) -> str:
+    return f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ",".join(map(str, seeds))
+
+
+def machines(runs: dict, seeds: list) -> list[str]:
+    """Where the seeds ran: one line when every run shares machine, versions, pins and commit, else one per seed."""
+
+    def key(record):
+        m = record["machine"]
+        pins = " ".join(f"{k}={v}" for k, v in sorted(record["pins"].items()))
+        return (
+            f"{m['cpu']} ({m['cpu_capability']} kernels), torch {m['torch']}, Python {m['python']}; pins {pins}; "
+            f"commit {record['commit']}"
+        )
+
+    launches = {s: [r for job in runs[str(s)].values() for r in job] for s in seeds}
+    by_seed = {s: sorted({key(r) for r in launches[s]}) for s in seeds}
+    kinds = sorted({k for ks in by_seed.values() for k in ks})
+    cpu = sum(r["cpu_s"] for s in seeds for r in launches[s]) / 60 / len(seeds)
+    head = f"CPU-minutes per seed: {cpu:.0f}. "
+    if len(kinds) == 1:
+        return [head + f"Every run: {kinds[0]}."]
+    return [head + "Runs differ by machine, versions or commit:"] + [
+        f"- seed {s}: {'; '.join(by_seed[s])}" for s in seeds
+    ]
+
+
+def report(name: str, data: dict) -> list[str]:
+    """The README's lines for one table, from its results file: the declared seeds' tables and verdicts, then any
+    extension seeds apart, then where the runs ran."""
+    exp = EXPERIMENTS[name]
+    results = {int(s): v["arms"] for s, v in data["seeds"].items()}
+    declared = [s for s in exp.declared if s in results]
+    if declared != exp.declared:
+        missing = sorted(set(exp.declared) - set(declared))
+        raise ValueError(f"tests/results/{name}.json lacks declared seeds {missing}: run the sweep first")
+    extension = sorted(set(results) - set(declared))
+    lines = [f"<!-- printed by `python tests/reproduce.py {name} --report` from tests/results/{name}.json -->"]
+    lines += [f"Declared seeds {span(declared)}, `python tests/reproduce.py {name}`:", ""]
+    lines += seed_table(exp, results, declared) + [""] + paired_table(exp, results, declared) + [""]
+    lines += verdict_lines(exp, results, declared)
+    if exp.extra:
+        lines += exp.extra(results, declared)
+    if extension:
+        lines += ["", f"Extension, seeds {span(extension)} (added after the declaration; not pooled with it):", ""]
+        lines += paired_table(exp, results, extension) + [""] + verdict_lines(exp, results, extension)
+    lines += [""] + machines(data["runs"], declared + extension)
+    return lines
+
+
+README_BEGIN = "<!-- reproduce {name}: begin -->"
+README_END = "<!-- reproduce {name}: end -->"
+
+
+def readme_block(text: str, name: str) -> tuple[int, int]:
+    """Start and end (character offsets) of NAME's printed block in the README, between its markers."""
+    begin, end = README_BEGIN.format(name=name), README_END.format(name=name)
+    if begin not in text or end not in text:
+        raise ValueError(f"README has no {begin!r} ... {end!r} markers")
+    return text.index(begin) + len(begin) + 1, text.index(end)
+
+
+def write_readme(path: Path, name: str, lines: list[str]):
+    text = path.read_text()
+    start, stop = readme_block(text, name)
+    path.write_text(text[:start] + "\n".join(lines) + "\n" + text[stop:])
+
+
+# --- figures ----------------------------------------------------------------------------------------------------------
 def plt():
     import matplotlib
 
@@ -313,52 +496,13 @@ def plt():
     return pyplot
 
 
-def bars(exp: Experiment, results: dict, seeds: list, path: Path, metrics=None):
-    """Mean +- SE over seeds of each arm, one panel per metric."""
-    p = plt()
-    metrics = metrics or exp.metrics[:2]
-    arms = arms_of(exp, results, seeds, metrics[0])
-    fig, axes = p.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 2.8), squeeze=False)
-    for ax, m in zip(axes[0], metrics):
-        v = np.array([[results[s][a][m] for a in arms] for s in seeds])  # (seeds, arms)
-        ax.bar(range(len(arms)), v.mean(0), yerr=v.std(0, ddof=1) / math.sqrt(len(seeds)), color="#8aa", capsize=3)
-        for k in range(len(arms)):
-            ax.plot([k] * len(seeds), v[:, k], ".", color="#333", ms=3)
-        ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=7)
-        ax.set_title(m, fontsize=8)
-    fig.suptitle(f"{exp.title}: mean ± SE over seeds {seeds[0]}-{seeds[-1]} (dots: seeds)", fontsize=8)
-    save(p, fig, axes[0], path)
-
-
-def orapo_figure(exp, results, seeds, path):
-    """Fig. 2 (left): the share of zero-reward groups over training, OraPO and GRPO, mean +- SE over seeds."""
-    p = plt()
-    fig, axes = p.subplots(1, 2, figsize=(7.4, 2.8))
-    for arm, color in (("orapo", "#c33"), ("grpo", "#37a")):
-        c = np.array([results[s][arm]["curve"] for s in seeds])  # (seeds, steps)
-        w = 10  # a running mean over 10 steps
-        c = np.stack([np.convolve(x, np.ones(w) / w, "valid") for x in c])
-        x, m, se = np.arange(w, w + c.shape[1]), c.mean(0), c.std(0, ddof=1) / math.sqrt(len(seeds))
-        axes[0].plot(x, m, color=color, label=arm, lw=1)
-        axes[0].fill_between(x, m - se, m + se, color=color, alpha=0.2, lw=0)
-    axes[0].set(xlabel="step", ylabel="zero-reward groups (10-step mean)")
-    axes[0].legend(fontsize=7)
-    paired_bars(
-        axes[1],
-        {m: [results[s]["orapo"][m] - results[s]["grpo"][m] for s in seeds] for m in ("test macro F1", "test FactS")},
-        "OraPO - GRPO, paired by seed",
-    )
-    fig.suptitle(f"OraPO Fig. 2 on the synthetic set, seeds {seeds[0]}-{seeds[-1]} (mean ± SE)", fontsize=8)
-    save(p, fig, axes, path)
-
-
 def paired_bars(ax, differences: dict, title: str):
-    """A bar per paired difference (mean ± SE over seeds), each seed a dot."""
+    """A bar per paired difference (mean ± SE over seeds), each seed a dot, the zero line."""
     for k, d in enumerate(differences.values()):
         ax.bar(k, np.mean(d), yerr=np.std(d, ddof=1) / math.sqrt(len(d)), color="#8aa", capsize=3)
         ax.plot([k] * len(d), d, ".", color="#333", ms=3)
     ax.axhline(0, color="k", lw=0.5)
-    ax.set_xticks(range(len(differences)), list(differences), fontsize=7)
+    ax.set_xticks(range(len(differences)), list(differences), fontsize=7, rotation=20, ha="right")
     ax.set_title(title, fontsize=8)
 
 
@@ -370,34 +514,97 @@ def save(p, fig, axes, path):
     p.close(fig)
 
 
-def rrgcl_figure(exp, results, seeds, path):
-    """Fig. 3: lambda_n(t) of each class in the first seed's schedule; and curriculum - random order per seed."""
+def comparison_figure(exp, results, seeds, path, metrics=None):
+    """Per metric, the paired differences of the table's comparisons (mean ± SE over seeds, a dot per seed)."""
+    p = plt()
+    metrics = metrics or exp.metrics[:2]
+    fig, axes = p.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        differences = {}
+        for a, b, label in exp.comparisons:
+            d = np.array(values(results, seeds, a, m)) - np.array(values(results, seeds, b, m))
+            if not np.isnan(d).any():
+                differences[label] = d
+        paired_bars(ax, differences, f"{m}: a - b, paired by seed")
+    fig.suptitle(f"{exp.title}: seeds {span(seeds)}, mean ± SE (dots: seeds)", fontsize=8)
+    save(p, fig, axes[0], path)
+
+
+def orapo_figure(exp, results, seeds, path):
+    """Fig. 2 (left): the share of zero-reward groups over training, OraPO and GRPO, mean ± SE over seeds."""
     p = plt()
     fig, axes = p.subplots(1, 2, figsize=(7.4, 2.8))
-    sched = results[seeds[0]]["schedule"]
-    for c in sched["classes"]:
-        axes[0].plot(range(len(c["lambda"])), c["lambda"], lw=0.8, label=f"{c['name'][:14]} ({c['gamma']:.1f})")
-    axes[0].set(xlabel="epoch t", ylabel="lambda_n(t)")
-    axes[0].legend(fontsize=4.5, ncol=2, title="class (gamma_n)", title_fontsize=5)
-    paired_bars(
-        axes[1],
-        {
-            label: [results[s][a]["CE micro F1"] - results[s]["none"]["CE micro F1"] for s in seeds]
-            for a, label in (("rrgcl", "RRGCL, own file"), ("rrgcl_first_file", "RRGCL, one file"), ("root", "Root"))
-        },
-        "CE micro F1 minus random order, paired by seed",
-    )
-    fig.suptitle(
-        f"RRGCL Fig. 3 (seed {seeds[0]}) and the curriculum's effect, seeds {seeds[0]}-{seeds[-1]}", fontsize=8
-    )
+    for arm, color in (("orapo", "#c33"), ("grpo", "#37a")):
+        c = np.array([results[s][arm]["curve"] for s in seeds])  # (seeds, steps)
+        w = 10  # a running mean over 10 steps
+        c = np.stack([np.convolve(x, np.ones(w) / w, "valid") for x in c])
+        x, m, se = np.arange(w, w + c.shape[1]), c.mean(0), c.std(0, ddof=1) / math.sqrt(len(seeds))
+        axes[0].plot(x, m, color=color, label=arm, lw=1)
+        axes[0].fill_between(x, m - se, m + se, color=color, alpha=0.2, lw=0)
+    axes[0].set(xlabel="step", ylabel="zero-reward groups (10-step mean)")
+    axes[0].legend(fontsize=7)
+    differences = {}
+    for m in ("test macro F1", "test FactS"):
+        differences[m] = np.array(values(results, seeds, "orapo", m)) - np.array(values(results, seeds, "grpo", m))
+    paired_bars(axes[1], differences, "OraPO - GRPO, paired by seed")
+    fig.suptitle(f"OraPO Fig. 2 on the synthetic set, seeds {span(seeds)} (mean ± SE)", fontsize=8)
     save(p, fig, axes, path)
 
+
+def rrgcl_figure(exp, results, seeds, path):
+    """Fig. 3: lambda_n(t) of each class in the first seed's schedule, a panel per third of the classes by gamma; and
+    the curriculum's paired differences against random order."""
+    p = plt()
+    fig, axes = p.subplots(1, 4, figsize=(12, 3.0))
+    classes = sorted(results[seeds[0]]["schedule"]["classes"], key=lambda c: -c["gamma"])
+    thirds = np.array_split(np.arange(len(classes)), 3)
+    for ax, part in zip(axes[:3], thirds):
+        for k in part:
+            c = classes[k]
+            ax.plot(range(len(c["lambda"])), c["lambda"], lw=1, label=f"{c['name']} ({c['gamma']:.1f})")
+        ax.set(xlabel="epoch t", ylabel="lambda_n(t)", ylim=(0, 1.02))
+        ax.legend(fontsize=6, title="class (gamma_n)", title_fontsize=6)
+    differences = {}
+    for arm, label in (("rrgcl", "RRGCL, own file"), ("rrgcl_first_file", "RRGCL, one file"), ("root", "Root")):
+        a = np.array(values(results, seeds, arm, "CE micro F1"))
+        differences[label] = a - np.array(values(results, seeds, "none", "CE micro F1"))
+    paired_bars(axes[3], differences, "CE micro F1 minus random order")
+    fig.suptitle(f"RRGCL Fig. 3 (seed {seeds[0]}, easiest classes first) and the curriculum's effect", fontsize=8)
+    save(p, fig, axes, path)
+
+
+def dcrrg_figure(exp, results, seeds, path):
+    """Table 4: each model's CE micro F1 and BLEU-4 (mean ± SE), with a key of what each model trains."""
+    p = plt()
+    fig, axes = p.subplots(1, 2, figsize=(9, 3.2))
+    arms = [f"Model {k}" for k in TABLE4]
+    for ax, m in zip(axes, ("CE micro F1", "BLEU-4")):
+        v = np.array([values(results, seeds, a, m) for a in arms]).T  # (seeds, models)
+        ax.bar(range(len(arms)), v.mean(0), yerr=v.std(0, ddof=1) / math.sqrt(len(seeds)), color="#8aa", capsize=3)
+        ax.set_xticks(range(len(arms)), [str(k) for k in TABLE4])
+        ax.set(xlabel="model", title=m)
+    key = "\n".join(f"{k}: {what}" for k, what in TABLE4_KEY.items())
+    axes[1].text(1.03, 0.5, key, transform=axes[1].transAxes, fontsize=7, va="center")
+    fig.suptitle(f"DCRRG Table 4, seeds {span(seeds)} (mean ± SE)", fontsize=8)
+    save(p, fig, axes, path)
+
+
+TABLE4_KEY = {
+    1: "Step 1, FFT",
+    2: "Step 2, FFT",
+    3: "Steps 2+3, PT",
+    4: "Steps 1+3, PT",
+    5: "Steps 1+2, FFT",
+    6: "Steps 1+2+3, PT (DCRRG)",
+    7: "Steps 1+2+3, FFT",
+}
 
 EXPERIMENTS = {
     "mrg_r1": Experiment(
         "MRG-R1 Table II rows",
         mrg_r1_jobs,
         mrg_r1_read,
+        ["CE micro F1", "greedy MCCS"],  # not "greedy reward": each arm's is its own reward's
         [
             ("mccs+format", "warm start", "mccs+format - warm start"),
             ("format", "warm start", "format - warm start"),
@@ -407,69 +614,93 @@ EXPERIMENTS = {
             ("mccs+format", "ce_f1+format", "mccs+format - ce_f1+format"),
             ("mccs+format", "sft+100", "mccs+format - 100 more SFT steps"),
         ],
-        ["CE micro F1", "greedy MCCS"],  # not "greedy reward" (in results.json): each arm's is its own reward's
-        figure=lambda e, r, s, p: bars(e, r, s, p),
+        [
+            Claim("mccs+format", "format", "CE micro F1", 1, "the clinical term teaches (mccs+format - format)"),
+            Claim("mccs+format", "warm start", "CE micro F1", 1, "RL over the warm start (mccs+format - warm start)"),
+            Claim("sft+100", "warm start", "CE micro F1", 0, "the warm start has converged (100 more SFT steps)"),
+        ],
+        declared=list(range(100, 108)),
+        figure=comparison_figure,
     ),
     "deer": Experiment(
         "DEER DiTPO vs GRPO",
         deer_jobs,
         deer_read,
+        ["CE example F1", "CE micro F1", "BLEU-4"],
         [
             ("DiTPO (rule)", "GRPO", "DiTPO (rule) - GRPO"),
             ("DiTPO (rule)", "SFT", "DiTPO (rule) - SFT"),
             ("GRPO", "SFT", "GRPO - SFT"),
         ],
-        ["CE example F1", "CE micro F1", "BLEU-4"],
-        figure=lambda e, r, s, p: bars(e, r, s, p),
+        [
+            Claim("DiTPO (rule)", "GRPO", "CE example F1", 1, "DiTPO over GRPO"),
+            Claim("GRPO", "SFT", "CE example F1", 1, "RL over the SFT cold start (GRPO - SFT)"),
+        ],
+        declared=list(range(100, 108)),
+        figure=comparison_figure,
+        extra=deer_tables,
     ),
     "orapo": Experiment(
         "OraPO Fig. 2",
         orapo_jobs,
         orapo_read,
+        ["zero-reward groups", "zero-reward groups, last 50 steps", "test macro F1", "test FactS"],
         [("orapo", "grpo", "OraPO - GRPO")],
         [
-            "test macro F1",
-            "test FactS",
-            "zero-reward group ratio",
-            "zero-reward ratio, last 50 steps",
-            "DPO accuracy x zero groups",
+            Claim("orapo", "grpo", "zero-reward groups", -1, "Fig. 2: fewer zero-reward groups with OraPO"),
+            Claim("orapo", "grpo", "test macro F1", 1, "Table 1: OraPO's test macro F1 over GRPO's"),
         ],
+        declared=list(range(100, 108)),
         figure=orapo_figure,
     ),
     "rrgcl": Experiment(
         "RRGCL curriculum vs random order",
         rrgcl_jobs,
         rrgcl_read,
+        ["CE micro F1", "CE macro F1", "BLEU-4", "CIDEr"],
         [
             ("rrgcl", "none", "RRGCL (own file) - random"),
             ("rrgcl_first_file", "none", "RRGCL (first seed's file) - random"),
             ("root", "none", "Root - random"),
             ("rrgcl", "root", "RRGCL (own file) - Root"),
         ],
-        ["CE micro F1", "CE macro F1", "BLEU-4", "CIDEr"],
+        [
+            Claim("rrgcl", "none", "CE micro F1", 1, "the curriculum over random order (own file)"),
+            Claim("rrgcl_first_file", "none", "CE micro F1", 1, "the curriculum over random order (one file)"),
+            Claim("rrgcl", "root", "CE micro F1", 1, "Table 2: RRGCL's scheduler over Root"),
+        ],
+        declared=list(range(100, 108)),
         figure=rrgcl_figure,
     ),
     "dcrrg": Experiment(
         "DCRRG Table 4",
         dcrrg_jobs,
         dcrrg_read,
+        ["CE micro F1", "BLEU-4", "CIDEr"],
         [
             ("Model 6", "Model 3", "Step 1 (6 - 3)"),
             ("Model 5", "Model 2", "Step 1 (5 - 2)"),
             ("Model 6", "Model 4", "Step 2 (6 - 4)"),
             ("Model 5", "Model 1", "Step 2, no Step 3 (5 - 1)"),
-            ("Model 6", "Model 5", "Step 3 (6 - 5)"),
-            ("Model 3", "Model 2", "Step 3 (3 - 2)"),
-            ("Model 7", "Model 5", "Step 3 with FFT (7 - 5)"),
+            ("Model 7", "Model 5", "Step 3 (7 - 5)"),
+            ("Model 6", "Model 5", "Step 3 and PT instead of FFT (6 - 5)"),
+            ("Model 3", "Model 2", "Step 3 and PT instead of FFT (3 - 2)"),
             ("Model 6", "Model 7", "PT vs FFT (6 - 7)"),
         ],
-        ["CE micro F1", "BLEU-4", "CIDEr"],
-        figure=lambda e, r, s, p: bars(e, r, s, p, ["CE micro F1", "BLEU-4"]),
+        [
+            Claim("Model 6", "Model 3", "CE micro F1", 1, "Step 1 is essential (6 - 3)"),
+            Claim("Model 6", "Model 4", "CE micro F1", 1, "Step 2 helps (6 - 4)"),
+            Claim("Model 6", "Model 4", "BLEU-4", 1, "Step 2 helps (6 - 4)"),
+            Claim("Model 7", "Model 5", "BLEU-4", 1, "Step 3 helps NLG (7 - 5)"),
+            Claim("Model 6", "Model 7", "CE micro F1", 0, "PT matches FFT (6 - 7)"),
+        ],
+        declared=list(range(100, 105)),
+        figure=lambda e, r, s, p: dcrrg_figure(e, r, s, p),
     ),
 }
 
 
-# --- running ----------------------------------------------------------------------------------------------------
+# --- running ----------------------------------------------------------------------------------------------------------
 def parse_seeds(text: str) -> list[int]:
     """'100-107' or '1,3,5' (or both: '100-103,110')."""
     seeds = []
@@ -481,23 +712,117 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def arm_argv(job: Job, root: Path) -> list[str]:
+    """The job's flags as the script gets them (without --resume): what a finished run is checked against."""
+    return [a.replace("{root}", str(root)) for a in job.argv] + ["--out", str(job.folder(root))]
+
+
 def command(job: Job, root: Path) -> list[str]:
     """The job's command line; --resume when its folder holds a started run (or another stage of the same run)."""
-    argv = [a.replace("{root}", str(root)) for a in job.argv]
+    argv = arm_argv(job, root)
     started = job.folder(root).is_dir() and any(job.folder(root).iterdir())
-    return [sys.executable, str(ROOT / argv[0]), *argv[1:], "--out", str(job.folder(root))] + ["--resume"] * started
+    resume = ["--resume"] if started else []
+    return [sys.executable, str(ROOT / argv[0]), *argv[1:], *resume]
+
+
+def machine() -> dict:
+    """What a run's numbers depend on besides the code: the CPU, the kernels torch picks under the pins, versions."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    if Path("/proc/cpuinfo").is_file():
+        names = [
+            x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in x
+        ]
+        cpu = names[0] if names else cpu
+    capability = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        env=dict(os.environ, **PINS),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    return {"cpu": cpu, "cpu_capability": capability, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def commit() -> str:
+    """The project's commit; '+changes' when tracked files differ from it (a sweep should run from a commit)."""
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def records_path(job: Job, root: Path) -> Path:
+    return Path(str(job.folder(root)) + ".runs.jsonl")
+
+
+def records(job: Job, root: Path) -> list[dict]:
+    """This job's launches (a line each in <folder>.runs.jsonl: command, machine, pins, commit, CPU seconds, exit)."""
+    path = records_path(job, root)
+    lines = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    wanted = portable(arm_argv(job, root), root)
+    return [r for r in lines if r["argv"] == wanted]
+
+
+def portable(argv: list[str], root: Path) -> list[str]:
+    """A command line with the sweep's folder and the project's root as placeholders (machine-independent)."""
+    return [a.replace(str(root), "{root}").replace(str(ROOT), "{project}") for a in argv]
+
+
+def check_finished(job: Job, root: Path):
+    """A finished run is skipped only if a launch record shows it ran this job's flags: else a definition changed."""
+    if not records(job, root):
+        raise SystemExit(
+            f"error: {job.folder(root)} holds a finished run, but no launch record shows it ran "
+            f"{' '.join(portable(arm_argv(job, root), root))}: the definition changed since (or the run predates "
+            "the records); delete the folder or use another --out"
+        )
+
+
+def run_job(job: Job, root: Path, machine_info: dict, revision: str) -> int:
+    """Run one job under the pins, appending its launch record (with the CPU seconds it used) to <folder>.runs.jsonl."""
+    cmd = command(job, root)
+    env = dict(os.environ, **PINS, **QUIET, PYTHONPATH=str(ROOT))
+    start = time.time()
+    with open(str(job.folder(root)) + ".log", "a") as log:
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    record = {
+        "argv": portable(arm_argv(job, root), root),
+        "resumed": "--resume" in cmd,
+        "machine": machine_info,
+        "pins": PINS,
+        "commit": revision,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(start)),
+        "wall_s": round(time.time() - start, 1),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+        "exit": code,
+    }
+    with open(records_path(job, root), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return code
 
 
 def run_all(jobs: list[Job], root: Path, n_jobs: int, dry_run: bool):
     """Run what is not finished, at most n_jobs at once, each after the folders it needs."""
-    done = lambda j: (j.folder(root) / j.done).is_file()
+
+    def done(j):
+        return (j.folder(root) / j.done).is_file()
+
     todo = [j for j in jobs if not done(j)]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs done; {len(todo)} to run", flush=True)
     if dry_run:
         for j in todo:
             print(" ".join(command(j, root)))
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1", RRG_METEOR="0", RRG_FIGURES="0", PYTHONPATH=str(ROOT))
+    for j in jobs:
+        if done(j):
+            check_finished(j, root)
+    machine_info, revision = machine(), commit()
     running, finished = {}, {j.name for j in jobs if done(j)} - {j.name for j in todo}
     with ThreadPoolExecutor(n_jobs) as pool:
         while todo or running:
@@ -508,35 +833,56 @@ def run_all(jobs: list[Job], root: Path, n_jobs: int, dry_run: bool):
                     continue
                 todo.remove(j)
                 j.folder(root).parent.mkdir(parents=True, exist_ok=True)
-                log = open(str(j.folder(root)) + ".log", "a")
                 print(f"[{time.strftime('%H:%M:%S')}] start {j.name}: {' '.join(command(j, root)[1:])}", flush=True)
-                running[
-                    pool.submit(subprocess.run, command(j, root), env=env, stdout=log, stderr=subprocess.STDOUT)
-                ] = j
+                running[pool.submit(run_job, j, root, machine_info, revision)] = j
             if not running:
                 raise SystemExit(f"error: runs wait for jobs that cannot run: {[j.name for j in todo]}")
             for future in wait(running, return_when=FIRST_COMPLETED).done:
                 j = running.pop(future)
-                if future.result().returncode != 0:
-                    raise SystemExit(
-                        f"error: {j.name} failed (exit {future.result().returncode}); see {j.folder(root)}.log"
-                    )
+                if future.result() != 0:
+                    raise SystemExit(f"error: {j.name} failed (exit {future.result()}); see {j.folder(root)}.log")
                 if not any(t.name == j.name for t in todo) and done(j):
                     finished.add(j.name)  # a folder is finished when all of its jobs are
                 print(f"[{time.strftime('%H:%M:%S')}] done {j.name}", flush=True)
 
 
+def collect(name: str, seeds: list[int], root: Path) -> dict:
+    """Every seed's numbers and its jobs' launch records, as tests/results/NAME.json holds them."""
+    exp = EXPERIMENTS[name]
+    data = {"name": name, "declared": exp.declared, "seeds": {}, "runs": {}}
+    for s in seeds:
+        data["seeds"][str(s)] = {"arms": exp.read(root, s)}
+        data["runs"][str(s)] = {" ".join(j.argv): records(j, root) for j in exp.jobs(s, exp.declared)}
+    return data
+
+
+def draw(name: str, data: dict, folder: Path):
+    exp = EXPERIMENTS[name]
+    if not exp.figure:
+        return
+    results = {int(s): v["arms"] for s, v in data["seeds"].items()}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        exp.figure(exp, results, exp.declared, folder / f"{name}.png")
+        print(f"wrote {folder / f'{name}.png'}")
+    except ImportError:
+        print("figure skipped: it needs `pip install matplotlib`")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", choices=sorted(EXPERIMENTS) + ["labels"])
-    p.add_argument("--seeds", help="declared before running, e.g. 100-107")
+    p.add_argument("--seeds", help="default: the declared ones; others are an extension")
+    p.add_argument("--report", action="store_true", help="run nothing: print the README's lines from the results file")
+    p.add_argument("--readme", help="with --report: write the lines between the README's markers for NAME")
     p.add_argument(
         "--gold", help="labels: a gold CSV in NegBio's Open-i layout (id, report, ChestX-ray14 findings, normal)"
     )
     p.add_argument("--labeler", default="rule", choices=["rule", "chexbert"], help="labels: the labeler to score")
     p.add_argument("--chexbert-weights", help="labels: a local chexbert.pth")
     p.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
-    p.add_argument("--out", default=str(ROOT / "runs" / "reproduce"))
+    p.add_argument("--out", default=str(ROOT / "runs" / "reproduce"), help="the sweep's run folders")
+    p.add_argument("--results", default=str(RESULTS), help="where NAME.json is written and read")
     p.add_argument("--figures", default=str(ROOT / "tests" / "figures"))
     p.add_argument("--dry-run", action="store_true", help="print the commands still to run")
     args = p.parse_args(argv)
@@ -545,25 +891,38 @@ def main(argv=None):
             return print("\n".join(labels_table(args.gold, common.make_labeler(args.labeler, args.chexbert_weights))))
         except (FileNotFoundError, ValueError, TypeError) as e:
             raise SystemExit(f"error: {e}" if args.gold else "error: labels needs --gold FILE.csv") from None
-    if not args.seeds:
-        raise SystemExit(f"error: {args.name} needs --seeds, declared before running (e.g. 100-107)")
-    exp, seeds, root = EXPERIMENTS[args.name], parse_seeds(args.seeds), Path(args.out) / args.name
-    jobs = [j for s in seeds for j in exp.jobs(s, seeds)]
+    exp, results_file = EXPERIMENTS[args.name], Path(args.results) / f"{args.name}.json"
+    if args.report:
+        if not results_file.is_file():
+            raise SystemExit(f"error: no {results_file}: run `python tests/reproduce.py {args.name}` first")
+        data = read_json(results_file)
+        try:
+            lines = report(args.name, data)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        print("\n".join(lines))
+        if args.readme:
+            write_readme(Path(args.readme), args.name, lines)
+        draw(args.name, data, Path(args.figures))
+        return
+    seeds = parse_seeds(args.seeds) if args.seeds else exp.declared
+    root = Path(args.out) / args.name
+    jobs = {}
+    for s in seeds:
+        for j in exp.jobs(s, exp.declared):
+            jobs[j.name, tuple(j.argv)] = j  # a job two seeds share (RRGCL's first file) once
+    jobs = list(jobs.values())
     run_all(jobs, root, args.jobs, args.dry_run)
     if args.dry_run:
         return
-    results = {s: exp.read(root, s) for s in seeds}
-    lines = [f"`python tests/reproduce.py {args.name} --seeds {args.seeds}`", "", *render(exp, results, seeds)]
-    print("\n".join(lines))
-    (root / "table.md").write_text("\n".join(lines) + "\n")
-    (root / "results.json").write_text(json.dumps({"seeds": seeds, "results": results}, indent=1, default=float))
-    if exp.figure:
-        try:
-            Path(args.figures).mkdir(parents=True, exist_ok=True)
-            exp.figure(exp, results, seeds, Path(args.figures) / f"{args.name}.png")
-            print(f"wrote {Path(args.figures) / f'{args.name}.png'}")
-        except ImportError:
-            print("figure skipped: it needs `pip install matplotlib`")
+    old = read_json(results_file) if results_file.is_file() else {"seeds": {}, "runs": {}}
+    new = collect(args.name, seeds, root)
+    data = {**new, "seeds": {**old["seeds"], **new["seeds"]}, "runs": {**old["runs"], **new["runs"]}}
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    results_file.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    print(f"wrote {results_file}")
+    print("\n".join(report(args.name, data)))
+    draw(args.name, data, Path(args.figures))
 
 
 if __name__ == "__main__":
