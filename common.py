@@ -484,22 +484,25 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     def U(a, b):
         return float(rng.uniform(a, b))
 
-    def sides(name):  # -1 the patient's right, 1 the left
+    def sides(name):
+        """The finding's sides: -1 the patient's right, 1 the left."""
         return {"right": (-1,), "left": (1,), "bilateral": (-1, 1)}[findings[name].get("side", "bilateral")]
 
-    def ramp(d, edge):  # 0 below d = 0, 1 above, linear across a band `edge` wide
+    def ramp(d, edge):
+        """0 below d = 0, 1 above, linear across a band `edge` wide."""
         return np.clip(d / edge + 0.5, 0.0, 1.0)
 
     def gauss(cx, cy, sx, sy):
         return np.exp(-0.5 * ((x - cx) / sx) ** 2 - 0.5 * ((y - cy) / sy) ** 2)
 
-    def radius(cx, cy, a, b):  # 1 on the ellipse
+    def radius(cx, cy, a, b):
         return np.sqrt(((x - cx) / a) ** 2 + ((y - cy) / b) ** 2)
 
-    def line(d, sigma):  # a thin line's profile at distance d
+    def line(d, sigma):
         return np.exp(-0.5 * (d / sigma) ** 2)
 
-    def rib_coordinate(cx, cy):  # ribs descend laterally; an integer value is the centre of a rib
+    def rib_coordinate(cx, cy):
+        """Ribs descend laterally; an integer value is the centre of a rib."""
         return (cy - 0.14 * (abs(cx - 0.5) / 0.35) ** 2) / rib_sp + rib_ph
 
     soft = {n: 0.6 if a.get("uncertain") else 1.0 for n, a in findings.items()}
@@ -593,7 +596,7 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     if "Support Devices" in findings:  # thin, very bright tubes along a few segments
         kind = findings["Support Devices"]["kind"]
 
-        def j():  # a jitter
+        def j():
             return U(-0.015, 0.015)
 
         curves = {  # every kind's points are drawn (rng), one kind's are used
@@ -626,11 +629,13 @@ def make_synthetic(
 ) -> Path:
     """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
-    rng, annotation = np.random.default_rng(seed), {"train": [], "val": [], "test": []}
+    rng = np.random.default_rng(seed)
+    annotation = {"train": [], "val": [], "test": []}
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
         for k in range(n):
+            name = f"{split}_{k:05d}"
             findings, labels = sample_synthetic_study(rng)
-            report, name = write_synthetic_report(findings, labels, rng), f"{split}_{k:05d}"
+            report = write_synthetic_report(findings, labels, rng)
             Image.fromarray(draw_synthetic_cxr(findings, rng, size)).save(Path(out_dir) / "images" / f"{name}.png")
             annotation[split].append(
                 {
@@ -660,9 +665,11 @@ def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, siz
     return final / "annotation.json"
 
 
-def load_data(data: str, **kwargs) -> dict[str, list[Record]]:  # --data: "synthetic", an annotation.json or its folder
-    path = synthetic_data() if data == "synthetic" else Path(data) / "annotation.json" if Path(data).is_dir() else data
-    return load_annotation(path, **kwargs)
+def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
+    """--data: "synthetic", an annotation.json or its folder."""
+    if data == "synthetic":
+        return load_annotation(synthetic_data(), **kwargs)
+    return load_annotation(Path(data) / "annotation.json" if Path(data).is_dir() else data, **kwargs)
 
 
 # ==== 3. Labelers =================================================================================
@@ -939,7 +946,8 @@ def chexbert_model(config=None, path=None):
     return model
 
 
-def from_hub(load):  # load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)
+def from_hub(load):
+    """load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)."""
     import socket
 
     try:
@@ -965,21 +973,24 @@ class CheXbertLabeler:
         if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
             from huggingface_hub import hf_hub_download
 
-            hub = lambda offline: hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)
-            model = chexbert_model(path=from_hub(hub) if weights is None else weights)
+            def download(offline):
+                return hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)
+
+            model = chexbert_model(path=from_hub(download) if weights is None else weights)
         self.tokenizer = tokenizer or from_hub(
             lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased", local_files_only=offline)
         )
         self.model = model.to(device).eval().requires_grad_(False)
         self.device, self.batch_size = torch.device(device), batch_size
 
-    def encode(self, report: str) -> list[int] | None:  # [CLS] pieces [SEP], cut to 512 as CheXbert; None if empty
+    def encode(self, report: str) -> list[int] | None:
+        """[CLS] pieces [SEP], cut to 512 as CheXbert; None for an empty report."""
         if not report.strip():
             return None
         ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
-        return (
-            ids if len(ids) <= CHEXBERT_MAX_PIECES else ids[: CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
-        )
+        if len(ids) > CHEXBERT_MAX_PIECES:
+            ids = ids[: CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
+        return ids
 
     @torch.inference_mode()
     def __call__(self, reports: list[str]) -> np.ndarray:
@@ -1004,7 +1015,8 @@ NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rou
 _METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
 
 
-def ngram_counts(tokens: list[str]) -> list[Counter]:  # [k-gram Counter, k = 1..4]: precook() of bleu/cider_scorer.py
+def ngram_counts(tokens: list[str]) -> list[Counter]:
+    """[k-gram Counter, k = 1..4]: precook() of bleu/cider_scorer.py."""
     return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, NGRAM_N + 1)]
 
 
@@ -1029,7 +1041,8 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
 
     # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
-    def bleu(correct, guess, hyp_len, ref_len):  # BLEU-1..4 per row (N, 4) in BleuScorer.compute_score()'s order
+    def bleu(correct, guess, hyp_len, ref_len):
+        """BLEU-1..4 per row (N, 4), in BleuScorer.compute_score()'s order of operations."""
         tiny, small = 1e-15, 1e-9  # its smoothing: an empty hypothesis gives 0, not NaN
         # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
         b = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
@@ -1061,7 +1074,10 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
     log_n = math.log(n_docs)
     idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
-    norm = lambda counts: [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]
+
+    def norm(counts):
+        return [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]
+
     each["CIDEr"] = []
     for h, r in zip(hyp_counts, ref_counts):
         penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
@@ -1071,32 +1087,35 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
         ]
         each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
     out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})  # the mean of the per-report scores
-    if (
-        meteor
-        and os.environ.get("RRG_METEOR") != "0"
-        and importlib.util.find_spec("pycocoevalcap")
-        and shutil.which("java")
-    ):
+    meteor = meteor and os.environ.get("RRG_METEOR") != "0"  # RRG_METEOR=0: left out on purpose, nothing to say
+    if meteor and importlib.util.find_spec("pycocoevalcap") and shutil.which("java"):
         global _METEOR_SCORER  # corpus METEOR: the jar's own aggregate, not the mean per report
         if _METEOR_SCORER is None:
             from pycocoevalcap.meteor.meteor import Meteor
 
             _METEOR_SCORER = Meteor()
-        # one line per text: a newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)
-        one_line = lambda t: " ".join(t.replace("|||", " ").split())
+
+        def one_line(t):
+            """A newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)."""
+            return " ".join(t.replace("|||", " ").split())
+
         score, scores = _METEOR_SCORER.compute_score(
             {i: [one_line(r)] for i, r in enumerate(refs)}, {i: [one_line(h)] for i, h in enumerate(hyps)}
         )
         out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
-    elif meteor and os.environ.get("RRG_METEOR") != "0":  # RRG_METEOR=0: left out on purpose, nothing to say
+    elif meteor:
         log.warning("METEOR skipped: it needs `pip install pycocoevalcap` and java on PATH")
     if per_sample:
         out["per_sample"] = {k: [float(x) for x in v] for k, v in each.items()}
     return out
 
 
-def _prf(tp, fp, fn):  # precision, recall, F1 = 2TP / (2TP + FP + FN), 0 if undefined (scikit-learn's zero_division=0)
-    div = lambda a, b: np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)
+def _prf(tp, fp, fn):
+    """Precision, recall, F1 = 2TP / (2TP + FP + FN); 0 where undefined (scikit-learn's zero_division=0)."""
+
+    def div(a, b):
+        return np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)
+
     return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
 
 
@@ -1171,18 +1190,9 @@ class TinyVLM(torch.nn.Module):
     """A small CNN turns each view (1, S, S) into g x g features; a study's views are averaged position by position
     (R2GenGPT's way: any number of views) into g x g prefix embeddings read before BOS by a random GPT-2 decoder."""
 
-    _no_split_modules = ["GPT2Block"]  # shard()'s blocks
+    _no_split_modules = ("GPT2Block",)  # shard()'s blocks
 
-    def __init__(
-        self,
-        vocab_size: int,
-        grid: int = 4,
-        n_embd: int = 128,
-        n_layer: int = 2,
-        n_head: int = 4,
-        max_len: int = 96,
-        channels: int = 32,
-    ):
+    def __init__(self, vocab_size: int, grid=4, n_embd=128, n_layer=2, n_head=4, max_len=96, channels=32):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -1196,7 +1206,10 @@ class TinyVLM(torch.nn.Module):
             channels=channels,
         )
         c = channels
-        block = lambda i, o: [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+
+        def block(i, o):
+            return [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+
         self.encoder = torch.nn.Sequential(
             *block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c), torch.nn.AdaptiveAvgPool2d(grid)
         )
@@ -1233,7 +1246,9 @@ class TinyPolicy:
 
     def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
         self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
-        self.device, self.eos_token_ids = torch.device(device), [tokenizer.eos_id]  # as HFPolicy's, a list
+        self.device = torch.device(device)
+        self.eos_token_ids = [tokenizer.eos_id]  # as HFPolicy's, a list
+        self.suppressed = ()  # ids never sampled: none (HFPolicy's: vision placeholders)
         self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
 
     def prompt_batch(self, images, text=None) -> dict:
@@ -1244,36 +1259,21 @@ class TinyPolicy:
             torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
             for study in images
         ]  # (V, 1, S, S) each
-        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True).to(self.device)
-        return {"pixel_values": pad(views), "view_mask": pad([torch.ones(len(v)) for v in views])}
+        pixel_values, view_mask = pad_views(views)
+        return {"pixel_values": pixel_values.to(self.device), "view_mask": view_mask.to(self.device)}
 
     def repeat(self, prompts: dict, G: int) -> dict:
         return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
 
     def generate(
-        self,
-        prompts: dict,
-        max_new_tokens: int = 80,
-        temperature: float = 1.0,
-        do_sample: bool = True,
-        return_logprobs: bool = False,
-        top_p: float = 1.0,
+        self, prompts: dict, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0
     ):
         embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
-        inputs = dict(
-            inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
-        )
+        attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+        inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask)
+        max_new_tokens = min(max_new_tokens, self.model.hparams["max_len"])
         return generate_completions(
-            self,
-            self.model.decoder,
-            inputs,
-            0,
-            min(max_new_tokens, self.model.hparams["max_len"]),
-            temperature,
-            do_sample,
-            return_logprobs,
-            top_p,
-            self.eos_token_ids,
+            self, self.model.decoder, inputs, 0, max_new_tokens, temperature, do_sample, return_logprobs, top_p
         )
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
@@ -1285,21 +1285,20 @@ class TinyPolicy:
         return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
-        return pad_completions(
-            [self.tokenizer.encode(t)[: self.model.hparams["max_len"] - 1] + [self.eos_token_id] for t in texts],
-            self.pad_token_id,
-            self.device,
-        )
+        targets = [self.tokenizer.encode(t)[: self.model.hparams["max_len"] - 1] + [self.eos_token_id] for t in texts]
+        return pad_completions(targets, self.pad_token_id, self.device)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
 
-    def sft_loss(self, prompts: dict, texts: list[str]):  # teacher-forced NLL of the texts: token sum / token count
+    def sft_loss(self, prompts: dict, texts: list[str]):
+        """Teacher-forced NLL of the texts: token sum / token count."""
         ids, mask = self.encode_targets(texts)
         return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
 
     def save(self, path, state_dict: dict | None = None):
-        """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's, gathered."""
+        """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's,
+        gathered."""
         Path(path).mkdir(parents=True, exist_ok=True)
         torch.save(
             {
@@ -1330,12 +1329,8 @@ class HFPolicy:
     ):
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
-        self.name, self.device, self.dtype, self.max_target_tokens = (
-            str(name_or_path),
-            torch.device(device),
-            dtype,
-            max_target_tokens,
-        )
+        self.name, self.device, self.dtype = str(name_or_path), torch.device(device), dtype
+        self.max_target_tokens = max_target_tokens
         size = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)} if max_pixels else None
         try:
             self.processor = AutoProcessor.from_pretrained(name_or_path, **({"size": size} if size else {}))
@@ -1357,14 +1352,8 @@ class HFPolicy:
         )
         # A vision placeholder (<|image_pad|> ...) in a completion (a random model writes them) would be taken for an
         # image slot by the next forward ("Image features and image tokens do not match"): never sampled, probability 0.
-        self.suppressed = [
-            i
-            for i in (
-                getattr(cfg, n, None)
-                for n in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-            )
-            if i is not None
-        ]
+        vision_tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        self.suppressed = [getattr(cfg, n) for n in vision_tokens if getattr(cfg, n, None) is not None]
         self.model.generation_config = GenerationConfig(
             bos_token_id=gen.bos_token_id,
             eos_token_id=self.eos_token_ids,
@@ -1381,17 +1370,18 @@ class HFPolicy:
             self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
         self.model.train()  # from_pretrained gives eval mode (no checkpointing, no LoRA dropout); generate() toggles it
 
-    def vision_and_language(self):  # (the vision tower and merger, the LM with its head) as modules
+    def vision_and_language(self):
+        """(the vision tower and merger, the LM with its head) as modules."""
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
 
-    def _forward_context(self):  # bf16 weights with fp32 parts (fp32_trainable, LoRA) need autocast to mix them
-        return (
-            contextlib.nullcontext()
-            if self.dtype == torch.float32
-            else torch.autocast(self.device.type, dtype=self.dtype)
-        )
+    def _forward_context(self):
+        """bf16 weights with fp32 parts (fp32_trainable, LoRA) need autocast to mix them."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def prompt_batch(self, images, text) -> dict:  # images: PIL views per study; text: one instruction or one per study
+    def prompt_batch(self, images, text) -> dict:
+        """images: PIL views per study; text: one instruction, or one per study."""
         texts = [text] * len(images) if isinstance(text, str) or text is None else list(text)
         chats = [
             [{"role": "user", "content": [{"type": "image"} for _ in views] + [{"type": "text", "text": t or ""}]}]
@@ -1400,9 +1390,9 @@ class HFPolicy:
         prompt_text = [self.processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         flat = [im.convert("RGB") for views in images for im in views]
         inputs = self.processor(text=prompt_text, images=flat, padding=True, return_tensors="pt")  # never truncated
-        return {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS} | {
-            "n_images": torch.tensor([len(v) for v in images])
-        }  # (B,) views per study, for repeat()
+        prompts = {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
+        prompts["n_images"] = torch.tensor([len(v) for v in images])  # (B,) views per study, for repeat()
+        return prompts
 
     def repeat(self, prompts: dict, G: int) -> dict:
         """Each study G times in a row; pixel_values (every image's t*h*w patch rows in turn) is cut per study."""
@@ -1418,55 +1408,34 @@ class HFPolicy:
         return out
 
     def generate(
-        self,
-        prompts: dict,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        do_sample: bool = True,
-        return_logprobs: bool = False,
-        top_p: float = 1.0,
+        self, prompts: dict, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0
     ):
+        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
+        P = prompts["input_ids"].shape[1]
         with self._forward_context():
             return generate_completions(
-                self,
-                self.model,
-                {k: v for k, v in prompts.items() if k in self.MODEL_KEYS},
-                prompts["input_ids"].shape[1],
-                max_new_tokens,
-                temperature,
-                do_sample,
-                return_logprobs,
-                top_p,
-                self.eos_token_ids,
-                self.suppressed,
+                self, self.model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p
             )
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T)."""
-        T, inputs = completion_ids.shape[1], {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
+        T = completion_ids.shape[1]
+        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
         inputs["input_ids"] = torch.cat([prompts["input_ids"], completion_ids], dim=1)  # (N, P+T)
-        inputs["attention_mask"] = torch.cat(
-            [prompts["attention_mask"], completion_mask.to(prompts["attention_mask"].dtype)], 1
-        )
+        mask = completion_mask.to(prompts["attention_mask"].dtype)
+        inputs["attention_mask"] = torch.cat([prompts["attention_mask"], mask], 1)
         if "mm_token_type_ids" in prompts:  # completions are text (type 0)
             inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
         # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
         with self._forward_context():
-            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[
-                :, :-1
-            ]  # (N, T, V) predicts token t
+            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits
+        logits = logits[:, :-1]  # (N, T, V) predicts token t
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
-        return pad_completions(
-            [
-                self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.max_target_tokens - 1]
-                + [self.eos_token_id]
-                for t in texts
-            ],
-            self.pad_token_id,
-            self.device,
-        )
+        targets = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        targets = [ids[: self.max_target_tokens - 1] + [self.eos_token_id] for ids in targets]
+        return pad_completions(targets, self.pad_token_id, self.device)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
@@ -1476,7 +1445,8 @@ class HFPolicy:
 
     def save(self, path, state_dict: dict | None = None):
         """save_pretrained with LoRA folded into the weights (the live model untouched), and the processor: the folder
-        loads with HFPolicy(path) or plain transformers. `state_dict`: a sharded model's, gathered (full_state_dicts)."""
+        loads with HFPolicy(path) or plain transformers. `state_dict`: a sharded model's, gathered
+        (full_state_dicts)."""
         Path(path).mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path, state_dict=state_dict or lora_merged_state_dict(self.model))
         self.processor.save_pretrained(path)
@@ -1518,20 +1488,12 @@ def fp32_trainable(model: torch.nn.Module):
 
 @torch.no_grad()
 def generate_completions(
-    policy,
-    model,
-    inputs: dict,
-    prompt_len: int,
-    max_new_tokens: int,
-    temperature: float,
-    do_sample: bool,
-    return_logprobs: bool,
-    top_p: float,
-    eos_ids: list,
-    suppressed=(),
+    policy, model, inputs, prompt_len, max_new_tokens, temperature, do_sample, return_logprobs, top_p
 ):
     """model.generate (KV cache, eval mode) -> ids (N, T) padded after the first EOS, mask (N, T) and the log-probs
-    under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses)."""
+    under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses).
+    The policy gives the stop ids (eos_token_ids), padding and the ids never sampled (suppressed)."""
+    eos_ids = policy.eos_token_ids
     was_training = policy.model.training
     policy.model.eval()
     sampling = (
@@ -1554,7 +1516,7 @@ def generate_completions(
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, policy.pad_token_id))
     if not return_logprobs:
         return ids, mask
-    return ids, mask, token_logprobs(torch.stack(out.logits, 1), ids, temperature, suppressed) * mask
+    return ids, mask, token_logprobs(torch.stack(out.logits, 1), ids, temperature, policy.suppressed) * mask
 
 
 def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
@@ -1569,17 +1531,21 @@ def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
     return torch.stack(rows)  # (N, T)
 
 
-def completion_mask(ids, eos_id):  # a list of ids: chat models end a turn with <|im_end|> but may stop on <|endoftext|>
-    """(N, T) float: 1 up to and including the first EOS (an id, or any of a list), 0 after; all 1 without one."""
+def completion_mask(ids, eos_id):
+    """(N, T) float: 1 up to and including the first EOS (an id, or any of a list: chat models end a turn with
+    <|im_end|> but may stop on <|endoftext|>), 0 after; all 1 without one."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_id, device=ids.device)).int()  # (N, T)
     return ((is_eos.cumsum(1) - is_eos) == 0).float()  # (N, T) no EOS strictly before
 
 
-def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):  # right-padded: ids (N, T) long, mask (N, T)
+def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
+    """Right-padded: ids (N, T) long, mask (N, T)."""
     T = max(1, max(len(s) for s in seqs))
-    ids, mask = torch.full((len(seqs), T), pad_id, dtype=torch.long), torch.zeros(len(seqs), T)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T)
     for i, s in enumerate(seqs):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s, dtype=torch.long), 1
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -1608,8 +1574,10 @@ class SmallCNN(torch.nn.Module):
             for m in (torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU())
         ]
         blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
-        blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()] if dim is not None else []
-        self.net, self.dim = torch.nn.Sequential(*blocks), dim or c[-1] * grid * grid
+        if dim is not None:
+            blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*blocks)
+        self.dim = dim or c[-1] * grid * grid
 
     def forward(self, x):
         return self.net(x)
@@ -1651,7 +1619,8 @@ def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_le
 class LoRALinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0):
         super().__init__()
-        self.base, (out_f, in_f) = base, base.weight.shape
+        self.base = base
+        out_f, in_f = base.weight.shape
         # fp32 adapters whatever the base's dtype (PEFT's autocast_adapter_dtype): bf16 would round updates away
         self.lora_A = torch.nn.Parameter(torch.empty(r, in_f, device=base.weight.device))  # (r, in)
         self.lora_B = torch.nn.Parameter(torch.zeros(out_f, r, device=base.weight.device))  # (out, r)
@@ -1660,7 +1629,8 @@ class LoRALinear(torch.nn.Module):
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         base.requires_grad_(False)
 
-    def forward(self, x):  # x (..., in) -> (..., out)
+    def forward(self, x):
+        """x (..., in) -> (..., out)."""
         out = self.base(x)
         if not self.enabled:
             return out
@@ -1669,17 +1639,13 @@ class LoRALinear(torch.nn.Module):
             torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B) * self.scaling
         ).to(out.dtype)
 
-    def delta_weight(self):  # (alpha / r) * B A, (out, in) as the base weight (computed in fp32)
+    def delta_weight(self):
+        """(alpha / r) * B A, (out, in) as the base weight (computed in fp32)."""
         return ((self.lora_B.float() @ self.lora_A.float()) * self.scaling).to(self.base.weight.dtype)
 
 
 def apply_lora(
-    model: torch.nn.Module,
-    target_modules: list[str],
-    r: int = 8,
-    alpha: float = 16.0,
-    dropout: float = 0.0,
-    exclude: torch.nn.Module | None = None,
+    model: torch.nn.Module, target_modules: list[str], r=8, alpha=16.0, dropout=0.0, exclude=None
 ) -> list[str]:
     """Wrap every nn.Linear named ...<target> (["q_proj", "v_proj"]) outside `exclude` (the vision tower,
     whose MLP shares the language model's names) in a LoRALinear, freeze the rest; the wrapped names."""
@@ -1722,7 +1688,8 @@ def merge_lora(model: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def lora_disabled(model: torch.nn.Module):  # inside the block, LoRA off: the base model, the reference for free
+def lora_disabled(model: torch.nn.Module):
+    """Inside the block, LoRA off: the base model, the reference for free."""
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
     for m in layers:
         m.enabled = False
@@ -1738,13 +1705,15 @@ def lora_disabled(model: torch.nn.Module):  # inside the block, LoRA off: the ba
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
     std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
-    if bad := (~torch.isfinite(rewards)).nonzero().flatten().tolist():
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
         raise ValueError(f"the reward function returned NaN or inf at completions {bad}")
     if group_size < 2:  # one completion per prompt: every advantage is 0 and nothing would be learned
         raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
     r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
     A = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    A = A / (r.std(dim=1, keepdim=True) + eps) if scale == "std" else A  # (B, G), Bessel's std (N - 1)
+    if scale == "std":
+        A = A / (r.std(dim=1, keepdim=True) + eps)  # (B, G), Bessel's std (N - 1)
     same = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) every reward of the group equal
     return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
 
@@ -1778,12 +1747,14 @@ def grpo_loss(
     # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old per token, L = -min(ratio A, clip(ratio) A)
     ratio = torch.exp(logp - old_logp)  # (N, T)
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
-    per_token, kl = -torch.min(ratio * A, clipped * A), None  # (N, T); kl (N, T) with a reference
+    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
+    kl = None  # (N, T) with a reference
     if ref_logp is not None:
         # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
         log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
         kl = torch.exp(log_r) - log_r - 1  # (N, T)
-        per_token = per_token + beta * kl if beta else per_token  # (N, T)
+        if beta:
+            per_token = per_token + beta * kl  # (N, T)
     n_tokens = mask.sum().clamp(min=1)  # ()
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # ()
@@ -1818,7 +1789,8 @@ def dpo_loss(
     with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
     length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
 
-    def seq_logp(lp, m):  # (N, T) + mask -> (N,), or (N,) as it is
+    def seq_logp(lp, m):
+        """(N, T) with a mask -> (N,); (N,) as it is."""
         if m is None:
             return lp
         total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
@@ -1860,12 +1832,15 @@ def rollout(
     prompts = policy.repeat(policy.prompt_batch(images, text), G)
     ids, mask = policy.generate(prompts, max_new_tokens, temperature)  # (N, T), (N, T)
     texts = policy.decode(ids, mask)
-    rewards = torch.as_tensor(
-        reward_fn(texts, [n // G for n in range(len(texts))]), dtype=torch.float32, device=ids.device
-    )  # (N,)
-    ref_policy = None if ref == "none" else policy if ref == "lora" else ref
-    with torch.no_grad(), lora_disabled(policy.model) if ref == "lora" else contextlib.nullcontext():
-        ref_logp = ref_policy.completion_logprobs(prompts, ids, mask, temperature) if ref_policy is not None else None
+    owners = [n // G for n in range(len(texts))]
+    rewards = torch.as_tensor(reward_fn(texts, owners), dtype=torch.float32, device=ids.device)  # (N,)
+    ref_logp = None
+    if ref == "lora":
+        with torch.no_grad(), lora_disabled(policy.model):
+            ref_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
+    elif ref != "none":
+        with torch.no_grad():
+            ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
     return Rollout(prompts, ids, mask, texts, rewards, ref_logp)
 
 
@@ -1923,7 +1898,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     if not _distributed():  # NCCL's default 10-minute timeout is too short while rank 0 evaluates alone
         torch.distributed.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            timeout=timedelta(minutes=float(os.environ.get("RRG_DIST_TIMEOUT_MIN", 120))),
+            timeout=timedelta(minutes=float(os.environ.get("RRG_DIST_TIMEOUT_MIN", "120"))),
         )
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
@@ -1951,7 +1926,8 @@ def end_process(message: str | None = None):
         raise SystemExit(message)
 
 
-def all_reduce_mean(x):  # mean over ranks of a number, a list or a dict of numbers (the same keys on every rank)
+def all_reduce_mean(x):
+    """The mean over ranks of a number, a list or a dict of numbers (the same keys on every rank)."""
     if isinstance(x, dict):
         return dict(zip(x.keys(), all_reduce_mean([float(v) for v in x.values()]) if x else []))
     t = torch.as_tensor(x, dtype=torch.float64)
@@ -1962,14 +1938,16 @@ def all_reduce_mean(x):  # mean over ranks of a number, a list or a dict of numb
     return t.item() if t.dim() == 0 else t.tolist()
 
 
-def all_gather_objects(obj) -> list:  # every rank's object, in rank order, on every rank ([obj] in one process)
+def all_gather_objects(obj) -> list:
+    """Every rank's object, in rank order, on every rank ([obj] in one process)."""
     out = [obj] * (torch.distributed.get_world_size() if _distributed() else 1)
     if _distributed():
         torch.distributed.all_gather_object(out, obj)
     return out
 
 
-def broadcast_object(obj, src: int = 0):  # rank src's object on every rank
+def broadcast_object(obj, src: int = 0):
+    """Rank src's object on every rank."""
     box = [obj]
     if _distributed():
         torch.distributed.broadcast_object_list(box, src=src)
@@ -1977,16 +1955,21 @@ def broadcast_object(obj, src: int = 0):  # rank src's object on every rank
 
 
 @torch.no_grad()
-def broadcast_parameters(model: torch.nn.Module, src: int = 0):  # rank src's parameters and buffers, as DDP's wrap
-    for t in list(model.parameters()) + list(model.buffers()) if _distributed() else []:
-        torch.distributed.broadcast(t.data, src=src)
+def broadcast_parameters(model: torch.nn.Module, src: int = 0):
+    """Rank src's parameters and buffers on every rank, as DDP's wrap."""
+    if _distributed():
+        for t in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(t.data, src=src)
 
 
 def all_reduce_gradients(params, world_size: int):
     """Average the gradients over ranks after backward, as DDP does (DDP's hook never sees generate()); no gradient this
     step: zeros, so that every rank makes the same calls. FSDP2's sharded parameters come averaged by their backward."""
-    for p in [p for p in params if not isinstance(p, DTensor)] if world_size > 1 else []:
-        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+    if world_size <= 1:
+        return
+    for p in [p for p in params if not isinstance(p, DTensor)]:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
         torch.distributed.all_reduce(p.grad)
         p.grad /= world_size
 
@@ -2008,22 +1991,25 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), optimizer and get_optimizer_state_dict(
-        model, optimizer, options=options
-    )
+    model_state = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return model_state, optimizer_state
 
 
-def gather_strided(mine: list, world_size: int) -> list:  # each rank's x[rank::world_size] -> all x on every rank
+def gather_strided(mine: list, world_size: int) -> list:
+    """Each rank's x[rank::world_size] -> all of x on every rank."""
     shards = all_gather_objects(mine)
     return [shards[k % world_size][k // world_size] for k in range(sum(map(len, shards)))]
 
 
-def seed_everything(seed: int, rank: int = 0):  # python, numpy, torch (all CUDA devices too): seed + rank (nanoGPT)
+def seed_everything(seed: int, rank: int = 0):
+    """Seeds python, numpy and torch (all CUDA devices too) with seed + rank (nanoGPT)."""
     for seed_rng in (random.seed, np.random.seed, torch.manual_seed):
         seed_rng(seed + rank)
 
 
-def exact_div(a: int, b: int, what: str) -> int:  # a / b, batch sizes that must be whole (lm-human-preference-details)
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b for batch sizes that must be whole (lm-human-preference-details)."""
     if b <= 0 or a % b:
         raise ValueError(f"{what}: {a} is not divisible by {b}")
     return a // b
@@ -2039,7 +2025,10 @@ class Run:
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
         self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
         self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
-        self.start, self.done, self._saved, self._stats = 0, None, None, defaultdict(list)
+        self.start = 0  # the first step, restore()'s
+        self.done = None  # a finished run's results (eval.json)
+        self._saved = None  # what checkpoints hold: restore() names it
+        self._stats = defaultdict(list)  # log()'s numbers of this step
         problem = self._check_folder() if check and self.is_main else None
         problem, self.done = broadcast_object((problem, self.done))
         if problem:
@@ -2069,12 +2058,14 @@ class Run:
         elif self.resume_flags is None:
             return f"--resume: {config} not found; is --out the folder of the run to resume?"
 
-    def write(self, name: str, text: str):  # rank 0 writes out/<name> ("a/x.json" too) atomically: no half-written file
+    def write(self, name: str, text: str):
+        """Rank 0 writes out/<name> ("a/x.json" too) atomically: no half-written file."""
         if self.is_main:
             atomic_save(text, self.out / name)
 
     def stage(self, name: str, flags) -> Run:
-        """A run in out/<name> (config, log, checkpoint) sharing processes, data and labeler; --resume checks `flags`."""
+        """A run in out/<name> (config, log, checkpoint) sharing processes, data and labeler; --resume checks
+        `flags`."""
         return Run(
             dataclasses.replace(self.args, out=str(self.out / name)),
             self.rank,
@@ -2086,21 +2077,27 @@ class Run:
             notes=self.notes,
         )
 
-    def per_rank(self, batch_size: int, flag: str) -> int:  # a global batch (as the papers count) -> this rank's share
+    def per_rank(self, batch_size: int, flag: str) -> int:
+        """A global batch (as the papers count) -> this rank's share."""
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
 
-    def autocast(self):  # bf16 matmuls under torch.autocast
-        return contextlib.nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, self.dtype)
+    def autocast(self):
+        """bf16 matmuls under torch.autocast (nothing in fp32)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, self.dtype)
 
     # Steps and checkpoints ---------------------------------------------------------------------
     def restore(self, model, optimizer=None, scheduler=None, state: dict | None = None) -> int:
-        """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's `state`);
-        ranks sample apart from here (seed + rank). --resume loads out/last.pt, RNG too. Returns the start step."""
+        """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's
+        `state`); ranks sample apart from here (seed + rank). --resume loads out/last.pt, RNG too. Returns the start
+        step."""
         self._saved = (model, optimizer, scheduler, state)
         seed_everything(self.args.seed, self.rank)
         if self.resuming and (self.out / "last.pt").is_file():
             self.start, extra = load_checkpoint(self.out / "last.pt", model, optimizer, scheduler)
-            (state if state is not None else {}).update(extra)
+            if state is not None:
+                state.update(extra)
         if self.resuming and self.is_main and (self.out / "metrics.jsonl").is_file():  # drop lines after the checkpoint
             rows = (self.out / "metrics.jsonl").read_text().splitlines(keepends=True)
             self.write("metrics.jsonl", "".join(r for r in rows if json.loads(r)["step"] <= self.start))
@@ -2109,42 +2106,48 @@ class Run:
     def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size", transform="pil"):
         """batches(start) for steps(): this rank's share of shuffled global batches of studies (images: `transform`)."""
         n = self.per_rank(batch_size, flag)
-        return lambda start: (
-            b for _, b in study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform)
-        )
+
+        def batches(start: int):
+            epochs_and_batches = study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform)
+            return (batch for _, batch in epochs_and_batches)
+
+        return batches
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None):
         """(step, batch), step = start (default: restore()'s) .. total - 1, with a bar; after each, a metrics.jsonl line
         (log()'s means over ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C, SIGTERM: save, stop."""
         import signal
 
-        stop, start = [], self.start if start is None else start
-        old = (
-            {s: signal.signal(s, lambda *_: stop.append(1)) for s in (signal.SIGINT, signal.SIGTERM)}
-            if threading.current_thread() is threading.main_thread()
-            else {}
-        )
+        if start is None:
+            start = self.start
         bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
-        clock, data, optimizer = time.time(), batches(start), self._saved[1] if self._saved else None
+        clock = time.time()
+        data = batches(start)
+        optimizer = self._saved[1] if self._saved else None
+        stop = []  # Ctrl-C or SIGTERM: the ranks save and stop after the step
+
+        def request_stop(signum, frame):
+            stop.append(signum)
+
+        old_handlers = {}
+        if threading.current_thread() is threading.main_thread():  # Python sets handlers in the main thread only
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                old_handlers[signum] = signal.signal(signum, request_stop)
         try:
             for step in range(start, total):
-                lr = {"lr": optimizer.param_groups[0]["lr"]} if optimizer is not None else {}
+                lr = {"lr": optimizer.param_groups[0]["lr"]} if optimizer is not None else {}  # before the update
                 yield step, next(data)
-                row = {
-                    "step": step + 1,
-                    "time": round(time.time() - clock, 2),
-                    **lr,
-                    **all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())}),
-                }
+                elapsed = round(time.time() - clock, 2)
+                stats = all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())})
+                row = {"step": step + 1, "time": elapsed, **lr, **stats}
                 self._stats.clear()
                 if self.is_main:
                     with open(self.out / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(row) + "\n")
                     bar.update(1)
-                    bar.set_postfix(
-                        {k: f"{v:.3g}" for k, v in row.items() if k not in ("step", "time", "lr") and "/" not in k},
-                        refresh=False,
-                    )  # keys "a/b" (a class each) stay in the file
+                    # the bar shows the method's numbers; keys "a/b" (a class each) stay in the file
+                    shown = {k: f"{v:.3g}" for k, v in row.items() if k not in ("step", "time", "lr") and "/" not in k}
+                    bar.set_postfix(shown, refresh=False)
                 interrupted = all_reduce_mean(float(bool(stop))) > 0  # every rank stops at the same step
                 if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == total or interrupted):
                     self.checkpoint(step + 1)
@@ -2155,10 +2158,11 @@ class Run:
                     )
         finally:
             bar.close()
-            for s, h in old.items():
-                signal.signal(s, h)
+            for signum, handler in old_handlers.items():
+                signal.signal(signum, handler)
 
-    def log(self, **stats):  # numbers for this step's line in metrics.jsonl (several calls in a step are averaged)
+    def log(self, **stats):
+        """Numbers for this step's line in metrics.jsonl (several calls in a step are averaged)."""
         for k, v in stats.items():
             self._stats[k].append(float(v))
 
@@ -2176,16 +2180,19 @@ class Run:
         return norm
 
     def checkpoint(self, step: int):
-        """out/last.pt, atomically. Every rank calls it: its RNG state goes in, so a resume draws as if never stopped."""
+        """out/last.pt, atomically. Every rank calls it: its RNG state goes in, so a resume draws as if never
+        stopped."""
         model, optimizer, scheduler, state = self._saved
         kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as tensors and lists: loadable with weights_only
         rng = {
             "python": random.getstate(),
             "torch": torch.get_rng_state(),
             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-            **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}),
         }
-        states, params = all_gather_objects(rng), dict(model.named_parameters())
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        states = all_gather_objects(rng)
+        params = dict(model.named_parameters())
         partial = not all(p.requires_grad for p in params.values())
         weights, optim = full_state_dicts(model, optimizer) if isinstance(model, FSDPModule) else (None, None)
         if self.is_main:
@@ -2218,7 +2225,7 @@ class Run:
         report=None,
         score=None,
         meteor=False,
-        ce: dict | None = None,
+        ce=None,
     ) -> dict:
         """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
         NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
@@ -2226,17 +2233,17 @@ class Run:
         path = self.out / f"eval_{name}.json"
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
-        mine, completions = records[self.rank :: self.world_size], []  # each rank a strided share, greedy
-        padded = (
-            mine + records[: len(records[:: self.world_size]) - len(mine)]
-        )  # as long as rank 0's: equal generate() calls (FSDP)
+        mine = records[self.rank :: self.world_size]  # each rank a strided share, greedy
+        # padded as long as rank 0's share: every rank makes as many generate() calls (FSDP)
+        padded = mine + records[: len(records[:: self.world_size]) - len(mine)]
+        completions = []
         for b in tqdm(range(0, len(padded), 32), desc=name, disable=not self.is_main):
-            prompts = policy.prompt_batch(
-                [[load_image(p, r.id) for p in r.image_paths] for r in padded[b : b + 32]], prompt
-            )
+            images = [[load_image(p, r.id) for p in r.image_paths] for r in padded[b : b + 32]]
+            prompts = policy.prompt_batch(images, prompt)
             with torch.no_grad(), self.autocast():
                 completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
-        completions, results = gather_strided(completions[: len(mine)], self.world_size), None
+        completions = gather_strided(completions[: len(mine)], self.world_size)
+        results = None
         if self.is_main:
             rows = [
                 {"id": r.id, "reference": r.report, "generated": report(c) if report else c}
@@ -2244,9 +2251,9 @@ class Run:
                 for r, c in zip(records, completions)
             ]
             labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
-            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **(ce or {})) | (
-                score(rows, labeler) if score else {}
-            )
+            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **(ce or {}))
+            if score:
+                results |= score(rows, labeler)
             self.write(f"generations_{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
             self.write(path.name, json.dumps(results, indent=2))
         return broadcast_object(results)
@@ -2263,7 +2270,8 @@ class Run:
         return results
 
 
-def resolve_defaults(args):  # the "auto" flags made concrete as config.json records them: labeler, dtype (clean: data)
+def resolve_defaults(args):
+    """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
     if args.labeler == "auto":  # the papers' CheXbert for a real run; our rules offline, for the sandbox
         args.labeler = "rule" if args.data == "synthetic" or args.model == "tiny" else "chexbert"
     if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
@@ -2287,9 +2295,10 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
         "labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
         "CE numbers do not compare with published ones (--labeler chexbert)"
     )
-    notes = [rule] * (args.labeler == "rule") + list(notes)
-    for note in notes if rank == 0 else ():
-        log.warning("note: %s", note)
+    notes = [rule, *notes] if args.labeler == "rule" else list(notes)
+    if rank == 0:
+        for note in notes:
+            log.warning("note: %s", note)
     seed_everything(args.seed)
     return Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
 
@@ -2297,9 +2306,11 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
 def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
     """A script's main(): flags (a first word picks one of `commands`), train; bad input or Ctrl-C: one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if commands and argv and not argv[0].startswith("-") else (commands or [None])[0]
-    if commands and command not in commands:
-        raise SystemExit(f"error: unknown command {command!r}; use one of {', '.join(commands)}")
+    command = None
+    if commands:  # the first word, else the first command
+        command = argv.pop(0) if argv and not argv[0].startswith("-") else commands[0]
+        if command not in commands:
+            raise SystemExit(f"error: unknown command {command!r}; use one of {', '.join(commands)}")
     args = parse_args(args_class, argv, doc)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:  # any other exception is a bug: its traceback propagates
@@ -2331,24 +2342,20 @@ def build_policy(
     `warm_start` ({steps, lr, batch_size, prompt, targets=fn(batch)}) first fine-tunes on the reports (a
     random model never earns a reward; LoRA is folded in after), saved to out/warm_start/ for --resume."""
     saved = run.out / "warm_start"
-    if warm_start and run.resuming and saved.is_dir():
-        init, warm_start = saved, None
-    policy = (
-        load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
-        if init is not None
-        else make_policy(
-            run.args.model, [r.report for r in records], run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels
-        )
-    )
+    if warm_start and run.resuming and saved.is_dir():  # warm-started before the run stopped
+        init = saved
+        warm_start = None
+    if init is not None:
+        policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
+    else:
+        reports = [r.report for r in records]
+        policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
     broadcast_parameters(policy.model)
-    add_lora = lambda: apply_lora(
-        policy.model,
-        lora["targets"],
-        lora["r"],
-        lora["alpha"],
-        lora["dropout"],
-        exclude=policy.vision_and_language()[0],
-    )  # its MLP shares the LM's names
+
+    def add_lora():
+        vision = policy.vision_and_language()[0]  # its MLP shares the LM's names
+        apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"], exclude=vision)
+
     if lora:
         add_lora()
     if warm_start and warm_start["steps"] > 0:  # teacher-forced likelihood of targets(batch), AdamW, constant lr
@@ -2359,7 +2366,8 @@ def build_policy(
         targets = warm_start.get("targets", lambda batch: batch["report"])
         for _ in trange(warm_start["steps"], desc="warm start", disable=not run.is_main):
             batch = next(batches)
-            policy.sft_loss(policy.prompt_batch(batch["images"], warm_start["prompt"]), targets(batch)).backward()
+            prompts = policy.prompt_batch(batch["images"], warm_start["prompt"])
+            policy.sft_loss(prompts, targets(batch)).backward()
             all_reduce_gradients(params, run.world_size)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -2371,20 +2379,28 @@ def build_policy(
         if run.is_main:
             policy.save(saved)
         barrier()
-    ref = "lora" if lora else copy.deepcopy(policy) if reference else "none"
-    if not isinstance(ref, str):
+    if lora:
+        ref = "lora"
+    elif reference:
+        ref = copy.deepcopy(policy)
         ref.model.eval().requires_grad_(False)
+    else:
+        ref = "none"
     fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
-    for model in ([policy.model] + ([] if isinstance(ref, str) else [ref.model])) * fsdp:  # policy, reference
-        shard(model, run.dtype)  # after the warm start, which saved the model whole
+    if fsdp:  # after the warm start, which saved the model whole
+        shard(policy.model, run.dtype)
+        if not isinstance(ref, str):
+            shard(ref.model, run.dtype)
     return policy, ref
 
 
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
     """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
-    optimizer, w = torch.optim.AdamW(list(params), lr=lr, **kwargs), int(warmup * total)
+    optimizer = torch.optim.AdamW(list(params), lr=lr, **kwargs)
+    w = int(warmup * total)  # warm-up steps
 
-    def factor(step):  # the lr's multiplier at `step`
+    def factor(step):
+        """The lr's multiplier at `step`."""
         decay = {
             "linear": (total - step) / max(1, total - w),
             "constant": 1.0,
@@ -2395,10 +2411,14 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def atomic_save(obj, path: Path):  # torch.save (a str: its text) beside `path`, then renamed: a crash keeps the old one
+def atomic_save(obj, path: Path):
+    """torch.save (a str: its text) beside `path`, then renamed: a crash keeps the old file."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(obj) if isinstance(obj, str) else torch.save(obj, tmp)
+    if isinstance(obj, str):
+        tmp.write_text(obj)
+    else:
+        torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
@@ -2431,7 +2451,12 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
         scheduler.load_state_dict(ckpt["scheduler"])
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _distributed() else (0, 1)
     if len(ckpt["rng"]) == world:
-        state, as_tuples = ckpt["rng"][rank], lambda x: tuple(map(as_tuples, x)) if isinstance(x, (list, tuple)) else x
+        state = ckpt["rng"][rank]
+
+        def as_tuples(x):
+            """Python's RNG state is nested tuples; the checkpoint holds lists."""
+            return tuple(map(as_tuples, x)) if isinstance(x, (list, tuple)) else x
+
         random.setstate(as_tuples(state["python"]))
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
@@ -2453,7 +2478,7 @@ def field_helps(args_class) -> dict[str, str]:
     helps = {}
     for cls in reversed(args_class.__mro__[:-1]):
         body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-        for node, after in zip(body, body[1:]):
+        for node, after in itertools.pairwise(body):
             is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
             if isinstance(node, ast.AnnAssign) and is_doc and isinstance(after.value.value, str):
                 helps[node.target.id] = " ".join(after.value.value.split())
@@ -2480,7 +2505,8 @@ def parse_args(args_class, argv=None, description: str | None = None):
     return args_class(**vars(p.parse_args(argv)))
 
 
-def read_generations(path) -> list[dict]:  # generations.jsonl: a {"id", "reference", "generated", ...} per line
+def read_generations(path) -> list[dict]:
+    """generations.jsonl: a {"id", "reference", "generated", ...} per line."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"generations file not found: {path}")
     rows = []
@@ -2489,9 +2515,11 @@ def read_generations(path) -> list[dict]:  # generations.jsonl: a {"id", "refere
             row = json.loads(line) if line.strip() else None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if row is not None and not all(isinstance(row.get(k), str) for k in ("reference", "generated")):
+        if row is None:  # a blank line
+            continue
+        if not all(isinstance(row.get(k), str) for k in ("reference", "generated")):
             raise ValueError(f"{path}:{n}: 'reference' and 'generated' must be strings (the line has {sorted(row)})")
-        rows += [row] if row is not None else []
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no generations in the file")
     return rows
@@ -2501,31 +2529,30 @@ class LabelCache:
     """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
 
     def __init__(self, labeler):
-        self.labeler, self.labels = labeler, {}
+        self.labeler = labeler
+        self.labels = {}  # text -> (14,) labels
 
     def __call__(self, texts: list[str]) -> np.ndarray:
-        if new := [t for t in dict.fromkeys(texts) if t not in self.labels]:
+        new = [t for t in dict.fromkeys(texts) if t not in self.labels]
+        if new:
             self.labels.update(zip(new, self.labeler(new)))
         return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
 
 
-def make_labeler(name: str, chexbert_weights=None, device="cpu"):  # --labeler rule|chexbert
+def make_labeler(name: str, chexbert_weights=None, device="cpu"):
+    """--labeler rule|chexbert."""
     return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
 
 
 def evaluate_generations(
-    rows: list[dict],
-    labeler,
-    clean: str | None = "mimic_cxr",
-    uncertain_as: int = 1,
-    meteor=True,
-    headline: str = "micro_f1",
+    rows: list[dict], labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1"
 ) -> dict:
     """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
     (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
     every metric. Degenerate output (most reports alike, or none with a word of the references) is called out."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
-    if n_empty := sum(not h.strip() for h in hyps):
+    n_empty = sum(not h.strip() for h in hyps)
+    if n_empty:
         log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
     cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
     return {
@@ -2541,52 +2568,31 @@ def evaluate_generations(
     }
 
 
+# Words that say nothing of a study: a report without any other word of the references' is "contentless"
+STOP_WORDS = {"a", "an", "the", "and", "or", "this", "that", "it", "its", "there"}
+STOP_WORDS |= {"of", "in", "on", "at", "to", "for", "as", "by", "from", "with", "without"}
+STOP_WORDS |= {"is", "are", "was", "were", "be", "been", "has", "have", "no", "not"}
+
+
 def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
     scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
-    stop = set(
-        [
-            "a",
-            "an",
-            "the",
-            "and",
-            "or",
-            "of",
-            "in",
-            "on",
-            "at",
-            "to",
-            "is",
-            "are",
-            "was",
-            "were",
-            "be",
-            "been",
-            "there",
-            "no",
-            "not",
-            "with",
-            "without",
-            "for",
-            "as",
-            "by",
-            "this",
-            "that",
-            "it",
-            "its",
-            "from",
-            "has",
-            "have",
-        ]
-    )
-    words = lambda t: set(re.findall(r"[a-z]+", t.lower())) - stop
-    vocab, (top, count) = set().union(*map(words, refs)), Counter(hyps).most_common(1)[0]
-    n, contentless = len(hyps), sum(not words(h) & vocab for h in hyps)
-    signs = [f"{len(set(hyps))} distinct report(s) of {n}, {count} identical ({top[:40]!r})"] * (
-        n >= 5 and count > n / 2
-    ) + [f"{contentless} of {n} without a word of the references' vocabulary"] * (contentless > n / 2)
-    warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little" if signs else ""
-    if warning:
+
+    def words(text: str) -> set[str]:
+        return set(re.findall(r"[a-z]+", text.lower())) - STOP_WORDS
+
+    vocab = set().union(*map(words, refs))
+    top, count = Counter(hyps).most_common(1)[0]
+    n = len(hyps)
+    contentless = sum(not words(h) & vocab for h in hyps)
+    signs = []
+    if n >= 5 and count > n / 2:
+        signs.append(f"{len(set(hyps))} distinct report(s) of {n}, {count} identical ({top[:40]!r})")
+    if contentless > n / 2:
+        signs.append(f"{contentless} of {n} without a word of the references' vocabulary")
+    warning = ""
+    if signs:
+        warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little"
         log.warning(warning)
     return {
         "distinct": len(set(hyps)),
@@ -2596,7 +2602,8 @@ def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     }
 
 
-def summary(results: dict) -> str:  # the paper's headline CE metric, BLEU-4 and the degenerate-output warning
+def summary(results: dict) -> str:
+    """The paper's headline CE metric, BLEU-4 and the degenerate-output warning, in a line."""
     h, unc = results["headline"], "positive" if results["uncertain_as"] else "negative"
     line = f"CE {h.replace('_', ' ')} {results['ce'][h]:.3f} (uncertain = {unc}), BLEU-4 {results['nlg']['BLEU-4']:.3f}"
     return line + (f"  [{results['degenerate']['warning']}]" if results["degenerate"]["warning"] else "")
@@ -2612,32 +2619,27 @@ def plot_run(out) -> list[Path]:
         return []
     drawn = []
     for metrics in sorted(Path(out).glob("**/metrics.jsonl")):
-        rows, panels = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()], defaultdict(dict)
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        panels = defaultdict(dict)  # panel -> {line: (n, 2) steps and values}
         for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
             panel, _, line = key.partition("/")
-            panels[panel][line or panel] = np.array(
-                [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            )
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            panels[panel][line or panel] = np.array(points)
         cols, n_rows = max(1, min(4, len(panels))), max(1, -(-len(panels) // 4))  # at most 4 a row; none: a blank
         fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
         axes = fig.subplots(n_rows, cols, squeeze=False)
         for ax, (panel, lines) in zip(axes.flat, panels.items()):
             for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
                 w = max(1, len(x) // 15)  # running mean over w steps
-                (raw,) = ax.plot(
-                    x,
-                    y,
-                    lw=0.6,
-                    alpha=0.35 if w > 1 else 1,
-                    marker="." if len(x) <= 30 else None,
-                    label=label if len(lines) > 1 else None,
-                )
-                ax.plot(
-                    x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color()
-                ) if w > 1 else None
+                alpha = 0.35 if w > 1 else 1
+                marker = "." if len(x) <= 30 else None
+                (raw,) = ax.plot(x, y, lw=0.6, alpha=alpha, marker=marker, label=label if len(lines) > 1 else None)
+                if w > 1:
+                    ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color())
             ax.set_title(panel, fontsize=8)
             ax.tick_params(labelsize=6)
-            ax.legend(fontsize=5) if len(lines) > 1 else None
+            if len(lines) > 1:
+                ax.legend(fontsize=5)
         for ax in axes.flat[len(panels) :]:
             ax.axis("off")
         fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
@@ -2665,9 +2667,8 @@ def main(argv=None):
     )
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
     e.add_argument("--out", default=None, help="JSON output (default: <generations file>.scores.json beside it)")
-    sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl").add_argument(
-        "run", help="a run's --out folder"
-    )
+    plot = sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl")
+    plot.add_argument("run", help="a run's --out folder")
     s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout) to a folder")
     s.add_argument("--out", required=True)
     for name, default in (("n_train", 2000), ("n_val", 200), ("n_test", 500), ("size", 128), ("seed", 0)):
@@ -2677,10 +2678,12 @@ def main(argv=None):
     if args.command == "plot":
         if not (Path(args.run).is_dir() and any(Path(args.run).glob("**/metrics.jsonl"))):
             raise SystemExit(f"error: {args.run}: no metrics.jsonl in it or below (the --out folder of a run)")
-        return print("\n".join(f"wrote {p}" for p in plot_run(args.run)))
+        print("\n".join(f"wrote {png}" for png in plot_run(args.run)))
+        return
     if args.command == "synthetic":
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
-        return print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
+        print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
+        return
     try:
         results = evaluate_generations(
             read_generations(args.generations),
@@ -2693,10 +2696,8 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
     out.write_text(json.dumps(results, indent=2))
-    print(
-        json.dumps({**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}, indent=1),
-        f"\nwrote {out}",
-    )
+    scores = {**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}
+    print(json.dumps(scores, indent=1), f"\nwrote {out}")
 
 
 if __name__ == "__main__":
