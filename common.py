@@ -208,16 +208,11 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
                     f"{where}: 'labels' must be 14 values (1, 0, -1 or null) in the order {CHEXPERT_LABELS}"
                 )
             else:
-                out[split].append(
-                    Record(
-                        str(row["id"]),
-                        [str(root / p) for p in paths],
-                        row["report"],
-                        split,
-                        None if labels is None else np.array([np.nan if v is None else float(v) for v in labels]),
-                        {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")},
-                    )
-                )
+                if labels is not None:
+                    labels = np.array([np.nan if v is None else float(v) for v in labels])
+                meta = {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")}
+                record = Record(str(row["id"]), [str(root / p) for p in paths], row["report"], split, labels, meta)
+                out[split].append(record)
     if problems and not drop_invalid:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"{path}: {len(problems)} bad record(s):\n  {shown}\n(--drop-invalid skips them)")
@@ -241,14 +236,8 @@ def default_transform(size: int = 224, channels: int = 3):
     """R2Gen's test transform, grey over `channels` (its training flip would swap the sides the reports name)."""
     import torchvision.transforms as T
 
-    return T.Compose(
-        [
-            T.Grayscale(channels),
-            T.Resize((size, size)),
-            T.ToTensor(),
-            T.Normalize([0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]),
-        ]
-    )
+    mean, std = [0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]  # ImageNet's
+    return T.Compose([T.Grayscale(channels), T.Resize((size, size)), T.ToTensor(), T.Normalize(mean, std)])
 
 
 class ReportDataset(torch.utils.data.Dataset):
@@ -266,12 +255,8 @@ class ReportDataset(torch.utils.data.Dataset):
         if self.transform != "pil":
             images = torch.stack([self.transform(im) for im in images])  # (V, C, H, W)
         labels = r.labels if r.labels is not None else np.full(len(CHEXPERT_LABELS), np.nan)
-        return {
-            "id": r.id,
-            "images": images,
-            "report": r.report,
-            "labels": torch.as_tensor(labels, dtype=torch.float32),
-        }
+        labels = torch.as_tensor(labels, dtype=torch.float32)
+        return {"id": r.id, "images": images, "report": r.report, "labels": labels}
 
 
 def pad_views(studies: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,15 +281,7 @@ def split_batch(batch: dict, n: int) -> list[dict]:
     return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(n)]
 
 
-def study_batches(
-    records: list[Record],
-    batch_size: int,
-    seed: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-    start_step: int = 0,
-    transform="pil",
-):
+def study_batches(records: list[Record], batch_size: int, seed=0, rank=0, world_size=1, start_step=0, transform="pil"):
     """Endless (epoch, batch) of shuffled studies, each rank its shard: resumed at `start_step`, the same batches."""
     if len(records) < batch_size * world_size:
         raise ValueError(f"{len(records)} studies cannot fill one batch of {batch_size} on each of {world_size} ranks")
@@ -576,7 +553,7 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     chest = np.maximum(L[-1]["thorax"], L[1]["thorax"])
     img += 0.1 * ribs * (0.4 + 0.6 * np.minimum(lungs, 1)) * chest * ramp(y - 0.08, 0.03)
     # Mediastinum (its upper part wider with Enlarged Cardiomediastinum), trachea, heart (wider with Cardiomegaly)
-    wide = 0.05 * soft.get("Enlarged Cardiomediastinum", 0) * np.exp(-0.5 * ((y - 0.3) / 0.1) ** 2)
+    wide = 0.05 * soft.get("Enlarged Cardiomediastinum", 0) * line(y - 0.3, 0.1)
     img += (0.72 - img) * ramp(medi_w + wide - np.abs(x - 0.5), 0.01) * ramp(y - 0.08, 0.03) * ramp(0.62 - y, 0.04)
     img += (0.35 - img) * ramp(0.014 - np.abs(x - 0.5), 0.008) * ramp(0.36 - y, 0.02) * 0.7
     if "Cardiomegaly" in findings:
@@ -624,9 +601,7 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
-def make_synthetic(
-    out_dir, n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128, seed: int = 0
-) -> Path:
+def make_synthetic(out_dir, n_train=2000, n_val=200, n_test=500, size=128, seed=0) -> Path:
     """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -637,16 +612,10 @@ def make_synthetic(
             findings, labels = sample_synthetic_study(rng)
             report = write_synthetic_report(findings, labels, rng)
             Image.fromarray(draw_synthetic_cxr(findings, rng, size)).save(Path(out_dir) / "images" / f"{name}.png")
-            annotation[split].append(
-                {
-                    "id": name,
-                    "report": report,
-                    "image_path": [f"{name}.png"],
-                    "split": split,
-                    "labels": [None if np.isnan(v) else v for v in labels.tolist()],
-                    "findings": findings,
-                }
-            )
+            record = {"id": name, "report": report, "image_path": [f"{name}.png"], "split": split}
+            record["labels"] = [None if np.isnan(v) else v for v in labels.tolist()]
+            record["findings"] = findings
+            annotation[split].append(record)
     (Path(out_dir) / "annotation.json").write_text(json.dumps(annotation, indent=1))
     return Path(out_dir)
 
@@ -1050,13 +1019,9 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
         with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
             return b * np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)[:, None]
 
-    correct = np.array(
-        [
-            [sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
-            for hc, rc in zip(hyp_counts, ref_counts)
-        ],
-        dtype=float,
-    )  # (N, 4)
+    correct = np.zeros((len(hyps), NGRAM_N))  # (N, 4)
+    for i, (hc, rc) in enumerate(zip(hyp_counts, ref_counts)):
+        correct[i] = [sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
     guess = np.array([[max(0, len(t) - k) for k in range(NGRAM_N)] for t in hyp_toks], dtype=float)  # (N, 4)
     hyp_len, ref_len = np.array([len(t) for t in hyp_toks], float), np.array([len(t) for t in ref_toks], float)
     each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], bleu(correct, guess, hyp_len, ref_len).T))
@@ -1137,17 +1102,11 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
     p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
     out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
-    return {k: float(v) for k, v in out.items()} | {
-        "per_label": {
-            name: {
-                "precision": float(p_lab[i]),
-                "recall": float(r_lab[i]),
-                "f1": float(f_lab[i]),
-                "support": int(ref[:, i].sum()),
-            }
-            for i, name in enumerate(CHEXPERT_LABELS)
-        }
-    }
+    per_label = {}
+    for i, name in enumerate(CHEXPERT_LABELS):
+        p, r, f, support = float(p_lab[i]), float(r_lab[i]), float(f_lab[i]), int(ref[:, i].sum())
+        per_label[name] = {"precision": p, "recall": r, "f1": f, "support": support}
+    return {k: float(v) for k, v in out.items()} | {"per_label": per_label}
 
 
 # ==== 5. Models: one small policy interface, a tiny built-in VLM and Hugging Face VLMs ============
@@ -1265,9 +1224,7 @@ class TinyPolicy:
     def repeat(self, prompts: dict, G: int) -> dict:
         return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
 
-    def generate(
-        self, prompts: dict, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0
-    ):
+    def generate(self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
         embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
         attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
         inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask)
@@ -1331,9 +1288,11 @@ class HFPolicy:
 
         self.name, self.device, self.dtype = str(name_or_path), torch.device(device), dtype
         self.max_target_tokens = max_target_tokens
-        size = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)} if max_pixels else None
+        options = {}
+        if max_pixels:
+            options["size"] = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
         try:
-            self.processor = AutoProcessor.from_pretrained(name_or_path, **({"size": size} if size else {}))
+            self.processor = AutoProcessor.from_pretrained(name_or_path, **options)
         except OSError as e:  # no such folder, hub id or cached download
             raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
         self.tokenizer = self.processor.tokenizer
@@ -1347,9 +1306,8 @@ class HFPolicy:
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
         self.eos_token_ids = list(dict.fromkeys(([eos] if isinstance(eos, int) else list(eos)) + [self.eos_token_id]))
-        self.pad_token_id = (
-            self.eos_token_ids[0] if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
-        )
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = self.eos_token_ids[0] if pad is None else pad
         # A vision placeholder (<|image_pad|> ...) in a completion (a random model writes them) would be taken for an
         # image slot by the next forward ("Image features and image tokens do not match"): never sampled, probability 0.
         vision_tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -1398,18 +1356,14 @@ class HFPolicy:
         """Each study G times in a row; pixel_values (every image's t*h*w patch rows in turn) is cut per study."""
         n_images = prompts["n_images"].tolist()
         rows = prompts["image_grid_thw"].prod(-1).split(n_images)  # patches per image, per study
-        out = {
-            k: v.repeat_interleave(G, dim=0) for k, v in prompts.items() if k not in ("pixel_values", "image_grid_thw")
-        }
-        out["pixel_values"] = torch.cat(
-            [c for c in prompts["pixel_values"].split([int(r.sum()) for r in rows]) for _ in range(G)]
-        )
+        per_image = ("pixel_values", "image_grid_thw")
+        out = {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items() if k not in per_image}
+        pixel_values = prompts["pixel_values"].split([int(r.sum()) for r in rows])  # per study
+        out["pixel_values"] = torch.cat([c for c in pixel_values for _ in range(G)])
         out["image_grid_thw"] = torch.cat([c for c in prompts["image_grid_thw"].split(n_images) for _ in range(G)])
         return out
 
-    def generate(
-        self, prompts: dict, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0
-    ):
+    def generate(self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
         inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
         P = prompts["input_ids"].shape[1]
         with self._forward_context():
@@ -1473,7 +1427,8 @@ def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
     """A policy saved by policy.save(path): TinyPolicy (tiny_policy.pt) or HFPolicy."""
     f = Path(path) / "tiny_policy.pt"
     if not f.is_file():
-        return HFPolicy(str(path), device, dtype, **{"gradient_checkpointing": True, **hf_kwargs})  # as make_policy
+        hf_kwargs.setdefault("gradient_checkpointing", True)  # as make_policy
+        return HFPolicy(str(path), device, dtype, **hf_kwargs)
     ck = torch.load(f, map_location="cpu", weights_only=True)
     model = TinyVLM(**ck["hparams"])
     model.load_state_dict(ck["state_dict"])
@@ -1568,11 +1523,9 @@ class SmallCNN(torch.nn.Module):
     def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
         super().__init__()
         c = [1, *widths]
-        blocks = [
-            m
-            for i, o, s in zip(c, c[1:], strides)
-            for m in (torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU())
-        ]
+        blocks = []
+        for i, o, s in zip(c, c[1:], strides):
+            blocks += [torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
         blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
         if dim is not None:
             blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
@@ -1589,9 +1542,8 @@ def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--p
     import torchvision
 
     name = f"resnet{depth}"
-    net = torchvision.models.get_model(
-        name, weights=torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
-    )
+    imagenet = torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
+    net = torchvision.models.get_model(name, weights=imagenet)
     dim, net.fc = net.fc.in_features, torch.nn.Identity()
     if weights not in (None, "imagenet"):
         if not Path(weights).is_file():
@@ -1635,18 +1587,15 @@ class LoRALinear(torch.nn.Module):
         if not self.enabled:
             return out
         x = self.dropout(x).to(self.lora_A.dtype)  # h = W0 x + (alpha / r) * B (A dropout(x))
-        return out + (
-            torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B) * self.scaling
-        ).to(out.dtype)
+        delta = torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B) * self.scaling
+        return out + delta.to(out.dtype)
 
     def delta_weight(self):
         """(alpha / r) * B A, (out, in) as the base weight (computed in fp32)."""
         return ((self.lora_B.float() @ self.lora_A.float()) * self.scaling).to(self.base.weight.dtype)
 
 
-def apply_lora(
-    model: torch.nn.Module, target_modules: list[str], r=8, alpha=16.0, dropout=0.0, exclude=None
-) -> list[str]:
+def apply_lora(model, target_modules, r=8, alpha=16.0, dropout=0.0, exclude=None) -> list[str]:
     """Wrap every nn.Linear named ...<target> (["q_proj", "v_proj"]) outside `exclude` (the vision tower,
     whose MLP shares the language model's names) in a LoRALinear, freeze the rest; the wrapped names."""
     skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
@@ -1824,9 +1773,7 @@ class Rollout:
     ref_logp: torch.Tensor | None  # (N, T) under the reference policy, when asked for
 
 
-def rollout(
-    policy, images, text, G: int, reward_fn, max_new_tokens: int, temperature: float = 1.0, ref="none"
-) -> Rollout:
+def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0, ref="none") -> Rollout:
     """Sample G completions per study and score them: reward_fn(texts, owners) -> N rewards, owners[n] =
     n // G the study completion n answers. ref: "none", "lora" (LoRA switched off) or a frozen policy."""
     prompts = policy.repeat(policy.prompt_batch(images, text), G)
@@ -1896,10 +1843,8 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not _distributed():  # NCCL's default 10-minute timeout is too short while rank 0 evaluates alone
-        torch.distributed.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            timeout=timedelta(minutes=float(os.environ.get("RRG_DIST_TIMEOUT_MIN", "120"))),
-        )
+        timeout = timedelta(minutes=float(os.environ.get("RRG_DIST_TIMEOUT_MIN", "120")))
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
@@ -2018,9 +1963,7 @@ def exact_div(a: int, b: int, what: str) -> int:
 class Run:
     """One run: processes (rank, world size, device, dtype), inputs (data, labeler), folder (README, "Run folders")."""
 
-    def __init__(
-        self, args, rank: int, world_size: int, device, data, labeler, resume_flags=None, check=True, notes=()
-    ):
+    def __init__(self, args, rank, world_size, device, data, labeler, resume_flags=None, check=True, notes=()):
         self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
         self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
@@ -2046,13 +1989,10 @@ class Run:
         elif config.is_file():
             saved, now = json.loads(config.read_text()), json.loads(json.dumps(asdict(self.args), default=str))
             keep = self.resume_flags or [k for k in now if k not in MAY_CHANGE_ON_RESUME]
-            diff = [
-                f"--{k.replace('_', '-')} {saved.get(k)!r} in the run, {now[k]!r} now"
-                for k in keep
-                if saved.get(k) != now[k]
-            ]
+            diff = [k for k in keep if saved.get(k) != now[k]]
             if diff:
-                return f"--resume with flags that differ from {config}: {'; '.join(diff)}"
+                shown = "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} in the run, {now[k]!r} now" for k in diff)
+                return f"--resume with flags that differ from {config}: {shown}"
             if (self.out / "eval.json").is_file():
                 self.done = json.loads((self.out / "eval.json").read_text())
         elif self.resume_flags is None:
@@ -2064,17 +2004,11 @@ class Run:
             atomic_save(text, self.out / name)
 
     def stage(self, name: str, flags) -> Run:
-        """A run in out/<name> (config, log, checkpoint) sharing processes, data and labeler; --resume checks
-        `flags`."""
+        """A run in out/<name> (config, log, checkpoint) sharing processes, data, labeler; --resume checks `flags`."""
+        args = dataclasses.replace(self.args, out=str(self.out / name))
+        flags = tuple(flags)
         return Run(
-            dataclasses.replace(self.args, out=str(self.out / name)),
-            self.rank,
-            self.world_size,
-            self.device,
-            self.data,
-            self.labeler,
-            resume_flags=tuple(flags),
-            notes=self.notes,
+            args, self.rank, self.world_size, self.device, self.data, self.labeler, resume_flags=flags, notes=self.notes
         )
 
     def per_rank(self, batch_size: int, flag: str) -> int:
@@ -2124,15 +2058,11 @@ class Run:
         clock = time.time()
         data = batches(start)
         optimizer = self._saved[1] if self._saved else None
-        stop = []  # Ctrl-C or SIGTERM: the ranks save and stop after the step
-
-        def request_stop(signum, frame):
-            stop.append(signum)
-
+        stop = []  # Ctrl-C or SIGTERM appends: the ranks save and stop after the step
         old_handlers = {}
         if threading.current_thread() is threading.main_thread():  # Python sets handlers in the main thread only
             for signum in (signal.SIGINT, signal.SIGTERM):
-                old_handlers[signum] = signal.signal(signum, request_stop)
+                old_handlers[signum] = signal.signal(signum, lambda *_: stop.append(1))
         try:
             for step in range(start, total):
                 lr = {"lr": optimizer.param_groups[0]["lr"]} if optimizer is not None else {}  # before the update
@@ -2216,16 +2146,7 @@ class Run:
 
     # Evaluation and the end --------------------------------------------------------------------
     def evaluate(
-        self,
-        policy,
-        records,
-        name: str,
-        prompt: str,
-        max_new_tokens: int,
-        report=None,
-        score=None,
-        meteor=False,
-        ce=None,
+        self, policy, records, name, prompt, max_new_tokens, report=None, score=None, meteor=False, ce=None
     ) -> dict:
         """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
         NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
@@ -2544,9 +2465,7 @@ def make_labeler(name: str, chexbert_weights=None, device="cpu"):
     return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
 
 
-def evaluate_generations(
-    rows: list[dict], labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1"
-) -> dict:
+def evaluate_generations(rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1") -> dict:
     """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
     (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
     every metric. Degenerate output (most reports alike, or none with a word of the references) is called out."""
@@ -2685,13 +2604,10 @@ def main(argv=None):
         print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
         return
     try:
-        results = evaluate_generations(
-            read_generations(args.generations),
-            make_labeler(args.labeler, args.chexbert_weights),
-            None if args.clean == "none" else args.clean,
-            args.uncertain_as,
-            not args.no_meteor,
-        )
+        rows = read_generations(args.generations)
+        labeler = make_labeler(args.labeler, args.chexbert_weights)
+        clean = None if args.clean == "none" else args.clean
+        results = evaluate_generations(rows, labeler, clean, args.uncertain_as, not args.no_meteor)
     except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
