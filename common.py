@@ -431,9 +431,8 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
             fields = {"side": a.get("side", ""), "sev": a.get("severity", ""), "deg": deg, "degly": degly}
             fields |= {k.capitalize(): v.capitalize() for k, v in fields.items()}
             text = pick((UNCERTAIN_TEMPLATES if a["uncertain"] else POSITIVE_TEMPLATES)[name]).format(**fields)
-            sentences.append(
-                text.replace("the bilateral lung", "both lungs").replace("the bilateral base", "both bases")
-            )
+            text = text.replace("the bilateral lung", "both lungs").replace("the bilateral base", "both bases")
+            sentences.append(text)
         elif labels[LABEL_INDEX[name]] == NEGATIVE:
             if name in NEGATED_SINGLE and (name not in NEGATED_PHRASES or rng.random() < 0.5):
                 sentences.append(pick(NEGATED_SINGLE[name]))
@@ -735,10 +734,7 @@ class RuleLabeler:
     }
     # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
     # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
-    UNMENTIONS: ClassVar[dict] = {
-        "Pleural Effusion": r"pericardial effusion",
-        "Lung Opacity": r"pleural scar",
-    }
+    UNMENTIONS: ClassVar[dict] = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
     # At most uncertain (positive -> uncertain, negative stays): CheXpert's post-negation uncertainty patterns (a stable
     # heart, "vascular congestion", ...) and, from its aggregation, "chf" and "heart failure" as uncertain Cardiomegaly.
     HEDGED: ClassVar[dict] = {
@@ -1257,15 +1253,10 @@ class TinyPolicy:
         """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's,
         gathered."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save(
-            {
-                "hparams": self.model.hparams,
-                "state_dict": state_dict or lora_merged_state_dict(self.model),
-                "vocab": self.tokenizer.vocab,
-                "image_size": self.image_size,
-            },
-            Path(path) / "tiny_policy.pt",
-        )
+        checkpoint = {"hparams": self.model.hparams, "state_dict": state_dict or lora_merged_state_dict(self.model)}
+        checkpoint["vocab"] = self.tokenizer.vocab
+        checkpoint["image_size"] = self.image_size
+        torch.save(checkpoint, Path(path) / "tiny_policy.pt")
 
 
 class HFPolicy:
@@ -1496,8 +1487,7 @@ def completion_mask(ids, eos_id):
 def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
     """Right-padded: ids (N, T) long, mask (N, T)."""
     T = max(1, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T)
+    ids, mask = torch.full((len(seqs), T), pad_id, dtype=torch.long), torch.zeros(len(seqs), T)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         mask[i, : len(s)] = 1
@@ -1968,9 +1958,8 @@ class Run:
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
         self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
         self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
-        self.start = 0  # the first step, restore()'s
+        self.start, self._saved = 0, None  # the first step and what checkpoints hold: restore() sets both
         self.done = None  # a finished run's results (eval.json)
-        self._saved = None  # what checkpoints hold: restore() names it
         self._stats = defaultdict(list)  # log()'s numbers of this step
         problem = self._check_folder() if check and self.is_main else None
         problem, self.done = broadcast_object((problem, self.done))
@@ -2129,19 +2118,13 @@ class Run:
             weights = weights or {
                 k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad
             }
-            atomic_save(
-                {
-                    "step": step,
-                    "model": weights,
-                    "partial": partial,
-                    "rng": states,
-                    "extra": state or {},
-                    "optimizer": optim or (optimizer.state_dict() if optimizer is not None else None),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "config": asdict(self.args),
-                },
-                self.out / "last.pt",
-            )
+            if optim is None and optimizer is not None:  # not sharded
+                optim = optimizer.state_dict()
+            checkpoint = {"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {}}
+            checkpoint["optimizer"] = optim
+            checkpoint["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+            checkpoint["config"] = asdict(self.args)
+            atomic_save(checkpoint, self.out / "last.pt")
         barrier()
 
     # Evaluation and the end --------------------------------------------------------------------
@@ -2352,12 +2335,9 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
     if isinstance(model, FSDPModule):  # shard()'s: full state dicts (Run.checkpoint), each rank keeping its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        options = StateDictOptions(full_state_dict=True)
         set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=ckpt["model"],
-            optim_state_dict=ckpt["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
+            model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"], options=options
         )
     else:
         try:
