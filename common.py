@@ -1031,7 +1031,8 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
         each["ROUGE-L"] = np.where(lcs > 0, ((1 + ROUGE_BETA**2) * prec * rec) / (rec + ROUGE_BETA**2 * prec), 0.0)
     # CIDEr-D as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf) times a Gaussian
     # length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based). Document
-    # frequencies from the references scored (one pair: all 0), or cider_df's of a corpus
+    # frequencies from the references scored (one pair: all 0), or cider_df's of a corpus. Sums run over the
+    # hypothesis's n-grams in their order, as CiderScorer's: a set's order would move the last digit with the hash seed
     df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
     log_n = math.log(n_docs)
     idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
@@ -1043,7 +1044,7 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     for h, r in zip(hyp_counts, ref_counts):
         penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
         sims = [
-            sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc.keys() & rc.keys()) / (hn * rn if hn and rn else 1)
+            sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc if g in rc) / (hn * rn if hn and rn else 1)
             for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))
         ]
         each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
