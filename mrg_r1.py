@@ -278,13 +278,8 @@ def train(args: Args) -> dict:
 
         def score(rows, labeler):
             """The training reward of the greedy reports."""
-            r, terms = total_reward(
-                [row.get("completion", row["generated"]) for row in rows],
-                [row["reference"] for row in rows],
-                labeler,
-                args,
-                cider_df,
-            )
+            completions = [row.get("completion", row["generated"]) for row in rows]
+            r, terms = total_reward(completions, [row["reference"] for row in rows], labeler, args, cider_df)
             for row, value in zip(rows, r):
                 row["reward"] = float(value)
             return {"reward": float(r.mean()), **terms}

@@ -435,9 +435,9 @@ def train(args: Args) -> dict:
         lora=LORA,
         warm_start=warm_start,
         max_pixels=args.max_pixels,
-        reference=args.lambda_max > 0 or args.beta > 0,
+        reference=args.lambda_max > 0 or args.beta > 0,  # DPO and the KL use it
         fsdp=args.fsdp,
-    )  # DPO, KL use it
+    )
     params = [p for p in policy.model.parameters() if p.requires_grad]
     total = args.steps
     if total is None:
@@ -450,9 +450,8 @@ def train(args: Args) -> dict:
         """Greedy reports; CE metrics (Sec. 4.2: macro), and FactS."""
 
         def score(rows, labeler):
-            reward, stats = facts_reward(
-                [r["generated"] for r in rows], labeler([r["reference"] for r in rows]), extractor, labeler
-            )
+            gt_labels = labeler([r["reference"] for r in rows])  # (N, 14)
+            reward, stats = facts_reward([r["generated"] for r in rows], gt_labels, extractor, labeler)
             for row, value in zip(rows, reward):
                 row["facts_reward"] = float(value)
             return {"facts_reward": float(reward.mean()), **stats}

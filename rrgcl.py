@@ -284,13 +284,12 @@ def train(args: Args) -> dict:
     ts = list(range(0 if args.t0 else 1, T + 1))  # the epochs t
     sizes = [len(epoch_subset(args.scheduler, t, T, plan)) for t in ts]  # |D_sub(t)|: the step budget needs them first
     curves = rrgcl_lambda(np.arange(T + 1)[:, None], T, plan["gamma"], plan["lambda0"])  # Fig. 3: (T + 1, c)
-    classes = [{**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])]
-    run.write("schedule.json", json.dumps({"t": ts, "subset_sizes": sizes, "classes": classes}, indent=1))
+    class_curves = [{**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])]
+    run.write("schedule.json", json.dumps({"t": ts, "subset_sizes": sizes, "classes": class_curves}, indent=1))
     if args.measure_only:
         return run.finish({"difficulty": str(path), "classes": plan["table"], "mine": m["mine"]})
 
-    # The wrapped report generator G_theta (tiny: all of it; HF: LoRA), the same initial weights whether measured
-    # here or not
+    # The wrapped report generator G_theta (tiny: all of it; HF: LoRA): the same initial weights, measured here or not
     common.seed_everything(args.seed)
     tiny = args.model == "tiny"
     max_new = 96 if tiny else 256  # the greedy test reports' length
