@@ -28,6 +28,7 @@ import pickle
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -880,6 +881,9 @@ def chexbert_model(config=None, path=None):
         from f1chexbert.f1chexbert import bert_labeler
     from transformers import BertConfig, BertModel
 
+    sandbox = path is not None and Path(path).with_name("vocab.txt").is_file()  # the sandbox's layout
+    if config is None and sandbox and Path(path).with_name("config.json").is_file():  # its small BERT's config
+        config = BertConfig.from_json_file(Path(path).with_name("config.json"))
     config = config or BertConfig()  # bert-base-uncased: 30522 word pieces, 768 hidden, 12 layers
 
     class CheXbertModel(bert_labeler):
@@ -942,6 +946,9 @@ class CheXbertLabeler:
                 return hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)
 
             model = chexbert_model(path=from_hub(download) if weights is None else weights)
+        vocab = Path(weights).with_name("vocab.txt") if weights is not None else None
+        if tokenizer is None and vocab is not None and vocab.is_file():  # the sandbox's word pieces, beside the weights
+            tokenizer = BertTokenizerFast.from_pretrained(str(vocab.parent))
         self.tokenizer = tokenizer or from_hub(
             lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased", local_files_only=offline)
         )
@@ -971,6 +978,95 @@ class CheXbertLabeler:
             classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14) 0 blank, 1 pos, 2 neg, 3 unc
             out[[i for i, _ in chunk]] = np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]
         return out
+
+
+# The sandbox's CheXbert: the papers' labeler on --data synthetic, with nothing downloaded. f1chexbert's model around a
+# small BERT, with a word-piece vocabulary built from the synthetic training reports, trained on their own labels
+# (CheXbert's classes: blank, positive, negative, uncertain; No Finding blank or positive). Saved as chexbert.pth is,
+# with the BERT's config.json and vocab.txt beside it: the same loading code serves it and the real weights.
+SPECIAL_PIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # BERT's, first, in its order
+SANDBOX_CHEXBERT = dict(hidden=128, layers=4, heads=4, epochs=40, lr=2e-3, batch_size=32)
+# What makes a CPU run repeat to the bit, on one machine kind and (as measured) across kinds with AVX2: one thread,
+# ATen's, MKL's and oneDNN's AVX2 code paths. The sandbox's CheXbert trains under them; so do tests/reproduce.py's runs.
+NUMERIC_PINS = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+
+
+def train_chexbert(records, out_dir, hidden, layers, heads, epochs, lr, batch_size, seed=0) -> Path:
+    """CheXbert (f1chexbert's model) trained on the records' reports against their labels: cross-entropy summed over
+    the 14 heads, AdamW with a 5 % warm-up then a linear decay. Writes chexbert.pth, config.json, vocab.txt."""
+    from tokenizers.normalizers import BertNormalizer
+    from tokenizers.pre_tokenizers import BertPreTokenizer
+    from transformers import BertConfig, BertTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reports = [r.report for r in records]
+    # the word pieces: every word of the reports as BERT splits them, and every character alone and as a word's
+    # continuation ("##x"), so that an unseen word still gets pieces (a trainer's merges break ties by chance)
+    normalize, split = BertNormalizer(lowercase=True), BertPreTokenizer()
+    words = {w for t in reports for w, _ in split.pre_tokenize_str(normalize.normalize_str(t))}
+    characters = {c for w in words for c in w}
+    pieces = SPECIAL_PIECES + sorted(words | characters | {"##" + c for c in characters})
+    (out_dir / "vocab.txt").write_text("\n".join(pieces) + "\n")
+    tokenizer = BertTokenizerFast.from_pretrained(str(out_dir))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+    )
+    config.to_json_file(out_dir / "config.json")
+    labels = np.stack([r.labels for r in records])  # (N, 14): 1, 0, -1, NaN
+    classes = np.select([labels == 1, labels == 0, labels == -1], [1, 2, 3], 0)  # (N, 14): CheXbert's classes
+    classes[:, LABEL_INDEX["No Finding"]] = labels[:, LABEL_INDEX["No Finding"]] == 1  # its head: blank or positive
+    classes = torch.as_tensor(classes)
+    ids = [tokenizer(t)["input_ids"][:CHEXBERT_MAX_PIECES] for t in reports]
+    torch.manual_seed(seed)
+    model = chexbert_model(config).train()
+    total = epochs * math.ceil(len(ids) / batch_size)
+    optimizer, scheduler = adamw(model.parameters(), lr, total, "linear", warmup=0.05)
+    order = torch.Generator().manual_seed(seed)
+    for _ in trange(epochs, desc="sandbox CheXbert (epochs)"):
+        shuffled = torch.randperm(len(ids), generator=order)
+        for b in range(0, len(ids), batch_size):
+            batch = shuffled[b : b + batch_size]
+            x, mask = pad_completions([ids[i] for i in batch], tokenizer.pad_token_id)  # (B, L) each
+            logits = model(x, mask.long())  # 14 tensors (B, C)
+            loss = sum(torch.nn.functional.cross_entropy(z, classes[batch, k]) for k, z in enumerate(logits))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+    state = {"module." + k: v for k, v in model.state_dict().items()}  # chexbert.pth's keys (saved from DataParallel)
+    torch.save({"model_state_dict": state}, out_dir / CHEXBERT_FILE)
+    return out_dir / CHEXBERT_FILE
+
+
+def synthetic_chexbert(annotation=None, settings=None) -> Path:
+    """The sandbox's CheXbert beside the synthetic set (or `annotation`'s), trained once on its training split in a
+    process of its own under NUMERIC_PINS, so that every machine gets the same weights (about 5 CPU-minutes)."""
+    annotation = Path(annotation or synthetic_data())
+    final = annotation.parent / "chexbert"
+    if (final / CHEXBERT_FILE).is_file():
+        return final / CHEXBERT_FILE
+    log.info("training the sandbox's CheXbert on %s's training reports, once: %s", annotation, final)
+    tmp = Path(tempfile.mkdtemp(dir=annotation.parent, prefix=".tmp-chexbert-"))
+    command = [sys.executable, str(Path(__file__).resolve()), "chexbert", "--data", str(annotation), "--out", str(tmp)]
+    for name, value in (settings or SANDBOX_CHEXBERT).items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    subprocess.run(command, env=dict(os.environ, **NUMERIC_PINS), check=True)
+    try:
+        tmp.rename(final)
+    except OSError:  # another process finished first: its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final / CHEXBERT_FILE
 
 
 # ==== 4. Metrics: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D) and CE (label precision/recall/F1) =========
@@ -2177,8 +2273,11 @@ class Run:
 
 def resolve_defaults(args):
     """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
-    if args.labeler == "auto":  # the papers' CheXbert for a real run; our rules offline, for the sandbox
-        args.labeler = "rule" if args.data == "synthetic" or args.model == "tiny" else "chexbert"
+    if args.labeler == "auto":  # the papers' CheXbert (the sandbox's own on --data synthetic), else rules offline
+        offline = args.model == "tiny" and args.data != "synthetic" and not args.chexbert_weights
+        args.labeler = "rule" if offline else "chexbert"
+    if args.labeler == "chexbert" and args.data == "synthetic" and not args.chexbert_weights:
+        args.chexbert_weights = str(synthetic_chexbert())  # trained once, beside the synthetic set
     if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
         args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     return args
@@ -2191,8 +2290,12 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     rank, world_size, device = setup_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (README, "Threads on a CPU"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
+    if rank != 0:
+        barrier()  # rank 0 first: it builds the synthetic set and trains the sandbox's CheXbert, once
     resolve_defaults(args)
     data = load_data(args.data, drop_invalid=args.drop_invalid)
+    if rank == 0:
+        barrier()
     if args.clean == "auto":
         args.clean = clean_style([r for records in data.values() for r in records])
     labeler = make_labeler(args.labeler, args.chexbert_weights, device)
@@ -2567,6 +2670,14 @@ def main(argv=None):
     )
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
     e.add_argument("--out", default=None, help="JSON output (default: <generations file>.scores.json beside it)")
+    c = sub.add_parser(
+        "chexbert", help="train a CheXbert of the sandbox's kind on an annotation file's labelled reports"
+    )
+    c.add_argument("--data", default="synthetic", help='"synthetic" or an annotation.json whose records have labels')
+    c.add_argument("--out", required=True, help="a folder for chexbert.pth, config.json and vocab.txt")
+    for name, default in SANDBOX_CHEXBERT.items():
+        c.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    c.add_argument("--seed", type=int, default=0)
     plot = sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl")
     plot.add_argument("run", help="a run's --out folder")
     s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout) to a folder")
@@ -2579,6 +2690,13 @@ def main(argv=None):
         if not (Path(args.run).is_dir() and any(Path(args.run).glob("**/metrics.jsonl"))):
             raise SystemExit(f"error: {args.run}: no metrics.jsonl in it or below (the --out folder of a run)")
         print("\n".join(f"wrote {png}" for png in plot_run(args.run)))
+        return
+    if args.command == "chexbert":
+        records = load_data(args.data)["train"]
+        if any(r.labels is None for r in records):
+            raise SystemExit(f"error: {args.data}: every training record needs 'labels' to train CheXbert on")
+        settings = {k: getattr(args, k) for k in SANDBOX_CHEXBERT}
+        print(f"wrote {train_chexbert(records, args.out, **settings, seed=args.seed)}")
         return
     if args.command == "synthetic":
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)

@@ -42,16 +42,7 @@ sys.path.insert(0, str(ROOT))
 import common
 
 RESULTS = ROOT / "tests" / "results"
-# The same CPU kernels on any x86-64 with AVX2: one thread, ATen's AVX2 kernels (not AVX-512 where the CPU has it),
-# MKL's and oneDNN's AVX2 code paths. With these a run repeats to the bit on one machine kind and, as far as we
-# measured, across kinds (README, "Results vary from run to run").
-PINS = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "MKL_CBWR": "AVX2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-}
+PINS = common.NUMERIC_PINS  # one thread, AVX2 kernels in ATen, MKL and oneDNN: a run repeats to the bit
 QUIET = {"RRG_METEOR": "0", "RRG_FIGURES": "0"}  # no JVM per run, no figure per run
 
 

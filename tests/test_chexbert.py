@@ -214,3 +214,43 @@ def test_labels_ignore_the_callers_autocast(labeler):
     plain = labeler(texts)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         np.testing.assert_array_equal(labeler(texts), plain)
+
+
+# --- the sandbox's CheXbert (--labeler chexbert on --data synthetic, offline) ----------------------------------------
+TINY_SANDBOX = dict(hidden=32, layers=1, heads=2, epochs=4, lr=3e-3, batch_size=8)
+
+
+def test_the_sandbox_chexbert_trains_and_loads_as_chexbert_pth(small_synthetic, tmp_path):
+    """Trained on the training reports against their own labels, saved in chexbert.pth's layout with its small BERT's
+    config.json and word pieces beside it, loaded offline by the same code as the real weights; seeded: repeatable."""
+    records = common.load_annotation(small_synthetic)["train"]
+    path = common.train_chexbert(records, tmp_path / "a", **TINY_SANDBOX)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["chexbert.pth", "config.json", "vocab.txt"]
+    state = torch.load(path, weights_only=True)["model_state_dict"]
+    assert state and all(k.startswith("module.") for k in state)  # as the real file (saved from DataParallel)
+    again = torch.load(common.train_chexbert(records, tmp_path / "b", **TINY_SANDBOX), weights_only=True)
+    assert all(torch.equal(v, again["model_state_dict"][k]) for k, v in state.items())
+    labeler = common.make_labeler("chexbert", path)
+    assert labeler.model.bert.config.hidden_size == 32 and labeler.tokenizer.tokenize("no pneumothorax") == [
+        "no",
+        "pneumothorax",
+    ]
+    labels = labeler([r.report for r in records])  # (N, 14)
+    gold = np.stack([r.labels for r in records])
+    mentioned = ~np.isnan(gold)
+    blank_only = (~mentioned).mean()  # what labelling every observation blank would get right
+    agree = ((labels == gold) | (np.isnan(labels) & ~mentioned)).mean()
+    assert agree > blank_only + 0.05, (agree, blank_only)  # 4 epochs on 40 reports: it has begun to read them
+
+
+def test_the_sandbox_chexbert_is_trained_once_beside_its_data(small_synthetic, monkeypatch):
+    """In a process of its own under the numeric pins, into <data folder>/chexbert; then read from there."""
+    path = common.synthetic_chexbert(small_synthetic, TINY_SANDBOX)
+    assert path == small_synthetic.parent / "chexbert" / "chexbert.pth" and path.is_file()
+    stamp = path.stat().st_mtime_ns
+
+    def no_training(*a, **k):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(common.subprocess, "run", no_training)
+    assert common.synthetic_chexbert(small_synthetic, TINY_SANDBOX) == path and path.stat().st_mtime_ns == stamp

@@ -5,6 +5,7 @@ a CheXbert that cannot be downloaded. The fixtures (tests/conftest.py) write tex
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,12 +96,21 @@ def test_each_script_scores_ce_as_its_paper():
 
 
 # --- "auto" defaults and a CheXbert that cannot be reached --------------------------------------
-def test_auto_labeler_and_dtype():
-    args = lambda **k: dataclasses.replace(common.RunArgs(), **k)
-    assert common.resolve_defaults(args()).labeler == "rule"  # synthetic, tiny
+def test_auto_labeler_and_dtype(monkeypatch):
+    """--labeler auto: the papers' CheXbert (on --data synthetic the sandbox's, trained once and cached), except for
+    the tiny model on real data with no weights given, which labels by the offline rules."""
+    monkeypatch.setattr(common, "synthetic_chexbert", lambda: Path("/cache/synthetic/chexbert/chexbert.pth"))
+
+    def args(**k):
+        return dataclasses.replace(common.RunArgs(), **k)
+
+    synthetic = common.resolve_defaults(args())  # synthetic, tiny
+    assert (synthetic.labeler, synthetic.chexbert_weights) == ("chexbert", "/cache/synthetic/chexbert/chexbert.pth")
     assert common.resolve_defaults(args(data="/d/iu", model="tiny")).labeler == "rule"
+    assert common.resolve_defaults(args(data="/d/iu", model="tiny", chexbert_weights="c.pth")).labeler == "chexbert"
     assert common.resolve_defaults(args(data="/d/iu", model="Qwen/Qwen2.5-VL-3B-Instruct")).labeler == "chexbert"
     assert common.resolve_defaults(args(labeler="rule", data="/d/iu", model="q")).labeler == "rule"  # on request
+    assert common.resolve_defaults(args(labeler="rule")).chexbert_weights is None  # nothing trained for the rules
     assert common.resolve_defaults(args()).dtype == "fp32"  # no GPU here: bf16 only where a GPU has it
 
 
