@@ -1678,8 +1678,9 @@ class LoRALinear(torch.nn.Module):
         return out + delta.to(out.dtype)
 
     def delta_weight(self):
-        """(alpha / r) * B A, (out, in) as the base weight (computed in fp32)."""
-        return ((self.lora_B.float() @ self.lora_A.float()) * self.scaling).to(self.base.weight.dtype)
+        """(alpha / r) * B A, (out, in), fp32: a merge adds it to the base weight in fp32 and rounds once (in bf16 a
+        delta rounded first, then the sum, loses one a little over half a bf16 step; one under half is lost anyway)."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
 
 
 def apply_lora(model, target_modules, r=8, alpha=16.0, dropout=0.0, exclude=None) -> list[str]:
@@ -1709,7 +1710,7 @@ def lora_merged_state_dict(model: torch.nn.Module) -> dict:
         del state[f"{name}.lora_A"], state[f"{name}.lora_B"]
         for key in [k for k in ("weight", "bias") if f"{name}.base.{k}" in state]:
             state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
-        state[f"{name}.weight"] = state[f"{name}.weight"] + m.delta_weight()
+        state[f"{name}.weight"] = (state[f"{name}.weight"].float() + m.delta_weight()).to(m.base.weight.dtype)
     return state
 
 
@@ -1718,7 +1719,7 @@ def merge_lora(model: torch.nn.Module) -> list[str]:
     """Fold (alpha / r) B A into each base weight and put the plain layer back, in place; the names."""
     merged = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, m in merged:
-        m.base.weight += m.delta_weight()
+        m.base.weight.copy_(m.base.weight.float() + m.delta_weight())
         model.set_submodule(name, m.base)
     return [name for name, _ in merged]
 
@@ -2390,8 +2391,7 @@ def build_policy(
     if lora:
         ref = "lora"
     elif reference:
-        ref = copy.deepcopy(policy)
-        ref.model.eval().requires_grad_(False)
+        ref = frozen_reference(policy)
     else:
         ref = "none"
     fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
@@ -2400,6 +2400,20 @@ def build_policy(
         if not isinstance(ref, str):
             shard(ref.model, run.dtype)
     return policy, ref
+
+
+def frozen_reference(policy):
+    """A frozen copy that computes as the policy at its start. Autocast runs linear and conv layers in --dtype whatever
+    their weights' dtype: those stay in it; the rest (embeddings, norms) turn fp32 where fp32_trainable will turn the
+    policy's, else a bf16 residual stream against the policy's fp32 one makes KL and DPO margins non-zero at step 0."""
+    ref = copy.deepcopy(policy)
+    for m, m_ref in zip(policy.model.modules(), ref.model.modules()):
+        if not isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)):
+            for p, p_ref in zip(m.parameters(recurse=False), m_ref.parameters(recurse=False)):
+                if p.requires_grad:
+                    p_ref.data = p_ref.data.float()
+    ref.model.eval().requires_grad_(False)
+    return ref
 
 
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
@@ -2544,8 +2558,9 @@ class LabelCache:
         return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
 
 
-def make_labeler(name: str, chexbert_weights=None, device="cpu"):
-    """--labeler rule|chexbert."""
+def make_labeler(name: str, chexbert_weights=None, device=None):
+    """--labeler rule|chexbert; CheXbert on `device`, by default the GPU where there is one."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
 
 

@@ -300,10 +300,13 @@ def train(args: Args) -> dict:
                 run.log(**terms)
                 return r
 
+            # two autocast blocks: bf16 copies of the weights cast under the rollout's no_grad must not serve the loss's
+            # forward (autocast caches them per block; torch <= 2.9 reuses them there, pytorch#112583: no gradient)
             with run.autocast():
                 roll = common.rollout(
                     policy, micro["images"], prompt, args.group_size, reward_fn, max_new, TEMPERATURE, ref=ref_logp_from
                 )
+            with run.autocast():
                 loss, stats = grpo_step(policy, roll, args, max_new)  # Eq. 1-2
             (loss / args.grad_accum).backward()
             run.log(loss=loss.item(), **stats)

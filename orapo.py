@@ -468,10 +468,12 @@ def train(args: Args) -> dict:
             """common.rollout's: FactS (Eq. 13-15) of each completion against its study's ground truth."""
             return facts_reward(texts, y_batch[owners], extractor, labels)[0]
 
+        # two autocast blocks, as mrg_r1.py says why: the rollout's no_grad casts must not serve the loss's forward
         with run.autocast():
             roll = common.rollout(
                 policy, batch["images"], PROMPT, args.group_size, reward_fn, max_new, TEMPERATURE, ref=ref
             )
+        with run.autocast():
             loss, stats = orapo_step(policy, ref, roll, batch, zrr, args, max_new)  # Eq. 1-12
         loss.backward()
         run.log(loss=loss.item(), **stats)
