@@ -1945,12 +1945,15 @@ def barrier():
         torch.distributed.barrier()
 
 
-def end_process(message: str | None = None):
+def end_process(message: str | None = None, at_once: bool = False):
     """The end of a script (`message`: an error, exit 1). Under torchrun: leave the group after the others, then skip
-    the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception")."""
+    the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception").
+    `at_once` (an error, maybe on this rank alone while the others wait in a collective): exit without waiting;
+    torchrun then stops the others."""
     if _distributed():
-        barrier()
-        torch.distributed.destroy_process_group()
+        if not at_once:
+            barrier()
+            torch.distributed.destroy_process_group()
         sys.stderr.write(f"{message}\n" if message else "")
         sys.stdout.flush()
         sys.stderr.flush()
@@ -2010,11 +2013,12 @@ def all_reduce_gradients(params, world_size: int):
 def shard(model: torch.nn.Module, dtype=torch.float32):
     """FSDP2 (PyTorch's fully_shard) for full fine-tuning beyond one GPU: each block (HF's _no_split_modules), then
     the rest, split over the ranks; a rank keeps 1/world of the weights, gradients and AdamW states and gathers a
-    block's weights (in `dtype`) as it runs. Ranks run as many forwards: generate() waits for all (synced_gpus)."""
+    block's weights (in `dtype`) as it runs, and averages gradients in fp32. Ranks run as many forwards: generate()
+    waits for all (synced_gpus)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
-        fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
+        fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     for name in [n for n in ("generate", "prefix") if hasattr(model, n)]:  # entry points besides forward()
         register_fsdp_forward_method(model, name)
 
@@ -2325,7 +2329,7 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
     try:  # any other exception is a bug: its traceback propagates
         results = train(command, args) if commands else train(args)
     except (OSError, ValueError) as e:  # bad input (a file, a record, a flag): one line, no traceback
-        end_process(f"error: {e}")
+        end_process(f"error: {e}", at_once=True)
     except KeyboardInterrupt as e:
         end_process(f"interrupted{': ' + str(e) if str(e) else ''}")
     end_process()
@@ -2445,18 +2449,26 @@ def atomic_save(obj, path: Path):
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None):
-    """Restore the model, optimiser, schedule and this rank's RNG states -> (step, extra)."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
-        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-    if isinstance(model, FSDPModule):  # shard()'s: full state dicts (Run.checkpoint), each rank keeping its shards
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    """Restore the model, optimiser, schedule and this rank's RNG states -> (step, extra). A shard()ed model's: rank 0
+    alone reads the file (full weights and AdamW states: ~36 GB for 3B), and sends each rank its shards."""
+    sharded = isinstance(model, FSDPModule)
+    ckpt, problem = {}, None
+    if not sharded or torch.distributed.get_rank() == 0:
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+            problem = f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})"
+    if sharded:  # the small parts to every rank
+        problem, small = broadcast_object((problem, {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}))
+        ckpt = ckpt or small
+    if problem:
+        raise ValueError(problem)
+    if sharded:  # full state dicts (Run.checkpoint) from rank 0, each rank keeping its shards
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        options = StateDictOptions(full_state_dict=True)
-        set_state_dict(
-            model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"], options=options
-        )
+        options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        dcp.set_model_state_dict(model, ckpt.get("model", {}), options=options)  # (set_state_dict skips the model
+        dcp.set_optimizer_state_dict(model, optimizer, ckpt.get("optimizer", {}), options=options)  # on empty ranks)
     else:
         try:
             missing, unexpected = model.load_state_dict(ckpt["model"], strict=not ckpt["partial"])

@@ -628,7 +628,7 @@ def retrieval_set(labels: np.ndarray, per_class: int) -> tuple[np.ndarray, np.nd
 
 def precision_at_k(sim: torch.Tensor, query_cls, cand_cls, ks=(1, 2, 5, 10)) -> dict:
     """sim (Q, C) -> mean share of each query's top K of its class (ties: lower index); none for K > C."""
-    order = torch.argsort(sim, dim=1, descending=True, stable=True)  # (Q, C)
+    order = torch.argsort(sim, dim=1, descending=True, stable=True).cpu()  # (Q, C); the classes are on the CPU
     hit = torch.as_tensor(cand_cls)[order] == torch.as_tensor(query_cls)[:, None]
     return {f"P@{k}": hit[:, :k].float().mean().item() for k in ks if k <= sim.shape[1]}
 

@@ -527,6 +527,25 @@ def independent_subset_t0(m):
     }
 
 
+def test_measuring_under_torchrun_is_an_error_naming_the_two_commands(tmp_path, small_synthetic, difficulty_file):
+    """Under torchrun with 2 processes rank 0 would measure (VNS-Gap: hours at MIMIC-CXR's size) while rank 1 waits in a
+    collective past NCCL's timeout: an error on every rank instead, before anything is measured, naming the
+    one-process --measure-only run and --difficulty; a file to read (or a resumed run's own) is fine."""
+    data = common.load_annotation(small_synthetic)
+
+    def run(world_size, resuming=False):
+        return types.SimpleNamespace(world_size=world_size, is_main=True, resuming=resuming, out=tmp_path, data=data)
+
+    for args in (rrgcl.Args(), rrgcl.Args(measure_only=True, difficulty=str(tmp_path / "new.json"))):
+        with pytest.raises(ValueError, match=r"--measure-only --difficulty FILE.*torchrun with --difficulty FILE"):
+            rrgcl.difficulty_scores(run(2), args)
+    assert not (tmp_path / "difficulty.json").exists() and not (tmp_path / "new.json").exists()
+    m, path = rrgcl.difficulty_scores(run(2), rrgcl.Args(difficulty=str(difficulty_file)))
+    assert path == difficulty_file and len(m["dif1"]) == len(data["train"])
+    (tmp_path / "difficulty.json").write_text(difficulty_file.read_text())  # a resumed run reads its own file
+    assert rrgcl.difficulty_scores(run(2, resuming=True), rrgcl.Args())[1] == tmp_path / "difficulty.json"
+
+
 def test_one_step_feeds_the_loss_the_lambda0_studies_and_their_token_mean(
     tmp_path, small_synthetic, difficulty_file, monkeypatch
 ):

@@ -2,6 +2,7 @@
 (gloo on CPU), seeding, the run folder (refusals, config, metrics), checkpoints with an exact
 resume, Ctrl-C, and the flags built from an Args dataclass."""
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -499,3 +500,55 @@ def test_all_reduce_gradients_averages_over_ranks(monkeypatch):
     torch.testing.assert_close(b.grad, torch.tensor([3.0]))
     torch.testing.assert_close(frozen.grad, torch.tensor([3.0]))  # sent zeros: every rank makes the same calls
     assert not other
+
+
+ONE_RANK_FAILS = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import common
+
+def train(args):
+    rank, world, device = common.setup_distributed()
+    if rank == 1:
+        raise {error}("rank 1 alone cannot read its input")
+    return common.broadcast_object("rank 0 waits here for rank 1")
+
+common.run_main(train, common.RunArgs, [])
+"""
+
+
+@pytest.mark.parametrize("error", ["ValueError", "RuntimeError"])
+def test_an_error_on_one_rank_ends_the_job_at_once(tmp_path, error):
+    """Rank 1 fails (bad input: one error line; a bug: its traceback) while rank 0 waits in a collective: the rank that
+    failed exits at once, torchrun stops the other, and the job ends non-zero in seconds, not after
+    $RRG_DIST_TIMEOUT_MIN (set to 10 here; the test allows 120 s). Waiting for the other ranks first hung there."""
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(ONE_RANK_FAILS.format(root=str(ROOT), error=error))
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", RRG_DIST_TIMEOUT_MIN="10")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script)]
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # torchrun and its workers, had they hung
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    line = "error: rank 1 alone cannot read its input" if error == "ValueError" else f"{error}: rank 1 alone"
+    assert line in err, err[-3000:]
+
+
+def test_shard_gathers_in_dtype_and_averages_gradients_in_fp32(monkeypatch):
+    """common.shard: each block (transformers' _no_split_modules), then the rest, one FSDP2 unit, gathered in --dtype
+    with gradients reduced in fp32 (without reduce_dtype FSDP2 averages bf16 gradients in bf16)."""
+    from torch.distributed import fsdp
+
+    units, methods = [], []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, mp_policy: units.append((module, mp_policy)))
+    monkeypatch.setattr(fsdp, "register_fsdp_forward_method", lambda module, name: methods.append(name))
+    model = tiny_gpt2()
+    common.shard(model, torch.bfloat16)
+    assert [type(m).__name__ for m, _ in units] == ["GPT2Block", "GPT2Block", "GPT2LMHeadModel"]
+    assert all(p.param_dtype == torch.bfloat16 and p.reduce_dtype == torch.float32 for _, p in units)
+    assert methods == ["generate"]
