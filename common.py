@@ -1678,8 +1678,7 @@ class LoRALinear(torch.nn.Module):
         return out + delta.to(out.dtype)
 
     def delta_weight(self):
-        """(alpha / r) * B A, (out, in), fp32: a merge adds it to the base weight in fp32 and rounds once (in bf16 a
-        delta rounded first, then the sum, loses one a little over half a bf16 step; one under half is lost anyway)."""
+        """(alpha / r) * B A, (out, in), fp32: merges add it to the base weight in fp32 and round the sum once."""
         return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
 
 
@@ -1947,11 +1946,9 @@ def barrier():
 
 def end_process(message: str | None = None, at_once: bool = False):
     """The end of a script (`message`: an error, exit 1). Under torchrun: leave the group after the others, then skip
-    the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception").
-    `at_once` (an error, maybe on this rank alone while the others wait in a collective): exit without waiting;
-    torchrun then stops the others."""
+    the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception")."""
     if _distributed():
-        if not at_once:
+        if not at_once:  # at_once: an error, maybe this rank's alone (the others in a collective); torchrun stops them
             barrier()
             torch.distributed.destroy_process_group()
         sys.stderr.write(f"{message}\n" if message else "")
@@ -2012,9 +2009,8 @@ def all_reduce_gradients(params, world_size: int):
 
 def shard(model: torch.nn.Module, dtype=torch.float32):
     """FSDP2 (PyTorch's fully_shard) for full fine-tuning beyond one GPU: each block (HF's _no_split_modules), then
-    the rest, split over the ranks; a rank keeps 1/world of the weights, gradients and AdamW states and gathers a
-    block's weights (in `dtype`) as it runs, and averages gradients in fp32. Ranks run as many forwards: generate()
-    waits for all (synced_gpus)."""
+    the rest, split over the ranks; a rank keeps 1/world of the weights, gradients and AdamW states, gathers a block's
+    weights (in `dtype`) as it runs, averages gradients in fp32. Ranks run as many forwards: generate() syncs them."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
@@ -2392,12 +2388,7 @@ def build_policy(
         if run.is_main:
             policy.save(saved)
         barrier()
-    if lora:
-        ref = "lora"
-    elif reference:
-        ref = frozen_reference(policy)
-    else:
-        ref = "none"
+    ref = "lora" if lora else (frozen_reference(policy) if reference else "none")  # LoRA off, a frozen copy, none
     fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
     if fsdp:  # after the warm start, which saved the model whole
         shard(policy.model, run.dtype)
@@ -2407,15 +2398,14 @@ def build_policy(
 
 
 def frozen_reference(policy):
-    """A frozen copy that computes as the policy at its start. Autocast runs linear and conv layers in --dtype whatever
-    their weights' dtype: those stay in it; the rest (embeddings, norms) turn fp32 where fp32_trainable will turn the
-    policy's, else a bf16 residual stream against the policy's fp32 one makes KL and DPO margins non-zero at step 0."""
+    """A frozen copy computing as the policy at its start: linear and conv weights in --dtype (autocast's anyway), the
+    rest (embeddings, norms) fp32 where fp32_trainable makes the policy's (bf16: KL and DPO margins not 0 at step 0)."""
     ref = copy.deepcopy(policy)
     for m, m_ref in zip(policy.model.modules(), ref.model.modules()):
-        if not isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)):
-            for p, p_ref in zip(m.parameters(recurse=False), m_ref.parameters(recurse=False)):
-                if p.requires_grad:
-                    p_ref.data = p_ref.data.float()
+        pairs = zip(m.parameters(recurse=False), m_ref.parameters(recurse=False))
+        linear = isinstance(m, torch.nn.Linear | torch.nn.Conv2d | torch.nn.Conv3d)
+        for p_ref in [q for p, q in pairs if p.requires_grad and not linear]:
+            p_ref.data = p_ref.data.float()
     ref.model.eval().requires_grad_(False)
     return ref
 
@@ -2449,9 +2439,8 @@ def atomic_save(obj, path: Path):
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None):
-    """Restore the model, optimiser, schedule and this rank's RNG states -> (step, extra). A shard()ed model's: rank 0
-    alone reads the file (full weights and AdamW states: ~36 GB for 3B), and sends each rank its shards."""
-    sharded = isinstance(model, FSDPModule)
+    """Restore the model, optimiser, schedule and this rank's RNG states -> (step, extra)."""
+    sharded = isinstance(model, FSDPModule)  # shard()'s: rank 0 alone reads (weights, AdamW: 36 GB for 3B) and sends
     ckpt, problem = {}, None
     if not sharded or torch.distributed.get_rank() == 0:
         try:
