@@ -246,7 +246,7 @@ def test_the_sandbox_chexbert_trains_and_loads_as_chexbert_pth(small_synthetic, 
 def test_the_sandbox_chexbert_is_trained_once_beside_its_data(small_synthetic, monkeypatch):
     """In a process of its own under the numeric pins, into <data folder>/chexbert; then read from there."""
     path = common.synthetic_chexbert(small_synthetic, TINY_SANDBOX)
-    assert path == small_synthetic.parent / "chexbert" / "chexbert.pth" and path.is_file()
+    assert path == small_synthetic.parent / "chexbert-v2" / "chexbert.pth" and path.is_file()
     stamp = path.stat().st_mtime_ns
 
     def no_training(*a, **k):
