@@ -6,6 +6,7 @@
     python tests/reproduce.py NAME --seeds 108-111     # more seeds: an extension, with its own verdicts
     python tests/reproduce.py NAME --dry-run           # the command lines still to run, nothing run
     python tests/reproduce.py labels --gold FILE.csv   # a labeler against radiologists' labels
+    python tests/reproduce.py labels --labeler chexbert --gold synthetic   # the sandbox's CheXbert, synthetic test
 
 For NAME (mrg_r1, deer, orapo, rrgcl, dcrrg), each arm of the table is the script's own command line, the same seeds in
 every arm (paired), each run in its own folder under --out/NAME. A finished run is skipped (after checking that it ran
@@ -361,6 +362,34 @@ def gold_agreement(path, labeler) -> dict:
     out["micro_f1"] = float(common._prf(tp[:8].sum(), fp[:8].sum(), fn[:8].sum())[2])
     out |= {"n": len(rows), "no_finding_rate": float(ours[:, -1].mean()), "normal_rate": float(gold[:, -1].mean())}
     return out
+
+
+def mention_f1(ours: np.ndarray, gold: np.ndarray) -> float:
+    """Micro F1 over the mentions (positive, negative, uncertain; blank is no mention), CheXbert's own measure."""
+    tp = fp = fn = 0
+    for value in (1, 0, -1):
+        o, g = ours == value, gold == value
+        tp, fp, fn = tp + (o & g).sum(), fp + (o & ~g).sum(), fn + (~o & g).sum()
+    return float(2 * tp / (2 * tp + fp + fn)) if tp + fp + fn else 1.0
+
+
+def synthetic_labels_table(labeler) -> list[str]:
+    """A labeler against the synthetic test split's own labels: per label and micro, the mentions' F1 and the
+    positives' (uncertain negative, as CE counts them)."""
+    records = common.load_data("synthetic")["test"]
+    gold = np.stack([r.labels for r in records])  # (N, 14)
+    ours = labeler([r.report for r in records])
+    positives = common.ce_metrics(ours, gold, uncertain_as=0)
+    lines = [f"{'':<27} mentions F1  positives F1  mentions"]
+    for k, name in enumerate(common.CHEXPERT_LABELS):
+        mentioned = int((~np.isnan(gold[:, k])).sum())
+        f1 = positives["per_label"][name]["f1"]
+        lines.append(f"{name:<27} {mention_f1(ours[:, k], gold[:, k]):11.3f} {f1:13.3f} {mentioned:9d}")
+    lines.append(
+        f"micro F1 over the 14, {len(records)} test reports: mentions {mention_f1(ours, gold):.3f}, "
+        f"positives {positives['micro_f1']:.3f}"
+    )
+    return lines
 
 
 def labels_table(gold: str, labeler) -> list[str]:
@@ -923,8 +952,14 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the commands still to run")
     args = p.parse_args(argv)
     if args.name == "labels":
+        weights = args.chexbert_weights
+        if args.labeler == "chexbert" and args.gold == "synthetic" and not weights:
+            weights = common.synthetic_chexbert()  # the sandbox's
         try:
-            return print("\n".join(labels_table(args.gold, common.make_labeler(args.labeler, args.chexbert_weights))))
+            labeler = common.make_labeler(args.labeler, weights)
+            if args.gold == "synthetic":
+                return print("\n".join(synthetic_labels_table(labeler)))
+            return print("\n".join(labels_table(args.gold, labeler)))
         except (FileNotFoundError, ValueError, TypeError) as e:
             raise SystemExit(f"error: {e}" if args.gold else "error: labels needs --gold FILE.csv") from None
     exp, results_file = EXPERIMENTS[args.name], Path(args.results) / f"{args.name}.json"

@@ -298,3 +298,12 @@ def test_report_command_prints_from_the_results_file(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[: len(reproduce.report("orapo", data))] == reproduce.report("orapo", data)
+
+
+def test_mention_f1_by_hand():
+    """CheXbert's measure: micro F1 over positive, negative and uncertain mentions; blank is no mention."""
+    nan = np.nan
+    gold = np.array([[1, 0, nan, -1], [nan, 1, 0, nan]])
+    ours = np.array([[1, nan, 0, 1], [nan, 1, 0, -1]])
+    # mentions: gold 5, ours 6; matching (value and place): (0,0) 1, (1,1) 1, (1,2) 0 -> TP 3, FP 3, FN 2
+    assert reproduce.mention_f1(ours, gold) == pytest.approx(6 / 11)
