@@ -130,7 +130,7 @@ def test_importing_f1chexbert_keeps_warnings_on():
         "print(any(f[0] == 'ignore' and f[1] is None and f[2] is Warning and f[3] is None for f in warnings.filters))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=common.__file__.rsplit("/", 1)[0]
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=common.__file__.rsplit("/", 1)[0], check=True
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"  # no catch-all "ignore" filter was left behind
@@ -202,8 +202,9 @@ def test_batched_speedup_bert_base_size(tmp_path):
     t2 = time.time()
     n_words = np.mean([len(x.split()) for x in r])
     print(
-        f"\nCheXbert (bert-base size, random), {len(r)} reports of {n_words:.0f} words: batched {len(r) / (t1 - t0):.1f} "
-        f"reports/s, one by one {len(r) / (t2 - t1):.1f} reports/s, speed-up {(t2 - t1) / (t1 - t0):.2f}x"
+        f"\nCheXbert (bert-base size, random), {len(r)} reports of {n_words:.0f} words: "
+        f"batched {len(r) / (t1 - t0):.1f} reports/s, one by one {len(r) / (t2 - t1):.1f} reports/s, "
+        f"speed-up {(t2 - t1) / (t1 - t0):.2f}x"
     )
     np.testing.assert_array_equal(batched, single)  # the speed-up is reported, not asserted (a shared machine)
 

@@ -29,7 +29,10 @@ def test_the_r2gengpt_layout_loads_with_its_view_counts(iu_xray):
 def test_r2gen_views_two_per_study_in_file_order():
     """R2Gen reads two views of an IU X-Ray study: the record's first two; a 1-view study repeats its view; a data
     set with one view per study (R2Gen's MIMIC-CXR file) keeps one."""
-    rec = lambda n: common.Record(f"s{n}", [f"v{k}.png" for k in range(n)], "r", "train")
+
+    def rec(n):
+        return common.Record(f"s{n}", [f"v{k}.png" for k in range(n)], "r", "train")
+
     two = common.r2gen_views({"train": [rec(1), rec(2), rec(5)], "test": [rec(3)]})
     assert [r.image_paths for r in two["train"] + two["test"]] == [
         ["v0.png", "v0.png"],
