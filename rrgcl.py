@@ -95,10 +95,10 @@ ENCODER = dict(image_size=64, batch_size=64, lr=1e-3, resnet_size=256, seed=0, h
 # on 90 % of the training studies until the BCE on the other 10 % stops improving (ENCODER_CONVERGE, in epochs);
 # MINE's T trains until its DV bound on held-out pairs stops improving (MINE_CONVERGE, in steps). Best weights kept.
 ENCODER_CONVERGE = dict(every=1, patience=2, min_gain=0.001, max_steps=30)
-MINE_CONVERGE = dict(every=500, patience=3, min_gain=0.01, max_steps=20000)
+MINE_CONVERGE = dict(every=500, patience=5, min_gain=0.01, max_steps=20000)
 # Sec. 4.3's ResNet depths; ITAS: the smallest torchvision ResNet (Liao et al.'s isn't one)
 RESNET = {"--visual-encoder": 101, "--itas-encoder": 18}
-MINE = dict(batch_size=256, lr=1e-4, held_out=0.2)  # per half (itas()); the lr of Belghazi et al. 2018
+MINE = dict(batch_size=256, lr=1e-4, held_out=0.2, shuffles=10)  # per half (itas()); Belghazi et al. 2018's lr
 VNS_BLOCK = 2048  # rows of G computed at once: memory O(N x block)
 ARRAYS = ("labels", "dif1", "dif2")  # of the difficulty file, NaN (a blank label) written as null
 C0 = 0.01  # Linear / Root / Geom start (Platanios et al. 2019)
@@ -145,7 +145,7 @@ def dv_bound(t_joint: torch.Tensor, t_marginal: torch.Tensor) -> torch.Tensor:
     return t_joint.mean() - (torch.logsumexp(t_marginal, 0) - math.log(len(t_marginal)))
 
 
-def train_mine(image, text, batch_size: int, lr: float, held_out: float, seed: int = 0):
+def train_mine(image, text, batch_size: int, lr: float, held_out: float, shuffles: int, seed: int = 0):
     """Eq. 8: theta* = argmax of the DV bound, Adam on batches, marginals by shuffling the batch's reports; no
     moving-average correction (Belghazi et al. 2018, Sec. 3.2); until the bound on `held_out` of the pairs stops
     improving (MINE_CONVERGE). Returns (T at its best, that bound)."""
@@ -154,7 +154,9 @@ def train_mine(image, text, batch_size: int, lr: float, held_out: float, seed: i
     order = torch.randperm(len(image), generator=g)
     n_held = max(1, int(held_out * len(image)))
     held, fit = order[:n_held], order[n_held:]
-    unpaired = held[torch.randperm(len(held), generator=g)]  # the held-out pairs' marginal
+    # the held-out pairs' marginal: their images with `shuffles` shuffles of their reports (a steadier bound)
+    images = held.repeat(shuffles)
+    unpaired = torch.cat([held[torch.randperm(len(held), generator=g)] for _ in range(shuffles)])
     T = StatisticsNetwork(image.shape[1] + text.shape[1])
     opt = torch.optim.Adam(T.parameters(), lr=lr)
     rule = common.Convergence(**MINE_CONVERGE)
@@ -167,7 +169,7 @@ def train_mine(image, text, batch_size: int, lr: float, held_out: float, seed: i
         opt.step()
         if step % rule.every == 0:
             with torch.no_grad():
-                rule.update(dv_bound(T(image[held], text[held]), T(image[held], text[unpaired])).item(), step, T)
+                rule.update(dv_bound(T(image[held], text[held]), T(image[images], text[unpaired])).item(), step, T)
             if rule.converged:
                 break
     T.load_state_dict(rule.best_weights)

@@ -334,7 +334,7 @@ def test_mine_approaches_known_mutual_information_from_below():
     for steps in (15, 200):  # validated every 5 steps, never stopped early
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(rrgcl, "MINE_CONVERGE", dict(every=5, patience=10**6, min_gain=0.0, max_steps=steps))
-            T, _ = rrgcl.train_mine(x, y, batch_size=128, lr=1e-3, held_out=0.2, seed=0)
+            T, _ = rrgcl.train_mine(x, y, batch_size=128, lr=1e-3, held_out=0.2, shuffles=1, seed=0)
         estimates.append(mine_estimate(T, x_test, y_test))
     assert estimates[0] < estimates[1] <= true_mi + 0.03  # rises towards the true value, not past it
     assert estimates[1] > 0.85 * true_mi
@@ -355,19 +355,19 @@ def test_mine_trains_until_its_held_out_bound_stops_rising(monkeypatch):
         return real(t_joint, t_marginal)
 
     monkeypatch.setattr(rrgcl, "dv_bound", counting)
-    T, best = rrgcl.train_mine(x, y, batch_size=64, lr=1e-3, held_out=0.2, seed=0)
+    T, best = rrgcl.train_mine(x, y, batch_size=64, lr=1e-3, held_out=0.2, shuffles=3, seed=0)
     assert calls.count(200) == 3 and len(calls) == 30 + 3  # 30 training batches, 3 validations on the 200 held out
     g = torch.Generator().manual_seed(0)
     held = torch.randperm(1000, generator=g)[:200]
-    unpaired = held[torch.randperm(200, generator=g)]
+    unpaired = torch.cat([held[torch.randperm(200, generator=g)] for _ in range(3)])  # 3 shuffles of their reports
     with torch.no_grad():
-        assert real(T(x[held], y[held]), T(x[held], y[unpaired])).item() == pytest.approx(best)  # step 10's T
+        assert real(T(x[held], y[held]), T(x[held.repeat(3)], y[unpaired])).item() == pytest.approx(best)  # step 10's
 
 
 def test_itas_scores_every_pair_with_the_network_that_never_saw_it(monkeypatch):
     """Eq. 9 cross-fitted: two networks, each fitted on one half of the pairs; a pair's dif2 is the other
     network's T on it, standardised within its half (DV leaves T free up to a constant)."""
-    monkeypatch.setattr(rrgcl, "MINE", dict(batch_size=128, lr=1e-3, held_out=0.2))
+    monkeypatch.setattr(rrgcl, "MINE", dict(batch_size=128, lr=1e-3, held_out=0.2, shuffles=2))
     monkeypatch.setattr(rrgcl, "MINE_CONVERGE", dict(every=50, patience=10**6, min_gain=0.0, max_steps=150))
     x, y = gaussian_pairs(600, 2, 0.8, 0)
     fits, real = [], rrgcl.train_mine
@@ -436,7 +436,7 @@ def test_the_measurer_and_q1_read_findings_and_impression():
 def fast_measure():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rrgcl, "ENCODER_CONVERGE", dict(rrgcl.ENCODER_CONVERGE, max_steps=1))
-        mp.setattr(rrgcl, "MINE", dict(batch_size=16, lr=1e-3, held_out=0.2))
+        mp.setattr(rrgcl, "MINE", dict(batch_size=16, lr=1e-3, held_out=0.2, shuffles=2))
         mp.setattr(rrgcl, "MINE_CONVERGE", dict(every=20, patience=10**6, min_gain=0.0, max_steps=40))
         yield
 
