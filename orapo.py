@@ -104,7 +104,9 @@ ZRR_MOMENTUM, ZRR_POWER = 0.5, 2.0  # Eq. 9's EMA momentum m and Eq. 10's sharpe
 WARM_START = dict(lr=1e-3, batch_size=32)  # --sft-steps' settings (ours)
 # The paper's policy is a general VLM that has never seen the task; the sandbox's tiny model learns to write reports
 # with each view blank (the report text alone), validated every 100 steps by the mean token log-likelihood of N_EVAL
-# validation reports, stopped after 3 validations without a gain of 0.01 nats (declared before any sweep)
+# validation reports, stopped after 3 validations without a gain of 0.01 nats (declared before any sweep). Fig. 2
+# starts near 30 % zero-reward groups; from this start OraPO's default run (seed 0) had 14 % over its first 50 steps,
+# vanilla GRPO from a 25-step blind start 16.5 %: fluent text on the synthetic vocabulary seldom misses every finding
 CONVERGE = dict(every=100, patience=3, min_gain=0.01, max_steps=5000)
 # Sec. 4.2: "macro-averaged over labels", the unweighted mean over the 14; positives (the benchmark scores label == 1)
 CE = dict(headline="macro_f1", uncertain_as=0)
