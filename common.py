@@ -2277,8 +2277,6 @@ def resolve_defaults(args):
     if args.labeler == "auto":  # the papers' CheXbert (the sandbox's own on --data synthetic), else rules offline
         offline = args.model == "tiny" and args.data != "synthetic" and not args.chexbert_weights
         args.labeler = "rule" if offline else "chexbert"
-    if args.labeler == "chexbert" and args.data == "synthetic" and not args.chexbert_weights:
-        args.chexbert_weights = str(synthetic_chexbert())  # trained once, beside the synthetic set
     if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
         args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     return args
@@ -2295,6 +2293,8 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
         barrier()  # rank 0 first: it builds the synthetic set and trains the sandbox's CheXbert, once
     resolve_defaults(args)
     data = load_data(args.data, drop_invalid=args.drop_invalid)
+    if args.labeler == "chexbert" and args.data == "synthetic" and not args.chexbert_weights:
+        args.chexbert_weights = str(synthetic_chexbert())  # the sandbox's, trained once beside the synthetic set
     if rank == 0:
         barrier()
     if args.clean == "auto":

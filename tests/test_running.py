@@ -261,6 +261,8 @@ def test_seed_everything_offsets_by_rank():
 @dataclass
 class ToyArgs(common.RunArgs):
     out: str = "runs/toy"
+    labeler: str = "rule"
+    """a toy run labels nothing: the rules cost nothing to build"""
     steps: int = 6
     """steps of the toy run"""
     lr: float = 1e-2
