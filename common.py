@@ -985,6 +985,7 @@ class CheXbertLabeler:
 # (CheXbert's classes: blank, positive, negative, uncertain; No Finding blank or positive). Saved as chexbert.pth is,
 # with the BERT's config.json and vocab.txt beside it: the same loading code serves it and the real weights.
 SPECIAL_PIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # BERT's, first, in its order
+SANDBOX_CHEXBERT_VERSION = 2  # of the recipe below: a new one trains into a new folder
 SANDBOX_CHEXBERT = dict(hidden=128, layers=4, heads=4, epochs=40, lr=2e-3, batch_size=32)
 # What makes a CPU run repeat to the bit, on one machine kind and (as measured) across kinds with AVX2: one thread,
 # ATen's, MKL's and oneDNN's AVX2 code paths. The sandbox's CheXbert trains under them; so do tests/reproduce.py's runs.
@@ -1053,7 +1054,7 @@ def synthetic_chexbert(annotation=None, settings=None) -> Path:
     """The sandbox's CheXbert beside the synthetic set (or `annotation`'s), trained once on its training split in a
     process of its own under NUMERIC_PINS, so that every machine gets the same weights (about 5 CPU-minutes)."""
     annotation = Path(annotation or synthetic_data())
-    final = annotation.parent / "chexbert"
+    final = annotation.parent / f"chexbert-v{SANDBOX_CHEXBERT_VERSION}"
     if (final / CHEXBERT_FILE).is_file():
         return final / CHEXBERT_FILE
     log.info("training the sandbox's CheXbert on %s's training reports, once: %s", annotation, final)
@@ -2277,8 +2278,6 @@ def resolve_defaults(args):
     if args.labeler == "auto":  # the papers' CheXbert (the sandbox's own on --data synthetic), else rules offline
         offline = args.model == "tiny" and args.data != "synthetic" and not args.chexbert_weights
         args.labeler = "rule" if offline else "chexbert"
-    if args.labeler == "chexbert" and args.data == "synthetic" and not args.chexbert_weights:
-        args.chexbert_weights = str(synthetic_chexbert())  # trained once, beside the synthetic set
     if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
         args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     return args
@@ -2295,6 +2294,8 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
         barrier()  # rank 0 first: it builds the synthetic set and trains the sandbox's CheXbert, once
     resolve_defaults(args)
     data = load_data(args.data, drop_invalid=args.drop_invalid)
+    if args.labeler == "chexbert" and args.data == "synthetic" and not args.chexbert_weights:
+        args.chexbert_weights = str(synthetic_chexbert())  # the sandbox's, trained once beside the synthetic set
     if rank == 0:
         barrier()
     if args.clean == "auto":
@@ -2332,6 +2333,84 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
     return results
 
 
+@dataclass
+class Convergence:
+    """A stopping rule for SFT, declared before any run: every `every` steps a validation score (higher is better);
+    the best weights are kept; training stops after `patience` validations without a gain of at least `min_gain` over
+    the best, or at `max_steps`. The fields after max_steps are its state, which checkpoints hold."""
+
+    every: int
+    patience: int
+    min_gain: float
+    max_steps: int
+    best: float = -math.inf
+    best_step: int = 0
+    waited: int = 0  # validations since the best
+    best_weights: dict = field(default_factory=dict)  # the trainable parameters at the best validation
+
+    def update(self, score: float, step: int, model: torch.nn.Module):
+        if score >= self.best + self.min_gain:
+            self.best, self.best_step, self.waited = score, step, 0
+            self.best_weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        else:
+            self.waited += 1
+
+    @property
+    def converged(self) -> bool:
+        return self.waited >= self.patience
+
+
+def warm_start_stage(
+    run,
+    policy,
+    records,
+    steps,
+    lr,
+    batch_size,
+    prompt,
+    targets=None,
+    blind=False,
+    converge=None,
+    validate=None,
+    max_pixels=None,
+):
+    """SFT before RL, a stage of its own in out/warm_start (config.json, metrics.jsonl, last.pt, eval.json, final/):
+    the teacher-forced likelihood of targets(batch) (default: the reports), AdamW at a constant lr; `blind`: each
+    view a blank image (the report text alone: a fluent, task-naive start). `steps` steps, or with `converge` until
+    validate(stage, policy, step) stops improving, the best weights kept. Stopped, --resume continues it; finished,
+    it is read back. Returns the warm-started policy (reloaded from final/, LoRA folded in)."""
+    stage = run.stage("warm_start", run.resume_flags or ())
+    if stage.done is None:
+        fp32_trainable(policy.model)
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr)
+        trained = stage.restore(policy.model, optimizer, state=vars(converge) if converge else None)
+        total = converge.max_steps if converge else steps
+        batches = stage.study_batches(records, batch_size, "the warm start's batch")
+        for step, batch in stage.steps(total, batches, "warm start"):
+            if converge and converge.converged:
+                break  # decided at the last validation (its metrics line is written)
+            images = batch["images"]
+            if blind:
+                images = [[Image.new("L", view.size) for view in views] for views in images]
+            texts = targets(batch) if targets else batch["report"]
+            loss = policy.sft_loss(policy.prompt_batch(images, prompt), texts)
+            loss.backward()
+            stage.optimizer_step(params, optimizer)
+            stage.log(sft_loss=loss.item())
+            trained = step + 1
+            if converge and trained % converge.every == 0:
+                score = validate(stage, policy, trained)
+                converge.update(score, trained, policy.model)
+                stage.log(validation=score)
+        results = {"steps": trained}
+        if converge:
+            policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
+            results["converge"] = asdict(dataclasses.replace(converge, best_weights={}))
+        stage.finish(results, policy)
+    return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)
+
+
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
 def build_policy(
     run: Run,
@@ -2348,12 +2427,8 @@ def build_policy(
 ):
     """(policy, reference): `init` (a saved policy) or --model, equal on every rank. `lora` ({r, alpha, dropout,
     targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none": reference=False).
-    `warm_start` ({steps, lr, batch_size, prompt, targets=fn(batch)}) first fine-tunes on the reports (a
-    random model never earns a reward; LoRA is folded in after), saved to out/warm_start/ for --resume."""
-    saved = run.out / "warm_start"
-    if warm_start and run.resuming and saved.is_dir():  # warm-started before the run stopped
-        init = saved
-        warm_start = None
+    `warm_start` (warm_start_stage's settings) first fine-tunes on the reports, a stage of its own (a random model
+    never earns a reward)."""
     if init is not None:
         policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
     else:
@@ -2367,27 +2442,10 @@ def build_policy(
 
     if lora:
         add_lora()
-    if warm_start and warm_start["steps"] > 0:  # teacher-forced likelihood of targets(batch), AdamW, constant lr
-        fp32_trainable(policy.model)
-        params = [p for p in policy.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=warm_start["lr"])
-        batches = run.study_batches(records, warm_start["batch_size"], "warm start")(0)
-        targets = warm_start.get("targets", lambda batch: batch["report"])
-        for _ in trange(warm_start["steps"], desc="warm start", disable=not run.is_main):
-            batch = next(batches)
-            prompts = policy.prompt_batch(batch["images"], warm_start["prompt"])
-            policy.sft_loss(prompts, targets(batch)).backward()
-            all_reduce_gradients(params, run.world_size)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if lora:  # fold the adapters in: the warm-started model is RL's base and its LoRA-off reference
-            merge_lora(policy.model)
+    if warm_start and (warm_start["steps"] > 0 or warm_start.get("converge")):
+        policy = warm_start_stage(run, policy, records, **warm_start, max_pixels=max_pixels)  # LoRA folded in
+        if lora:  # fresh adapters on the warm-started weights: RL's base, and its LoRA-off reference
             add_lora()
-        for p in policy.model.parameters():  # back to --dtype, as out/warm_start reloads
-            p.data = p.data.to(run.dtype)
-        if run.is_main:
-            policy.save(saved)
-        barrier()
     ref = "lora" if lora else (frozen_reference(policy) if reference else "none")  # LoRA off, a frozen copy, none
     fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
     if fsdp:  # after the warm start, which saved the model whole

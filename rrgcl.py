@@ -89,10 +89,16 @@ CE = dict(headline="micro_f1", uncertain_as=0)
 # labelled 1 for
 CLASSES = [n for n in common.CHEXPERT_LABELS if n != "Support Devices"]
 # The measurer's encoders: the small ones ours (text 2 x epochs); ResNets at Sec. 4.1's 256 px
-ENCODER = dict(image_size=64, epochs=4, batch_size=64, lr=1e-3, resnet_size=256)
+ENCODER = dict(image_size=64, batch_size=64, lr=1e-3, resnet_size=256, seed=0, held_out=0.1)
+# The measurer converges before it schedules (declared before any sweep). The paper's encoders are pre-trained once
+# (ResNet-101 tuned on CheXpert, Bio_ClinicalBERT): the stand-ins train with one seed, ENCODER["seed"], whatever --seed,
+# on 90 % of the training studies until the BCE on the other 10 % stops improving (ENCODER_CONVERGE, in epochs);
+# MINE's T trains until its DV bound on held-out pairs stops improving (MINE_CONVERGE, in steps). Best weights kept.
+ENCODER_CONVERGE = dict(every=1, patience=2, min_gain=0.001, max_steps=30)
+MINE_CONVERGE = dict(every=500, patience=5, min_gain=0.01, max_steps=20000)
 # Sec. 4.3's ResNet depths; ITAS: the smallest torchvision ResNet (Liao et al.'s isn't one)
 RESNET = {"--visual-encoder": 101, "--itas-encoder": 18}
-MINE = dict(steps=2000, batch_size=256, lr=1e-4)  # per half (itas()); the lr of Belghazi et al. 2018
+MINE = dict(batch_size=256, lr=1e-4, held_out=0.2, shuffles=10)  # per half (itas()); Belghazi et al. 2018's lr
 VNS_BLOCK = 2048  # rows of G computed at once: memory O(N x block)
 ARRAYS = ("labels", "dif1", "dif2")  # of the difficulty file, NaN (a blank label) written as null
 C0 = 0.01  # Linear / Root / Geom start (Platanios et al. 2019)
@@ -139,24 +145,35 @@ def dv_bound(t_joint: torch.Tensor, t_marginal: torch.Tensor) -> torch.Tensor:
     return t_joint.mean() - (torch.logsumexp(t_marginal, 0) - math.log(len(t_marginal)))
 
 
-def train_mine(image, text, steps: int, batch_size: int = 256, lr: float = 1e-4, seed: int = 0):
+def train_mine(image, text, batch_size: int, lr: float, held_out: float, shuffles: int, seed: int = 0):
     """Eq. 8: theta* = argmax of the DV bound, Adam on batches, marginals by shuffling the batch's reports; no
-    moving-average correction (Belghazi et al. 2018, Sec. 3.2). Returns (T, mean DV bound of the last 50 batches)."""
+    moving-average correction (Belghazi et al. 2018, Sec. 3.2); until the bound on `held_out` of the pairs stops
+    improving (MINE_CONVERGE). Returns (T at its best, that bound)."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
+    order = torch.randperm(len(image), generator=g)
+    n_held = max(1, int(held_out * len(image)))
+    held, fit = order[:n_held], order[n_held:]
+    # the held-out pairs' marginal: their images with `shuffles` shuffles of their reports (a steadier bound)
+    images = held.repeat(shuffles)
+    unpaired = torch.cat([held[torch.randperm(len(held), generator=g)] for _ in range(shuffles)])
     T = StatisticsNetwork(image.shape[1] + text.shape[1])
     opt = torch.optim.Adam(T.parameters(), lr=lr)
-    last = []  # the last 50 batches' bounds
-    for _ in range(steps):
-        i = torch.randint(len(image), (batch_size,), generator=g)
+    rule = common.Convergence(**MINE_CONVERGE)
+    for step in range(1, rule.max_steps + 1):
+        i = fit[torch.randint(len(fit), (batch_size,), generator=g)]
         j = i[torch.randperm(batch_size, generator=g)]  # shuffled reports: P(I) x P(R)
         mi = dv_bound(T(image[i], text[i]), T(image[i], text[j]))  # Eq. 7
         opt.zero_grad(set_to_none=True)
         (-mi).backward()  # Eq. 8: maximise the bound
         opt.step()
-        last = (last + [mi.item()])[-50:]
-    dv = float(np.mean(last)) if last else float("nan")
-    return T.eval(), dv
+        if step % rule.every == 0:
+            with torch.no_grad():
+                rule.update(dv_bound(T(image[held], text[held]), T(image[images], text[unpaired])).item(), step, T)
+            if rule.converged:
+                break
+    T.load_state_dict(rule.best_weights)
+    return T.eval(), rule.best
 
 
 @torch.no_grad()
@@ -166,10 +183,10 @@ def itas(image: torch.Tensor, text: torch.Tensor, seed: int = 0) -> tuple[np.nda
     image, text = ((x - x.mean(0)) / x.std(0).clamp_min(1e-6) for x in (image, text))  # standardised features (ours)
     a, b = np.array_split(np.random.default_rng(seed).permutation(len(image)), 2)
     dif2 = np.zeros(len(image))
-    stats = {"dv_train": [], "dv_held_out": []}
+    stats = {"dv_train": [], "dv_held_out": []}  # the bound on the pairs held out of T's fit, and on the scored
     for k, (held, fit) in enumerate([(a, b), (b, a)]):
         with torch.enable_grad():
-            T, dv_train = train_mine(image[fit], text[fit], seed=seed + k, **MINE)
+            T, dv_train = train_mine(image[fit], text[fit], **MINE, seed=seed + k)
         t_joint = T(image[held], text[held])  # (N/2,)
         shuffled = np.random.default_rng(seed + k).permutation(held)
         stats["dv_train"].append(dv_train)
@@ -399,39 +416,60 @@ class SmallTextEncoder(torch.nn.Module):
         return h.masked_fill((ids == 0)[:, None], 0).amax(2)  # (B, 128): ReLU >= 0, so pads never win
 
 
-def fit_and_extract(model, dataset, x: str, epochs: int, device, seed: int) -> torch.Tensor:
-    """A few epochs of multi-label BCE from batch[x] on the 14 labels (uncertain = 1), then the (N, d) features."""
-    torch.manual_seed(seed)  # the weights and the shuffle
-    opt = torch.optim.AdamW(model.to(device).train().parameters(), lr=ENCODER["lr"])
-    for _ in range(epochs):
-        for b in torch.utils.data.DataLoader(dataset, ENCODER["batch_size"], shuffle=True):
-            y = torch.as_tensor(common.binarize(b["labels"]), dtype=torch.float32, device=device)  # (B, 14)
-            loss = F.binary_cross_entropy_with_logits(model.head(model(b[x].to(device))), y)
+def fit_encoder(model, dataset, x: str, device):
+    """Multi-label BCE from batch[x] on the 14 labels (uncertain = 1) on 90 % of the studies, each epoch validated on
+    the rest, until ENCODER_CONVERGE stops it; the best epoch's weights kept."""
+    torch.manual_seed(ENCODER["seed"])  # the split and the shuffles: the same for every measurement seed
+    order = torch.randperm(len(dataset)).tolist()
+    n_val = max(1, int(ENCODER["held_out"] * len(dataset)))
+    fit, val = torch.utils.data.Subset(dataset, order[n_val:]), torch.utils.data.Subset(dataset, order[:n_val])
+
+    def bce(batch):
+        y = torch.as_tensor(common.binarize(batch["labels"]), dtype=torch.float32, device=device)  # (B, 14)
+        return F.binary_cross_entropy_with_logits(model.head(model(batch[x].to(device))), y)
+
+    opt = torch.optim.AdamW(model.to(device).parameters(), lr=ENCODER["lr"])
+    rule = common.Convergence(**ENCODER_CONVERGE)
+    for epoch in range(1, rule.max_steps + 1):
+        model.train()
+        for b in torch.utils.data.DataLoader(fit, ENCODER["batch_size"], shuffle=True):
+            loss = bce(b)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-    with torch.no_grad():
-        return torch.cat(
-            [model.eval()(b[x].to(device)).float().cpu() for b in torch.utils.data.DataLoader(dataset, 256)]
-        )
+        with torch.no_grad():
+            model.eval()
+            rule.update(-np.mean([bce(b).item() for b in torch.utils.data.DataLoader(val, 256)]), epoch, model)
+        if rule.converged:
+            break
+    model.load_state_dict(rule.best_weights, strict=False)
+
+
+@torch.no_grad()
+def extract(model, dataset, x: str, device) -> torch.Tensor:
+    """The (N, d) features of every study."""
+    model.to(device).eval()
+    return torch.cat([model(b[x].to(device)).float().cpu() for b in torch.utils.data.DataLoader(dataset, 256)])
 
 
 def features(args: Args, records, labels: np.ndarray, device) -> dict:
     """Eq. 1-2's (N, d) features: "vns_image" (phi), "itas_image" (ITAS's image network), "text" (psi). Images:
-    "small" is 5 strided conv blocks (64 px) fit to the labels; a ResNet (a state dict, or "imagenet") is used as it
-    is, at 256 px."""
+    "small" is 5 strided conv blocks (64 px) fit to the labels until converged; a ResNet (a state dict, or
+    "imagenet") is used as it is, at 256 px."""
     studies = [common.Record(r.id, r.image_paths, r.report, r.split, l) for r, l in zip(records, labels)]
 
     def image_features(choice: str, flag: str) -> torch.Tensor:
-        if choice == "small":
-            cnn = common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None)
-            net = common.ViewMean(cnn, torch.nn.Linear(128, 14))
-            size, channels, epochs = ENCODER["image_size"], 1, ENCODER["epochs"]
-        else:
+        if choice != "small":  # a pre-trained ResNet, used as it is
             net = common.resnet_encoder(RESNET[flag], choice, flag)
-            size, channels, epochs = ENCODER["resnet_size"], 3, 0  # not trained
-        dataset = common.ReportDataset(studies, common.default_transform(size, channels))
-        return fit_and_extract(net, dataset, "images", epochs, device, args.seed)
+            dataset = common.ReportDataset(studies, common.default_transform(ENCODER["resnet_size"], 3))
+            return extract(net, dataset, "images", device)
+        torch.manual_seed(ENCODER["seed"])  # the stand-in's initial weights: the same for every measurement seed
+        net = common.ViewMean(
+            common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14)
+        )
+        dataset = common.ReportDataset(studies, common.default_transform(ENCODER["image_size"], 1))
+        fit_encoder(net, dataset, "images", device)
+        return extract(net, dataset, "images", device)
 
     feats = {"vns_image": image_features(args.visual_encoder, "--visual-encoder")}
     if args.itas_encoder == args.visual_encoder == "small":  # the small CNN is fit once when both ask for it
@@ -444,8 +482,10 @@ def features(args: Args, records, labels: np.ndarray, device) -> dict:
         seqs = [torch.tensor(tok.encode(t)[:256] or [tok.unk_id]) for t in texts]
         ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.pad_id)  # (N, L); pad id 0
         data = [{"ids": i, "labels": torch.as_tensor(l, dtype=torch.float32)} for i, l in zip(ids, labels)]
+        torch.manual_seed(ENCODER["seed"])
         encoder = SmallTextEncoder(len(tok.vocab))
-        feats["text"] = fit_and_extract(encoder, data, "ids", 2 * ENCODER["epochs"], device, args.seed)
+        fit_encoder(encoder, data, "ids", device)
+        feats["text"] = extract(encoder, data, "ids", device)
     else:  # Clinical BERT, mean-pooled over word pieces (the paper does not say how it pools)
         from transformers import AutoModel, AutoTokenizer
 

@@ -224,6 +224,7 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: b
         capture_output=True,
         text=True,
         timeout=timeout,
+        check=False,  # the exit status is asserted below
     )
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc

@@ -6,6 +6,7 @@
     python tests/reproduce.py NAME --seeds 108-111     # more seeds: an extension, with its own verdicts
     python tests/reproduce.py NAME --dry-run           # the command lines still to run, nothing run
     python tests/reproduce.py labels --gold FILE.csv   # a labeler against radiologists' labels
+    python tests/reproduce.py labels --labeler chexbert --gold synthetic   # the sandbox's CheXbert, synthetic test
 
 For NAME (mrg_r1, deer, orapo, rrgcl, dcrrg), each arm of the table is the script's own command line, the same seeds in
 every arm (paired), each run in its own folder under --out/NAME. A finished run is skipped (after checking that it ran
@@ -138,16 +139,16 @@ def read_json(path: Path) -> dict:
 
 
 def mrg_r1_jobs(seed, declared):
-    """Table II rows from the same warm start (deterministic from the seed, so every arm recomputes the same one), 100
-    GRPO steps each; one more arm trains 100 more SFT steps instead."""
+    """Table II rows from one converged warm start per seed (`start`: SFT until validation stops improving, then the
+    test split), each row the script's default RL from it; one more arm trains 300 more SFT steps instead of RL."""
+    start = f"s{seed}/start"
+    init = ["--init", f"{{root}}/{start}/warm_start/final"]
     base = ["mrg_r1.py", "--seed", str(seed)]
-    arms = {
-        "mccs+format": ["--reward", "mccs+format", "--steps", "100"],
-        "format": ["--reward", "format", "--steps", "100"],
-        "ce_f1+format": ["--reward", "ce_f1+format", "--steps", "100"],
-        "sft+100": ["--sft-steps", "500", "--steps", "0"],
-    }
-    return [Job(f"s{seed}/{arm}", base + flags) for arm, flags in arms.items()]
+    jobs = [Job(start, base + ["--steps", "0"])]
+    for reward in ("mccs+format", "format", "ce_f1+format"):
+        jobs.append(Job(f"s{seed}/{reward}", base + init + ["--reward", reward], after=(start,)))
+    jobs.append(Job(f"s{seed}/sft+300", base + init + ["--sft-steps", "300", "--steps", "0"], after=(start,)))
+    return jobs
 
 
 def mrg_r1_arm(result: dict) -> dict:
@@ -160,38 +161,43 @@ def mrg_r1_arm(result: dict) -> dict:
 
 def mrg_r1_read(root, seed):
     folder = root / f"s{seed}"
-    mccs = read_json(folder / "mccs+format" / "eval.json")
-    out = {"warm start": mrg_r1_arm(mccs["test_before"])}
+    out = {"warm start": mrg_r1_arm(read_json(folder / "start" / "eval.json")["test_before"])}
     for arm in ("mccs+format", "format", "ce_f1+format"):
         out[arm] = mrg_r1_arm(read_json(folder / arm / "eval.json")["test_after"])
-    out["sft+100"] = mrg_r1_arm(read_json(folder / "sft+100" / "eval.json")["test_before"])  # --steps 0: no RL
+    out["sft+300"] = mrg_r1_arm(read_json(folder / "sft+300" / "eval.json")["test_before"])  # --steps 0: no RL
+    converge = read_json(folder / "start" / "warm_start" / "eval.json")
+    out["start"] = {"SFT steps": converge["steps"], "best step": converge["converge"]["best_step"]}
     return out
 
 
 def deer_jobs(seed, declared):
-    """Each seed its own SFT model and DDSampling subset (deer.py all: DiTPO with rule weights), then GRPO from the same
-    SFT model and subset; Tables 6 and 7 on that SFT model."""
+    """Each seed its own SFT cold start (until validation stops improving) and DDSampling subset; from them DiTPO with
+    gradient weights (deer.py all: the paper's), with rule weights, and GRPO; Tables 6 and 7 on that SFT model."""
 
     def job(command, *flags, done):
         return Job(f"s{seed}", ["deer.py", command, "--seed", str(seed), *flags], done)
 
     return [
-        job("all", done="rl_rule/eval.json"),
+        job("all", done="rl_grad/eval.json"),
+        job("rl", "--weighting", "rule", done="rl_rule/eval.json"),
         job("rl", "--weighting", "none", done="rl_none/eval.json"),
         job("table6", done="table6.json"),
         job("table7", done="table7.json"),
     ]
 
 
+DEER_ARMS = {"SFT": "sft", "DiTPO (grad)": "rl_grad", "DiTPO (rule)": "rl_rule", "GRPO": "rl_none"}
+
+
 def deer_read(root, seed):
     folder = root / f"s{seed}"
     out = {}
-    for arm, stage in (("SFT", "sft"), ("DiTPO (rule)", "rl_rule"), ("GRPO", "rl_none")):
+    for arm, stage in DEER_ARMS.items():
         r = read_json(folder / stage / "eval.json")["test"]
         out[arm] = {"CE example F1": ce(r), "CE micro F1": r["ce"]["micro_f1"], "BLEU-4": r["nlg"]["BLEU-4"]}
     t6 = read_json(folder / "table6.json")
     t7 = read_json(folder / "table7.json")
-    for w in ("rule", "random"):
+    for w in ("grad", "rule", "random"):
         out[f"Table 6, {w}"] = {"labels changed": t6[w]["label_mod_ratio_binary"], "F1 after": t6[w]["post_mask_f1"]}
     for s in ("random_100", "ddsampling"):
         out[f"Table 7, {s}"] = {
@@ -208,6 +214,12 @@ def orapo_jobs(seed, declared):
     return [Job(f"s{seed}/orapo", base), Job(f"s{seed}/grpo", base + ["--lambda-min", "0", "--lambda-max", "0"])]
 
 
+def dpo_accuracy(lines: list[dict]) -> float:
+    """DPO's accuracy on the zero-reward groups of these steps (each step logs accuracy x zero-group share)."""
+    zero = sum(x["zero_group_ratio"] for x in lines)
+    return sum(x["dpo_accuracy_x_zero"] for x in lines) / zero if zero else math.nan
+
+
 def orapo_read(root, seed):
     out = {}
     for arm in ("orapo", "grpo"):
@@ -219,9 +231,13 @@ def orapo_read(root, seed):
             "test macro F1": ce(r),
             "test FactS": r["facts_reward"],
             "zero-reward groups": float(np.mean(zero)),
+            "zero-reward groups, first 50 steps": float(np.mean(zero[:50])),
             "zero-reward groups, last 50 steps": float(np.mean(zero[-50:])),
             "curve": zero,
         }
+    lines = [json.loads(x) for x in (root / f"s{seed}" / "orapo" / "metrics.jsonl").read_text().splitlines()]
+    out["DPO, first 50 steps"] = {"accuracy on zero-reward groups": dpo_accuracy(lines[:50])}
+    out["DPO, last 50 steps"] = {"accuracy on zero-reward groups": dpo_accuracy(lines[-50:])}
     return out
 
 
@@ -255,7 +271,30 @@ def rrgcl_read(root, seed):
             "CIDEr": r["nlg"]["CIDEr"],
         }
     out["schedule"] = read_json(root / f"s{seed}" / "rrgcl" / "schedule.json")
+    declared = EXPERIMENTS["rrgcl"].declared
+    out["measurer"] = measurer_agreement(root, seed, declared[1] if seed == declared[0] else declared[0])
     return out
+
+
+def measurer_agreement(root, seed, first) -> dict:
+    """How alike this seed's difficulty file and the first declared seed's (the second's, for the first) rank the
+    training studies and the classes (Spearman), the difficulty as the curriculum reads it (Eq. 10, Alg. 1 line 2)."""
+    from scipy.stats import spearmanr
+
+    import rrgcl
+
+    def ranks(s):
+        m = read_json(root / f"s{s}" / "measure" / "difficulty.json")
+        dif = rrgcl.sample_difficulty(np.array(m["dif1"]), np.array(m["dif2"]))
+        labels = np.array(m["labels"], dtype=float)
+        return dif, rrgcl.curriculum_plan(dif, labels)["table"]
+
+    (dif, classes), (dif_first, classes_first) = ranks(seed), ranks(first)
+    by_class = [c["difficulty"] for c in classes], [c["difficulty"] for c in classes_first]
+    return {
+        "Spearman, studies": float(spearmanr(dif, dif_first)[0]),
+        "Spearman, classes": float(spearmanr(*by_class)[0]),
+    }
 
 
 TABLE4 = {1: "m1_fft", 2: "m2_fft", 3: "m3_pt", 4: "m4_pt", 5: "m5_fft", 6: "m6_pt", 7: "m7_fft"}
@@ -279,30 +318,27 @@ def dcrrg_read(root, seed):
     return out
 
 
-def deer_tables(results, seeds) -> list[str]:
-    """Tables 6 and 7 of each seed's SFT model, paired by seed."""
-    lines = ["", "| DEER Tables 6-7 (paired by seed) | mean ± sd | difference (mean ± SE, seeds >) | verdict |"]
-    lines.append("|---|---|---|---|")
-    rows = [
-        (
-            "Table 6, rule",
-            "Table 6, random",
-            "labels changed",
-            1,
-            "Table 6: labels changed, top 10 % by weight vs random",
-        ),
-        ("Table 7, ddsampling", "Table 7, random_100", "zero-variance groups", -1, "Table 7: zero-variance groups"),
-        ("Table 7, ddsampling", "Table 7, random_100", "distinct rewards", 1, "Table 7: distinct rewards per group"),
-    ]
-    for a, b, metric, sign, label in rows:
-        va = [results[s][a][metric] for s in seeds]
-        vb = [results[s][b][metric] for s in seeds]
-        p = paired(va, vb)
-        lines.append(
-            f"| {label} | {np.mean(va):.3f} ± {np.std(va, ddof=1):.3f} vs {np.mean(vb):.3f} ± {np.std(vb, ddof=1):.3f}"
-            f" | {difference(p)} | {verdict(p, sign)} |"
-        )
-    return lines
+def more_comparisons(title: str, rows: list) -> object:
+    """An `extra` table: (a, b, metric, sign, label) rows, each a - b paired by seed with both means and its verdict
+    (sign as Claim's); b a number: a against that value (a paper's figure)."""
+
+    def extra(results, seeds) -> list[str]:
+        lines = ["", f"| {title} | a: mean ± sd | b: mean ± sd | a - b (mean ± SE, seeds with a > b) | verdict |"]
+        lines.append("|---|---|---|---|---|")
+        for a, b, metric, sign, label in rows:
+            va = values(results, seeds, a, metric)
+            if isinstance(b, str):
+                vb = values(results, seeds, b, metric)
+                sb = f"{np.mean(vb):.3f} ± {np.std(vb, ddof=1):.3f}"
+            else:
+                vb = [b] * len(seeds)
+                sb = f"{b}"
+            p = paired(va, vb)
+            mean_a = f"{np.mean(va):.3f} ± {np.std(va, ddof=1):.3f}"
+            lines.append(f"| {label} | {mean_a} | {sb} | {difference(p)} | {verdict(p, sign)} |")
+        return lines
+
+    return extra
 
 
 # --- the rule labeler against radiologists (NegBio's Open-i gold) ----------------------------------------------------
@@ -349,6 +385,34 @@ def gold_agreement(path, labeler) -> dict:
     out["micro_f1"] = float(common._prf(tp[:8].sum(), fp[:8].sum(), fn[:8].sum())[2])
     out |= {"n": len(rows), "no_finding_rate": float(ours[:, -1].mean()), "normal_rate": float(gold[:, -1].mean())}
     return out
+
+
+def mention_f1(ours: np.ndarray, gold: np.ndarray) -> float:
+    """Micro F1 over the mentions (positive, negative, uncertain; blank is no mention), CheXbert's own measure."""
+    tp = fp = fn = 0
+    for value in (1, 0, -1):
+        o, g = ours == value, gold == value
+        tp, fp, fn = tp + (o & g).sum(), fp + (o & ~g).sum(), fn + (~o & g).sum()
+    return float(2 * tp / (2 * tp + fp + fn)) if tp + fp + fn else 1.0
+
+
+def synthetic_labels_table(labeler) -> list[str]:
+    """A labeler against the synthetic test split's own labels: per label and micro, the mentions' F1 and the
+    positives' (uncertain negative, as CE counts them)."""
+    records = common.load_data("synthetic")["test"]
+    gold = np.stack([r.labels for r in records])  # (N, 14)
+    ours = labeler([r.report for r in records])
+    positives = common.ce_metrics(ours, gold, uncertain_as=0)
+    lines = [f"{'':<27} mentions F1  positives F1  mentions"]
+    for k, name in enumerate(common.CHEXPERT_LABELS):
+        mentioned = int((~np.isnan(gold[:, k])).sum())
+        f1 = positives["per_label"][name]["f1"]
+        lines.append(f"{name:<27} {mention_f1(ours[:, k], gold[:, k]):11.3f} {f1:13.3f} {mentioned:9d}")
+    lines.append(
+        f"micro F1 over the 14, {len(records)} test reports: mentions {mention_f1(ours, gold):.3f}, "
+        f"positives {positives['micro_f1']:.3f}"
+    )
+    return lines
 
 
 def labels_table(gold: str, labeler) -> list[str]:
@@ -590,49 +654,63 @@ TABLE4_KEY = {
     7: "Steps 1+2+3, FFT",
 }
 
+DECLARED = list(range(300, 308))  # the papers' premises (README): declared for every table before its sweep
+
 EXPERIMENTS = {
     "mrg_r1": Experiment(
-        "MRG-R1 Table II rows",
+        "MRG-R1 Table II rows from a converged warm start",
         mrg_r1_jobs,
         mrg_r1_read,
         ["CE micro F1", "greedy MCCS"],  # not "greedy reward": each arm's is its own reward's
         [
+            ("mccs+format", "format", "mccs+format - format"),
+            ("mccs+format", "ce_f1+format", "mccs+format - ce_f1+format"),
             ("mccs+format", "warm start", "mccs+format - warm start"),
             ("format", "warm start", "format - warm start"),
             ("ce_f1+format", "warm start", "ce_f1+format - warm start"),
-            ("sft+100", "warm start", "100 more SFT steps - warm start"),
-            ("mccs+format", "format", "mccs+format - format"),
-            ("mccs+format", "ce_f1+format", "mccs+format - ce_f1+format"),
-            ("mccs+format", "sft+100", "mccs+format - 100 more SFT steps"),
+            ("sft+300", "warm start", "300 more SFT steps - warm start"),
+            ("mccs+format", "sft+300", "mccs+format - 300 more SFT steps"),
         ],
         [
             Claim("mccs+format", "format", "CE micro F1", 1, "the clinical term teaches (mccs+format - format)"),
-            Claim("mccs+format", "warm start", "CE micro F1", 1, "RL over the warm start (mccs+format - warm start)"),
-            Claim("sft+100", "warm start", "CE micro F1", 0, "the warm start has converged (100 more SFT steps)"),
+            Claim("mccs+format", "warm start", "CE micro F1", 1, "RL over the SFT start (mccs+format - warm start)"),
+            Claim("mccs+format", "ce_f1+format", "CE micro F1", 1, "Table II: MCCS over CE-F1 as the reward"),
+            Claim("sft+300", "warm start", "CE micro F1", 0, "the start has converged: 300 more SFT steps"),
         ],
-        declared=list(range(100, 108)),
+        declared=DECLARED,
         figure=comparison_figure,
     ),
     "deer": Experiment(
-        "DEER DiTPO vs GRPO",
+        "DEER DiTPO vs GRPO from a converged SFT cold start",
         deer_jobs,
         deer_read,
         ["CE example F1", "CE micro F1", "BLEU-4"],
         [
+            ("DiTPO (grad)", "GRPO", "DiTPO (grad) - GRPO"),
             ("DiTPO (rule)", "GRPO", "DiTPO (rule) - GRPO"),
-            ("DiTPO (rule)", "SFT", "DiTPO (rule) - SFT"),
+            ("DiTPO (grad)", "DiTPO (rule)", "DiTPO (grad) - DiTPO (rule)"),
             ("GRPO", "SFT", "GRPO - SFT"),
+            ("DiTPO (grad)", "SFT", "DiTPO (grad) - SFT"),
         ],
         [
-            Claim("DiTPO (rule)", "GRPO", "CE example F1", 1, "DiTPO over GRPO"),
+            Claim("DiTPO (grad)", "GRPO", "CE example F1", 1, "DiTPO (the paper's gradient weights) over GRPO"),
+            Claim("DiTPO (rule)", "GRPO", "CE example F1", 1, "DiTPO with rule weights over GRPO"),
             Claim("GRPO", "SFT", "CE example F1", 1, "RL over the SFT cold start (GRPO - SFT)"),
         ],
-        declared=list(range(100, 108)),
+        declared=DECLARED,
         figure=comparison_figure,
-        extra=deer_tables,
+        extra=more_comparisons(
+            "DEER Tables 6-7, paired by seed",
+            [
+                ("Table 6, grad", "Table 6, random", "labels changed", 1, "Table 6: top 10 % by grad weight vs random"),
+                ("Table 6, rule", "Table 6, random", "labels changed", 1, "Table 6: top 10 % by rule weight vs random"),
+                ("Table 7, ddsampling", "Table 7, random_100", "zero-variance groups", -1, "Table 7: zero-variance"),
+                ("Table 7, ddsampling", "Table 7, random_100", "distinct rewards", 1, "Table 7: distinct rewards"),
+            ],
+        ),
     ),
     "orapo": Experiment(
-        "OraPO Fig. 2",
+        "OraPO Fig. 2 from a task-naive start",
         orapo_jobs,
         orapo_read,
         ["zero-reward groups", "zero-reward groups, last 50 steps", "test macro F1", "test FactS"],
@@ -641,11 +719,30 @@ EXPERIMENTS = {
             Claim("orapo", "grpo", "zero-reward groups", -1, "Fig. 2: fewer zero-reward groups with OraPO"),
             Claim("orapo", "grpo", "test macro F1", 1, "Table 1: OraPO's test macro F1 over GRPO's"),
         ],
-        declared=list(range(100, 108)),
+        declared=DECLARED,
         figure=orapo_figure,
+        extra=more_comparisons(
+            "OraPO's mechanism",
+            [
+                (
+                    "grpo",
+                    0.3,
+                    "zero-reward groups, first 50 steps",
+                    0,
+                    "GRPO's zero-reward groups, first 50 steps, vs Fig. 2's ~0.3",
+                ),
+                (
+                    "DPO, last 50 steps",
+                    "DPO, first 50 steps",
+                    "accuracy on zero-reward groups",
+                    0,
+                    "OraPO's DPO on the zero-reward groups: accuracy, last 50 vs first 50 steps",
+                ),
+            ],
+        ),
     ),
     "rrgcl": Experiment(
-        "RRGCL curriculum vs random order",
+        "RRGCL curriculum vs random order, from a converged measurer",
         rrgcl_jobs,
         rrgcl_read,
         ["CE micro F1", "CE macro F1", "BLEU-4", "CIDEr"],
@@ -660,11 +757,18 @@ EXPERIMENTS = {
             Claim("rrgcl_first_file", "none", "CE micro F1", 1, "the curriculum over random order (one file)"),
             Claim("rrgcl", "root", "CE micro F1", 1, "Table 2: RRGCL's scheduler over Root"),
         ],
-        declared=list(range(100, 108)),
+        declared=DECLARED,
         figure=rrgcl_figure,
+        extra=more_comparisons(
+            "The measurer's agreement between seeds (each seed's file against the first's; declared criterion 0.8)",
+            [
+                ("measurer", 0.8, "Spearman, studies", 0, "difficulty of the training studies, Spearman"),
+                ("measurer", 0.8, "Spearman, classes", 0, "class difficulty (Eq. 12's diff_C), Spearman"),
+            ],
+        ),
     ),
     "dcrrg": Experiment(
-        "DCRRG Table 4",
+        "DCRRG Table 4 under the sandbox's CheXbert",
         dcrrg_jobs,
         dcrrg_read,
         ["CE micro F1", "BLEU-4", "CIDEr"],
@@ -685,8 +789,8 @@ EXPERIMENTS = {
             Claim("Model 7", "Model 5", "BLEU-4", 1, "Step 3 helps NLG (7 - 5)"),
             Claim("Model 6", "Model 7", "CE micro F1", 0, "PT matches FFT (6 - 7)"),
         ],
-        declared=list(range(100, 105)),
-        figure=lambda e, r, s, p: dcrrg_figure(e, r, s, p),
+        declared=DECLARED,
+        figure=dcrrg_figure,
     ),
 }
 
@@ -878,8 +982,14 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the commands still to run")
     args = p.parse_args(argv)
     if args.name == "labels":
+        weights = args.chexbert_weights
+        if args.labeler == "chexbert" and args.gold == "synthetic" and not weights:
+            weights = common.synthetic_chexbert()  # the sandbox's
         try:
-            return print("\n".join(labels_table(args.gold, common.make_labeler(args.labeler, args.chexbert_weights))))
+            labeler = common.make_labeler(args.labeler, weights)
+            if args.gold == "synthetic":
+                return print("\n".join(synthetic_labels_table(labeler)))
+            return print("\n".join(labels_table(args.gold, labeler)))
         except (FileNotFoundError, ValueError, TypeError) as e:
             raise SystemExit(f"error: {e}" if args.gold else "error: labels needs --gold FILE.csv") from None
     exp, results_file = EXPERIMENTS[args.name], Path(args.results) / f"{args.name}.json"

@@ -29,7 +29,12 @@ ROWS = [
 
 def run_common(*args):
     return subprocess.run(
-        [sys.executable, str(ROOT / "common.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, str(ROOT / "common.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
     )
 
 

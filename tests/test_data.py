@@ -264,7 +264,10 @@ def test_study_batches_shard_resume_and_size_check(small_synthetic):
     from itertools import islice
 
     records = load_annotation(small_synthetic)["train"]  # 40 studies
-    ids = lambda it, n: [b["id"] for _, b in islice(it, n)]
+
+    def ids(it, n):
+        return [b["id"] for _, b in islice(it, n)]
+
     # two ranks: disjoint shards within an epoch, together all 40 studies once (bs 5: 4 steps)
     r0 = ids(common.study_batches(records, 5, seed=3, rank=0, world_size=2), 4)
     r1 = ids(common.study_batches(records, 5, seed=3, rank=1, world_size=2), 4)

@@ -92,7 +92,8 @@ def test_rl_records_random_draws_fraction_of_pool_and_tiny_defaults():
     assert len(drawn) == 4 == len(set(drawn)) and all(x < 20 for x in drawn)
     assert len(deer.rl_records(args, train, "random", None)) == 10 and deer.rl_records(args, train, "all", 20) == train
     s = deer.Settings.from_args(deer.Args())
-    assert (s.sft_steps, s.steps, s.pool) == (500, 120, 1000)  # the 5-CPU-minute default
+    assert (s.sft_steps, s.sft_converge, s.steps, s.pool) == (None, True, 120, 1000)  # SFT until CONVERGE stops it
+    assert not deer.Settings.from_args(deer.Args(sft_steps=50)).sft_converge  # a number of steps: that many
     assert deer.Settings.from_args(deer.Args(model="Qwen/Qwen2.5-VL-3B-Instruct")).pool is None  # HF: every study
 
 
@@ -677,3 +678,21 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, small, monk
     ids, mask = after.encode_targets(["Small left pleural effusion.", "No pneumothorax."])
     texts, spans = token_spans(after, ids, mask)
     assert texts == after.decode(ids, mask) and ["".join(t[a:b] for a, b in s) for t, s in zip(texts, spans)] == texts
+
+
+def test_sft_converges_by_its_declared_rule(tmp_path, small_synthetic, monkeypatch):
+    """Without --sft-steps the tiny model's SFT cold start trains until validation CE example F1 stops improving
+    (CONVERGE), the best validation's weights kept: the start RL gets is the best one, and the test split sees it."""
+    for k, v in SMALL.items():
+        monkeypatch.setattr(deer, k, v)
+    monkeypatch.setattr(deer, "CONVERGE", dict(every=2, patience=2, min_gain=1.0, max_steps=40))
+    monkeypatch.setattr(deer, "N_VAL", 4)
+    deer.main(["sft", "--data", str(small_synthetic), "--out", str(tmp_path / "d"), "--max-new-tokens", "8"])
+    rows = [json.loads(x) for x in (tmp_path / "d" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and [r["step"] for r in rows if "validation" in r] == [
+        2,
+        4,
+        6,
+    ]
+    best = json.loads((tmp_path / "d" / "sft" / "eval_val_step2.json").read_text())
+    assert rows[1]["validation"] == best["ce"]["example_f1"]  # what was validated is what the rule read

@@ -181,7 +181,7 @@ def test_gpu_grpo_step_speed_and_memory(small_synthetic):
         device="cuda",
         dtype=torch.bfloat16,
         gradient_checkpointing=True,
-        max_pixels=int(os.environ.get("RRG_BENCH_MAX_PIXELS", 448 * 448)),
+        max_pixels=int(os.environ.get("RRG_BENCH_MAX_PIXELS", str(448 * 448))),
     )
     common.apply_lora(
         pol.model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 128, 256
@@ -212,7 +212,8 @@ def test_gpu_grpo_step_speed_and_memory(small_synthetic):
     tokens = roll.completion_mask.sum().item()
     print(
         f"\n{name}: step {t2 - t0:.1f} s (rollout + reference {t1 - t0:.1f} s, {tokens / (t1 - t0):.0f} generated "
-        f"tokens/s incl. scoring; update {t2 - t1:.1f} s), peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        f"tokens/s incl. scoring; update {t2 - t1:.1f} s), "
+        f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
     )
 
 

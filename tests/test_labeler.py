@@ -132,7 +132,8 @@ RULES = {
         ("Moderate heart enlargement is present.", {"Cardiomegaly": 1}),
         ("There has been an increase in heart size since the last film.", {"Cardiomegaly": 1}),
     ],
-    # against CheXpert, as the radiologists' gold: a calcified nodule is a lesion (a granuloma is not), "infection" alone no pneumonia
+    # against CheXpert, as the radiologists' gold: a calcified nodule is a lesion (a granuloma is not), "infection"
+    # alone no pneumonia
     "calcified_nodule_is_a_lesion": [
         ("A calcified nodule in the left upper lobe.", {"Lung Lesion": 1}),
         ("A calcified granuloma in the right upper lobe.", {"No Finding": N}),

@@ -114,7 +114,10 @@ def parity_set():
 def as_coco(hyps, refs):
     """pycocoevalcap input: {id: [text]}; texts one line, single-spaced (its ROUGE
     splits on ' ' only and its METEOR breaks on newlines)."""
-    norm = lambda t: " ".join(t.split())
+
+    def norm(t):
+        return " ".join(t.split())
+
     gts = {i: [norm(r)] for i, r in enumerate(refs)}
     res = {i: [norm(h)] for i, h in enumerate(hyps)}
     return gts, res

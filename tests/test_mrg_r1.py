@@ -444,3 +444,60 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, fast, monke
     params = [k for k in ck["model"] if "lora_" in k]
     assert ck["partial"] and params and not any("visual" in k for k in params)
     assert not any(isinstance(m, common.LoRALinear) for m in common.load_policy(out / "final").model.modules())
+
+
+def test_the_warm_start_is_a_stage_that_resumes(tmp_path, small_synthetic, fast, monkeypatch, crash_after_checkpoint):
+    """Stopped inside the warm start (after its step-4 checkpoint), --resume continues it, and the run ends with the
+    weights of one never stopped; the stage keeps its own folder (config, metrics, final/)."""
+    monkeypatch.setattr(common, "CHECKPOINT_EVERY", 4)
+    flags = ["--data", str(small_synthetic), "--steps", "2", "--sft-steps", "8"] + fast
+    mrg_r1.main(flags + ["--out", str(tmp_path / "full")])
+    crash_after_checkpoint(4)
+    with pytest.raises(Crash):
+        mrg_r1.main(flags + ["--out", str(tmp_path / "part")])
+    crash_after_checkpoint(None)
+    assert not (tmp_path / "part" / "warm_start" / "final").exists()  # stopped half-way through it
+    mrg_r1.main(flags + ["--out", str(tmp_path / "part"), "--resume"])
+    stage = metrics_rows(tmp_path / "part" / "warm_start" / "metrics.jsonl")
+    assert [r["step"] for r in stage] == list(range(1, 9))  # every warm-start step once
+    assert stage == metrics_rows(tmp_path / "full" / "warm_start" / "metrics.jsonl")
+    full, part = (
+        torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("full", "part")
+    )
+    assert all(torch.equal(full[k], part[k]) for k in full)
+
+
+def test_the_warm_start_converges_by_its_declared_rule(tmp_path, small_synthetic, fast, monkeypatch):
+    """Without --sft-steps the tiny model trains until validation stops improving (CONVERGE): validations every
+    `every` steps, stopped after `patience` without a gain of `min_gain`, the best validation's weights kept."""
+    monkeypatch.setattr(mrg_r1, "CONVERGE", dict(every=2, patience=2, min_gain=1.0, max_steps=40))  # no gain is 1.0
+    monkeypatch.setattr(mrg_r1, "N_VAL", 4)
+    mrg_r1.main(["--data", str(small_synthetic), "--out", str(tmp_path / "c"), "--steps", "0"] + fast)
+    stage = tmp_path / "c" / "warm_start"
+    result = json.loads((stage / "eval.json").read_text())
+    # the first validation (step 2) is the best any F1 can be beaten by 1.0; two more without: stop after step 6
+    assert result["steps"] == 6 and result["converge"]["best_step"] == 2 and result["converge"]["waited"] == 2
+    assert sorted(p.name for p in stage.glob("eval_val_step*.json")) == [f"eval_val_step{k}.json" for k in (2, 4, 6)]
+    rows = metrics_rows(stage / "metrics.jsonl")
+    assert [r["step"] for r in rows if "validation" in r] == [2, 4, 6]
+    # the best weights are step 2's: those of a warm start of 2 steps (validating draws no random number)
+    mrg_r1.main(
+        ["--data", str(small_synthetic), "--out", str(tmp_path / "two"), "--steps", "0", "--sft-steps", "2"] + fast
+    )
+    best, two = (
+        torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"] for d in ("c", "two")
+    )
+    assert all(torch.equal(best[k], two[k]) for k in best)
+
+
+def test_convergence_by_hand():
+    """The rule on a made-up curve: a gain counts only when it reaches min_gain over the best."""
+    model = torch.nn.Linear(1, 1)
+    rule = common.Convergence(every=1, patience=2, min_gain=0.01, max_steps=100)
+    for step, score in enumerate([0.50, 0.60, 0.605, 0.62, 0.615, 0.625], 1):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        rule.update(score, step, model)
+    # best 0.62 at step 4 (0.605 is < 0.60 + 0.01; 0.625 < 0.62 + 0.01): two validations since, converged
+    assert (rule.best, rule.best_step, rule.waited, rule.converged) == (0.62, 4, 2, True)
+    assert rule.best_weights["weight"].item() == 4.0

@@ -698,3 +698,24 @@ def test_fsdp_hugging_face_policy(tmp_path, small_synthetic, tiny_qwen_dir):
     saved, ckpt = AutoModelForImageTextToText.from_pretrained(out / "final").state_dict(), torch.load(out / "last.pt")
     assert saved.keys() == ckpt["model"].keys() and all(torch.equal(saved[k], v) for k, v in ckpt["model"].items())
     assert all(isinstance(k, str) for k in ckpt["optimizer"]["state"])  # gathered by parameter name: it was sharded
+
+
+def test_the_tiny_start_is_blind_report_text_until_fluent(tmp_path, small_synthetic, fast, monkeypatch):
+    """OraPO's policy has never seen the task: the tiny model's warm start sees each view blank (report text alone),
+    validated by the log-likelihood of validation reports, until CONVERGE stops it; then RL sees the images."""
+    monkeypatch.setattr(orapo, "CONVERGE", dict(every=2, patience=1, min_gain=100.0, max_steps=40))
+    seen = []
+    real = common.TinyPolicy.prompt_batch
+
+    def spy(self, images, text=None):
+        seen.append(max(view.getextrema()[1] for views in images for view in views))  # the brightest pixel
+        return real(self, images, text)
+
+    monkeypatch.setattr(common.TinyPolicy, "prompt_batch", spy)
+    flags = [f for f in fast if f not in ("--sft-steps", "40")]
+    orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "o"), "--steps", "1"] + flags)
+    stage = json.loads((tmp_path / "o" / "warm_start" / "eval.json").read_text())
+    assert stage["steps"] == 4 and stage["converge"]["best_step"] == 2  # step 2's fluency, then no gain of 100
+    assert stage["converge"]["best"] < 0  # a mean token log-likelihood
+    warm_start = 4 + 2  # training batches, and the validations at steps 2 and 4
+    assert seen[:warm_start] == [0] * warm_start and min(seen[warm_start:]) > 0  # blank, then the real images

@@ -204,7 +204,8 @@ def test_tiny_sft_beats_the_most_common_report():
     most_common = Counter(r.report for r in train).most_common(1)[0][0]
     f1_const = common.ce_metrics(labeler([most_common] * len(test)), refs)["micro_f1"]
     print(
-        f"\ntiny SFT: 1200 steps x 32 in {t_sft:.0f} s (loss {np.mean(losses[:20]):.2f} -> {np.mean(losses[-20:]):.2f}); "
+        f"\ntiny SFT: 1200 steps x 32 in {t_sft:.0f} s "
+        f"(loss {np.mean(losses[:20]):.2f} -> {np.mean(losses[-20:]):.2f}); "
         f"CE micro F1 {f1:.3f} vs most common report {f1_const:.3f} ({most_common!r})"
     )
     assert f1 > f1_const + 0.3
@@ -254,7 +255,8 @@ def test_tiny_grpo_step_timing():
 
 def test_any_number_of_views_in_one_batch():
     """A study's views are averaged position by position (R2GenGPT's way): studies with 1, 3 and 2 views share a batch
-    (zero-padded, masked), and each gets exactly the prefix and log-probs it gets alone; its view order does not count."""
+    (zero-padded, masked), and each gets exactly the prefix and log-probs it gets alone; its view order does not
+    count."""
     torch.manual_seed(0)
     pol = tiny_policy(n_layer=1, max_len=8)
     views = [v[0] for v in images(6, seed=3)]

@@ -165,7 +165,7 @@ def qwen3b_cut_dir(tmp_path_factory):
         vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
     )
-    config, t, v = qwen_config(ids=ids, **CUT)
+    config, _, _ = qwen_config(ids=ids, **CUT)
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
     patch = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
@@ -372,7 +372,8 @@ def test_mrg_r1_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grad
 
 
 def test_orapo_step_at_3b_width(qwen3b_cut_dir, small_synthetic, tmp_path, grads_at_steps):
-    """orapo.main: full fine-tuning against a frozen copy: a finite gradient on every parameter, vision tower included."""
+    """orapo.main: full fine-tuning against a frozen copy: a finite gradient on every parameter, vision tower
+    included."""
     import orapo
 
     orapo.main(
@@ -512,7 +513,8 @@ def bio_clinicalbert_dir(tmp_path_factory):
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     out = tmp_path_factory.mktemp("bio_clinicalbert")
-    words = sorted(set(["there", "is", "no", "pleural", "effusion", "the", "heart", "size", "normal", "lungs", "are", "clear", ".", ",", "right", "left"]))
+    text = "there is no pleural effusion the heart size normal lungs are clear . , right left"
+    words = sorted(set(text.split()))
     (out / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     BertTokenizerFast(vocab_file=str(out / "vocab.txt")).save_pretrained(out)
     BertModel(
@@ -629,7 +631,9 @@ def layer_activation_bytes(S, lora=None):
             # the embedding's output dtype; requires_grad: the layer saves what a middle layer saves
             x = torch.randn(1, s, 2048, dtype=next(model.parameters()).dtype, requires_grad=True)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                row.append(saved_bytes(lambda: model(inputs_embeds=x, use_cache=False).last_hidden_state, frozen)[0])
+                row.append(
+                    saved_bytes(lambda m=model, x=x: m(inputs_embeds=x, use_cache=False).last_hidden_state, frozen)[0]
+                )
         out.append(row)
         del model, frozen
     return [b - a for a, b in zip(*out)]
@@ -654,7 +658,7 @@ def vision_block_activation_bytes(grids=((1, 16, 16), (1, 32, 16))):
             thw = torch.tensor([g])
             pixels = torch.randn(int(thw.prod()), 3 * 2 * 14 * 14)  # (patches, C t p p) as the processor's pixel_values
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                row.append(saved_bytes(lambda: tower(pixels, grid_thw=thw))[0])
+                row.append(saved_bytes(lambda tower=tower, pixels=pixels, thw=thw: tower(pixels, grid_thw=thw))[0])
         out.append(row)
         del tower
     (a1, a2), n = [b - a for a, b in zip(*out)], [math.prod(g) for g in grids]
@@ -762,14 +766,12 @@ def memory_table(m, prompt=380, views_tokens=320):
     }
     out = {}
     for name, (states, tok, T, N, layers, a, c, vis) in rows.items():
-        act = lambda n, ckpt=True: (
-            n
-            * (
-                tok * (layers * (c if ckpt else a) + (a if ckpt else 0))
-                + T * V * 6
-                + (pix * (D * (5120 if ckpt else v) + (v if ckpt else 0)) if vis else 0)
-            )
-        )
+
+        def act(n, ckpt=True, tok=tok, T=T, layers=layers, a=a, c=c, vis=vis):
+            """Activation bytes of n completions (checkpointed or not): layers, log-prob rows, the vision tower."""
+            vision = pix * (D * (5120 if ckpt else v) + (v if ckpt else 0)) if vis else 0
+            return n * (tok * (layers * (c if ckpt else a) + (a if ckpt else 0)) + T * V * 6 + vision)
+
         out[name] = dict(
             states=states / 1e9,
             act_per_completion=act(1) / 1e9,

@@ -5,7 +5,6 @@ a CheXbert that cannot be downloaded. The fixtures (tests/conftest.py) write tex
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +28,10 @@ def test_the_r2gengpt_layout_loads_with_its_view_counts(iu_xray):
 def test_r2gen_views_two_per_study_in_file_order():
     """R2Gen reads two views of an IU X-Ray study: the record's first two; a 1-view study repeats its view; a data
     set with one view per study (R2Gen's MIMIC-CXR file) keeps one."""
-    rec = lambda n: common.Record(f"s{n}", [f"v{k}.png" for k in range(n)], "r", "train")
+
+    def rec(n):
+        return common.Record(f"s{n}", [f"v{k}.png" for k in range(n)], "r", "train")
+
     two = common.r2gen_views({"train": [rec(1), rec(2), rec(5)], "test": [rec(3)]})
     assert [r.image_paths for r in two["train"] + two["test"]] == [
         ["v0.png", "v0.png"],
@@ -96,22 +98,37 @@ def test_each_script_scores_ce_as_its_paper():
 
 
 # --- "auto" defaults and a CheXbert that cannot be reached --------------------------------------
-def test_auto_labeler_and_dtype(monkeypatch):
-    """--labeler auto: the papers' CheXbert (on --data synthetic the sandbox's, trained once and cached), except for
-    the tiny model on real data with no weights given, which labels by the offline rules."""
-    monkeypatch.setattr(common, "synthetic_chexbert", lambda: Path("/cache/synthetic/chexbert/chexbert.pth"))
+def test_auto_labeler_and_dtype():
+    """--labeler auto: the papers' CheXbert (on --data synthetic the sandbox's, trained once and cached by start_run),
+    except for the tiny model on real data with no weights given, which labels by the offline rules."""
 
     def args(**k):
         return dataclasses.replace(common.RunArgs(), **k)
 
     synthetic = common.resolve_defaults(args())  # synthetic, tiny
-    assert (synthetic.labeler, synthetic.chexbert_weights) == ("chexbert", "/cache/synthetic/chexbert/chexbert.pth")
+    assert (synthetic.labeler, synthetic.chexbert_weights) == ("chexbert", None)  # nothing trained here
     assert common.resolve_defaults(args(data="/d/iu", model="tiny")).labeler == "rule"
     assert common.resolve_defaults(args(data="/d/iu", model="tiny", chexbert_weights="c.pth")).labeler == "chexbert"
     assert common.resolve_defaults(args(data="/d/iu", model="Qwen/Qwen2.5-VL-3B-Instruct")).labeler == "chexbert"
     assert common.resolve_defaults(args(labeler="rule", data="/d/iu", model="q")).labeler == "rule"  # on request
-    assert common.resolve_defaults(args(labeler="rule")).chexbert_weights is None  # nothing trained for the rules
     assert common.resolve_defaults(args()).dtype == "fp32"  # no GPU here: bf16 only where a GPU has it
+
+
+def test_a_synthetic_run_labels_with_the_sandbox_chexbert(tmp_path, small_synthetic, monkeypatch):
+    """start_run on --data synthetic with --labeler auto builds CheXbert from the sandbox's weights (trained once by
+    synthetic_chexbert) and records their path in config.json."""
+    made = []
+
+    def make_labeler(name, weights=None, device="cpu"):
+        made.append((name, weights))
+        return common.RuleLabeler()
+
+    monkeypatch.setattr(common, "load_data", lambda data, **kwargs: common.load_annotation(small_synthetic))
+    monkeypatch.setattr(common, "synthetic_chexbert", lambda: "cache/chexbert-v2/chexbert.pth")
+    monkeypatch.setattr(common, "make_labeler", make_labeler)
+    run = common.start_run(common.RunArgs(out=str(tmp_path / "r")))
+    assert made == [("chexbert", "cache/chexbert-v2/chexbert.pth")]
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["chexbert_weights"] == run.args.chexbert_weights
 
 
 def test_a_real_run_without_chexbert_weights_stops_at_once(tmp_path, iu_xray, tiny_qwen_dir, monkeypatch):

@@ -60,6 +60,8 @@ def fake_results(name, seeds, value):
     """A results file for `name` whose arms all score value(seed, arm, metric)."""
     exp = reproduce.EXPERIMENTS[name]
     arms = {a for c in exp.comparisons for a in c[:2]} | {a for c in exp.claims for a in (c.a, c.b)}
+    arms |= {"DPO, first 50 steps", "DPO, last 50 steps"}  # OraPO's extra rows
+    metrics = exp.metrics + ["zero-reward groups, first 50 steps", "accuracy on zero-reward groups"]
     record = {
         "argv": ["x"],
         "machine": {"cpu": "CPU", "cpu_capability": "AVX2", "torch": "2.x", "python": "3.x"},
@@ -69,7 +71,7 @@ def fake_results(name, seeds, value):
     }
     data = {"name": name, "declared": exp.declared, "seeds": {}, "runs": {}}
     for s in seeds:
-        numbers = {a: {m: value(s, a, m) for m in exp.metrics} | {"curve": [0.1] * 20} for a in sorted(arms)}
+        numbers = {a: {m: value(s, a, m) for m in metrics} | {"curve": [0.1] * 20} for a in sorted(arms)}
         data["seeds"][str(s)] = {"arms": numbers}
         data["runs"][str(s)] = {"job": [record]}
     return data
@@ -146,13 +148,19 @@ def test_orapo_arms_differ_by_lambda_only(tmp_path, capsys):
 
 
 def test_mrg_r1_arms_differ_by_their_reward_only(tmp_path, capsys):
-    runs = dry_run("mrg_r1", tmp_path, capsys, "--seeds", "100")
+    """One converged warm start per seed; every arm starts from it (--init) and differs from the primary arm by its
+    reward alone, or (the check) by SFT steps instead of RL."""
+    runs = dry_run("mrg_r1", tmp_path, capsys, "--seeds", "300")
     arm = {name.split("/")[1]: flags(argv) for name, (argv,) in runs.items()}
-    assert arm["mccs+format"]["--reward"] == "mccs+format" and arm["mccs+format"]["--seed"] == "100"
+    assert arm["start"] == {"--seed": "300", "--steps": "0"}  # the script's own warm start, until it converges
+    assert (
+        arm["mccs+format"]["--init"].endswith("/s300/start/warm_start/final") and arm["mccs+format"]["--seed"] == "300"
+    )
+    assert arm["mccs+format"]["--reward"] == "mccs+format"
     for other in ("format", "ce_f1+format"):
         assert differ(arm[other], arm["mccs+format"]) == {"--reward": (other, "mccs+format")}
-    sft = differ(arm["sft+100"], arm["mccs+format"])
-    assert sft.pop("--sft-steps")[0] == "500" and sft.pop("--steps") == ("0", "100") and list(sft) == ["--reward"]
+    sft = differ(arm["sft+300"], arm["mccs+format"])
+    assert sft == {"--sft-steps": ("300", None), "--steps": ("0", None), "--reward": (None, "mccs+format")}
 
 
 def test_rrgcl_first_file_is_the_first_declared_seeds_whatever_seeds_run(tmp_path, capsys):
@@ -208,19 +216,25 @@ def test_tables_read_the_evaluation_after_training(tmp_path):
     """RL arms are read from test_after (test_before is the start they share); the SFT-only arm from its only one."""
     root = tmp_path / "mrg_r1"
     for arm in ("mccs+format", "format", "ce_f1+format"):
-        before = evaluation("micro_f1", 0.1, reward=0.1)
+        before = evaluation("micro_f1", 0.2, reward=0.2)
         write_eval(root / "s1" / arm, before, evaluation("micro_f1", 0.9, reward=0.9))
-    write_eval(root / "s1" / "sft+100", evaluation("micro_f1", 0.5, reward=0.5), key="test_before")
+    write_eval(root / "s1" / "sft+300", evaluation("micro_f1", 0.5, reward=0.5), key="test_before")
+    write_eval(root / "s1" / "start", evaluation("micro_f1", 0.1, reward=0.1), key="test_before")
+    (root / "s1" / "start" / "warm_start").mkdir()
+    (root / "s1" / "start" / "warm_start" / "eval.json").write_text('{"steps": 900, "converge": {"best_step": 500}}')
     out = reproduce.mrg_r1_read(root, 1)
-    assert out["warm start"]["CE micro F1"] == 0.1 and out["sft+100"]["CE micro F1"] == 0.5
+    assert out["warm start"]["CE micro F1"] == 0.1 and out["sft+300"]["CE micro F1"] == 0.5
     assert {out[a]["CE micro F1"] for a in ("mccs+format", "format", "ce_f1+format")} == {0.9}
     root = tmp_path / "orapo"
     for arm in ("orapo", "grpo"):
         before = evaluation("macro_f1", 0.1, facts_reward=0.1)
         write_eval(root / "s1" / arm, before, evaluation("macro_f1", 0.9, facts_reward=0.9))
-        (root / "s1" / arm / "metrics.jsonl").write_text(json.dumps({"zero_group_ratio": 0.5}) + "\n")
+        (root / "s1" / arm / "metrics.jsonl").write_text(
+            json.dumps({"zero_group_ratio": 0.5, "dpo_accuracy_x_zero": 0.25}) + "\n"
+        )
     out = reproduce.orapo_read(root, 1)
     assert out["orapo"]["test macro F1"] == 0.9 and out["grpo"]["test FactS"] == 0.9
+    assert out["DPO, first 50 steps"]["accuracy on zero-reward groups"] == 0.5  # 0.25 of the steps' 0.5 zero groups
 
 
 def test_runner_order_skips_finished_and_resumes_started(tmp_path, monkeypatch):
@@ -284,3 +298,12 @@ def test_report_command_prints_from_the_results_file(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[: len(reproduce.report("orapo", data))] == reproduce.report("orapo", data)
+
+
+def test_mention_f1_by_hand():
+    """CheXbert's measure: micro F1 over positive, negative and uncertain mentions; blank is no mention."""
+    nan = np.nan
+    gold = np.array([[1, 0, nan, -1], [nan, 1, 0, nan]])
+    ours = np.array([[1, nan, 0, 1], [nan, 1, 0, -1]])
+    # mentions: gold 5, ours 6; matching (value and place): (0,0) 1, (1,1) 1, (1,2) 0 -> TP 3, FP 3, FN 2
+    assert reproduce.mention_f1(ours, gold) == pytest.approx(6 / 11)

@@ -250,7 +250,7 @@ def test_dpo_gradient_step_raises_chosen_lowers_rejected():
     c, r = seq_logps()
     c.retain_grad()
     r.retain_grad()
-    loss, stats = dpo_loss(c, r, c0, r0, beta=0.1)
+    loss, _ = dpo_loss(c, r, c0, r0, beta=0.1)
     assert loss.item() == pytest.approx(math.log(2))  # margin 0 at the reference
     loss.backward()
     # dL/dc = -beta * sigmoid(-margin) = -0.05 at margin 0; dL/dr = +0.05

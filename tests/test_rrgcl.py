@@ -331,8 +331,10 @@ def test_mine_approaches_known_mutual_information_from_below():
     x, y = gaussian_pairs(4000, d, rho, 0)
     x_test, y_test = gaussian_pairs(20000, d, rho, 1)  # held out: the DV value is then a lower bound
     estimates = []
-    for steps in (15, 200):
-        T, _ = rrgcl.train_mine(x, y, steps, batch_size=128, lr=1e-3, seed=0)
+    for steps in (15, 200):  # validated every 5 steps, never stopped early
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rrgcl, "MINE_CONVERGE", dict(every=5, patience=10**6, min_gain=0.0, max_steps=steps))
+            T, _ = rrgcl.train_mine(x, y, batch_size=128, lr=1e-3, held_out=0.2, shuffles=1, seed=0)
         estimates.append(mine_estimate(T, x_test, y_test))
     assert estimates[0] < estimates[1] <= true_mi + 0.03  # rises towards the true value, not past it
     assert estimates[1] > 0.85 * true_mi
@@ -340,10 +342,33 @@ def test_mine_approaches_known_mutual_information_from_below():
         assert T(x_test[:500], y_test[:500]).mean() > T(x_test[:500], y_test[500:1000]).mean()
 
 
+def test_mine_trains_until_its_held_out_bound_stops_rising(monkeypatch):
+    """MINE_CONVERGE: validated on the held-out pairs every `every` steps; no gain of min_gain (here: never) for
+    `patience` validations stops it, and T is the best validation's: its bound on those pairs is the one returned."""
+    monkeypatch.setattr(rrgcl, "MINE_CONVERGE", dict(every=10, patience=2, min_gain=100.0, max_steps=1000))
+    x, y = gaussian_pairs(1000, 2, 0.8, 0)
+    calls = []
+    real = rrgcl.dv_bound
+
+    def counting(t_joint, t_marginal):
+        calls.append(len(t_joint))
+        return real(t_joint, t_marginal)
+
+    monkeypatch.setattr(rrgcl, "dv_bound", counting)
+    T, best = rrgcl.train_mine(x, y, batch_size=64, lr=1e-3, held_out=0.2, shuffles=3, seed=0)
+    assert calls.count(200) == 3 and len(calls) == 30 + 3  # 30 training batches, 3 validations on the 200 held out
+    g = torch.Generator().manual_seed(0)
+    held = torch.randperm(1000, generator=g)[:200]
+    unpaired = torch.cat([held[torch.randperm(200, generator=g)] for _ in range(3)])  # 3 shuffles of their reports
+    with torch.no_grad():
+        assert real(T(x[held], y[held]), T(x[held.repeat(3)], y[unpaired])).item() == pytest.approx(best)  # step 10's
+
+
 def test_itas_scores_every_pair_with_the_network_that_never_saw_it(monkeypatch):
     """Eq. 9 cross-fitted: two networks, each fitted on one half of the pairs; a pair's dif2 is the other
     network's T on it, standardised within its half (DV leaves T free up to a constant)."""
-    monkeypatch.setattr(rrgcl, "MINE", dict(steps=150, batch_size=128, lr=1e-3))
+    monkeypatch.setattr(rrgcl, "MINE", dict(batch_size=128, lr=1e-3, held_out=0.2, shuffles=2))
+    monkeypatch.setattr(rrgcl, "MINE_CONVERGE", dict(every=50, patience=10**6, min_gain=0.0, max_steps=150))
     x, y = gaussian_pairs(600, 2, 0.8, 0)
     fits, real = [], rrgcl.train_mine
     monkeypatch.setattr(
@@ -410,8 +435,9 @@ def test_the_measurer_and_q1_read_findings_and_impression():
 @pytest.fixture(scope="module")
 def fast_measure():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rrgcl, "ENCODER", dict(rrgcl.ENCODER, epochs=1))
-        mp.setattr(rrgcl, "MINE", dict(steps=40, batch_size=16, lr=1e-3))
+        mp.setattr(rrgcl, "ENCODER_CONVERGE", dict(rrgcl.ENCODER_CONVERGE, max_steps=1))
+        mp.setattr(rrgcl, "MINE", dict(batch_size=16, lr=1e-3, held_out=0.2, shuffles=2))
+        mp.setattr(rrgcl, "MINE_CONVERGE", dict(every=20, patience=10**6, min_gain=0.0, max_steps=40))
         yield
 
 
@@ -634,6 +660,17 @@ def test_resume_matches_an_uninterrupted_run_on_real_format_iu_xray(
     )
 
 
+def test_every_measurement_seed_shares_the_pre_trained_encoders(small_synthetic, monkeypatch):
+    """The paper's encoders are pre-trained once; the stand-ins train with ENCODER["seed"] whatever --seed: two
+    measurement seeds get the same features (so the same VNS-Gap); only MINE's T varies with --seed."""
+    monkeypatch.setattr(rrgcl, "ENCODER_CONVERGE", dict(rrgcl.ENCODER_CONVERGE, max_steps=2))
+    records = common.r2gen_views(common.load_annotation(small_synthetic))["train"]
+    labels = rrgcl.class_labels(records, common.RuleLabeler())
+    a, b = (rrgcl.features(rrgcl.Args(seed=s), records, labels, "cpu") for s in (0, 1))
+    for k in ("vns_image", "text"):
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_itas_encoder_is_a_pre_trained_resnet18_from_a_state_dict(tmp_path, iu_xray, monkeypatch):
     """--itas-encoder FILE: ITAS's image features are the torchvision ResNet-18 of the state dict (here random,
     written by the test in a DDP checkpoint's layout), used as it is on R2Gen's two views (mean over them), phi
@@ -641,7 +678,8 @@ def test_itas_encoder_is_a_pre_trained_resnet18_from_a_state_dict(tmp_path, iu_x
     flag."""
     import torchvision
 
-    monkeypatch.setattr(rrgcl, "ENCODER", dict(rrgcl.ENCODER, epochs=0, resnet_size=32))  # Sec. 4.1's 256 px: slow here
+    monkeypatch.setattr(rrgcl, "ENCODER", dict(rrgcl.ENCODER, resnet_size=32))  # Sec. 4.1's 256 px: slow here
+    monkeypatch.setattr(rrgcl, "ENCODER_CONVERGE", dict(rrgcl.ENCODER_CONVERGE, max_steps=1))
     torch.manual_seed(0)
     net = torchvision.models.resnet18()
     torch.save({"state_dict": {f"module.{k}": v for k, v in net.state_dict().items()}}, tmp_path / "r18.pt")

@@ -151,7 +151,8 @@ run.log(rank=rank)
 torch.save({{"env": [rank, world, int(os.environ["LOCAL_RANK"]), str(device)], "grads": grads,
             "mean": common.all_reduce_mean(float(rank)), "dict_mean": common.all_reduce_mean({{"a": rank, "b": 2}}),
             "bcast": common.broadcast_object({{"from": rank}}), "draws": draws, "redraws": redraws,
-            "step": step, "extra": extra, "files": sorted(p.name for p in run.out.iterdir())}}, out + f"/rank{{rank}}.pt")
+            "step": step, "extra": extra, "files": sorted(p.name for p in run.out.iterdir())}},
+           out + f"/rank{{rank}}.pt")
 common.end_process()
 """
 
@@ -261,6 +262,8 @@ def test_seed_everything_offsets_by_rank():
 @dataclass
 class ToyArgs(common.RunArgs):
     out: str = "runs/toy"
+    labeler: str = "rule"
+    """a toy run labels nothing: the rules cost nothing to build"""
     steps: int = 6
     """steps of the toy run"""
     lr: float = 1e-2
@@ -471,9 +474,9 @@ class ImageEcho:
 
 
 def test_evaluation_pairs_each_report_with_its_own_reference_under_two_ranks(tmp_path, small_synthetic, monkeypatch):
-    """Run.evaluate with 2 ranks, each in turn (the gather simulated): rank 1 pads its share to rank 0's length and drops
-    the padding; rank 0 writes one row per record, in order, each generated report (report(completion)) next to its
-    own id, reference and completion."""
+    """Run.evaluate with 2 ranks, each in turn (the gather simulated): rank 1 pads its share to rank 0's length and
+    drops the padding; rank 0 writes one row per record, in order, each generated report (report(completion)) next
+    to its own id, reference and completion."""
     records = common.load_annotation(small_synthetic)["test"][:5]  # odd: rank 1 holds 2, pads to 3
     expected = {r.id: hashlib.md5(common.load_image(r.image_paths[0]).tobytes()).hexdigest() for r in records}
     sent = []
