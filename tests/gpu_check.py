@@ -118,14 +118,14 @@ class Figures(dict):
 
 
 def stop_after_first_checkpoint():
-    """Checkpoints every step, and Ctrl-C's path right after the first one (stage) saved; the returned function
-    re-arms it. The same command with --resume then goes on from last.pt."""
+    """Checkpoints every step, and Ctrl-C's path right after the first one saved (the first stage's; RL's after a
+    warm start); the returned function re-arms it. The same command with --resume then goes on from last.pt."""
     save, armed = common.Run.checkpoint, [True]
     common.CHECKPOINT_EVERY = 1
 
     def checkpoint_then_stop(self, step):
         save(self, step)
-        if armed[0]:
+        if armed[0] and self.out.name != "warm_start":
             armed[0] = False
             raise KeyboardInterrupt("gpu_check stopped the run after its first checkpoint")
 
@@ -178,7 +178,7 @@ def part_script(name: str, work: Path, figures: Figures):
         steps = {}
         for log in sorted(out.glob("**/metrics.jsonl")):
             steps[str(log.parent.relative_to(out))] = [json.loads(x)["step"] for x in log.read_text().splitlines()]
-        config = json.loads(next(out.glob("**/config.json")).read_text())
+        config = json.loads(next(p for p in sorted(out.glob("**/config.json")) if "final" not in p.parts).read_text())
         headlines = {}  # each stage's evaluation: its headline CE number
         for path in sorted(out.glob("**/eval.json")):
             for key, r in json.loads(path.read_text()).items():
@@ -336,7 +336,7 @@ common.CHECKPOINT_EVERY, save = 1, common.Run.checkpoint
 def stop(run, step):
     save(run, step)
     open({note!r}, "w").write(torch.distributed.get_backend())
-    if step == int(os.environ.get("STOP", -1)):
+    if step == int(os.environ.get("STOP", -1)) and run.out.name != "warm_start":
         raise KeyboardInterrupt
 common.Run.checkpoint = stop
 orapo.main()

@@ -533,9 +533,9 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, mo
 
 
 # orapo.main under torchrun with the warm start shortened (as `fast`), a checkpoint every step and, with STOP=k, Ctrl-C
-# right after the step-k checkpoint; an odd number of val studies checked after step 1 (rank 1 pads its share: under
-# FSDP every rank makes as many generate() calls); each rank notes in DIR whether it read last.pt, and the sharded
-# reference's parameters (local and full sizes)
+# right after RL's step-k checkpoint (not the warm start stage's); an odd number of val studies checked after step 1
+# (rank 1 pads its share: under FSDP every rank makes as many generate() calls); each rank notes in DIR whether it read
+# RL's last.pt, and the sharded reference's parameters (local and full sizes)
 ORAPO_UNDER_TORCHRUN = """
 import os, sys, torch
 import common, orapo
@@ -548,11 +548,11 @@ rank = os.environ["RANK"]
 
 def stop(run, step):
     save(run, step)
-    if step == int(os.environ.get("STOP", -1)):
+    if step == int(os.environ.get("STOP", -1)) and run.out.name != "warm_start":
         raise KeyboardInterrupt
 
 def reading(path, *args, **kwargs):
-    if str(path).endswith("last.pt"):
+    if str(path).endswith("last.pt") and "warm_start" not in str(path):
         open(f"{notes}/rank{rank}_read_last.pt", "w").close()
     return load(path, *args, **kwargs)
 
@@ -615,7 +615,7 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
         ref = torch.load(notes / f"rank{rank}_reference.pt", weights_only=True)
         assert ref["dtensors"] and ref["local"] == pytest.approx(ref["full"] / 2, rel=0.01)
     # the val check after step 1, against one process generating from the step-1 weights
-    policy = common.load_policy(fsdp / "warm_start")
+    policy = common.load_policy(fsdp / "warm_start" / "final")
     policy.model.load_state_dict(after_step_1["model"])
     val = common.load_annotation(small_synthetic)["val"][:5]
     prompts = policy.prompt_batch([[common.load_image(p) for p in r.image_paths] for r in val], orapo.PROMPT)
