@@ -113,7 +113,10 @@ class Figures(dict):
         self.path = path
 
     def __setitem__(self, key, value):
-        super().__setitem__(key, value)
+        self.update({key: value})
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
         self.path.write_text(json.dumps(self, indent=1, default=str))
 
 
