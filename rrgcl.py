@@ -524,18 +524,15 @@ def measure(args: Args, records, labeler, device) -> dict:
 
 
 def difficulty_scores(run: common.Run, args: Args) -> tuple[dict, Path]:
-    """The measurer's scores, on every rank: from --difficulty (or a resumed run's file), else measured there first
-    (in one process only)."""
+    """The measurer's scores, on every rank: from --difficulty (or a resumed run's file), else measured there first."""
     path = Path(args.difficulty or run.out / "difficulty.json")
     if args.measure_only and args.difficulty and path.is_file():
         raise ValueError(f"--measure-only: {path} exists; delete it to measure again")
     # a file to read: --difficulty (unless --measure-only is to write it), or the resumed run's own
     readable = (args.difficulty and not args.measure_only) or (run.resuming and path.is_file())
     if run.world_size > 1 and not readable:  # rank 0 would measure for hours while the others time out waiting
-        raise ValueError(
-            f"the difficulty is measured in one process, not under torchrun ({run.world_size} processes): first "
-            "`python rrgcl.py --measure-only --difficulty FILE` with this --data, then torchrun with --difficulty FILE"
-        )
+        first = "`python rrgcl.py --measure-only --difficulty FILE` with this --data, then torchrun --difficulty FILE"
+        raise ValueError(f"the difficulty is measured in one process, not under torchrun: first {first}")
     if run.is_main and not readable:
         m = measure(args, run.data["train"], run.labeler, run.device)
         path.parent.mkdir(parents=True, exist_ok=True)

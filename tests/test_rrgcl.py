@@ -563,7 +563,7 @@ def test_measuring_under_torchrun_is_an_error_naming_the_two_commands(tmp_path, 
         return types.SimpleNamespace(world_size=world_size, is_main=True, resuming=resuming, out=tmp_path, data=data)
 
     for args in (rrgcl.Args(), rrgcl.Args(measure_only=True, difficulty=str(tmp_path / "new.json"))):
-        with pytest.raises(ValueError, match=r"--measure-only --difficulty FILE.*torchrun with --difficulty FILE"):
+        with pytest.raises(ValueError, match=r"torchrun: first `python rrgcl.py --measure-only --difficulty FILE`"):
             rrgcl.difficulty_scores(run(2), args)
     assert not (tmp_path / "difficulty.json").exists() and not (tmp_path / "new.json").exists()
     m, path = rrgcl.difficulty_scores(run(2), rrgcl.Args(difficulty=str(difficulty_file)))
