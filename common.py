@@ -18,6 +18,7 @@ import bisect
 import contextlib
 import copy
 import dataclasses
+import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -37,7 +38,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -47,6 +48,18 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm, trange
 
 log = logging.getLogger("rrg")
+try:  # a torchvision built for another torch fails in its C++ operators, then transformers in each model it imports
+    importlib.import_module("torchvision")
+    if not importlib.import_module("transformers.utils").is_torch_available():
+        raise ImportError("transformers does not take this torch")
+except (ImportError, RuntimeError, AttributeError) as e:  # one line, not 60 of traceback
+    found = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+    versions = ", ".join(f"{name} {found.get(name)}" for name in ("torch", "torchvision", "transformers"))
+    why = str(e).partition("\n")[0][:100]
+    raise SystemExit(
+        f"error: {versions} do not work together ({type(e).__name__}: {why}): pip install --upgrade torch "
+        "torchvision transformers, together (one index, as in the README's quick start), at requirements.txt's floors"
+    ) from None
 
 # ==== 1. Labels ===================================================================================
 # CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
@@ -634,11 +647,15 @@ def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, siz
     return final / "annotation.json"
 
 
-def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
-    """--data: "synthetic", an annotation.json or its folder."""
+def annotation_file(data: str) -> Path:
+    """--data: "synthetic", an annotation.json or its folder -> the file."""
     if data == "synthetic":
-        return load_annotation(synthetic_data(), **kwargs)
-    return load_annotation(Path(data) / "annotation.json" if Path(data).is_dir() else data, **kwargs)
+        return synthetic_data()
+    return Path(data) / "annotation.json" if Path(data).is_dir() else Path(data)
+
+
+def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
+    return load_annotation(annotation_file(data), **kwargs)
 
 
 # ==== 3. Labelers =================================================================================
@@ -1277,10 +1294,9 @@ class TinyVLM(torch.nn.Module):
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
-            pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
-        )  # WordTokenizer.PAD, BOS, EOS
+        )  # WordTokenizer.BOS, EOS; no pad id: generate() drops the all-ones mask, then warned of each pad fed back
         self.decoder = GPT2LMHeadModel(config)
 
     def prefix(self, pixel_values, view_mask, bos_id: int):
@@ -1901,19 +1917,30 @@ class RunArgs:
     """chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert for a real model on real data,
     else rule"""
     chexbert_weights: str | None = None
-    """a local chexbert.pth (else downloaded once from the Hub)"""
-    out: str = "runs/run"
-    """the run's folder: a fresh run needs it empty or absent"""
-    seed: int = 0
+    """a local chexbert.pth (else downloaded once from the Hub; on --data synthetic the sandbox's, trained once)"""
+    out: str | None = None
+    """the run's folder, empty or absent for a fresh run; None: runs/<script>-<data name>, the data's name "synthetic"
+    or its folder's (the file's if not annotation.json)"""
+    seed: Annotated[int, "[0, 2e9]"] = 0
     """data order, initial weights and samples (rank r samples with seed + r)"""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: bf16 (the papers') on a GPU that has it, else fp32; what trains keeps fp32 master weights"""
     clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"
     """R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's"""
     resume: bool = False
-    """continue the run in --out from its last checkpoint (other flags must be the run's)"""
+    """continue the run in --out from its last checkpoint, with the flags in its config.json"""
     drop_invalid: bool = False
     """skip annotation records with a missing image or an empty report (each is logged)"""
+
+    def __post_init__(self):
+        """Each number against the range declared beside its field (Annotated[int, "[0, inf)"]: [ ] include)."""
+        for f in dataclasses.fields(self):
+            interval, value = flag_type(f)[1], getattr(self, f.name)
+            if interval and value is not None:
+                lo, hi = (float(x) for x in interval[1:-1].split(","))
+                above = value >= lo if interval[0] == "[" else value > lo
+                if not (above and (value <= hi if interval[-1] == "]" else value < hi)):
+                    raise ValueError(f"--{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
 
 
 CHECKPOINT_EVERY = 50  # steps between checkpoints (also at the end, and when stopped by Ctrl-C)
@@ -2134,14 +2161,15 @@ class Run:
 
         return batches
 
-    def steps(self, total: int, batches, desc: str = "", start: int | None = None):
-        """(step, batch), step = start (default: restore()'s) .. total - 1, with a bar; after each, a metrics.jsonl line
-        (log()'s means over ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C, SIGTERM: save, stop."""
+    def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
+        """(step, batch), step = start (default: restore()'s) .. total - 1, with a bar showing up to 4 numbers (`bar`);
+        after each, a metrics.jsonl line (log()'s means over ranks, all of them), last.pt every CHECKPOINT_EVERY steps
+        and at the end. Ctrl-C, SIGTERM: save, stop."""
         import signal
 
         if start is None:
             start = self.start
-        bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
+        progress = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
         clock = time.time()
         data = batches(start)
         optimizer = self._saved[1] if self._saved else None
@@ -2161,10 +2189,8 @@ class Run:
                 if self.is_main:
                     with open(self.out / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(row) + "\n")
-                    bar.update(1)
-                    # the bar shows the method's numbers; keys "a/b" (a class each) stay in the file
-                    shown = {k: f"{v:.3g}" for k, v in row.items() if k not in ("step", "time", "lr") and "/" not in k}
-                    bar.set_postfix(shown, refresh=False)
+                    progress.update(1)
+                    progress.set_postfix({k: f"{row[k]:.3g}" for k in bar[:4] if k in row}, refresh=False)
                 interrupted = all_reduce_mean(float(bool(stop))) > 0  # every rank stops at the same step
                 if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == total or interrupted):
                     self.checkpoint(step + 1)
@@ -2174,7 +2200,7 @@ class Run:
                         "the same command with --resume continues"
                     )
         finally:
-            bar.close()
+            progress.close()
             for signum, handler in old_handlers.items():
                 signal.signal(signum, handler)
 
@@ -2273,7 +2299,8 @@ class Run:
 
 
 def resolve_defaults(args):
-    """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
+    """The "auto" flags made concrete, as config.json records them: out, labeler, dtype (clean needs the data)."""
+    args.out = args.out or default_out(type(args), args.data)
     if args.labeler == "auto":  # the papers' CheXbert (the sandbox's own on --data synthetic), else rules offline
         offline = args.model == "tiny" and args.data != "synthetic" and not args.chexbert_weights
         args.labeler = "rule" if offline else "chexbert"
@@ -2305,11 +2332,34 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
         "CE numbers do not compare with published ones (--labeler chexbert)"
     )
     notes = [rule, *notes] if args.labeler == "rule" else list(notes)
+    seed_everything(args.seed)
+    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
     if rank == 0:
+        log.info(start_block(run))
         for note in notes:
             log.warning("note: %s", note)
-    seed_everything(args.seed)
-    return Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
+    return run
+
+
+def start_block(run: Run) -> str:
+    """What a run reads and where it writes, a line each: folder, data, model and device, labeler."""
+    args, file = run.args, annotation_file(run.args.data)
+    splits = ", ".join(f"{split} {len(records)}" for split, records in run.data.items())
+    views = Counter(len(r.image_paths) for records in run.data.values() for r in records)
+    mode, n = views.most_common(1)[0]
+    spread = f"{min(views)}-{max(views)} views per study, {mode} in {n / views.total():.0%}" if len(views) > 1 else ""
+    labeler = "rule (offline CheXpert-style rules, not CheXbert)"
+    if args.labeler == "chexbert":
+        weights = args.chexbert_weights or "StanfordAIMI/RRG_scorers' chexbert.pth, the papers'"
+        sandbox = Path(weights).parent == file.parent / "chexbert"  # synthetic_chexbert()'s
+        labeler = f"chexbert, {'the sandbox one, trained on the training reports: ' if sandbox else ''}{weights}"
+    lines = {
+        "run folder": f"{run.out} ({'--resume: continued' if args.resume else 'a new run'})",
+        "data": f"{file}: {splits} studies; {spread or f'{mode} view(s) per study'}; cleaning {args.clean}",
+        "model": f"{args.model}; {args.dtype} on {run.device}, {run.world_size} process(es)",
+        "labeler": labeler,
+    }
+    return "\n".join(f"{k:<12}{v}" for k, v in lines.items())
 
 
 def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
@@ -2328,8 +2378,23 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
         end_process(f"error: {e}")
     except KeyboardInterrupt as e:
         end_process(f"interrupted{': ' + str(e) if str(e) else ''}")
+    if os.environ.get("RANK", "0") == "0":
+        print(end_block(args.out))
     end_process()
     return results
+
+
+MAIN_FILES = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/*.png"}
+
+
+def end_block(out) -> str:
+    """Where a run wrote, a line each: its folder, results, test generations and figures (its stages' too)."""
+    out, lines = Path(out), [f"{'run folder':<12}{out}"]
+    for kind, pattern in MAIN_FILES.items():
+        found = sorted([*out.glob(pattern), *out.glob(f"*/{pattern}")], key=os.path.getmtime)
+        if found:
+            lines.append(f"{kind:<12}{', '.join(str(p.relative_to(out)) for p in found)}")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -2548,16 +2613,35 @@ def field_helps(args_class) -> dict[str, str]:
     return helps
 
 
+def flag_type(f) -> tuple[str, str | None]:
+    """A field's type and the range beside it: Annotated[int | None, "[0, inf)"] -> ("int | None", "[0, inf)")."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    annotated = re.fullmatch(r"Annotated\[(.+), ['\"](.+)['\"]\]", kind)
+    return annotated.groups() if annotated else (kind, None)
+
+
+def default_out(args_class, data: str) -> str:
+    """runs/<script>-<data name>: the quick start's folder is never the one of a user's own data."""
+    path = Path(data)
+    if path.name == "annotation.json":
+        path = path.parent
+    name = path.stem if path.suffix == ".json" else path.resolve().name
+    return f"runs/{Path(getattr(sys.modules[args_class.__module__], '__file__', 'run')).stem}-{name}"
+
+
 def parse_args(args_class, argv=None, description: str | None = None):
     """Flags from an Args dataclass: `--flag-name` per field, typed by its annotation (a bool as --flag /
-    --no-flag, Literal[...] as choices), its help the doc string under the field."""
+    --no-flag, Literal[...] as choices, a number within its Annotated range), its help the doc string under the field.
+    --resume: the flags not given are the run's, from its config.json (a run of stages: its newest stage's)."""
     helps = field_helps(args_class)
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     casts = {"int": int, "float": float, "str": str}
-    for f in dataclasses.fields(args_class):
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    fields = dataclasses.fields(args_class)
+    for f in fields:
+        kind, interval = flag_type(f)
         flag = "--" + f.name.replace("_", "-")
-        help_ = f"{helps.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        help_ = f"{helps.get(f.name, '')} (default: {f.default}{'; in ' + interval if interval else ''})"
+        help_ = help_.replace("%", "%%")
         if kind == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         elif kind.startswith("Literal["):
@@ -2565,7 +2649,20 @@ def parse_args(args_class, argv=None, description: str | None = None):
             p.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
         else:
             p.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
-    return args_class(**vars(p.parse_args(argv)))
+    unset = object()  # argparse keeps a value the namespace holds: what stays unset was not given
+    given = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
+    given = {k: v for k, v in given.items() if v is not unset}
+    flags = {f.name: f.default for f in fields} | given
+    flags["out"] = flags["out"] or default_out(args_class, flags["data"])
+    out = Path(flags["out"])
+    configs = [out / "config.json"] if (out / "config.json").is_file() else list(out.glob("*/config.json"))
+    if flags["resume"] and configs:
+        saved = json.loads(max(configs, key=os.path.getmtime).read_text())
+        flags |= {k: saved[k] for k in flags.keys() & saved.keys() - given.keys() - set(MAY_CHANGE_ON_RESUME)}
+    try:
+        return args_class(**flags)
+    except ValueError as e:  # a number out of its range: one line, nothing written
+        raise SystemExit(f"error: {e}") from None
 
 
 def read_generations(path) -> list[dict]:
@@ -2720,11 +2817,14 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
     e.add_argument("--generations", required=True, help="JSONL with 'reference' and 'generated' per line")
-    e.add_argument("--labeler", default="rule", choices=["rule", "chexbert"])
-    e.add_argument("--chexbert-weights", default=None, help="a local chexbert.pth (else downloaded once)")
-    e.add_argument("--clean", default="mimic_cxr", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning")
+    e.add_argument("--labeler", choices=["rule", "chexbert"], help="default: the run's (config.json), else rule")
+    e.add_argument("--chexbert-weights", help="a local chexbert.pth; default: the run's, else downloaded once")
+    e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's; default: the run's, else mimic")
     e.add_argument(
-        "--uncertain-as", type=int, default=1, choices=[0, 1], help="CE: uncertain counts as positive (1) or not"
+        "--uncertain-as",
+        type=int,
+        choices=[0, 1],
+        help="CE: uncertain counts as positive (1) or negative (0, the papers'); default: the run's",
     )
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
     e.add_argument("--out", default=None, help="JSON output (default: <generations file>.scores.json beside it)")
@@ -2762,15 +2862,36 @@ def main(argv=None):
         return
     try:
         rows = read_generations(args.generations)
-        labeler = make_labeler(args.labeler, args.chexbert_weights)
-        clean = None if args.clean == "none" else args.clean
-        results = evaluate_generations(rows, labeler, clean, args.uncertain_as, not args.no_meteor)
+        rules, sources = run_rules(args.generations)
+        given = {k: v for k, v in vars(args).items() if k in rules and v is not None}
+        rules |= given
+        clean = None if rules["clean"] == "none" else rules["clean"]
+        labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
+        flags = "".join(f", --{k.replace('_', '-')} given" for k in given)
+        print(f"scoring as {', '.join(sources) or 'no run files beside it: the defaults'} say{flags}: {rules}")
+        results = evaluate_generations(
+            rows, labeler, clean, rules["uncertain_as"], not args.no_meteor, rules["headline"]
+        )
     except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
     out.write_text(json.dumps(results, indent=2))
     scores = {**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}
-    print(json.dumps(scores, indent=1), f"\nwrote {out}")
+    print(json.dumps(scores, indent=1), f"\n{summary(results)}\nwrote {out}")
+
+
+def run_rules(generations) -> tuple[dict, list[str]]:
+    """How the run that wrote a generations file scored it, and the files that say so: labeler and weights from its
+    config.json (beside the file, or in the run folder above a stage), CE convention and cleaning from the eval JSON
+    beside it (eval_<name>.json, else eval.json). Defaults where there is none: rule, MIMIC-CXR's, the papers'."""
+    path = Path(generations)
+    rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
+    evals = [path.parent / f"eval_{path.stem.removeprefix('generations_')}.json", path.parent / "eval.json"]
+    sources = [p for p in [path.parent / "config.json", path.parent.parent / "config.json"] if p.is_file()][:1]
+    sources += [p for p in evals if p.is_file() and "uncertain_as" in json.loads(p.read_text())][:1]
+    for source in sources:  # the config, then the eval JSON: what scored
+        rules |= {k: v for k, v in json.loads(source.read_text()).items() if k in rules}
+    return rules, [str(p) for p in sources]
 
 
 if __name__ == "__main__":
