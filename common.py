@@ -54,11 +54,10 @@ try:  # a torchvision built for another torch fails in its C++ operators, then t
         raise ImportError("transformers does not take this torch")
 except (ImportError, RuntimeError, AttributeError) as e:  # one line, not 60 of traceback
     found = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
-    versions = ", ".join(f"{name} {found.get(name)}" for name in ("torch", "torchvision", "transformers"))
-    why = str(e).partition("\n")[0][:100]
     raise SystemExit(
-        f"error: {versions} do not work together ({type(e).__name__}: {why}): pip install --upgrade torch "
-        "torchvision transformers, together (one index, as in the README's quick start), at requirements.txt's floors"
+        f"error: torch {found.get('torch')}, torchvision {found.get('torchvision')}, transformers "
+        f"{found.get('transformers')} do not work together ({type(e).__name__}: {' '.join(str(e).split())[:99]}): pip "
+        "install --upgrade torch torchvision transformers, together, at least requirements.txt's floors"
     ) from None
 
 # ==== 1. Labels ===================================================================================
@@ -647,15 +646,11 @@ def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, siz
     return final / "annotation.json"
 
 
-def annotation_file(data: str) -> Path:
-    """--data: "synthetic", an annotation.json or its folder -> the file."""
-    if data == "synthetic":
-        return synthetic_data()
-    return Path(data) / "annotation.json" if Path(data).is_dir() else Path(data)
-
-
 def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
-    return load_annotation(annotation_file(data), **kwargs)
+    """--data: "synthetic", an annotation.json or its folder."""
+    if data == "synthetic":
+        return load_annotation(synthetic_data(), **kwargs)
+    return load_annotation(Path(data) / "annotation.json" if Path(data).is_dir() else data, **kwargs)
 
 
 # ==== 3. Labelers =================================================================================
@@ -1919,8 +1914,7 @@ class RunArgs:
     chexbert_weights: str | None = None
     """a local chexbert.pth (else downloaded once from the Hub; on --data synthetic the sandbox's, trained once)"""
     out: str | None = None
-    """the run's folder, empty or absent for a fresh run; None: runs/<script>-<data name>, the data's name "synthetic"
-    or its folder's (the file's if not annotation.json)"""
+    """the run's folder, empty or absent for a fresh run; None: runs/<script>-<data name> ("synthetic", the folder's)"""
     seed: Annotated[int, "[0, 2e9]"] = 0
     """data order, initial weights and samples (rank r samples with seed + r)"""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -1931,16 +1925,6 @@ class RunArgs:
     """continue the run in --out from its last checkpoint, with the flags in its config.json"""
     drop_invalid: bool = False
     """skip annotation records with a missing image or an empty report (each is logged)"""
-
-    def __post_init__(self):
-        """Each number against the range declared beside its field (Annotated[int, "[0, inf)"]: [ ] include)."""
-        for f in dataclasses.fields(self):
-            interval, value = flag_type(f)[1], getattr(self, f.name)
-            if interval and value is not None:
-                lo, hi = (float(x) for x in interval[1:-1].split(","))
-                above = value >= lo if interval[0] == "[" else value > lo
-                if not (above and (value <= hi if interval[-1] == "]" else value < hi)):
-                    raise ValueError(f"--{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
 
 
 CHECKPOINT_EVERY = 50  # steps between checkpoints (also at the end, and when stopped by Ctrl-C)
@@ -2162,9 +2146,9 @@ class Run:
         return batches
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
-        """(step, batch), step = start (default: restore()'s) .. total - 1, with a bar showing up to 4 numbers (`bar`);
-        after each, a metrics.jsonl line (log()'s means over ranks, all of them), last.pt every CHECKPOINT_EVERY steps
-        and at the end. Ctrl-C, SIGTERM: save, stop."""
+        """(step, batch), step = start (default: restore()'s) .. total - 1, a bar of up to 4 of `bar`; after each, a
+        metrics.jsonl line (all log()'s means over ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C,
+        SIGTERM: save, stop."""
         import signal
 
         if start is None:
@@ -2299,8 +2283,7 @@ class Run:
 
 
 def resolve_defaults(args):
-    """The "auto" flags made concrete, as config.json records them: out, labeler, dtype (clean needs the data)."""
-    args.out = args.out or default_out(type(args), args.data)
+    """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
     if args.labeler == "auto":  # the papers' CheXbert (the sandbox's own on --data synthetic), else rules offline
         offline = args.model == "tiny" and args.data != "synthetic" and not args.chexbert_weights
         args.labeler = "rule" if offline else "chexbert"
@@ -2342,22 +2325,18 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
 
 
 def start_block(run: Run) -> str:
-    """What a run reads and where it writes, a line each: folder, data, model and device, labeler."""
-    args, file = run.args, annotation_file(run.args.data)
-    splits = ", ".join(f"{split} {len(records)}" for split, records in run.data.items())
-    views = Counter(len(r.image_paths) for records in run.data.values() for r in records)
-    mode, n = views.most_common(1)[0]
-    spread = f"{min(views)}-{max(views)} views per study, {mode} in {n / views.total():.0%}" if len(views) > 1 else ""
-    labeler = "rule (offline CheXpert-style rules, not CheXbert)"
-    if args.labeler == "chexbert":
-        weights = args.chexbert_weights or "StanfordAIMI/RRG_scorers' chexbert.pth, the papers'"
-        sandbox = Path(weights).parent == file.parent / "chexbert"  # synthetic_chexbert()'s
-        labeler = f"chexbert, {'the sandbox one, trained on the training reports: ' if sandbox else ''}{weights}"
+    """What a run reads and where it writes, a line each."""
+    args, views = run.args, Counter(len(r.image_paths) for records in run.data.values() for r in records)
+    data = synthetic_data() if args.data == "synthetic" else args.data
+    weights = args.chexbert_weights or "StanfordAIMI/RRG_scorers' chexbert.pth (the papers')"
+    if args.data == "synthetic" and Path(weights).parent.name == f"chexbert-v{SANDBOX_CHEXBERT_VERSION}":
+        weights = f"the sandbox's, trained on the synthetic reports: {weights}"
     lines = {
         "run folder": f"{run.out} ({'--resume: continued' if args.resume else 'a new run'})",
-        "data": f"{file}: {splits} studies; {spread or f'{mode} view(s) per study'}; cleaning {args.clean}",
-        "model": f"{args.model}; {args.dtype} on {run.device}, {run.world_size} process(es)",
-        "labeler": labeler,
+        "data": f"{data}: {', '.join(f'{k} {len(v)}' for k, v in run.data.items())} studies; views per study: "
+        f"{', '.join(f'{v} in {n}' for v, n in views.most_common())} studies; cleaning {args.clean}",
+        "model": f"{args.model}; {args.dtype} on {run.device}; {run.world_size} process(es)",
+        "labeler": f"chexbert, {weights}" if args.labeler == "chexbert" else "rule (offline CheXpert-style rules)",
     }
     return "\n".join(f"{k:<12}{v}" for k, v in lines.items())
 
@@ -2384,13 +2363,10 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
     return results
 
 
-MAIN_FILES = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/*.png"}
-
-
 def end_block(out) -> str:
     """Where a run wrote, a line each: its folder, results, test generations and figures (its stages' too)."""
     out, lines = Path(out), [f"{'run folder':<12}{out}"]
-    for kind, pattern in MAIN_FILES.items():
+    for kind, pattern in {"results": "eval.json", "generations": "generations_test*", "figures": "figures/*"}.items():
         found = sorted([*out.glob(pattern), *out.glob(f"*/{pattern}")], key=os.path.getmtime)
         if found:
             lines.append(f"{kind:<12}{', '.join(str(p.relative_to(out)) for p in found)}")
@@ -2615,24 +2591,15 @@ def field_helps(args_class) -> dict[str, str]:
 
 def flag_type(f) -> tuple[str, str | None]:
     """A field's type and the range beside it: Annotated[int | None, "[0, inf)"] -> ("int | None", "[0, inf)")."""
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    annotated = re.fullmatch(r"Annotated\[(.+), ['\"](.+)['\"]\]", kind)
-    return annotated.groups() if annotated else (kind, None)
-
-
-def default_out(args_class, data: str) -> str:
-    """runs/<script>-<data name>: the quick start's folder is never the one of a user's own data."""
-    path = Path(data)
-    if path.name == "annotation.json":
-        path = path.parent
-    name = path.stem if path.suffix == ".json" else path.resolve().name
-    return f"runs/{Path(getattr(sys.modules[args_class.__module__], '__file__', 'run')).stem}-{name}"
+    annotated = re.fullmatch(r"Annotated\[(.+), ['\"](.+)['\"]\]", f.type)
+    return annotated.groups() if annotated else (f.type, None)
 
 
 def parse_args(args_class, argv=None, description: str | None = None):
-    """Flags from an Args dataclass: `--flag-name` per field, typed by its annotation (a bool as --flag /
-    --no-flag, Literal[...] as choices, a number within its Annotated range), its help the doc string under the field.
-    --resume: the flags not given are the run's, from its config.json (a run of stages: its newest stage's)."""
+    """Flags from an Args dataclass (string annotations): `--flag-name` per field, typed by its annotation (a bool as
+    --flag / --no-flag, Literal[...] as choices, a number within the range Annotated beside it: [ ] take their end, ( )
+    leave it out), its help the doc string under the field. --out's default: runs/<script>-<data name>. --resume: the
+    flags not given are the run's, from its config.json (a run of stages: its newest stage's)."""
     helps = field_helps(args_class)
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     casts = {"int": int, "float": float, "str": str}
@@ -2649,20 +2616,23 @@ def parse_args(args_class, argv=None, description: str | None = None):
             p.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
         else:
             p.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
-    unset = object()  # argparse keeps a value the namespace holds: what stays unset was not given
+    unset = object()  # argparse keeps what the namespace holds: a flag still unset was not given
     given = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
     given = {k: v for k, v in given.items() if v is not unset}
     flags = {f.name: f.default for f in fields} | given
-    flags["out"] = flags["out"] or default_out(args_class, flags["data"])
-    out = Path(flags["out"])
+    data = Path(flags["data"]).parent if Path(flags["data"]).name == "annotation.json" else Path(flags["data"])
+    script = Path(getattr(sys.modules[args_class.__module__], "__file__", "run")).stem
+    out = Path(flags["out"] or f"runs/{script}-{data.stem if data.suffix == '.json' else data.resolve().name}")
     configs = [out / "config.json"] if (out / "config.json").is_file() else list(out.glob("*/config.json"))
     if flags["resume"] and configs:
         saved = json.loads(max(configs, key=os.path.getmtime).read_text())
         flags |= {k: saved[k] for k in flags.keys() & saved.keys() - given.keys() - set(MAY_CHANGE_ON_RESUME)}
-    try:
-        return args_class(**flags)
-    except ValueError as e:  # a number out of its range: one line, nothing written
-        raise SystemExit(f"error: {e}") from None
+    for f in [f for f in fields if flag_type(f)[1] and flags[f.name] is not None]:  # each number in its range
+        interval, value = flag_type(f)[1], flags[f.name]
+        lo, hi = map(float, interval[1:-1].split(","))
+        if not (lo < value < hi or value == lo and interval[0] == "[" or value == hi and interval[-1] == "]"):
+            raise SystemExit(f"error: --{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
+    return args_class(**flags | {"out": str(out)})
 
 
 def read_generations(path) -> list[dict]:
@@ -2718,7 +2688,7 @@ def evaluate_generations(rows, labeler, clean="mimic_cxr", uncertain_as=1, meteo
         "n_empty_generations": n_empty,
         "degenerate": degenerate_output(hyps, refs),
         "clean": clean,
-        "labeler": type(labeler).__name__,
+        "labeler": type(getattr(labeler, "labeler", labeler)).__name__,  # inside a LabelCache, the labeler
         "uncertain_as": uncertain_as,
         "headline": headline,
         "nlg": nlg_metrics(*cleaned, meteor=meteor),
@@ -2817,15 +2787,10 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
     e.add_argument("--generations", required=True, help="JSONL with 'reference' and 'generated' per line")
-    e.add_argument("--labeler", choices=["rule", "chexbert"], help="default: the run's (config.json), else rule")
-    e.add_argument("--chexbert-weights", help="a local chexbert.pth; default: the run's, else downloaded once")
-    e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's; default: the run's, else mimic")
-    e.add_argument(
-        "--uncertain-as",
-        type=int,
-        choices=[0, 1],
-        help="CE: uncertain counts as positive (1) or negative (0, the papers'); default: the run's",
-    )
+    e.add_argument("--labeler", choices=["rule", "chexbert"], help="without these four: the run's, else rule")
+    e.add_argument("--chexbert-weights", help="a local chexbert.pth (else downloaded once from the Hub)")
+    e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning, else MIMIC-CXR's")
+    e.add_argument("--uncertain-as", type=int, choices=[0, 1], help="CE: uncertain as positive, or the papers' 0")
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
     e.add_argument("--out", default=None, help="JSON output (default: <generations file>.scores.json beside it)")
     c = sub.add_parser(
@@ -2860,15 +2825,21 @@ def main(argv=None):
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
         print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
         return
+    rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
+    path = Path(args.generations)  # the run that wrote it: its config.json (or its stage's), its eval JSON
+    found = [p for p in (path.with_name("config.json"), path.parent.with_name("config.json")) if p.is_file()][:1]
+    evals = [path.with_name(f"eval_{path.stem.removeprefix('generations_')}.json"), path.with_name("eval.json")]
+    found += [p for p in evals if p.is_file() and "headline" in json.loads(p.read_text())][:1]
+    for source in found:  # the config's labeler, weights and cleaning; the eval JSON's cleaning and CE convention
+        skip = "" if source.name == "config.json" else "labeler"  # an eval JSON names the labeler's class
+        rules |= {k: v for k, v in json.loads(source.read_text()).items() if k in rules and k != skip}
+    given = {k: v for k, v in vars(args).items() if k in rules and v is not None}  # flags given win
+    rules |= given
+    print(f"rules {rules}: from {', '.join(map(str, found)) or 'the defaults'}; given: {', '.join(given) or 'none'}")
     try:
         rows = read_generations(args.generations)
-        rules, sources = run_rules(args.generations)
-        given = {k: v for k, v in vars(args).items() if k in rules and v is not None}
-        rules |= given
-        clean = None if rules["clean"] == "none" else rules["clean"]
         labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
-        flags = "".join(f", --{k.replace('_', '-')} given" for k in given)
-        print(f"scoring as {', '.join(sources) or 'no run files beside it: the defaults'} say{flags}: {rules}")
+        clean = None if rules["clean"] == "none" else rules["clean"]
         results = evaluate_generations(
             rows, labeler, clean, rules["uncertain_as"], not args.no_meteor, rules["headline"]
         )
@@ -2878,20 +2849,6 @@ def main(argv=None):
     out.write_text(json.dumps(results, indent=2))
     scores = {**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}
     print(json.dumps(scores, indent=1), f"\n{summary(results)}\nwrote {out}")
-
-
-def run_rules(generations) -> tuple[dict, list[str]]:
-    """How the run that wrote a generations file scored it, and the files that say so: labeler and weights from its
-    config.json (beside the file, or in the run folder above a stage), CE convention and cleaning from the eval JSON
-    beside it (eval_<name>.json, else eval.json). Defaults where there is none: rule, MIMIC-CXR's, the papers'."""
-    path = Path(generations)
-    rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
-    evals = [path.parent / f"eval_{path.stem.removeprefix('generations_')}.json", path.parent / "eval.json"]
-    sources = [p for p in [path.parent / "config.json", path.parent.parent / "config.json"] if p.is_file()][:1]
-    sources += [p for p in evals if p.is_file() and "uncertain_as" in json.loads(p.read_text())][:1]
-    for source in sources:  # the config, then the eval JSON: what scored
-        rules |= {k: v for k, v in json.loads(source.read_text()).items() if k in rules}
-    return rules, [str(p) for p in sources]
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ score (ITAS: a MINE statistics network's value on the pair). Algorithm 1 trains 
 every class, easy classes (by their studies' mean) faster, all at t = T; around any generator: here the policy's SFT.
 
     python rrgcl.py                                   # synthetic set, tiny model: ~2 CPU-minutes
-    python rrgcl.py --scheduler none --difficulty runs/rrgcl/difficulty.json --out runs/none   # the baseline
-    python rrgcl.py q1 --out runs/rrgcl               # Fig. 1 on the run's (or any model's) test reports
+    python rrgcl.py --scheduler none --difficulty runs/rrgcl-synthetic/difficulty.json --out runs/none   # baseline
+    python rrgcl.py q1 --out runs/rrgcl-synthetic     # Fig. 1 on the run's (or any model's) test reports
     python rrgcl.py --data /data/mimic_cxr --labeler chexbert --measure-only --difficulty mimic_dif.json \\
         --visual-encoder resnet101_chexpert.pth --itas-encoder resnet18_cxr.pth \\
         --text-encoder emilyalsentzer/Bio_ClinicalBERT                                       # GPU

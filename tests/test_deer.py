@@ -505,7 +505,7 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
         deer.main(rl("part")[:-1] + ["6", "--resume"])
     with pytest.raises(SystemExit, match="--lr None in the run, 0.01 now"):
         deer.main(rl("part") + ["--resume", "--lr", "0.01"])
-    deer.main(rl("part") + ["--resume"])
+    deer.main(["rl", "--out", str(tmp_path / "part"), "--resume"])  # the flags: the newest stage's config.json
 
     def weights(d):
         return torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]
