@@ -116,7 +116,7 @@ def test_generation_prints_no_attention_mask_warning(policy):
         return logits
 
     handle = policy.model.decoder.lm_head.register_forward_hook(eos_first_row)
-    ids, mask = policy.generate(policy.prompt_batch(images(2)), 6, do_sample=False)
+    _, mask = policy.generate(policy.prompt_batch(images(2)), 6, do_sample=False)
     handle.remove()
     logging.getLogger("transformers").removeHandler(heard)
     assert mask.tolist() == [[1, 0, 0, 0, 0, 0], [1] * 6]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -405,9 +406,10 @@ SCRIPTS = ("mrg_r1", "deer", "orapo", "rrgcl", "dcrrg")
 
 
 @pytest.mark.parametrize("name", ("common", *SCRIPTS))
-def test_every_number_flag_has_a_range_checked_when_parsed(name):
+def test_every_number_flag_has_a_range_checked_when_parsed(name, monkeypatch):
     """Each int and float field of every Args declares its range beside it; parse_args takes both ends where they are
     in it and refuses a value past each end with one line naming the flag and the range."""
+    monkeypatch.setattr(common, "field_helps", functools.cache(common.field_helps))  # the helps, read once
     args_class = common.RunArgs if name == "common" else importlib.import_module(name).Args
     numbers = [f for f in dataclasses.fields(args_class) if common.flag_type(f)[0].split(" |")[0] in ("int", "float")]
     assert numbers and [f.name for f in numbers if common.flag_type(f)[1] is None] == []  # declare it beside the field
