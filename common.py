@@ -2146,9 +2146,8 @@ class Run:
         return batches
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
-        """(step, batch), step = start (default: restore()'s) .. total - 1, a bar of up to 4 of `bar`; after each, a
-        metrics.jsonl line (all log()'s means over ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C,
-        SIGTERM: save, stop."""
+        """(step, batch), step = start (default: restore()'s) .. total - 1, a bar of 4 of `bar`; after each, all log()'s
+        means over ranks in metrics.jsonl, last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C: save, stop."""
         import signal
 
         if start is None:
@@ -2596,10 +2595,9 @@ def flag_type(f) -> tuple[str, str | None]:
 
 
 def parse_args(args_class, argv=None, description: str | None = None):
-    """Flags from an Args dataclass (string annotations): `--flag-name` per field, typed by its annotation (a bool as
-    --flag / --no-flag, Literal[...] as choices, a number within the range Annotated beside it: [ ] take their end, ( )
-    leave it out), its help the doc string under the field. --out's default: runs/<script>-<data name>. --resume: the
-    flags not given are the run's, from its config.json (a run of stages: its newest stage's)."""
+    """Flags from an Args dataclass: `--flag-name` per field, typed by its (string) annotation: a bool as --flag /
+    --no-flag, Literal[...] as choices, a number in the range Annotated beside it ([ ] take their end, ( ) do not); its
+    help the doc string under the field. --resume: flags not given from config.json (of stages: the newest's)."""
     helps = field_helps(args_class)
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     casts = {"int": int, "float": float, "str": str}
@@ -2780,7 +2778,7 @@ def plot_run(out) -> list[Path]:
 
 
 def main(argv=None):
-    """`python common.py evaluate --generations FILE.jsonl`: score any generations file;
+    """`python common.py evaluate --generations FILE.jsonl`: score a generations file (as its run did, if beside it);
     `python common.py synthetic --out DIR`: write the synthetic set to a folder;
     `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
     p = argparse.ArgumentParser(description=main.__doc__)

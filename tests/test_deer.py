@@ -523,7 +523,7 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     stamp = (tmp_path / "full" / "sft" / "final" / "tiny_policy.pt").stat().st_mtime_ns
     deer.main(rl("full")[:-1] + ["2", "--weighting", "none"])
     assert all(x["w_mean"] == 1 for x in metrics(tmp_path / "full" / "rl_none" / "metrics.jsonl"))
-    deer.main(["all"] + rl("full")[1:] + ["--resume"])
+    deer.main(["all"] + rl("full")[1:] + ["--resume", "--weighting", "rule"])  # not given: rl_none's, the newest
     assert (tmp_path / "full" / "sft" / "final" / "tiny_policy.pt").stat().st_mtime_ns == stamp
 
 
