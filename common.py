@@ -2365,10 +2365,11 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
 def end_block(out) -> str:
     """Where a run wrote, a line each: its folder, results, test generations and figures (its stages' too)."""
     out, lines = Path(out), [f"{'run folder':<12}{out}"]
-    for kind, pattern in {"results": "eval.json", "generations": "generations_test*", "figures": "figures/*"}.items():
-        found = sorted([*out.glob(pattern), *out.glob(f"*/{pattern}")], key=os.path.getmtime)
+    main_files = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/*.png"}
+    for kind, glob in main_files.items():
+        found = sorted([*out.glob(glob), *out.glob(f"*/{glob}")], key=os.path.getmtime)
         if found:
-            lines.append(f"{kind:<12}{', '.join(str(p.relative_to(out)) for p in found)}")
+            lines.append(f"{kind:<12}{', '.join(str(f.relative_to(out)) for f in found)}")
     return "\n".join(lines)
 
 

@@ -501,7 +501,9 @@ def test_the_bar_shows_four_numbers_and_the_file_keeps_all(tmp_path, capsys):
 
 def test_the_end_names_the_run_folder_and_its_main_files(tmp_path):
     """After a run: its folder, then a line each for results, test generations and figures, stages' too."""
-    for name in ("eval.json", "generations_test_before.jsonl", "generations_val_step100.jsonl", "figures/training.png"):
+    names = ["eval.json", "generations_test_before.jsonl", "figures/training.png"]
+    others = ["generations_val_step100.jsonl", "generations_test_before.scores.json"]  # a validation's; evaluate's
+    for name in names + others:
         (tmp_path / "sft" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "sft" / name).write_text("")
         time.sleep(0.01)
