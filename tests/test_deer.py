@@ -331,7 +331,7 @@ def test_ddsampling_scores_each_studys_own_k_samples(small_synthetic, monkeypatc
 
 def test_bad_flags(tmp_path, small_synthetic):
     with pytest.raises(SystemExit, match="^error: --weighting grad needs --labeler chexbert"):
-        deer.main(["rl", "--weighting", "grad", "--out", str(tmp_path / "a")])
+        deer.main(["rl", "--weighting", "grad", "--labeler", "rule", "--out", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match="unknown command 'train'"):
         deer.main(["train"])
     with pytest.raises(SystemExit, match="--prompts-per-step per process / --grad-accum: 8 is not divisible by 3"):
