@@ -18,6 +18,7 @@ import bisect
 import contextlib
 import copy
 import dataclasses
+import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -37,7 +38,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -47,6 +48,17 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm, trange
 
 log = logging.getLogger("rrg")
+try:  # a torchvision built for another torch fails in its C++ operators, then transformers in each model it imports
+    importlib.import_module("torchvision")
+    if not importlib.import_module("transformers.utils").is_torch_available():
+        raise ImportError("transformers does not take this torch")
+except (ImportError, RuntimeError, AttributeError) as e:  # one line, not 60 of traceback
+    found = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+    raise SystemExit(
+        f"error: torch {found.get('torch')}, torchvision {found.get('torchvision')}, transformers "
+        f"{found.get('transformers')} do not work together ({type(e).__name__}: {' '.join(str(e).split())[:99]}): pip "
+        "install --upgrade torch torchvision transformers, together, at least requirements.txt's floors"
+    ) from None
 
 # ==== 1. Labels ===================================================================================
 # CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
@@ -1277,10 +1289,9 @@ class TinyVLM(torch.nn.Module):
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
-            pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
-        )  # WordTokenizer.PAD, BOS, EOS
+        )  # WordTokenizer.BOS, EOS; no pad id: generate() drops the all-ones mask, then warned of each pad fed back
         self.decoder = GPT2LMHeadModel(config)
 
     def prefix(self, pixel_values, view_mask, bos_id: int):
@@ -1901,17 +1912,17 @@ class RunArgs:
     """chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert for a real model on real data,
     else rule"""
     chexbert_weights: str | None = None
-    """a local chexbert.pth (else downloaded once from the Hub)"""
-    out: str = "runs/run"
-    """the run's folder: a fresh run needs it empty or absent"""
-    seed: int = 0
+    """a local chexbert.pth (else downloaded once from the Hub; on --data synthetic the sandbox's, trained once)"""
+    out: str | None = None
+    """the run's folder, empty or absent for a fresh run; None: runs/<script>-<data name> ("synthetic", the folder's)"""
+    seed: Annotated[int, "[0, 2e9]"] = 0
     """data order, initial weights and samples (rank r samples with seed + r)"""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: bf16 (the papers') on a GPU that has it, else fp32; what trains keeps fp32 master weights"""
     clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"
     """R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's"""
     resume: bool = False
-    """continue the run in --out from its last checkpoint (other flags must be the run's)"""
+    """continue the run in --out from its last checkpoint, with the flags in its config.json"""
     drop_invalid: bool = False
     """skip annotation records with a missing image or an empty report (each is logged)"""
 
@@ -2135,14 +2146,14 @@ class Run:
 
         return batches
 
-    def steps(self, total: int, batches, desc: str = "", start: int | None = None):
-        """(step, batch), step = start (default: restore()'s) .. total - 1, with a bar; after each, a metrics.jsonl line
-        (log()'s means over ranks), last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C, SIGTERM: save, stop."""
+    def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
+        """(step, batch), step = start (default: restore()'s) .. total - 1, a bar of 4 of `bar`; after each, all log()'s
+        means over ranks in metrics.jsonl, last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C: save, stop."""
         import signal
 
         if start is None:
             start = self.start
-        bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
+        progress = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
         clock = time.time()
         data = batches(start)
         optimizer = self._saved[1] if self._saved else None
@@ -2162,10 +2173,8 @@ class Run:
                 if self.is_main:
                     with open(self.out / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(row) + "\n")
-                    bar.update(1)
-                    # the bar shows the method's numbers; keys "a/b" (a class each) stay in the file
-                    shown = {k: f"{v:.3g}" for k, v in row.items() if k not in ("step", "time", "lr") and "/" not in k}
-                    bar.set_postfix(shown, refresh=False)
+                    progress.update(1)
+                    progress.set_postfix({k: f"{row[k]:.3g}" for k in bar[:4] if k in row}, refresh=False)
                 interrupted = all_reduce_mean(float(bool(stop))) > 0  # every rank stops at the same step
                 if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == total or interrupted):
                     self.checkpoint(step + 1)
@@ -2175,7 +2184,7 @@ class Run:
                         "the same command with --resume continues"
                     )
         finally:
-            bar.close()
+            progress.close()
             for signum, handler in old_handlers.items():
                 signal.signal(signum, handler)
 
@@ -2306,11 +2315,30 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
         "CE numbers do not compare with published ones (--labeler chexbert)"
     )
     notes = [rule, *notes] if args.labeler == "rule" else list(notes)
+    seed_everything(args.seed)
+    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
     if rank == 0:
+        log.info(start_block(run))
         for note in notes:
             log.warning("note: %s", note)
-    seed_everything(args.seed)
-    return Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
+    return run
+
+
+def start_block(run: Run) -> str:
+    """What a run reads and where it writes, a line each."""
+    args, views = run.args, Counter(len(r.image_paths) for records in run.data.values() for r in records)
+    data = synthetic_data() if args.data == "synthetic" else args.data
+    weights = args.chexbert_weights or "StanfordAIMI/RRG_scorers' chexbert.pth (the papers')"
+    if args.data == "synthetic" and Path(weights).parent.name == f"chexbert-v{SANDBOX_CHEXBERT_VERSION}":
+        weights = f"the sandbox's, trained on the synthetic reports: {weights}"
+    lines = {
+        "run folder": f"{run.out} ({'--resume: continued' if args.resume else 'a new run'})",
+        "data": f"{data}: {', '.join(f'{k} {len(v)}' for k, v in run.data.items())} studies; views per study: "
+        f"{', '.join(f'{v} in {n}' for v, n in views.most_common())} studies; cleaning {args.clean}",
+        "model": f"{args.model}; {args.dtype} on {run.device}; {run.world_size} process(es)",
+        "labeler": f"chexbert, {weights}" if args.labeler == "chexbert" else "rule (offline CheXpert-style rules)",
+    }
+    return "\n".join(f"{k:<12}{v}" for k, v in lines.items())
 
 
 def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
@@ -2329,8 +2357,21 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
         end_process(f"error: {e}", at_once=True)
     except KeyboardInterrupt as e:
         end_process(f"interrupted{': ' + str(e) if str(e) else ''}")
+    if os.environ.get("RANK", "0") == "0":
+        print(end_block(args.out))
     end_process()
     return results
+
+
+def end_block(out) -> str:
+    """Where a run wrote, a line each: its folder, results, test generations and figures (its stages' too)."""
+    out, lines = Path(out), [f"{'run folder':<12}{out}"]
+    main_files = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/*.png"}
+    for kind, glob in main_files.items():
+        found = sorted([*out.glob(glob), *out.glob(f"*/{glob}")], key=os.path.getmtime)
+        if found:
+            lines.append(f"{kind:<12}{', '.join(str(f.relative_to(out)) for f in found)}")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -2563,16 +2604,25 @@ def field_helps(args_class) -> dict[str, str]:
     return helps
 
 
+def flag_type(f) -> tuple[str, str | None]:
+    """A field's type and the range beside it: Annotated[int | None, "[0, inf)"] -> ("int | None", "[0, inf)")."""
+    annotated = re.fullmatch(r"Annotated\[(.+), ['\"](.+)['\"]\]", f.type)
+    return annotated.groups() if annotated else (f.type, None)
+
+
 def parse_args(args_class, argv=None, description: str | None = None):
-    """Flags from an Args dataclass: `--flag-name` per field, typed by its annotation (a bool as --flag /
-    --no-flag, Literal[...] as choices), its help the doc string under the field."""
+    """Flags from an Args dataclass: `--flag-name` per field, typed by its (string) annotation: a bool as --flag /
+    --no-flag, Literal[...] as choices, a number in the range Annotated beside it ([ ] take their end, ( ) do not); its
+    help the doc string under the field. --resume: flags not given from config.json (of stages: the newest's)."""
     helps = field_helps(args_class)
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     casts = {"int": int, "float": float, "str": str}
-    for f in dataclasses.fields(args_class):
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    fields = dataclasses.fields(args_class)
+    for f in fields:
+        kind, interval = flag_type(f)
         flag = "--" + f.name.replace("_", "-")
-        help_ = f"{helps.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        help_ = f"{helps.get(f.name, '')} (default: {f.default}{'; in ' + interval if interval else ''})"
+        help_ = help_.replace("%", "%%")
         if kind == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         elif kind.startswith("Literal["):
@@ -2580,7 +2630,23 @@ def parse_args(args_class, argv=None, description: str | None = None):
             p.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
         else:
             p.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
-    return args_class(**vars(p.parse_args(argv)))
+    unset = object()  # argparse keeps what the namespace holds: a flag still unset was not given
+    given = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
+    given = {k: v for k, v in given.items() if v is not unset}
+    flags = {f.name: f.default for f in fields} | given
+    data = Path(flags["data"]).parent if Path(flags["data"]).name == "annotation.json" else Path(flags["data"])
+    script = Path(getattr(sys.modules[args_class.__module__], "__file__", "run")).stem
+    out = Path(flags["out"] or f"runs/{script}-{data.stem if data.suffix == '.json' else data.resolve().name}")
+    configs = [out / "config.json"] if (out / "config.json").is_file() else list(out.glob("*/config.json"))
+    if flags["resume"] and configs:
+        saved = json.loads(max(configs, key=os.path.getmtime).read_text())
+        flags |= {k: saved[k] for k in flags.keys() & saved.keys() - given.keys() - set(MAY_CHANGE_ON_RESUME)}
+    for f in [f for f in fields if flag_type(f)[1] and flags[f.name] is not None]:  # each number in its range
+        interval, value = flag_type(f)[1], flags[f.name]
+        lo, hi = map(float, interval[1:-1].split(","))
+        if not (lo < value < hi or value == lo and interval[0] == "[" or value == hi and interval[-1] == "]"):
+            raise SystemExit(f"error: --{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
+    return args_class(**flags | {"out": str(out)})
 
 
 def read_generations(path) -> list[dict]:
@@ -2637,7 +2703,7 @@ def evaluate_generations(rows, labeler, clean="mimic_cxr", uncertain_as=1, meteo
         "n_empty_generations": n_empty,
         "degenerate": degenerate_output(hyps, refs),
         "clean": clean,
-        "labeler": type(labeler).__name__,
+        "labeler": type(getattr(labeler, "labeler", labeler)).__name__,  # inside a LabelCache, the labeler
         "uncertain_as": uncertain_as,
         "headline": headline,
         "nlg": nlg_metrics(*cleaned, meteor=meteor),
@@ -2729,19 +2795,17 @@ def plot_run(out) -> list[Path]:
 
 
 def main(argv=None):
-    """`python common.py evaluate --generations FILE.jsonl`: score any generations file;
+    """`python common.py evaluate --generations FILE.jsonl`: score a generations file (as its run did, if beside it);
     `python common.py synthetic --out DIR`: write the synthetic set to a folder;
     `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
     p = argparse.ArgumentParser(description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
     e.add_argument("--generations", required=True, help="JSONL with 'reference' and 'generated' per line")
-    e.add_argument("--labeler", default="rule", choices=["rule", "chexbert"])
-    e.add_argument("--chexbert-weights", default=None, help="a local chexbert.pth (else downloaded once)")
-    e.add_argument("--clean", default="mimic_cxr", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning")
-    e.add_argument(
-        "--uncertain-as", type=int, default=1, choices=[0, 1], help="CE: uncertain counts as positive (1) or not"
-    )
+    e.add_argument("--labeler", choices=["rule", "chexbert"], help="without these four: the run's, else rule")
+    e.add_argument("--chexbert-weights", help="a local chexbert.pth (else downloaded once from the Hub)")
+    e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning, else MIMIC-CXR's")
+    e.add_argument("--uncertain-as", type=int, choices=[0, 1], help="CE: uncertain as positive, or the papers' 0")
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
     e.add_argument("--out", default=None, help="JSON output (default: <generations file>.scores.json beside it)")
     c = sub.add_parser(
@@ -2776,17 +2840,30 @@ def main(argv=None):
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
         print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
         return
+    rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
+    path = Path(args.generations)  # the run that wrote it: its config.json (or its stage's), its eval JSON
+    found = [p for p in (path.with_name("config.json"), path.parent.with_name("config.json")) if p.is_file()][:1]
+    evals = [path.with_name(f"eval_{path.stem.removeprefix('generations_')}.json"), path.with_name("eval.json")]
+    found += [p for p in evals if p.is_file() and "headline" in json.loads(p.read_text())][:1]
+    for source in found:  # the config's labeler, weights and cleaning; the eval JSON's cleaning and CE convention
+        skip = "" if source.name == "config.json" else "labeler"  # an eval JSON names the labeler's class
+        rules |= {k: v for k, v in json.loads(source.read_text()).items() if k in rules and k != skip}
+    given = {k: v for k, v in vars(args).items() if k in rules and v is not None}  # flags given win
+    rules |= given
+    print(f"rules {rules}: from {', '.join(map(str, found)) or 'the defaults'}; given: {', '.join(given) or 'none'}")
     try:
         rows = read_generations(args.generations)
-        labeler = make_labeler(args.labeler, args.chexbert_weights)
-        clean = None if args.clean == "none" else args.clean
-        results = evaluate_generations(rows, labeler, clean, args.uncertain_as, not args.no_meteor)
+        labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
+        clean = None if rules["clean"] == "none" else rules["clean"]
+        results = evaluate_generations(
+            rows, labeler, clean, rules["uncertain_as"], not args.no_meteor, rules["headline"]
+        )
     except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
     out.write_text(json.dumps(results, indent=2))
     scores = {**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}
-    print(json.dumps(scores, indent=1), f"\nwrote {out}")
+    print(json.dumps(scores, indent=1), f"\n{summary(results)}\nwrote {out}")
 
 
 if __name__ == "__main__":

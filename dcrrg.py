@@ -32,7 +32,7 @@ import json
 import math
 import re
 from collections import Counter
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -44,8 +44,8 @@ import common
 
 @dataclasses.dataclass
 class Args(common.RunArgs):
-    out: str = "runs/dcrrg"
-    """the run's folder: one sub-folder per step (step1 .. step4, ablation/...)"""
+    out: str | None = None
+    """the run's folder: one sub-folder per step (step1 .. step4, ablation/...); None: runs/dcrrg-<data name>"""
     model: Literal["tiny", "paper"] = "tiny"
     """tiny: small CNN, BERT-Tiny shape, width 128 (CPU); paper: ResNet-50, BERT 512/8 heads (App. A)"""
     pretrained: str = "imagenet"
@@ -56,28 +56,28 @@ class Args(common.RunArgs):
     512 hidden, 8 heads) on our vocabulary"""
     extra_data: str | None = None
     """annotation.json whose train records join Step 1 only (Tables 1 and 5: CheXpert)"""
-    lr: float | None = None
+    lr: Annotated[float | None, "[0, 1]"] = None
     """AdamW lr of every step; None: 1e-4 (App. A); --model tiny: see fit()"""
-    batch_size: int = 32
+    batch_size: Annotated[int, "[1, inf)"] = 32
     """Steps 1-2, over all ranks (App. A)"""
-    decoder_batch_size: int = 16
+    decoder_batch_size: Annotated[int, "[1, inf)"] = 16
     """Steps 3-4, over all ranks (App. A)"""
     balance: Literal["resample", "reweight", "none"] | None = None
     """Step 1 (Sec. 3.1); None: resample (paper) with --model paper, reweight (same expected loss) with tiny"""
-    step1_steps: int | None = None
+    step1_steps: Annotated[int | None, "[0, inf)"] = None
     """Step 1's steps; None: 300 with --model tiny, 10 epochs of the training (and --extra-data) studies with paper
     (ours)"""
-    step2_steps: int | None = None
+    step2_steps: Annotated[int | None, "[0, inf)"] = None
     """Step 2's steps; None: 200 with --model tiny, 10 epochs of the training studies with paper (ours)"""
-    step3_steps: int | None = None
+    step3_steps: Annotated[int | None, "[0, inf)"] = None
     """Step 3's steps; None: 600 with --model tiny, 10 epochs of the descriptions with paper (ours)"""
-    step4_steps: int | None = None
+    step4_steps: Annotated[int | None, "[0, inf)"] = None
     """Step 4's steps; None: 400 with --model tiny, 10 epochs of the training studies with paper (ours)"""
     step4: Literal["pt", "fft"] = "pt"
     """pt: P-Tuning v2 (Sec. 3.4); fft: fine-tune image encoder and decoder (Table 4)"""
-    prefix_len: int = 16
+    prefix_len: Annotated[int, "[1, inf)"] = 16
     """P-Tuning v2 prefix length per attention (paper silent)"""
-    n_test: int | None = None
+    n_test: Annotated[int | None, "[1, inf)"] = None
     """Step 4's test studies; None: all, --model tiny: 200 (beam search has no key/value cache)"""
 
 

@@ -45,7 +45,7 @@ import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -55,38 +55,38 @@ import common
 
 @dataclass
 class Args(common.RunArgs):
-    out: str = "runs/deer"
-    """the run's folder, one sub-folder per stage"""
+    out: str | None = None
+    """the run's folder, one sub-folder per stage; None: runs/deer-<data name>"""
     weighting: Literal["auto", "none", "rule", "grad"] = "auto"
     """none: GRPO; rule: Eq. 7-8; grad: Eq. 9-12; auto: grad with --labeler chexbert (DEER), else rule"""
-    alpha: float = 4.0
+    alpha: Annotated[float, "[0, inf)"] = 4.0
     """Eq. 8's alpha (Sec. 4.1)"""
-    beta: float = 1.0
+    beta: Annotated[float, "[0, inf)"] = 1.0
     """Eq. 12's beta (Sec. 4.1)"""
-    gamma: float = 0.25
+    gamma: Annotated[float, "[0, inf)"] = 0.25
     """Eq. 1's BLEU-2 weight in the second phase (Sec. 4.1)"""
-    group_size: int = 8
+    group_size: Annotated[int, "[2, inf)"] = 8
     """rollouts per image (Sec. 4.1)"""
-    prompts_per_step: int | None = None
+    prompts_per_step: Annotated[int | None, "[1, inf)"] = None
     """RL studies per step over all ranks; None: 64 (Sec. 4.1) for HF models, 8 tiny"""
-    grad_accum: int = 1
+    grad_accum: Annotated[int, "[1, inf)"] = 1
     """micro-batches per step on each rank, SFT and RL: a memory knob (ours)"""
     fsdp: bool = False
     """torchrun, RL: shard the policy over the GPUs (FSDP2), as full fine-tuning of 3B + AdamW needs"""
-    lr: float | None = None
+    lr: Annotated[float | None, "[0, 1]"] = None
     """RL lr; None: 1e-6 (Sec. 4.1) for HF models, 1e-4 tiny (ours)"""
-    steps: int | None = None
+    steps: Annotated[int | None, "[0, inf)"] = None
     """RL steps; None: one epoch of the subset for HF models (the paper gives none), 120 tiny"""
-    sft_steps: int | None = None
+    sft_steps: Annotated[int | None, "[0, inf)"] = None
     """SFT steps; None: one epoch for HF models (the paper gives none), tiny: until validation stops improving
     (CONVERGE, the sandbox's stand-in for a finished cold start)"""
     subset: Literal["ddsampling", "random", "all"] = "ddsampling"
     """RL data: Stage 2's draw, a random --fraction, or 100 %"""
-    fraction: float = 0.2
+    fraction: Annotated[float, "(0, 1]"] = 0.2
     """share of the training set kept for RL (Sec. 4.1: 20 %)"""
-    max_new_tokens: int | None = None
+    max_new_tokens: Annotated[int | None, "[1, inf)"] = None
     """None: 256 for HF models, 96 tiny (ours)"""
-    max_pixels: int = 512 * 512
+    max_pixels: Annotated[int, "[784, inf)"] = 512 * 512
     """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
 
 
@@ -111,6 +111,7 @@ RULE_NOTE = (
     "DiTPO with the rule TF-IDF token weights (Eq. 7-8), not the CheXbert-gradient weights the paper adopts (Eq. 9-12)"
 )
 CE = dict(headline="example_f1", uncertain_as=0)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives
+BAR = ("reward", "f1", "bleu2", "loss")  # the RL progress bar (every number is in metrics.jsonl)
 SHARED = ("data", "model", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")
 RL_FLAGS = ("labeler", "weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step", "grad_accum", "lr")
 STAGE_FLAGS = {  # the flags a stage's output depends on
@@ -362,7 +363,9 @@ def sft(run: common.Run, args: Args, s: Settings) -> dict:
         total = converge.max_steps
     optimizer, _ = common.adamw(params, s.sft_lr, total)  # constant lr: the paper names no schedule
     run.restore(policy.model, optimizer, state=vars(converge) if converge else None)
-    for step, batch in run.steps(total, run.study_batches(studies, s.sft_batch, "the SFT batch"), "DEER SFT"):
+    for step, batch in run.steps(
+        total, run.study_batches(studies, s.sft_batch, "the SFT batch"), "DEER SFT", bar=("sft_loss",)
+    ):
         if converge and converge.converged:
             break  # decided at the last validation (its metrics line is written)
         for micro in common.split_batch(batch, args.grad_accum):
@@ -405,7 +408,9 @@ def ddsampling(run: common.Run, args: Args, s: Settings) -> dict:
     scores = {}  # study id -> D(I)
     run.restore(torch.nn.Module(), state=scores)  # no weights to save: the checkpoint holds the scores
     W = run.world_size
-    for step, _ in run.steps(math.ceil(len(chunks) / W), lambda start: iter(range(start, len(chunks))), "DDSampling"):
+    for step, _ in run.steps(
+        math.ceil(len(chunks) / W), lambda start: iter(range(start, len(chunks))), "DDSampling", bar=("D",)
+    ):
         c = step * W + run.rank
         torch.manual_seed(args.seed * 1_000_003 + c)
         mine = {}  # a rank past the last chunk scores nothing
@@ -463,7 +468,9 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
     optimizer, _ = common.adamw(params, s.lr, total)  # constant lr: the paper names no schedule
     run.restore(policy.model, optimizer)
     batches = run.study_batches(records, s.prompts, "--prompts-per-step")
-    for step, batch in run.steps(total, batches, "GRPO" if args.weighting == "none" else f"DiTPO ({args.weighting})"):
+    for step, batch in run.steps(
+        total, batches, "GRPO" if args.weighting == "none" else f"DiTPO ({args.weighting})", bar=BAR
+    ):
         gamma = gamma_at(step, total, args.gamma)  # Sec. 3.1: F1 first, then + gamma BLEU-2
         for micro in common.split_batch(batch, args.grad_accum):
             ref_labels = run.labeler(micro["report"])  # (B, 14) C(y)
@@ -590,8 +597,6 @@ def train(command: str, args: Args) -> dict:
         args.weighting = "grad" if args.labeler == "chexbert" else "rule"
     if args.weighting == "grad" and args.labeler != "chexbert":
         raise ValueError("--weighting grad needs --labeler chexbert (CheXbert's input-embedding saliency, Eq. 9-11)")
-    if not 0 < args.fraction <= 1:
-        raise ValueError(f"--fraction must lie in (0, 1], got {args.fraction}")
     run = common.start_run(args, stages=True, notes=[RULE_NOTE] if args.weighting == "rule" else [])
     s = Settings.from_args(args)
     for stage, batch, flag in (("sft", s.sft_batch, "the SFT batch"), ("rl", s.prompts, "--prompts-per-step")):

@@ -35,7 +35,7 @@ import dataclasses
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -45,34 +45,32 @@ import common
 
 @dataclass
 class Args(common.RunArgs):
-    out: str = "runs/mrg_r1"
-    """the run's folder"""
     reward: Literal["mccs+format", "mccs", "ce_f1+format", "ce_f1", "format", "nlg"] = "mccs+format"
     """Table II row (Sec. IV-B: mccs+format)"""
-    margin: float = 0.5
+    margin: Annotated[float, "[0, 1)"] = 0.5
     """Eq. 6's m: the paper says "moderate" without a value; ours"""
-    group_size: int = 4
+    group_size: Annotated[int, "[2, inf)"] = 4
     """G (Sec. IV-B)"""
-    prompts_per_step: int = 4
+    prompts_per_step: Annotated[int, "[1, inf)"] = 4
     """studies per step over all ranks: 4 x G = 16 completions, the paper's batch (Sec. IV-B)"""
-    grad_accum: int = 1
+    grad_accum: Annotated[int, "[1, inf)"] = 1
     """micro-batches per step on each rank: a memory knob (ours)"""
     loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"
     """dr_grpo: Eq. 1 per sequence; grpo / bnpo: TRL's token means"""
-    beta: float = 0.04
+    beta: Annotated[float, "[0, inf)"] = 0.04
     """Eq. 1's KL weight (beta >= 0, no value given): DeepSeekMath's 0.04"""
-    lr: float | None = None
+    lr: Annotated[float | None, "[0, 1]"] = None
     """AdamW lr; None: 5e-6 (Sec. IV-B) for HF models, 1e-4 for the tiny model (ours)"""
-    steps: int | None = None
+    steps: Annotated[int | None, "[0, inf)"] = None
     """RL steps; None: one epoch (Sec. IV-B), 300 for the tiny model; 0: evaluate only (Table II's Base)"""
-    max_new_tokens: int | None = None
+    max_new_tokens: Annotated[int | None, "[1, inf)"] = None
     """None: 256 for HF models (ours), 128 for the tiny model"""
-    sft_steps: int | None = None
+    sft_steps: Annotated[int | None, "[0, inf)"] = None
     """warm start steps (Table II's "+ SFT"); None: the tiny model until validation stops improving (CONVERGE: the
     sandbox's stand-in for the paper's capable medical VLM), HF models and --init 0"""
     init: str | None = None
     """start from a saved policy (a run's warm_start/final or final/) instead of --model's"""
-    max_pixels: int = 512 * 512
+    max_pixels: Annotated[int, "[784, inf)"] = 512 * 512
     """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
 
 
@@ -309,7 +307,7 @@ def train(args: Args) -> dict:
     results = {"test_before": evaluate(test_set, "test_before")}
     batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
     ref_logp_from = ref if args.beta > 0 else "none"  # no KL, no reference pass (with LoRA, ref is "lora" even so)
-    for _, batch in run.steps(total, batches, "MRG-R1"):
+    for _, batch in run.steps(total, batches, "MRG-R1", bar=("reward", "reward_mccs", "reward_format", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct text labelled once this step
         for micro in common.split_batch(batch, args.grad_accum):
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -52,37 +52,35 @@ import common
 
 @dataclass
 class Args(common.RunArgs):
-    out: str = "runs/orapo"
-    """the run's folder"""
-    train_size: int | None = None
+    train_size: Annotated[int | None, "[0, inf)"] = None
     """balanced training studies (Sec. 4.1); None: 1,000 for HF models, 250 tiny (4 visits each); 0: all"""
-    group_size: int = 8
+    group_size: Annotated[int, "[2, inf)"] = 8
     """G (not given: ours)"""
-    prompts_per_step: int = 4
+    prompts_per_step: Annotated[int, "[1, inf)"] = 4
     """studies per step over all ranks, 4 x G = 32 completions (the paper: "small"; ours)"""
-    lr: float | None = None
+    lr: Annotated[float | None, "[0, 1]"] = None
     """AdamW lr; None: 1e-6 for HF models (App. A: "conservative"; ours), 5e-4 for the tiny model"""
-    steps: int | None = None
+    steps: Annotated[int | None, "[0, inf)"] = None
     """RL steps; None: 3 epochs (TRL's default) for HF models, 250 for the tiny model; 0: evaluate only"""
-    sft_steps: int | None = None
+    sft_steps: Annotated[int | None, "[0, inf)"] = None
     """warm start before RL (the paper: RL only, from a general VLM); None: 0 for HF models; the tiny model (a random
     one writes no words) learns report text with blank images until it stops improving (CONVERGE): fluent, task-naive"""
-    max_new_tokens: int | None = None
+    max_new_tokens: Annotated[int | None, "[1, inf)"] = None
     """None: 256 (TRL's max_completion_length) for HF models, 96 for the tiny model"""
     loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"
     """the normaliser, as TRL's loss_type: dr_grpo token sum / (G max_new_tokens) (App. A); advantages are Dr.
     GRPO's r - mean"""
-    beta: float = 0.04
+    beta: Annotated[float, "[0, inf)"] = 0.04
     """Eq. 4's KL weight: Sec. 3.2's "dominated by the KL regularizer" needs beta > 0; DeepSeekMath's 0.04 (ours)"""
-    lambda_min: float = 0.05
+    lambda_min: Annotated[float, "[0, 1]"] = 0.05
     """Eq. 10's w_min: Table 6 (arXiv v2)"""
-    lambda_max: float = 0.15
+    lambda_max: Annotated[float, "[0, 1]"] = 0.15
     """Eq. 10's w_max: Table 6 (arXiv v2); --lambda-min 0 --lambda-max 0: vanilla GRPO"""
-    dpo_beta: float = 2.0
+    dpo_beta: Annotated[float, "(0, inf)"] = 2.0
     """Eq. 5's beta on per-token mean log-probs (LN-DPO): SimPO's range 2-2.5 (ours)"""
     facts: str = "sentences"
     """Eq. 13's extractor: "sentences" (offline) or "hf:<instruction-tuned LM id or folder>" """
-    max_pixels: int = 512 * 512
+    max_pixels: Annotated[int, "[784, inf)"] = 512 * 512
     """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
     fsdp: bool = False
     """torchrun: shard policy and reference over the GPUs (FSDP2), as full fine-tuning of 3B needs on 24 GB"""
@@ -476,7 +474,7 @@ def train(args: Args) -> dict:
 
     results = {"test_before": evaluate(run.data["test"], "test_before")}
     batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
-    for step, batch in run.steps(total, batches, "OraPO"):
+    for step, batch in run.steps(total, batches, "OraPO", bar=("reward", "zero_group_ratio", "lambda", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct fact labelled once this step
         y_batch = np.stack([gt[i] for i in batch["id"]])  # (B, 14)
 

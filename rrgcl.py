@@ -7,8 +7,8 @@ score (ITAS: a MINE statistics network's value on the pair). Algorithm 1 trains 
 every class, easy classes (by their studies' mean) faster, all at t = T; around any generator: here the policy's SFT.
 
     python rrgcl.py                                   # synthetic set, tiny model: ~2 CPU-minutes
-    python rrgcl.py --scheduler none --difficulty runs/rrgcl/difficulty.json --out runs/none   # the baseline
-    python rrgcl.py q1 --out runs/rrgcl               # Fig. 1 on the run's (or any model's) test reports
+    python rrgcl.py --scheduler none --difficulty runs/rrgcl-synthetic/difficulty.json --out runs/none   # baseline
+    python rrgcl.py q1 --out runs/rrgcl-synthetic     # Fig. 1 on the run's (or any model's) test reports
     python rrgcl.py --data /data/mimic_cxr --labeler chexbert --measure-only --difficulty mimic_dif.json \\
         --visual-encoder resnet101_chexpert.pth --itas-encoder resnet18_cxr.pth \\
         --text-encoder emilyalsentzer/Bio_ClinicalBERT                                       # GPU
@@ -39,7 +39,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -50,24 +50,22 @@ import common
 
 @dataclass
 class Args(common.RunArgs):
-    out: str = "runs/rrgcl"
-    """the run's folder"""
     scheduler: Literal["rrgcl", "root", "linear", "baby_step", "one_pass", "geom", "none"] = "rrgcl"
     """Sec. 3.3, Table 2 (none: all, random)"""
-    alpha: float = 0.6
+    alpha: Annotated[float, "[0, 1]"] = 0.6
     """Eq. 10's VNS-Gap weight, beta = 1 - alpha (Sec. 4.3: 0.6, 0.4; Table 3's pairs sum to 1); 1: Table 2 (a), 0:
     (b)"""
     itas_sign: Literal[-1, 1] = -1
     """Eq. 10 adds ITAS, Sec. 3.2.1 calls aligned pairs easier: -1 subtracts it (ours), 1 as printed"""
-    epochs: int = 10
+    epochs: Annotated[int, "[1, inf)"] = 10
     """T of Eq. 11 (the paper keeps the wrapped model's; ours)"""
     t0: bool = True
     """epochs t = 0..T (Algorithm 1 line 6: the lambda_n(0) subset trains first); --no-t0: t = 1..T (Sec. 3.3.1)"""
-    steps: int | None = None
+    steps: Annotated[int | None, "[0, inf)"] = None
     """steps in all, shared over the epochs as their subsets' sizes; None: a pass over each (Alg. 1 l. 11)"""
-    batch_size: int = 32
+    batch_size: Annotated[int, "[1, inf)"] = 32
     """studies per step over all ranks (the paper follows the wrapped model; ours)"""
-    lr: float | None = None
+    lr: Annotated[float | None, "[0, 1]"] = None
     """AdamW, constant; None: 1e-3 for the tiny model, 1e-4 with LoRA for HF models (ours)"""
     difficulty: str | None = None
     """JSON: --measure-only writes it, training reads it; None: measured into <out>/difficulty.json"""
@@ -511,7 +509,9 @@ def measure(args: Args, records, labeler, device) -> dict:
     dif1 = vns_gap(feats["vns_image"], feats["text"], VNS_BLOCK, device).numpy()
     dif2, mine = itas(feats["itas_image"], feats["text"], args.seed)
     common.log.info(
-        "MINE: DV bound on training batches %s, on held-out pairs %s nats", mine["dv_train"], mine["dv_held_out"]
+        "MINE: Donsker-Varadhan lower bound on the image-report mutual information (>= 0; below 0, T found no link "
+        "that holds on unseen pairs and ITAS is noise): %s nats on its training batches, %s on held-out pairs",
+        *(", ".join(f"{x:.2f}" for x in mine[k]) for k in ("dv_train", "dv_held_out")),
     )
     return {
         "ids": [r.id for r in records],

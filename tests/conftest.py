@@ -26,6 +26,22 @@ def _private_cache(tmp_path_factory):
     os.environ["RRG_FIGURES"] = "0"
 
 
+@pytest.fixture(autouse=True)
+def _no_full_sandbox_chexbert(monkeypatch):
+    """Training the sandbox's CheXbert at full size costs minutes: a test that would (a run on --data synthetic with
+    --labeler auto) fails at once instead; tests of it pass small settings."""
+    import common
+
+    real = common.synthetic_chexbert
+
+    def small_only(annotation=None, settings=None):
+        if settings is None:
+            raise AssertionError("this test trains the sandbox's CheXbert at full size: give it --labeler rule")
+        return real(annotation, settings)
+
+    monkeypatch.setattr(common, "synthetic_chexbert", small_only)
+
+
 @pytest.fixture(scope="session")
 def small_synthetic(tmp_path_factory):
     """A small synthetic set (R2Gen layout) shared by the tests."""

@@ -1,6 +1,11 @@
-"""`python common.py evaluate` and `python common.py synthetic`, run as a user would."""
+"""`python common.py evaluate` and `python common.py synthetic`, run as a user would; what a default run prints; a
+broken install."""
 
+import importlib.metadata
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +53,9 @@ def test_evaluate_writes_the_same_numbers_as_the_functions(tmp_path):
     assert not (tmp_path / "eval.json").exists()
     result = json.loads((tmp_path / "generations.scores.json").read_text())
     assert result["n"] == 3 and result["n_empty_generations"] == 1
+    # no run files beside it: the rule labeler, MIMIC-CXR's cleaning, the papers' uncertain-negative micro F1
+    rules = {"labeler": "RuleLabeler", "clean": "mimic_cxr", "uncertain_as": 0, "headline": "micro_f1"}
+    assert {k: result[k] for k in rules} == rules and "from the defaults; given: none" in proc.stdout
     hyps = [common.clean_report(r["generated"]) if r["generated"] else "" for r in ROWS]
     refs = [common.clean_report(r["reference"]) for r in ROWS]
     expected = common.nlg_metrics(hyps, refs, meteor=False)
@@ -119,3 +127,97 @@ def test_plot_draws_every_logged_number_of_a_run_and_its_stages(tmp_path, monkey
         common.main(["plot", str(tmp_path / "nothing")])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as when it is not installed
     assert common.plot_run(tmp_path) == []
+
+
+TINY_CHEXBERT = dict(hidden=32, layers=1, heads=2, epochs=1, lr=3e-3, batch_size=8)
+
+
+def rescore(generations, scores, *flags) -> dict:
+    common.main(["evaluate", "--generations", str(generations), "--out", str(scores), "--no-meteor", *flags])
+    return json.loads(Path(scores).read_text())
+
+
+def test_a_run_says_what_it_read_and_wrote_and_rescoring_gives_its_numbers(tmp_path, small_synthetic, iu_xray, capsys):
+    """A short real OraPO run on IU X-Ray-like data with a CheXbert: at its start the folder, data, model and labeler
+    (weights), at its end its files; no library warning, bars of at most 4 numbers (metrics.jsonl keeps all). Then
+    `common.py evaluate` on its test generations scores by the run's rules (its CheXbert, IU X-Ray's cleaning, OraPO's
+    macro F1 with uncertain negative) and gives the run's own CE and NLG numbers; flags given win; a stage's file
+    finds the run's config.json above it; the eval JSON's convention is the one taken."""
+    weights = common.train_chexbert(common.load_annotation(small_synthetic)["train"], tmp_path / "cb", **TINY_CHEXBERT)
+    out = tmp_path / "run"
+    flags = ["--data", str(iu_xray), "--out", str(out), "--labeler", "chexbert", "--chexbert-weights", str(weights)]
+    flags += ["--steps", "2", "--sft-steps", "2", "--train-size", "32", "--prompts-per-step", "2", "--group-size", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "orapo.py"), *flags, "--max-new-tokens", "8"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout + proc.stderr
+    assert f"run folder  {out} (a new run)\ndata        {iu_xray}: train 40, val 8, test 12 studies;" in printed
+    assert "studies; cleaning iu_xray\nmodel       tiny; fp32 on cpu; 1 process(es)\n" in printed
+    assert f"labeler     chexbert, {weights}\n" in printed
+    assert proc.stdout.endswith(
+        f"run folder  {out}\nresults     warm_start/eval.json, eval.json\n"
+        "generations generations_test_before.jsonl, generations_test_after.jsonl\n"
+    )  # no figures: RRG_FIGURES=0 in the tests
+    assert not re.search(r"Warning|\[transformers\]|attention_mask", printed), printed
+    bars = [b for b in re.split(r"[\r\n]", proc.stderr) if b.startswith("OraPO:") and "=" in b]
+    assert bars and all(b.count("=") <= 4 for b in bars)
+    assert min(len(json.loads(x)) for x in (out / "metrics.jsonl").read_text().splitlines()) > 10  # every number
+
+    run_eval, same = json.loads((out / "eval_test_after.json").read_text()), ("ce", "nlg", "degenerate", "clean")
+    scores = rescore(out / "generations_test_after.jsonl", tmp_path / "s.json")
+    assert {k: scores[k] for k in same} == {k: run_eval[k] for k in same} and scores["clean"] == "iu_xray"
+    assert (scores["labeler"], scores["headline"], scores["uncertain_as"]) == ("CheXbertLabeler", "macro_f1", 0)
+    assert run_eval["labeler"] == "CheXbertLabeler"  # not the LabelCache around it
+    assert (
+        f"test_after: FactS {run_eval['facts_reward']:.3f}" in proc.stdout and common.summary(run_eval) in proc.stdout
+    )
+    said = capsys.readouterr().out
+    assert f"from {out / 'config.json'}, {out / 'eval_test_after.json'}; given: none" in said
+    assert f"{common.summary(run_eval)}\nwrote" in said  # the run's own line
+
+    scores = rescore(
+        out / "generations_test_after.jsonl", tmp_path / "s.json", "--uncertain-as", "1", "--clean", "none"
+    )
+    assert (scores["uncertain_as"], scores["clean"], scores["labeler"]) == (1, None, "CheXbertLabeler")
+    rows = common.read_generations(out / "generations_test_after.jsonl")
+    labeler = common.make_labeler("chexbert", weights)
+    hyps, refs = (labeler([r[k] for r in rows]) for k in ("generated", "reference"))
+    assert scores["ce"] == json.loads(json.dumps(common.ce_metrics(hyps, refs, uncertain_as=1)))
+    assert scores["nlg"] == common.nlg_metrics([r["generated"] for r in rows], [r["reference"] for r in rows], False)
+
+    (tmp_path / "copy" / "stage").mkdir(parents=True)  # a stage's generations, the run's config.json above
+    shutil.copy(out / "generations_test_after.jsonl", tmp_path / "copy" / "stage" / "generations_x.jsonl")
+    shutil.copy(out / "config.json", tmp_path / "copy" / "config.json")
+    (tmp_path / "copy" / "stage" / "eval_x.json").write_text(json.dumps({**run_eval, "headline": "example_f1"}))
+    scores = rescore(tmp_path / "copy" / "stage" / "generations_x.jsonl", tmp_path / "s.json")
+    assert {k: scores[k] for k in same} == {k: run_eval[k] for k in same} and scores["headline"] == "example_f1"
+
+
+@pytest.mark.parametrize(
+    "fake",
+    [
+        {"torchvision/__init__.py": "raise RuntimeError('operator torchvision::nms does not exist')"},
+        {"transformers/__init__.py": "", "transformers/utils.py": "def is_torch_available():\n    return False\n"},
+    ],
+    ids=["torchvision built for another torch", "transformers without torch"],
+)
+def test_a_broken_install_is_one_line_with_the_versions_and_the_fix(tmp_path, fake):
+    """A torch/torchvision/transformers mismatch ended `python orapo.py` in a 60-line traceback: at import of common.py
+    it is one line naming the versions found and the fix. The broken package is a fake one ahead on the path."""
+    for name, text in fake.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", "import common"], capture_output=True, text=True, cwd=ROOT, env=env, check=False
+    )
+    versions = ", ".join(f"{n} {importlib.metadata.version(n)}" for n in ("torch", "torchvision", "transformers"))
+    assert proc.returncode == 1 and proc.stderr.startswith(f"error: {versions} do not work together (")
+    assert proc.stderr.count("\n") == 1 and "pip install --upgrade torch torchvision transformers" in proc.stderr

@@ -331,7 +331,7 @@ def test_ddsampling_scores_each_studys_own_k_samples(small_synthetic, monkeypatc
 
 def test_bad_flags(tmp_path, small_synthetic):
     with pytest.raises(SystemExit, match="^error: --weighting grad needs --labeler chexbert"):
-        deer.main(["rl", "--weighting", "grad", "--out", str(tmp_path / "a")])
+        deer.main(["rl", "--weighting", "grad", "--labeler", "rule", "--out", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match="unknown command 'train'"):
         deer.main(["train"])
     with pytest.raises(SystemExit, match="--prompts-per-step per process / --grad-accum: 8 is not divisible by 3"):
@@ -505,7 +505,7 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
         deer.main(rl("part")[:-1] + ["6", "--resume"])
     with pytest.raises(SystemExit, match="--lr None in the run, 0.01 now"):
         deer.main(rl("part") + ["--resume", "--lr", "0.01"])
-    deer.main(rl("part") + ["--resume"])
+    deer.main(["rl", "--out", str(tmp_path / "part"), "--resume"])  # the flags: the newest stage's config.json
 
     def weights(d):
         return torch.load(tmp_path / d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]
@@ -523,7 +523,7 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
     stamp = (tmp_path / "full" / "sft" / "final" / "tiny_policy.pt").stat().st_mtime_ns
     deer.main(rl("full")[:-1] + ["2", "--weighting", "none"])
     assert all(x["w_mean"] == 1 for x in metrics(tmp_path / "full" / "rl_none" / "metrics.jsonl"))
-    deer.main(["all"] + rl("full")[1:] + ["--resume"])
+    deer.main(["all"] + rl("full")[1:] + ["--resume", "--weighting", "rule"])  # not given: rl_none's, the newest
     assert (tmp_path / "full" / "sft" / "final" / "tiny_policy.pt").stat().st_mtime_ns == stamp
 
 

@@ -514,8 +514,9 @@ def test_bad_input_is_one_line(tmp_path, small_synthetic):
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, monkeypatch, crash_after_checkpoint):
-    """Stopped after the step-2 checkpoint and resumed, a run ends with the weights, ZRR state and metrics of one
-    never stopped. Bit for bit: conftest.crash_after_checkpoint says why that holds on any CPU."""
+    """Stopped after the step-2 checkpoint and resumed by `--out DIR --resume` alone (the flags from its config.json), a
+    run ends with the weights, ZRR state and metrics of one never stopped. Bit for bit: conftest.crash_after_checkpoint
+    says why that holds on any CPU."""
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
     flags = ["--data", str(small_synthetic), "--steps", "4"] + fast
     orapo.main(flags + ["--out", str(tmp_path / "full")])
@@ -525,11 +526,25 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, mo
     crash_after_checkpoint(None)
     with pytest.raises(SystemExit, match="--dpo-beta 2.0 in the run, 0.1 now"):
         orapo.main(flags + ["--out", str(tmp_path / "part"), "--resume", "--dpo-beta", "0.1"])
-    orapo.main(flags + ["--out", str(tmp_path / "part"), "--resume"])
+    orapo.main(["--out", str(tmp_path / "part"), "--resume"])
     full, part = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in ("full", "part"))
     assert full["extra"] == part["extra"] and len(full["extra"]) == 9
     assert all(torch.equal(full["model"][k], part["model"][k]) for k in full["model"])
     assert metrics_rows(tmp_path / "full" / "metrics.jsonl") == metrics_rows(tmp_path / "part" / "metrics.jsonl")
+
+
+def test_the_quick_start_and_your_own_data_get_folders_of_their_own(
+    tmp_path, small_synthetic, iu_xray, fast, monkeypatch
+):
+    """The issue's walk: the quick start, then the script on a real-format folder, both without --out: each run gets
+    runs/orapo-<data name> (the default --out once ignored --data and refused the second run)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common.Run, "evaluate", fake_eval)  # not under test
+    for data in (small_synthetic, iu_xray.parent):
+        orapo.main(["--data", str(data), "--steps", "1", "--train-size", "32"] + fast + ["--sft-steps", "1"])
+    names = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert names == sorted(f"orapo-{d.parent.name}" for d in (small_synthetic, iu_xray))
+    assert all((tmp_path / "runs" / name / "eval.json").is_file() for name in names)
 
 
 # orapo.main under torchrun with the warm start shortened (as `fast`), a checkpoint every step and, with STOP=k, Ctrl-C

@@ -99,6 +99,30 @@ def test_generation_stops_at_eos_and_pads_after(policy):
     assert policy.decode(ids, mask) == [""] * 4  # an empty generation decodes to ""
 
 
+def test_generation_prints_no_attention_mask_warning(policy):
+    """transformers drops an all-ones attention mask, then warned ("We strongly recommend passing in an
+    `attention_mask`") when a finished row fed the pad token back in: a line a user cannot act on, in every run.
+    Here row 0 ends at once and row 1 runs on."""
+    import logging
+    from logging.handlers import BufferingHandler
+
+    logging.Logger.warning_once.cache_clear()  # transformers' once per process: another test may have printed it
+    heard = BufferingHandler(100)
+    logging.getLogger("transformers").addHandler(heard)
+
+    def eos_first_row(module, inputs, logits):
+        logits = logits.clone()
+        logits[:, :, policy.eos_token_id] = torch.tensor([50.0, -50.0])[: len(logits), None]
+        return logits
+
+    handle = policy.model.decoder.lm_head.register_forward_hook(eos_first_row)
+    _, mask = policy.generate(policy.prompt_batch(images(2)), 6, do_sample=False)
+    handle.remove()
+    logging.getLogger("transformers").removeHandler(heard)
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0], [1] * 6]
+    assert not [r.getMessage() for r in heard.buffer if "attention_mask" in r.getMessage()]
+
+
 def test_sft_loss_decreases(policy):
     prompts = policy.prompt_batch(images(3))
     opt = torch.optim.Adam(policy.model.parameters(), lr=3e-3)

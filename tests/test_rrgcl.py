@@ -463,6 +463,19 @@ def read_jsonl(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def test_the_mine_line_says_what_a_negative_bound_means(small_synthetic, fast_measure, caplog):
+    """MINE's Donsker-Varadhan numbers, printed bare ("[-3.33, -3.98] nats"), left a reader to guess what a negative
+    lower bound on a mutual information (>= 0) means: the line says it, beside the measured numbers."""
+    caplog.set_level("INFO", logger="rrg")
+    records = common.load_annotation(small_synthetic)["train"]
+    mine = rrgcl.measure(rrgcl.Args(data=str(small_synthetic)), records, common.RuleLabeler(), "cpu")["mine"]
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("MINE"))
+    assert "lower bound on the image-report mutual information (>= 0; below 0, T found no link" in line
+    assert "that holds on unseen pairs and ITAS is noise)" in line
+    for k in ("dv_train", "dv_held_out"):
+        assert ", ".join(f"{x:.2f}" for x in mine[k]) in line
+
+
 def test_measure_only_writes_the_file_and_training_reads_it(
     tmp_path, small_synthetic, difficulty_file, monkeypatch, capsys
 ):

@@ -2,19 +2,27 @@
 (gloo on CPU), seeding, the run folder (refusals, config, metrics), checkpoints with an exact
 resume, Ctrl-C, and the flags built from an Args dataclass."""
 
+from __future__ import annotations
+
 import contextlib
 import copy
+import dataclasses
+import functools
 import hashlib
+import importlib
 import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import pytest
@@ -264,9 +272,9 @@ class ToyArgs(common.RunArgs):
     out: str = "runs/toy"
     labeler: str = "rule"
     """a toy run labels nothing: the rules cost nothing to build"""
-    steps: int = 6
+    steps: Annotated[int, "[0, inf)"] = 6
     """steps of the toy run"""
-    lr: float = 1e-2
+    lr: Annotated[float, "[0, 1]"] = 1e-2
     """its lr"""
 
 
@@ -389,10 +397,125 @@ def test_flags_from_the_args_dataclass(capsys):
     assert "invalid choice: 'fp16' (choose from 'auto', 'fp32', 'bf16')" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         common.parse_args(ToyArgs, ["--help"])
-    assert "its lr (default: 0.01)" in capsys.readouterr().out  # the help is the comment after the field
+    assert "its lr (default: 0.01; in [0, 1])" in capsys.readouterr().out  # the help is the comment after the field
     assert common.exact_div(16, 4, "x") == 4
     with pytest.raises(ValueError, match="--prompts-per-step: 6 is not divisible by 4"):
         common.exact_div(6, 4, "--prompts-per-step")
+
+
+SCRIPTS = ("mrg_r1", "deer", "orapo", "rrgcl", "dcrrg")
+
+
+@pytest.mark.parametrize("name", ("common", *SCRIPTS))
+def test_every_number_flag_has_a_range_checked_when_parsed(name, monkeypatch):
+    """Each int and float field of every Args declares its range beside it; parse_args takes both ends where they are
+    in it and refuses a value past each end with one line naming the flag and the range."""
+    monkeypatch.setattr(common, "field_helps", functools.cache(common.field_helps))  # the helps, read once
+    args_class = common.RunArgs if name == "common" else importlib.import_module(name).Args
+    numbers = [f for f in dataclasses.fields(args_class) if common.flag_type(f)[0].split(" |")[0] in ("int", "float")]
+    assert numbers and [f.name for f in numbers if common.flag_type(f)[1] is None] == []  # declare it beside the field
+    for f in numbers:
+        kind, interval = common.flag_type(f)
+        cast, flag = (int if kind.startswith("int") else float), "--" + f.name.replace("_", "-")
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        closed = interval[0] == "[", interval[-1] == "]"
+        for value, inside in ((lo, closed[0]), (lo - 1, False), (hi, closed[1]), (hi + 1, False)):
+            if not math.isfinite(value):
+                continue
+            if inside:
+                assert getattr(common.parse_args(args_class, [flag, str(cast(value))]), f.name) == cast(value)
+            else:
+                with pytest.raises(
+                    SystemExit, match=rf"^error: {flag} \S+: out of range, it must lie in {re.escape(interval)}$"
+                ):
+                    common.parse_args(args_class, [flag, str(cast(value))])
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("orapo", ["--steps", "-1"], "--steps -1: out of range, it must lie in [0, inf)"),
+        ("orapo", ["--lr", "2"], "--lr 2.0: out of range, it must lie in [0, 1]"),
+        ("mrg_r1", ["--group-size", "1"], "--group-size 1: out of range, it must lie in [2, inf)"),
+        ("deer", ["rl", "--fraction", "0"], "--fraction 0.0: out of range, it must lie in (0, 1]"),
+        ("rrgcl", ["--epochs", "0"], "--epochs 0: out of range, it must lie in [1, inf)"),
+        ("dcrrg", ["step1", "--batch-size", "0"], "--batch-size 0: out of range, it must lie in [1, inf)"),
+    ],
+)
+def test_a_bad_number_is_one_line_and_writes_nothing(tmp_path, script, flags, message):
+    """The issue's `--steps -1` ran a 300-step warm start, exited 0 and left a half-written folder."""
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(script).main([*flags, "--out", str(tmp_path / "run")])
+    assert str(stop.value) == f"error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_default_folder_names_the_script_and_the_data(tmp_path):
+    """runs/<script>-<data name>: the quick start and a user's own data never share a folder."""
+    import orapo
+
+    iu = tmp_path / "iu_xray"
+    for data, out in (
+        ("synthetic", "runs/orapo-synthetic"),
+        (str(iu / "annotation.json"), "runs/orapo-iu_xray"),
+        (str(iu), "runs/orapo-iu_xray"),
+        (str(iu / "mimic_small.json"), "runs/orapo-mimic_small"),
+    ):
+        assert common.parse_args(orapo.Args, ["--data", data]).out == out
+        assert common.parse_args(orapo.Args, ["--data", data, "--out", "mine"]).out == "mine"
+    assert common.parse_args(ToyArgs, ["--data", str(iu)]).out == "runs/toy"  # a default of its own
+
+
+def test_resume_takes_the_runs_flags_from_its_config(toy_args, tmp_path):
+    """`--out DIR --resume` alone continues with the run's flags; one given again that differs names both values;
+    a run of stages continues with its newest stage's flags."""
+    out = Path(toy_args().out)
+    toy_train(toy_args(steps=3, lr=0.02, seed=5), interrupt_at=None)
+    args = common.parse_args(ToyArgs, ["--out", str(out), "--resume"])
+    assert (args.steps, args.lr, args.seed, args.data, args.resume) == (3, 0.02, 5, toy_args().data, True)
+    with pytest.raises(ValueError, match=r"--steps 3 in the run, 4 now"):
+        toy_train(common.parse_args(ToyArgs, ["--out", str(out), "--resume", "--steps", "4"]))
+    assert toy_train(common.parse_args(ToyArgs, ["--out", str(out), "--resume"]))[0] == {"seen": 24}
+    staged = tmp_path / "staged"
+    for stage, seed in (("first", 1), ("second", 2)):
+        (staged / stage).mkdir(parents=True)
+        (staged / stage / "config.json").write_text(json.dumps({"seed": seed, "out": str(staged / stage)}))
+        time.sleep(0.01)  # distinct modification times
+    args = common.parse_args(ToyArgs, ["--out", str(staged), "--resume"])
+    assert (args.seed, args.out) == (2, str(staged))
+    assert common.parse_args(ToyArgs, ["--out", str(staged), "--resume", "--seed", "7"]).seed == 7  # given: wins
+
+
+def test_the_bar_shows_four_numbers_and_the_file_keeps_all(tmp_path, capsys):
+    """A progress bar with a method's 18 statistics flooded a log: at most 4 (the script's choice), all in
+    metrics.jsonl."""
+    run = _run(tmp_path)
+    names = [f"stat_{k}" for k in range(18)]
+    for _ in run.steps(2, lambda start: iter(range(start, 2)), "toy", start=0, bar=names[::-1]):
+        run.log(**{name: k for k, name in enumerate(names)})
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert bar.endswith("stat_17=17, stat_16=16, stat_15=15, stat_14=14]")
+    assert bar.count("=") == 4
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(r.keys() - {"step", "time"}) for r in rows] == [sorted(names)] * 2
+
+
+def test_the_end_names_the_run_folder_and_its_main_files(tmp_path):
+    """After a run: its folder, then a line each for results, test generations and figures, stages' too."""
+    names = ["eval.json", "generations_test_before.jsonl", "figures/training.png"]
+    others = ["generations_val_step100.jsonl", "generations_test_before.scores.json"]  # a validation's; evaluate's
+    for name in names + others:
+        (tmp_path / "sft" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "sft" / name).write_text("")
+        time.sleep(0.01)
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "eval.json").write_text("")
+    assert common.end_block(tmp_path).splitlines() == [
+        f"run folder  {tmp_path}",
+        "results     sft/eval.json, rl/eval.json",
+        "generations sft/generations_test_before.jsonl",
+        "figures     sft/figures/training.png",
+    ]
 
 
 # --- the optimiser step and the schedule --------------------------------------------------------------
