@@ -315,6 +315,10 @@ def dcrrg_read(root, seed):
             "CIDEr": r["nlg"]["CIDEr"],
             "distinct reports": r["degenerate"]["distinct"],
         }
+    step1 = read_json(root / f"s{seed}" / "ablation" / "step1" / "eval.json")
+    out["Step 1"] = {"AUROC, image": step1["auroc_image"]["mean"], "AUROC, text": step1["auroc_text"]["mean"]}
+    retrieval = read_json(root / f"s{seed}" / "ablation" / "step2" / "eval.json")["retrieval"]
+    out["Step 2"] = {"retrieval P@1": retrieval["P@1"], "retrieval P@5": retrieval["P@5"]}
     return out
 
 
@@ -791,6 +795,14 @@ EXPERIMENTS = {
         ],
         declared=DECLARED,
         figure=dcrrg_figure,
+        extra=more_comparisons(
+            "DCRRG's Steps 1 and 2 on their own (against chance)",
+            [
+                ("Step 1", 0.5, "AUROC, image", 0, "Step 1: the image encoder's AUROC, mean over the 14"),
+                ("Step 1", 0.5, "AUROC, text", 0, "Step 1: the text encoder's AUROC, mean over the 14"),
+                ("Step 2", 0.2, "retrieval P@1", 0, "Step 2: image-to-text retrieval P@1, 5 classes"),
+            ],
+        ),
     ),
 }
 
