@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import importlib.metadata
 import importlib.util
+import inspect
 import itertools
 import json
 import logging
@@ -29,14 +30,19 @@ import pickle
 import random
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
+import warnings
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
@@ -49,15 +55,17 @@ from tqdm.auto import tqdm, trange
 
 log = logging.getLogger("rrg")
 try:  # a torchvision built for another torch fails in its C++ operators, then transformers in each model it imports
-    importlib.import_module("torchvision")
-    if not importlib.import_module("transformers.utils").is_torch_available():
+    import torchvision
+    import transformers.utils
+
+    if not transformers.utils.is_torch_available():
         raise ImportError("transformers does not take this torch")
 except (ImportError, RuntimeError, AttributeError) as e:  # one line, not 60 of traceback
     found = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+    versions = ", ".join(f"{name} {found.get(name)}" for name in ("torch", "torchvision", "transformers"))
     raise SystemExit(
-        f"error: torch {found.get('torch')}, torchvision {found.get('torchvision')}, transformers "
-        f"{found.get('transformers')} do not work together ({type(e).__name__}: {' '.join(str(e).split())[:99]}): pip "
-        "install --upgrade torch torchvision transformers, together, at least requirements.txt's floors"
+        f"error: {versions} do not work together ({type(e).__name__}: {' '.join(str(e).split())[:99]}): pip install "
+        "--upgrade torch torchvision transformers, together, at least requirements.txt's floors"
     ) from None
 
 # ==== 1. Labels ===================================================================================
@@ -124,18 +132,17 @@ def clean_report(report: str, style: str = "mimic_cxr") -> str:
             t = t.replace(old, new)
         return t
 
+    def sent_cleaner(s):
+        """R2Gen's, per sentence: quotes and slashes out, then R2GEN_PUNCT."""
+        s = s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
+        return R2GEN_PUNCT.sub("", s.strip().lower())
+
     if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
         report = collapse(collapse(report.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
     t = collapse(report, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
     for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
         t = t.replace(marker, ". ")
-    return (
-        " . ".join(
-            R2GEN_PUNCT.sub("", s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "").strip().lower())
-            for s in t.strip().lower().split(". ")
-        )
-        + " ."
-    )
+    return " . ".join(sent_cleaner(s) for s in t.strip().lower().split(". ")) + " ."
 
 
 def clean_style(records: list[Record]) -> str:
@@ -187,7 +194,6 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
         except (UnidentifiedImageError, OSError) as e:
             return f"cannot read image {name} ({type(e).__name__})"
 
-    # every image's header, in threads
     names = {
         p
         for split in splits
@@ -196,7 +202,7 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
         for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
         if isinstance(p, str)
     }
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(8) as pool:  # every image's header, in threads
         unreadable = dict(zip(names, pool.map(image_problem, names)))
     for split in splits:
         for n, row in enumerate(raw[split]):
@@ -310,8 +316,7 @@ def study_batches(records: list[Record], batch_size: int, seed=0, rank=0, world_
         epoch, skip = epoch + 1, 0
 
 
-# Synthetic chest X-ray set: a sandbox, not a benchmark. Each finding has a visible sign in the image and templated
-# sentences (varied wording, negations, hedges); labels stored with every record; prevalences roughly MIMIC-CXR's.
+# Synthetic chest X-ray set (README, "The shared parts"): a visible sign and templated sentences per finding.
 # finding: (prevalence, chance that it is mentioned as negative when absent, else it goes unmentioned)
 SYNTHETIC_RATES = {
     "Support Devices": (0.29, 0.0),
@@ -655,8 +660,7 @@ def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
 
 # ==== 3. Labelers =================================================================================
 def _words(*phrases: str) -> str:
-    """The phrases as one group that ends a word (RuleLabeler puts one word start before all of a label's phrases:
-    faster than one each)."""
+    """The phrases as one group that ends a word (RuleLabeler puts one word start before all of a label's phrases)."""
     return r"(?:" + "|".join(phrases) + r")\b"
 
 
@@ -840,12 +844,7 @@ class RuleLabeler:
                 hi = starts[bisect.bisect_left(starts, m.end())]
                 state = self._state(*m.span(), lo, hi, cues)
                 found.add(UNCERTAIN if m.lastgroup == "hedged" and state == POSITIVE else state)
-            if POSITIVE in found:
-                labels[idx] = POSITIVE
-            elif UNCERTAIN in found:
-                labels[idx] = UNCERTAIN
-            elif found:
-                labels[idx] = NEGATIVE
+            labels[idx] = next((s for s in (POSITIVE, UNCERTAIN, NEGATIVE) if s in found), BLANK)
         return labels
 
     @staticmethod
@@ -857,12 +856,9 @@ class RuleLabeler:
             or (lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach)
             or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)
         }
-        if "pre_neg_unc" in kinds:
-            return UNCERTAIN
-        if "neg" in kinds:
-            return NEGATIVE
-        if "unc" in kinds:
-            return UNCERTAIN
+        for kind, label in (("pre_neg_unc", UNCERTAIN), ("neg", NEGATIVE), ("unc", UNCERTAIN)):
+            if kind in kinds:
+                return label
         return POSITIVE
 
     def __call__(self, reports: list[str]) -> np.ndarray:
@@ -887,8 +883,6 @@ CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
 def chexbert_model(config=None, path=None):
     """f1chexbert's bert_labeler, its BERT built from a config (its own __init__ downloads bert-base-uncased); `path`:
     chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) loaded strictly (f1chexbert: strict=False)."""
-    import warnings
-
     with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
         from f1chexbert.f1chexbert import bert_labeler
     from transformers import BertConfig, BertModel
@@ -929,8 +923,6 @@ def chexbert_model(config=None, path=None):
 
 def from_hub(load):
     """load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)."""
-    import socket
-
     try:
         return load(True)
     except OSError:  # not cached (transformers and huggingface_hub raise OSError subclasses)
@@ -992,10 +984,8 @@ class CheXbertLabeler:
         return out
 
 
-# The sandbox's CheXbert: the papers' labeler on --data synthetic, with nothing downloaded. f1chexbert's model around a
-# small BERT, with a word-piece vocabulary built from the synthetic training reports, trained on their own labels
-# (CheXbert's classes: blank, positive, negative, uncertain; No Finding blank or positive). Saved as chexbert.pth is,
-# with the BERT's config.json and vocab.txt beside it: the same loading code serves it and the real weights.
+# The sandbox's CheXbert (README): the papers' labeler on --data synthetic, nothing downloaded. Saved as chexbert.pth
+# is, with its BERT's config.json and vocab.txt beside it: the same loading code serves it and the real weights.
 SPECIAL_PIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # BERT's, first, in its order
 SANDBOX_CHEXBERT_VERSION = 2  # of the recipe below: a new one trains into a new folder
 SANDBOX_CHEXBERT = dict(hidden=128, layers=4, heads=4, epochs=40, lr=2e-3, batch_size=32)
@@ -1028,13 +1018,8 @@ def train_chexbert(records, out_dir, hidden, layers, heads, epochs, lr, batch_si
     pieces = SPECIAL_PIECES + sorted(words | characters | {"##" + c for c in characters})
     (out_dir / "vocab.txt").write_text("\n".join(pieces) + "\n")
     tokenizer = BertTokenizerFast.from_pretrained(str(out_dir))
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * hidden,
-    )
+    size = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, **size)
     config.to_json_file(out_dir / "config.json")
     labels = np.stack([r.labels for r in records])  # (N, 14): 1, 0, -1, NaN
     classes = np.select([labels == 1, labels == 0, labels == -1], [1, 2, 3], 0)  # (N, 14): CheXbert's classes
@@ -1222,25 +1207,22 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 #   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
 #   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
 #   encode_targets(texts) -> ids, mask; decode(ids, mask) -> texts; sft_loss(prompts, texts); save(dir); load_policy
-# Sampling is plain temperature sampling: top-k / top-p would make the recorded log-probs differ from the policy's.
 _WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
 
 
 class WordTokenizer:
     """The tiny model's tokenizer from the training reports: lower-cased words, numbers, punctuation; <think> whole."""
 
-    PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+    SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0-3 in a built vocabulary
 
     def __init__(self, vocab: list[str]):
         self.vocab, self.index = list(vocab), {w: i for i, w in enumerate(vocab)}
-        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (
-            self.index[t] for t in (self.PAD, self.BOS, self.EOS, self.UNK)
-        )
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = [self.index[t] for t in self.SPECIALS]
 
     @classmethod
     def build(cls, texts: list[str], extra_tokens=()) -> WordTokenizer:
         words = sorted({w for t in texts for w in _WORD_RE.findall(t.lower())})
-        specials = [cls.PAD, cls.BOS, cls.EOS, cls.UNK, *extra_tokens]
+        specials = [*cls.SPECIALS, *extra_tokens]
         return cls(specials + [w for w in words if w not in specials])
 
     def encode(self, text: str) -> list[int]:
@@ -1261,15 +1243,8 @@ class TinyVLM(torch.nn.Module):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        self.hparams = dict(
-            vocab_size=vocab_size,
-            grid=grid,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            max_len=max_len,
-            channels=channels,
-        )
+        gpt2_size = dict(n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+        self.hparams = dict(vocab_size=vocab_size, grid=grid, **gpt2_size, max_len=max_len, channels=channels)
         c = channels
 
         def block(i, o):
@@ -1280,18 +1255,10 @@ class TinyVLM(torch.nn.Module):
         )
         self.project = torch.nn.Linear(2 * c, n_embd)
         # No dropout, GroupNorm not BatchNorm: log-probs must not depend on train/eval mode or the batch (GRPO's ratio)
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=grid * grid + 1 + max_len,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )  # WordTokenizer.BOS, EOS; no pad id: generate() drops the all-ones mask, then warned of each pad fed back
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        size = dict(n_positions=grid * grid + 1 + max_len, **gpt2_size)  # the image prefix, BOS, the report
+        # WordTokenizer's <bos>, <eos>; no pad id: generate() drops the all-ones mask, then warned of each pad fed back
+        config = GPT2Config(vocab_size=vocab_size, **size, **no_dropout, bos_token_id=1, eos_token_id=2)
         self.decoder = GPT2LMHeadModel(config)
 
     def prefix(self, pixel_values, view_mask, bos_id: int):
@@ -1359,13 +1326,19 @@ class TinyPolicy:
         return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
 
     def save(self, path, state_dict: dict | None = None):
-        """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's,
-        gathered."""
+        """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's."""
         Path(path).mkdir(parents=True, exist_ok=True)
         checkpoint = {"hparams": self.model.hparams, "state_dict": state_dict or lora_merged_state_dict(self.model)}
         checkpoint["vocab"] = self.tokenizer.vocab
         checkpoint["image_size"] = self.image_size
         torch.save(checkpoint, Path(path) / "tiny_policy.pt")
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """bf16 matmuls under torch.autocast (also mixing bf16 weights with fp32 parts: fp32_trainable, LoRA); fp32: off."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype)
 
 
 class HFPolicy:
@@ -1374,20 +1347,12 @@ class HFPolicy:
     sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
 
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    MAX_TARGET_TOKENS = 512  # of an SFT / DPO target, EOS included
 
-    def __init__(
-        self,
-        name_or_path: str,
-        device="cpu",
-        dtype=torch.float32,
-        gradient_checkpointing: bool = False,
-        max_pixels: int | None = None,
-        max_target_tokens: int = 512,
-    ):
+    def __init__(self, name_or_path, device="cpu", dtype=torch.float32, gradient_checkpointing=False, max_pixels=None):
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
-        self.name, self.device, self.dtype = str(name_or_path), torch.device(device), dtype
-        self.max_target_tokens = max_target_tokens
+        self.device, self.dtype = torch.device(device), dtype
         options = {}
         if max_pixels:
             options["size"] = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
@@ -1412,16 +1377,9 @@ class HFPolicy:
         # image slot by the next forward ("Image features and image tokens do not match"): never sampled, probability 0.
         vision_tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         self.suppressed = [getattr(cfg, n) for n in vision_tokens if getattr(cfg, n, None) is not None]
-        self.model.generation_config = GenerationConfig(
-            bos_token_id=gen.bos_token_id,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            suppress_tokens=self.suppressed or None,
-        )
+        special = dict(bos_token_id=gen.bos_token_id, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id)
+        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+        self.model.generation_config = GenerationConfig(**special, **sampling, suppress_tokens=self.suppressed or None)
         if gradient_checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
@@ -1431,12 +1389,6 @@ class HFPolicy:
     def vision_and_language(self):
         """(the vision tower and merger, the LM with its head) as modules."""
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
-
-    def _forward_context(self):
-        """bf16 weights with fp32 parts (fp32_trainable, LoRA) need autocast to mix them."""
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def prompt_batch(self, images, text) -> dict:
         """images: PIL views per study; text: one instruction, or one per study."""
@@ -1466,7 +1418,7 @@ class HFPolicy:
     def generate(self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
         inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
         P = prompts["input_ids"].shape[1]
-        with self._forward_context():
+        with autocast(self.device, self.dtype):
             return generate_completions(
                 self, self.model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p
             )
@@ -1481,14 +1433,14 @@ class HFPolicy:
         if "mm_token_type_ids" in prompts:  # completions are text (type 0)
             inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
         # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
-        with self._forward_context():
+        with autocast(self.device, self.dtype):
             logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits
         logits = logits[:, :-1]  # (N, T, V) predicts token t
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
         targets = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        targets = [ids[: self.max_target_tokens - 1] + [self.eos_token_id] for ids in targets]
+        targets = [ids[: self.MAX_TARGET_TOKENS - 1] + [self.eos_token_id] for ids in targets]
         return pad_completions(targets, self.pad_token_id, self.device)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
@@ -1499,28 +1451,20 @@ class HFPolicy:
 
     def save(self, path, state_dict: dict | None = None):
         """save_pretrained with LoRA folded into the weights (the live model untouched), and the processor: the folder
-        loads with HFPolicy(path) or plain transformers. `state_dict`: a sharded model's, gathered
-        (full_state_dicts)."""
+        loads with HFPolicy(path) or plain transformers. `state_dict`: a sharded model's (full_state_dicts)."""
         Path(path).mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path, state_dict=state_dict or lora_merged_state_dict(self.model))
         self.processor.save_pretrained(path)
 
 
 def make_policy(
-    model: str,
-    train_reports: list[str],
-    device,
-    dtype=torch.float32,
-    max_new_tokens: int = 128,
-    extra_tokens=(),
-    max_pixels: int | None = 512 * 512,
-    gradient_checkpointing=True,
+    model, train_reports, device, dtype=torch.float32, max_new_tokens=128, extra_tokens=(), max_pixels=512 * 512
 ):
-    """`--model tiny`: TinyPolicy (training reports' words), else HFPolicy (max_pixels 512^2: <= 334 tokens a view)."""
+    """`--model tiny`: TinyPolicy (the reports' words), else HFPolicy, checkpointed (512^2 px: <= 334 tokens a view)."""
     if model == "tiny":
         tok = WordTokenizer.build(list(train_reports), extra_tokens)
         return TinyPolicy(TinyVLM(len(tok.vocab), max_len=max_new_tokens), tok, device=device)
-    return HFPolicy(model, device, dtype, gradient_checkpointing, max_pixels)
+    return HFPolicy(model, device, dtype, gradient_checkpointing=True, max_pixels=max_pixels)
 
 
 def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
@@ -1551,20 +1495,13 @@ def generate_completions(
     eos_ids = policy.eos_token_ids
     was_training = policy.model.training
     policy.model.eval()
-    sampling = (
-        dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
-    )
-    out = model.generate(
-        **inputs,
-        max_new_tokens=max_new_tokens,
-        use_cache=True,
-        return_dict_in_generate=True,
-        output_logits=return_logprobs,
-        eos_token_id=eos_ids,
-        pad_token_id=policy.pad_token_id,
-        synced_gpus=isinstance(policy.model, FSDPModule),
-        **sampling,
-    )
+    sampling = dict(do_sample=False)
+    if do_sample:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    stop = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id)
+    output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
+    fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
+    out = model.generate(**inputs, **stop, **output, **sampling, synced_gpus=fsdp)
     policy.model.train(was_training)
     ids = out.sequences[:, prompt_len:]  # (N, T) the completion only
     mask = completion_mask(ids, eos_ids)  # (N, T)
@@ -1638,8 +1575,6 @@ class SmallCNN(torch.nn.Module):
 def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--pretrained") -> ViewMean:
     """torchvision ResNet-`depth` without its classifier, as a ViewMean -> (B, 2048). weights: None, "imagenet"
     (downloaded once when asked) or a state-dict file (a checkpoint's "module."/"model." prefixes are dropped)."""
-    import torchvision
-
     name = f"resnet{depth}"
     imagenet = torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
     net = torchvision.models.get_model(name, weights=imagenet)
@@ -1652,9 +1587,7 @@ def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--p
         try:
             net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
         except RuntimeError as e:
-            raise ValueError(
-                f"{flag} {weights}: not a torchvision ResNet-{depth} state dict ({str(e)[:300]})"
-            ) from None
+            raise ValueError(f"{flag} {weights}: not a torchvision ResNet-{depth} state dict ({e!s:.300})") from None
     return ViewMean(net, dim=dim)
 
 
@@ -1723,16 +1656,6 @@ def lora_merged_state_dict(model: torch.nn.Module) -> dict:
             state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
         state[f"{name}.weight"] = (state[f"{name}.weight"].float() + m.delta_weight()).to(m.base.weight.dtype)
     return state
-
-
-@torch.no_grad()
-def merge_lora(model: torch.nn.Module) -> list[str]:
-    """Fold (alpha / r) B A into each base weight and put the plain layer back, in place; the names."""
-    merged = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
-    for name, m in merged:
-        m.base.weight.copy_(m.base.weight.float() + m.delta_weight())
-        model.set_submodule(name, m.base)
-    return [name for name, _ in merged]
 
 
 @contextlib.contextmanager
@@ -1812,9 +1735,8 @@ def grpo_loss(
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
     with torch.no_grad():  # as TRL counts them: a token is clipped when the min took the clipped branch
         A_t = A.expand_as(ratio)  # (N, T)
-        is_clipped = (((ratio < 1 - clip_eps_low) & (A_t < 0)) | ((ratio > 1 + clip_eps_high) & (A_t > 0))).to(
-            mask.dtype
-        )
+        low, high = (ratio < 1 - clip_eps_low) & (A_t < 0), (ratio > 1 + clip_eps_high) & (A_t > 0)  # (N, T) each
+        is_clipped = (low | high).to(mask.dtype)  # (N, T)
         stats = {
             "clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
             "kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0,
@@ -1891,15 +1813,8 @@ def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0,
 
 
 # ==== 7. Running: the scaffold every script's train() stands on ===================================
-# Set-up, torchrun, resume and logging live here once, so that a script's train() reads as its paper:
-#     run = common.start_run(args)                          # torchrun, threads, data, labeler, out/
-#     policy, ref = common.build_policy(run, records, ...)  # model, warm start, reference
-#     optimizer, scheduler = common.adamw(params, lr, total)
-#     run.restore(policy.model, optimizer, scheduler)       # --resume: weights, optimiser, RNG, step
-#     for step, batch in run.steps(total, run.study_batches(records, batch_size)):
-#         ...the paper's update...; run.optimizer_step(params, optimizer, scheduler); run.log(...)
-#     run.finish(results, policy)
-# A script runs under `python` and `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK set); rank 0 alone shows bars, writes files.
+# Set-up, torchrun, resume and logging live here once, so that a script's train() reads as its paper (README: "The run
+# scaffold"). A script runs under `python` or `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK); rank 0 alone writes files.
 @dataclass
 class RunArgs:
     """The flags every script shares; a script's Args adds its paper's hyper-parameters."""
@@ -1909,8 +1824,8 @@ class RunArgs:
     model: str = "tiny"
     """"tiny" (built in, offline) or a Hugging Face vision-language model id or folder"""
     labeler: Literal["auto", "rule", "chexbert"] = "auto"
-    """chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert for a real model on real data,
-    else rule"""
+    """chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert, but rule for --model tiny on
+    real data without --chexbert-weights"""
     chexbert_weights: str | None = None
     """a local chexbert.pth (else downloaded once from the Hub; on --data synthetic the sandbox's, trained once)"""
     out: str | None = None
@@ -1936,8 +1851,6 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" not in os.environ:
         return 0, 1, device
-    from datetime import timedelta
-
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -2105,26 +2018,20 @@ class Run:
     def stage(self, name: str, flags) -> Run:
         """A run in out/<name> (config, log, checkpoint) sharing processes, data, labeler; --resume checks `flags`."""
         args = dataclasses.replace(self.args, out=str(self.out / name))
-        flags = tuple(flags)
-        return Run(
-            args, self.rank, self.world_size, self.device, self.data, self.labeler, resume_flags=flags, notes=self.notes
-        )
+        processes = (self.rank, self.world_size, self.device)
+        return Run(args, *processes, self.data, self.labeler, resume_flags=tuple(flags), notes=self.notes)
 
     def per_rank(self, batch_size: int, flag: str) -> int:
         """A global batch (as the papers count) -> this rank's share."""
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
 
     def autocast(self):
-        """bf16 matmuls under torch.autocast (nothing in fp32)."""
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, self.dtype)
+        return autocast(self.device, self.dtype)
 
     # Steps and checkpoints ---------------------------------------------------------------------
     def restore(self, model, optimizer=None, scheduler=None, state: dict | None = None) -> int:
         """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's
-        `state`); ranks sample apart from here (seed + rank). --resume loads out/last.pt, RNG too. Returns the start
-        step."""
+        `state`); ranks sample apart from here (seed + rank). --resume loads out/last.pt, RNG too. -> the start step."""
         self._saved = (model, optimizer, scheduler, state)
         seed_everything(self.args.seed, self.rank)
         if self.resuming and (self.out / "last.pt").is_file():
@@ -2149,8 +2056,6 @@ class Run:
     def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
         """(step, batch), step = start (default: restore()'s) .. total - 1, a bar of 4 of `bar`; after each, all log()'s
         means over ranks in metrics.jsonl, last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C: save, stop."""
-        import signal
-
         if start is None:
             start = self.start
         progress = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
@@ -2207,8 +2112,7 @@ class Run:
         return norm
 
     def checkpoint(self, step: int):
-        """out/last.pt, atomically. Every rank calls it: its RNG state goes in, so a resume draws as if never
-        stopped."""
+        """out/last.pt, atomically. Every rank calls it: its RNG state goes in, a resume draws as if never stopped."""
         model, optimizer, scheduler, state = self._saved
         kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as tensors and lists: loadable with weights_only
         rng = {
@@ -2415,11 +2319,10 @@ def warm_start_stage(
     validate=None,
     max_pixels=None,
 ):
-    """SFT before RL, a stage of its own in out/warm_start (config.json, metrics.jsonl, last.pt, eval.json, final/):
-    the teacher-forced likelihood of targets(batch) (default: the reports), AdamW at a constant lr; `blind`: each
-    view a blank image (the report text alone: a fluent, task-naive start). `steps` steps, or with `converge` until
-    validate(stage, policy, step) stops improving, the best weights kept. Stopped, --resume continues it; finished,
-    it is read back. Returns the warm-started policy (reloaded from final/, LoRA folded in)."""
+    """SFT before RL, a stage of its own in out/warm_start: the teacher-forced likelihood of targets(batch) (default:
+    the reports), AdamW at a constant lr; `blind`: each view a blank image (the report text alone: a fluent, task-naive
+    start). `steps` steps, or with `converge` until validate(stage, policy, step) stops improving, the best weights
+    kept. Stopped, --resume continues it; finished, it is read back. -> final/'s policy (LoRA folded in)."""
     stage = run.stage("warm_start", run.resume_flags or ())
     if stage.done is None:
         fp32_trainable(policy.model)
@@ -2468,8 +2371,7 @@ def build_policy(
 ):
     """(policy, reference): `init` (a saved policy) or --model, equal on every rank. `lora` ({r, alpha, dropout,
     targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none": reference=False).
-    `warm_start` (warm_start_stage's settings) first fine-tunes on the reports, a stage of its own (a random model
-    never earns a reward)."""
+    `warm_start` (warm_start_stage's settings) first fine-tunes on the reports (a random model earns no reward)."""
     if init is not None:
         policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
     else:
@@ -2591,9 +2493,6 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
 def field_helps(args_class) -> dict[str, str]:
     """{field: help} from each class of args_class: the string under a field (CleanRL's attribute doc strings), so a
     knob is written once, with its help and its source beside it. A subclass's help wins."""
-    import inspect
-    import textwrap
-
     helps = {}
     for cls in reversed(args_class.__mro__[:-1]):
         body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
@@ -2610,10 +2509,18 @@ def flag_type(f) -> tuple[str, str | None]:
     return annotated.groups() if annotated else (f.type, None)
 
 
+def default_out(args_class, data: str) -> Path:
+    """runs/<script>-<data name>: "synthetic", the folder of an annotation.json (or given), another file's name."""
+    path = Path(data).parent if Path(data).name == "annotation.json" else Path(data)
+    name = path.stem if path.suffix == ".json" else path.resolve().name
+    script = Path(getattr(sys.modules[args_class.__module__], "__file__", "run")).stem
+    return Path(f"runs/{script}-{name}")
+
+
 def parse_args(args_class, argv=None, description: str | None = None):
     """Flags from an Args dataclass: `--flag-name` per field, typed by its (string) annotation: a bool as --flag /
-    --no-flag, Literal[...] as choices, a number in the range Annotated beside it ([ ] take their end, ( ) do not); its
-    help the doc string under the field. --resume: flags not given from config.json (of stages: the newest's)."""
+    --no-flag, Literal[...] as choices, a number checked against the range Annotated beside it; its help the doc
+    string under the field. --out defaults to default_out(); --resume: the flags not given are the run's."""
     helps = field_helps(args_class)
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     casts = {"int": int, "float": float, "str": str}
@@ -2626,23 +2533,23 @@ def parse_args(args_class, argv=None, description: str | None = None):
         if kind == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         elif kind.startswith("Literal["):
-            choices = ast.literal_eval(kind[len("Literal") :].replace("[", "(", 1).rsplit("]", 1)[0] + ",)")
+            choices = ast.literal_eval("(" + kind[len("Literal[") : kind.rindex("]")] + ",)")  # Literal[a, b] -> (a, b)
             p.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
         else:
             p.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
     unset = object()  # argparse keeps what the namespace holds: a flag still unset was not given
-    given = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
-    given = {k: v for k, v in given.items() if v is not unset}
+    parsed = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
+    given = {k: v for k, v in parsed.items() if v is not unset}
     flags = {f.name: f.default for f in fields} | given
-    data = Path(flags["data"]).parent if Path(flags["data"]).name == "annotation.json" else Path(flags["data"])
-    script = Path(getattr(sys.modules[args_class.__module__], "__file__", "run")).stem
-    out = Path(flags["out"] or f"runs/{script}-{data.stem if data.suffix == '.json' else data.resolve().name}")
+    out = Path(flags["out"] or default_out(args_class, flags["data"]))
     configs = [out / "config.json"] if (out / "config.json").is_file() else list(out.glob("*/config.json"))
-    if flags["resume"] and configs:
+    if flags["resume"] and configs:  # the flags not given: the run's (of stages: the newest stage's)
         saved = json.loads(max(configs, key=os.path.getmtime).read_text())
         flags |= {k: saved[k] for k in flags.keys() & saved.keys() - given.keys() - set(MAY_CHANGE_ON_RESUME)}
-    for f in [f for f in fields if flag_type(f)[1] and flags[f.name] is not None]:  # each number in its range
+    for f in fields:  # each number in the range beside it: [ ] take their end, ( ) do not
         interval, value = flag_type(f)[1], flags[f.name]
+        if interval is None or value is None:
+            continue
         lo, hi = map(float, interval[1:-1].split(","))
         if not (lo < value < hi or value == lo and interval[0] == "[" or value == hi and interval[-1] == "]"):
             raise SystemExit(f"error: --{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
@@ -2711,7 +2618,6 @@ def evaluate_generations(rows, labeler, clean="mimic_cxr", uncertain_as=1, meteo
     }
 
 
-# Words that say nothing of a study: a report without any other word of the references' is "contentless"
 STOP_WORDS = {"a", "an", "the", "and", "or", "this", "that", "it", "its", "there"}
 STOP_WORDS |= {"of", "in", "on", "at", "to", "for", "as", "by", "from", "with", "without"}
 STOP_WORDS |= {"is", "are", "was", "were", "be", "been", "has", "have", "no", "not"}
@@ -2727,22 +2633,18 @@ def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     vocab = set().union(*map(words, refs))
     top, count = Counter(hyps).most_common(1)[0]
     n = len(hyps)
+    distinct = len(set(hyps))
     contentless = sum(not words(h) & vocab for h in hyps)
     signs = []
     if n >= 5 and count > n / 2:
-        signs.append(f"{len(set(hyps))} distinct report(s) of {n}, {count} identical ({top[:40]!r})")
+        signs.append(f"{distinct} distinct report(s) of {n}, {count} identical ({top[:40]!r})")
     if contentless > n / 2:
         signs.append(f"{contentless} of {n} without a word of the references' vocabulary")
     warning = ""
     if signs:
         warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little"
         log.warning(warning)
-    return {
-        "distinct": len(set(hyps)),
-        "most_common_share": count / n,
-        "contentless_share": contentless / n,
-        "warning": warning,
-    }
+    return dict(distinct=distinct, most_common_share=count / n, contentless_share=contentless / n, warning=warning)
 
 
 def summary(results: dict) -> str:
@@ -2768,7 +2670,7 @@ def plot_run(out) -> list[Path]:
             panel, _, line = key.partition("/")
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             panels[panel][line or panel] = np.array(points)
-        cols, n_rows = max(1, min(4, len(panels))), max(1, -(-len(panels) // 4))  # at most 4 a row; none: a blank
+        cols, n_rows = max(1, min(4, len(panels))), max(1, math.ceil(len(panels) / 4))  # 4 a row at most; none: blank
         fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
         axes = fig.subplots(n_rows, cols, squeeze=False)
         for ax, (panel, lines) in zip(axes.flat, panels.items()):
@@ -2776,7 +2678,7 @@ def plot_run(out) -> list[Path]:
                 w = max(1, len(x) // 15)  # running mean over w steps
                 alpha = 0.35 if w > 1 else 1
                 marker = "." if len(x) <= 30 else None
-                (raw,) = ax.plot(x, y, lw=0.6, alpha=alpha, marker=marker, label=label if len(lines) > 1 else None)
+                (raw,) = ax.plot(x, y, lw=0.6, alpha=alpha, marker=marker, label=label)  # a legend with two or more
                 if w > 1:
                     ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color())
             ax.set_title(panel, fontsize=8)
@@ -2797,6 +2699,7 @@ def plot_run(out) -> list[Path]:
 def main(argv=None):
     """`python common.py evaluate --generations FILE.jsonl`: score a generations file (as its run did, if beside it);
     `python common.py synthetic --out DIR`: write the synthetic set to a folder;
+    `python common.py chexbert --out DIR`: train a CheXbert of the sandbox's kind on --data's labelled reports;
     `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
     p = argparse.ArgumentParser(description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -2807,10 +2710,8 @@ def main(argv=None):
     e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning, else MIMIC-CXR's")
     e.add_argument("--uncertain-as", type=int, choices=[0, 1], help="CE: uncertain as positive, or the papers' 0")
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
-    e.add_argument("--out", default=None, help="JSON output (default: <generations file>.scores.json beside it)")
-    c = sub.add_parser(
-        "chexbert", help="train a CheXbert of the sandbox's kind on an annotation file's labelled reports"
-    )
+    e.add_argument("--out", help="JSON output (default: <generations file>.scores.json beside it)")
+    c = sub.add_parser("chexbert", help="train a CheXbert of the sandbox's kind on an annotation file's labels")
     c.add_argument("--data", default="synthetic", help='"synthetic" or an annotation.json whose records have labels')
     c.add_argument("--out", required=True, help="a folder for chexbert.pth, config.json and vocab.txt")
     for name, default in SANDBOX_CHEXBERT.items():
@@ -2855,9 +2756,8 @@ def main(argv=None):
         rows = read_generations(args.generations)
         labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
         clean = None if rules["clean"] == "none" else rules["clean"]
-        results = evaluate_generations(
-            rows, labeler, clean, rules["uncertain_as"], not args.no_meteor, rules["headline"]
-        )
+        meteor = not args.no_meteor
+        results = evaluate_generations(rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"])
     except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
