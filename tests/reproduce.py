@@ -530,11 +530,13 @@ def interim(name: str, exp: Experiment, data: dict, done: list) -> list[str]:
     """A table whose declared seeds have not all run: the command that runs the rest, and the seeds that have run
     without a verdict (the rule is applied to the declared seeds only, all of them)."""
     n_runs = len({(j.name, tuple(j.argv)) for s in exp.declared for j in exp.jobs(s, exp.declared)})
-    lines = [
-        f"**Not yet measured on the declared seeds {span(exp.declared)}** ({len(done)} of {len(exp.declared)} have run): "
+    seeds = f"{len(done)} of {len(exp.declared)} have run"
+    head = (
+        f"**Not yet measured on the declared seeds {span(exp.declared)}** ({seeds}): "
         f"`python tests/reproduce.py {name}` runs the rest ({n_runs} runs in all) and prints the table and its "
         "verdicts here. No verdict is printed before every declared seed has run."
-    ]
+    )
+    lines = [head]
     if done:
         results = {int(s): v["arms"] for s, v in data["seeds"].items()}
         lines += ["", f"Seeds run so far, {span(done)} (interim: no verdict):", ""]
