@@ -523,6 +523,8 @@ def report(name: str, data: dict) -> list[str]:
         lines += ["", f"Extension, seeds {span(extension)} (added after the declaration; not pooled with it):", ""]
         lines += paired_table(exp, results, extension) + [""] + verdict_lines(exp, results, extension)
     lines += [""] + machines(data["runs"], declared + extension)
+    if "recheck" in data:
+        lines.append(recheck_line(data["recheck"]))
     return lines
 
 
@@ -971,6 +973,60 @@ def run_all(jobs: list[Job], root: Path, n_jobs: int, dry_run: bool):
                 print(f"[{time.strftime('%H:%M:%S')}] done {j.name}", flush=True)
 
 
+def leaves(x, path=""):
+    """(path, value) of every number in a results tree: {"arm": {"metric": 0.5}} -> ("arm/metric", 0.5)."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from leaves(v, f"{path}/{k}" if path else k)
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from leaves(v, f"{path}[{i}]")
+    else:
+        yield path, x
+
+
+def printed(x) -> str:
+    """A number as the tables print it (3 decimals); NaN as 'nan'."""
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def recheck(name: str, seed: int, root: Path, data: dict) -> dict:
+    """One seed run again (its folders under root), compared with its committed row: every number to the printed
+    digits, and the largest difference."""
+    exp = EXPERIMENTS[name]
+    fresh = dict(leaves(json.loads(json.dumps(exp.read(root, seed), default=float))))
+    committed = dict(leaves(data["seeds"][str(seed)]["arms"]))
+    if fresh.keys() != committed.keys():
+        raise ValueError(f"seed {seed}'s re-run has other numbers than its committed row: the definition changed")
+    differs = [k for k in committed if printed(committed[k]) != printed(fresh[k])]
+    gaps = [
+        abs(committed[k] - fresh[k])
+        for k in committed
+        if isinstance(committed[k], float) and committed[k] == committed[k]
+    ]
+    runs = [r for j in exp.jobs(seed, exp.declared) for r in records(j, root)]
+    return {
+        "seed": seed,
+        "commit": sorted({r["commit"] for r in runs}),
+        "machine": sorted({r["machine"]["cpu"] for r in runs}),
+        "numbers": len(committed),
+        "differs": differs,
+        "largest_difference": max(gaps, default=0.0),
+    }
+
+
+def recheck_line(check: dict) -> str:
+    """The README's sentence on a re-run seed."""
+    head = (
+        f"Seed {check['seed']} run again in a fresh folder (commit {', '.join(check['commit'])}; "
+        f"{', '.join(check['machine'])}): "
+    )
+    if not check["differs"]:
+        largest = f"largest difference {check['largest_difference']:.1g}"
+        return head + f"all {check['numbers']} numbers of its row the same to the printed digits ({largest})."
+    return head + f"{len(check['differs'])} of {check['numbers']} numbers differ: {', '.join(check['differs'][:5])}."
+
+
 def collect(name: str, seeds: list[int], root: Path) -> dict:
     """Every seed's numbers and its jobs' launch records, as tests/results/NAME.json holds them."""
     exp = EXPERIMENTS[name]
@@ -1012,6 +1068,12 @@ def main(argv=None):
     p.add_argument("--results", default=str(RESULTS), help="where NAME.json is written and read")
     p.add_argument("--figures", default=str(ROOT / "tests" / "figures"))
     p.add_argument("--dry-run", action="store_true", help="print the commands still to run")
+    p.add_argument(
+        "--recheck",
+        type=int,
+        metavar="SEED",
+        help="run one seed again under --out (not the sweep's folder) and record whether it gives its committed row",
+    )
     args = p.parse_args(argv)
     if args.name == "labels":
         weights = args.chexbert_weights
@@ -1036,8 +1098,10 @@ def main(argv=None):
             write_readme(Path(args.readme), args.name, lines)
         draw(args.name, data, Path(args.figures))
         return
-    seeds = parse_seeds(args.seeds) if args.seeds else exp.declared
     root = Path(args.out) / args.name
+    if args.recheck is not None:
+        return recheck_seed(args, exp, results_file, root)
+    seeds = parse_seeds(args.seeds) if args.seeds else exp.declared
     jobs = {}
     for s in seeds:
         for j in exp.jobs(s, exp.declared):
@@ -1048,12 +1112,30 @@ def main(argv=None):
         return
     old = read_json(results_file) if results_file.is_file() else {"seeds": {}, "runs": {}}
     new = collect(args.name, seeds, root)
-    data = {**new, "seeds": {**old["seeds"], **new["seeds"]}, "runs": {**old["runs"], **new["runs"]}}
+    data = {**old, **new, "seeds": {**old["seeds"], **new["seeds"]}, "runs": {**old["runs"], **new["runs"]}}
     results_file.parent.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(data, indent=1, default=float) + "\n")
     print(f"wrote {results_file}")
     print("\n".join(report(args.name, data)))
     draw(args.name, data, Path(args.figures))
+
+
+def recheck_seed(args, exp: Experiment, results_file: Path, root: Path):
+    """--recheck SEED: the seed's runs again in a folder of their own, compared with the committed row."""
+    seed = args.recheck
+    data = read_json(results_file) if results_file.is_file() else {"seeds": {}}
+    if str(seed) not in data["seeds"]:
+        raise SystemExit(f"error: {results_file} has no seed {seed} to check")
+    jobs = list({(j.name, tuple(j.argv)): j for j in exp.jobs(seed, exp.declared)}.values())
+    committed = [r for runs in data["runs"][str(seed)].values() for r in runs]
+    if any(r in committed for j in jobs for r in records(j, root)):
+        raise SystemExit(f"error: {root} holds the sweep's own runs of seed {seed}: give --out a fresh folder")
+    run_all(jobs, root, args.jobs, args.dry_run)
+    if args.dry_run:
+        return
+    data["recheck"] = recheck(args.name, seed, root, data)
+    results_file.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    print(recheck_line(data["recheck"]))
 
 
 if __name__ == "__main__":

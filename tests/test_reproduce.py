@@ -103,6 +103,31 @@ def test_report_leads_with_the_declared_seeds_and_keeps_an_extension_apart():
     assert len(nothing) == 2 and "(0 of 8 have run)" in nothing[1]
 
 
+def test_recheck_compares_a_seed_with_its_committed_row_to_the_printed_digits(tmp_path, monkeypatch):
+    exp = reproduce.EXPERIMENTS["orapo"]
+    data = fake_results("orapo", exp.declared, lambda s, arm, metric: 0.25)
+    row = data["seeds"]["300"]["arms"]
+    same = json.loads(json.dumps(row))
+    same["orapo"]["test macro F1"] = 0.2501  # rounds to the printed 0.250
+    monkeypatch.setattr(exp, "read", lambda root, seed: same)
+    check = reproduce.recheck("orapo", 300, tmp_path, data)
+    assert check["differs"] == [] and check["largest_difference"] == pytest.approx(1e-4)
+    line = reproduce.recheck_line(check)
+    assert line.startswith("Seed 300 run again") and f"all {check['numbers']} numbers" in line
+    moved = json.loads(json.dumps(row))
+    moved["grpo"]["curve"][3] = 0.2  # one point of a curve: printed 0.200, committed 0.100
+    moved["orapo"]["test FactS"] = 0.2506  # printed 0.251
+    monkeypatch.setattr(exp, "read", lambda root, seed: moved)
+    check = reproduce.recheck("orapo", 300, tmp_path, data)
+    assert sorted(check["differs"]) == ["grpo/curve[3]", "orapo/test FactS"]
+    assert "2 of" in reproduce.recheck_line(check)
+    data["recheck"] = check
+    assert reproduce.report("orapo", data)[-1] == reproduce.recheck_line(check)
+    del moved["grpo"]["curve"]
+    with pytest.raises(ValueError, match="definition changed"):
+        reproduce.recheck("orapo", 300, tmp_path, data)
+
+
 def test_readme_tables_are_the_reports_verbatim():
     """Every table the README prints comes from `--report` on a committed results file, to the character."""
     readme = (ROOT / "README.md").read_text()
