@@ -154,6 +154,8 @@ def mrg_r1_jobs(seed, declared):
 def mrg_r1_arm(result: dict) -> dict:
     return {
         "CE micro F1": ce(result),
+        "CE micro precision": result["ce"]["micro_precision"],
+        "CE micro recall": result["ce"]["micro_recall"],
         "greedy reward": result["reward"],
         "greedy MCCS": result.get("reward_mccs", math.nan),
     }
@@ -230,6 +232,7 @@ def orapo_read(root, seed):
         out[arm] = {
             "test macro F1": ce(r),
             "test FactS": r["facts_reward"],
+            "distinct test reports": r["degenerate"]["distinct"],  # of the test split's greedy reports
             "zero-reward groups": float(np.mean(zero)),
             "zero-reward groups, first 50 steps": float(np.mean(zero[:50])),
             "zero-reward groups, last 50 steps": float(np.mean(zero[-50:])),
@@ -685,7 +688,7 @@ EXPERIMENTS = {
         "MRG-R1 Table II rows from a converged warm start",
         mrg_r1_jobs,
         mrg_r1_read,
-        ["CE micro F1", "greedy MCCS"],  # not "greedy reward": each arm's is its own reward's
+        ["CE micro F1", "CE micro precision", "CE micro recall", "greedy MCCS"],  # not "greedy reward": its own
         [
             ("mccs+format", "format", "mccs+format - format"),
             ("mccs+format", "ce_f1+format", "mccs+format - ce_f1+format"),
@@ -762,6 +765,8 @@ EXPERIMENTS = {
                     0,
                     "OraPO's DPO on the zero-reward groups: accuracy, last 50 vs first 50 steps",
                 ),
+                ("orapo", 1, "distinct test reports", 0, "OraPO's greedy test reports: distinct, vs one for all"),
+                ("grpo", 1, "distinct test reports", 0, "GRPO's greedy test reports: distinct, vs one for all"),
             ],
         ),
     ),

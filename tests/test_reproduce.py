@@ -237,9 +237,9 @@ def write_eval(path: Path, before: dict, after: dict | None = None, key: str = "
 
 
 def evaluation(headline: str, value: float, **extra) -> dict:
-    ce = dict.fromkeys(("micro_f1", "macro_f1", "example_f1"), value)
+    ce = dict.fromkeys(("micro_f1", "macro_f1", "example_f1", "micro_precision", "micro_recall"), value)
     nlg = {"BLEU-4": value, "CIDEr": value}
-    return {"ce": ce, "headline": headline, "nlg": nlg, "degenerate": {"distinct": 1}} | extra
+    return {"ce": ce, "headline": headline, "nlg": nlg, "degenerate": {"distinct": int(value * 100)}} | extra
 
 
 def test_tables_read_the_evaluation_after_training(tmp_path):
@@ -255,6 +255,7 @@ def test_tables_read_the_evaluation_after_training(tmp_path):
     out = reproduce.mrg_r1_read(root, 1)
     assert out["warm start"]["CE micro F1"] == 0.1 and out["sft+300"]["CE micro F1"] == 0.5
     assert {out[a]["CE micro F1"] for a in ("mccs+format", "format", "ce_f1+format")} == {0.9}
+    assert {out[a]["CE micro recall"] for a in ("mccs+format", "format", "ce_f1+format")} == {0.9}
     root = tmp_path / "orapo"
     for arm in ("orapo", "grpo"):
         before = evaluation("macro_f1", 0.1, facts_reward=0.1)
@@ -264,6 +265,7 @@ def test_tables_read_the_evaluation_after_training(tmp_path):
         )
     out = reproduce.orapo_read(root, 1)
     assert out["orapo"]["test macro F1"] == 0.9 and out["grpo"]["test FactS"] == 0.9
+    assert out["orapo"]["distinct test reports"] == 90  # after training, not before (10)
     assert out["DPO, first 50 steps"]["accuracy on zero-reward groups"] == 0.5  # 0.25 of the steps' 0.5 zero groups
 
 
