@@ -95,7 +95,7 @@ MAX_TEXT_TOKENS, MAX_DESCRIPTION_TOKENS, MAX_REPORT_TOKENS = 256, 48, 128  # wor
 VOCAB_SIZE = 8000  # offline tokenizer: words kept whole, the rest become characters (ours)
 RETRIEVAL_PER_CLASS = 200  # CheXpert 5x200's N
 CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2: micro CE P/R/F1 of labels' positives (R2Gen's)
-# No schedule in the paper (ours): --model tiny's steps (its default run: ~280 CPU-s), --model paper's epochs
+# No schedule in the paper (ours): --model tiny's steps (its default run: ~160 CPU-s), --model paper's epochs
 TINY_STEPS = dict(step1=300, step2=200, step3=600, step4=400)
 EPOCHS = 10
 

@@ -156,7 +156,7 @@ class Settings:
             sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
             sft_steps=args.sft_steps,
             sft_converge=tiny and args.sft_steps is None,
-            pool=1000 if tiny else None,  # DDSampling, the costliest stage, of 1000: a ~5-CPU-minute default run
+            pool=1000 if tiny else None,  # DDSampling, the costliest stage, of 1000: a ~7-CPU-minute default run
         )
 
 
