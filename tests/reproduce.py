@@ -172,6 +172,13 @@ def mrg_r1_read(root, seed):
     return out
 
 
+def mrg_r1_starts(results, seeds) -> list[str]:
+    """Where each seed's warm start stopped (the declared rule) and which step's weights it kept."""
+    starts = [results[s]["start"] for s in seeds]
+    each = ", ".join(f"{s}: {int(x['best step'])} of {int(x['SFT steps'])}" for s, x in zip(seeds, starts))
+    return ["", f"Warm starts, the step kept of the SFT steps run until validation stopped improving, by seed: {each}."]
+
+
 def deer_jobs(seed, declared):
     """Each seed its own SFT cold start (until validation stops improving) and DDSampling subset; from them DiTPO with
     gradient weights (deer.py all: the paper's), with rule weights, and GRPO; Tables 6 and 7 on that SFT model."""
@@ -599,7 +606,7 @@ def save(p, fig, axes, path):
 def comparison_figure(exp, results, seeds, path, metrics=None):
     """Per metric, the paired differences of the table's comparisons (mean ± SE over seeds, a dot per seed)."""
     p = plt()
-    metrics = metrics or exp.metrics[:2]
+    metrics = metrics or exp.metrics[:3]
     fig, axes = p.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
     for ax, m in zip(axes[0], metrics):
         differences = {}
@@ -706,6 +713,7 @@ EXPERIMENTS = {
         ],
         declared=DECLARED,
         figure=comparison_figure,
+        extra=mrg_r1_starts,
     ),
     "deer": Experiment(
         "DEER DiTPO vs GRPO from a converged SFT cold start",
