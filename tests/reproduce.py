@@ -244,6 +244,7 @@ def orapo_read(root, seed):
             "zero-reward groups, first 50 steps": float(np.mean(zero[:50])),
             "zero-reward groups, last 50 steps": float(np.mean(zero[-50:])),
             "curve": zero,
+            "mean lambda": float(np.mean([x.get("lambda", 0.0) for x in lines])),  # Eq. 10's DPO weight; GRPO: 0
         }
     lines = [json.loads(x) for x in (root / f"s{seed}" / "orapo" / "metrics.jsonl").read_text().splitlines()]
     out["DPO, first 50 steps"] = {"accuracy on zero-reward groups": dpo_accuracy(lines[:50])}
@@ -773,6 +774,7 @@ EXPERIMENTS = {
                     0,
                     "OraPO's DPO on the zero-reward groups: accuracy, last 50 vs first 50 steps",
                 ),
+                ("orapo", 0.05, "mean lambda", 0, "OraPO's DPO weight lambda (Eq. 10), mean over steps, vs its floor"),
                 ("orapo", 1, "distinct test reports", 0, "OraPO's greedy test reports: distinct, vs one for all"),
                 ("grpo", 1, "distinct test reports", 0, "GRPO's greedy test reports: distinct, vs one for all"),
             ],

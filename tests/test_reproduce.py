@@ -261,11 +261,12 @@ def test_tables_read_the_evaluation_after_training(tmp_path):
         before = evaluation("macro_f1", 0.1, facts_reward=0.1)
         write_eval(root / "s1" / arm, before, evaluation("macro_f1", 0.9, facts_reward=0.9))
         (root / "s1" / arm / "metrics.jsonl").write_text(
-            json.dumps({"zero_group_ratio": 0.5, "dpo_accuracy_x_zero": 0.25}) + "\n"
+            json.dumps({"zero_group_ratio": 0.5, "dpo_accuracy_x_zero": 0.25, "lambda": 0.07}) + "\n"
         )
     out = reproduce.orapo_read(root, 1)
     assert out["orapo"]["test macro F1"] == 0.9 and out["grpo"]["test FactS"] == 0.9
     assert out["orapo"]["distinct test reports"] == 90  # after training, not before (10)
+    assert out["orapo"]["mean lambda"] == 0.07
     assert out["DPO, first 50 steps"]["accuracy on zero-reward groups"] == 0.5  # 0.25 of the steps' 0.5 zero groups
 
 
