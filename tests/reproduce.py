@@ -888,13 +888,15 @@ def machine() -> dict:
 
 
 def commit() -> str:
-    """The project's commit; '+changes' when tracked files differ from it (a sweep should run from a commit)."""
+    """The project's commit; '+changes' when tracked files that a run reads differ from it (a sweep should run from a
+    commit). The figures and results a sweep writes, and the README, do not count."""
 
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    outputs = (":!tests/figures", ":!tests/results", ":!*.md")
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs) else "")
 
 
 def records_path(job: Job, root: Path) -> Path:
