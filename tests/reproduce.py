@@ -774,6 +774,13 @@ EXPERIMENTS = {
                     0,
                     "OraPO's DPO on the zero-reward groups: accuracy, last 50 vs first 50 steps",
                 ),
+                (
+                    "DPO, last 50 steps",
+                    0.5,
+                    "accuracy on zero-reward groups",
+                    0,
+                    "OraPO's DPO on the zero-reward groups: accuracy, last 50 steps, vs chance (step 0: 0, a tie)",
+                ),
                 ("orapo", 0.05, "mean lambda", 0, "OraPO's DPO weight lambda (Eq. 10), mean over steps, vs its floor"),
                 ("orapo", 1, "distinct test reports", 0, "OraPO's greedy test reports: distinct, vs one for all"),
                 ("grpo", 1, "distinct test reports", 0, "GRPO's greedy test reports: distinct, vs one for all"),

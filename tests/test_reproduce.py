@@ -340,3 +340,21 @@ def test_mention_f1_by_hand():
     ours = np.array([[1, nan, 0, 1], [nan, 1, 0, -1]])
     # mentions: gold 5, ours 6; matching (value and place): (0,0) 1, (1,1) 1, (1,2) 0 -> TP 3, FP 3, FN 2
     assert reproduce.mention_f1(ours, gold) == pytest.approx(6 / 11)
+
+
+def test_commit_is_marked_changed_by_code_not_by_a_sweeps_figures(tmp_path, monkeypatch):
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "tests" / "figures").mkdir(parents=True)
+    (tmp_path / "orapo.py").write_text("x = 1\n")
+    (tmp_path / "tests" / "figures" / "orapo.png").write_bytes(b"png")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(reproduce, "ROOT", tmp_path)
+    clean = reproduce.commit()
+    (tmp_path / "tests" / "figures" / "orapo.png").write_bytes(b"drawn by a sweep")
+    assert reproduce.commit() == clean and "+" not in clean
+    (tmp_path / "orapo.py").write_text("x = 2\n")
+    assert reproduce.commit() == clean + "+changes"
