@@ -3,8 +3,9 @@
     python tests/reproduce.py NAME                     # run the declared seeds, write tests/results/NAME.json, print
     python tests/reproduce.py NAME --report            # run nothing: the README's lines from tests/results/NAME.json
     python tests/reproduce.py NAME --report --readme README.md   # ...and write them between the README's markers
-    python tests/reproduce.py NAME --seeds 108-111     # more seeds: an extension, with its own verdicts
+    python tests/reproduce.py NAME --seeds 308-311     # more seeds: an extension, with its own verdicts
     python tests/reproduce.py NAME --dry-run           # the command lines still to run, nothing run
+    python tests/reproduce.py NAME --recheck 300 --out runs/recheck   # one seed again, against its committed row
     python tests/reproduce.py labels --gold FILE.csv   # a labeler against radiologists' labels
     python tests/reproduce.py labels --labeler chexbert --gold synthetic   # the sandbox's CheXbert, synthetic test
 
