@@ -283,6 +283,10 @@ def rrgcl_read(root, seed):
             "CIDEr": r["nlg"]["CIDEr"],
         }
     out["schedule"] = read_json(root / f"s{seed}" / "rrgcl" / "schedule.json")
+    # --steps is shared over the epochs in proportion to |D_sub(t)| (Alg. 1 l. 11), so a step of epoch t draws from a
+    # share |D_sub(t)| / N of the training set: averaged over the steps, sum |D_sub|^2 / (N sum |D_sub|); random order 1
+    sizes = np.array(out["schedule"]["subset_sizes"], float)
+    out["rrgcl"]["training set in D_sub(t), over steps"] = float((sizes**2).sum() / (sizes.max() * sizes.sum()))
     declared = EXPERIMENTS["rrgcl"].declared
     out["measurer"] = measurer_agreement(root, seed, declared[1] if seed == declared[0] else declared[0])
     return out
@@ -807,10 +811,17 @@ EXPERIMENTS = {
         declared=DECLARED,
         figure=rrgcl_figure,
         extra=more_comparisons(
-            "The measurer's agreement between seeds (each seed's file against the first's; declared criterion 0.8)",
+            "RRGCL's measurer (each seed's file vs the first's; declared criterion 0.8) and the subsets it trains on",
             [
                 ("measurer", 0.8, "Spearman, studies", 0, "difficulty of the training studies, Spearman"),
                 ("measurer", 0.8, "Spearman, classes", 0, "class difficulty (Eq. 12's diff_C), Spearman"),
+                (
+                    "rrgcl",
+                    1.0,
+                    "training set in D_sub(t), over steps",
+                    0,
+                    "RRGCL: the share of the training set a step draws from, mean over steps, vs random order's 1",
+                ),
             ],
         ),
     ),
