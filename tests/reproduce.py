@@ -544,10 +544,19 @@ def report(name: str, data: dict) -> list[str]:
     return lines
 
 
+def sweep_jobs(exp: Experiment, seeds: list[int]) -> list[Job]:
+    """The seeds' jobs, a job two seeds share (RRGCL's first file) once."""
+    jobs = {}
+    for s in seeds:
+        for j in exp.jobs(s, exp.declared):
+            jobs[j.name, tuple(j.argv)] = j
+    return list(jobs.values())
+
+
 def interim(name: str, exp: Experiment, data: dict, done: list) -> list[str]:
     """A table whose declared seeds have not all run: the command that runs the rest, and the seeds that have run
     without a verdict (the rule is applied to the declared seeds only, all of them)."""
-    n_runs = len({(j.name, tuple(j.argv)) for s in exp.declared for j in exp.jobs(s, exp.declared)})
+    n_runs = len(sweep_jobs(exp, exp.declared))
     seeds = f"{len(done)} of {len(exp.declared)} have run"
     head = (
         f"**Not yet measured on the declared seeds {span(exp.declared)}** ({seeds}): "
@@ -1138,11 +1147,7 @@ def main(argv=None):
     if args.recheck is not None:
         return recheck_seed(args, exp, results_file, root)
     seeds = parse_seeds(args.seeds) if args.seeds else exp.declared
-    jobs = {}
-    for s in seeds:
-        for j in exp.jobs(s, exp.declared):
-            jobs[j.name, tuple(j.argv)] = j  # a job two seeds share (RRGCL's first file) once
-    jobs = list(jobs.values())
+    jobs = sweep_jobs(exp, seeds)
     run_all(jobs, root, args.jobs, args.dry_run)
     if args.dry_run:
         return
@@ -1162,7 +1167,7 @@ def recheck_seed(args, exp: Experiment, results_file: Path, root: Path):
     data = read_json(results_file) if results_file.is_file() else {"seeds": {}}
     if str(seed) not in data["seeds"]:
         raise SystemExit(f"error: {results_file} has no seed {seed} to check")
-    jobs = list({(j.name, tuple(j.argv)): j for j in exp.jobs(seed, exp.declared)}.values())
+    jobs = sweep_jobs(exp, [seed])
     committed = [r for runs in data["runs"][str(seed)].values() for r in runs]
     if any(r in committed for j in jobs for r in records(j, root)):
         raise SystemExit(f"error: {root} holds the sweep's own runs of seed {seed}: give --out a fresh folder")
