@@ -618,6 +618,73 @@ def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
+# Neutral captions of what draw_synthetic_cxr drew, read by the sandbox's foundation model (README): where, how large,
+# how bright, what shape, in the image's own left and right (the patient's right is the image's left); never a report's
+# word for a finding, nor a finding's name (tests/test_foundation.py checks the vocabulary against the templates').
+IMAGE_SIDES = {"right": "on the left of the image", "left": "on the right of the image", "bilateral": "on both sides"}
+CAPTIONS = {  # {pale} / {slightly}: a hedged finding, drawn fainter; {size}: its grade in CAPTION_SIZES
+    "Enlarged Cardiomediastinum": "the middle column is {slightly}broad at the top",
+    "Cardiomegaly": "the white shape at the bottom of the middle is {slightly}{size}",
+    "Lung Opacity": "a {pale}fuzzy cloud {where}",
+    "Lung Lesion": "a {pale}little round bright dot {where}",
+    "Edema": "a {pale}soft glow around the middle on both sides",
+    "Consolidation": "a {pale}solid white area low {where}",
+    "Pneumonia": "{pale}scattered blotches {where}",
+    "Atelectasis": "a {pale}thin flat stroke low {where}",
+    "Pneumothorax": "a {pale}{size} dark rim along the top and outer edge {where}",
+    "Pleural Effusion": "a {pale}{size} white pool at the bottom {where}, its edge rising outward",
+    "Pleural Other": "a {pale}wavy band along the outer edge {where}",
+    "Fracture": "a broken curved stroke with a shifted piece at the outer edge {where}",
+    "endotracheal tube": "a thin bright stroke from the top edge down to the middle",
+    "central venous catheter": "a thin bright stroke from the top curving in to the middle",
+    "nasogastric tube": "a thin bright stroke down the whole middle, turning at the bottom",
+    "pacemaker": "a bright box high on the right of the image with two thin bright strokes",
+}
+CAPTION_SIZES = {
+    "Cardiomegaly": ("broad", "very broad", "huge"),
+    "Pneumothorax": ("narrow", "broad", "very broad"),
+    "Pleural Effusion": ("shallow", "deep", "very deep"),
+}
+CAPTION_SIGNS = {  # the words that name each finding's sign in a caption: what a generated caption is scored by
+    "Enlarged Cardiomediastinum": "middle column",
+    "Cardiomegaly": "white shape",
+    "Lung Opacity": "fuzzy cloud",
+    "Lung Lesion": "round bright dot",
+    "Edema": "soft glow",
+    "Consolidation": "solid white area",
+    "Pneumonia": "scattered blotches",
+    "Atelectasis": "flat stroke",
+    "Pneumothorax": "dark rim",
+    "Pleural Effusion": "white pool",
+    "Pleural Other": "wavy band",
+    "Fracture": "broken curved stroke",
+    "Support Devices": "thin bright stroke|bright box",
+}
+
+
+def describe_synthetic_image(findings: dict) -> str:
+    """A caption of the image draw_synthetic_cxr draws for `findings` ({label: attrs}), a sentence per sign."""
+    sentences = []
+    for name in FINDINGS:
+        a = findings.get(name)
+        if not a:
+            continue
+        hedged = a.get("uncertain", False)
+        template = CAPTIONS[a["kind"] if name == "Support Devices" else name]
+        fields = {"pale": "pale " if hedged else "", "slightly": "slightly " if hedged else ""}
+        fields["where"] = IMAGE_SIDES[a.get("side", "bilateral")]
+        if name in CAPTION_SIZES:
+            fields["size"] = CAPTION_SIZES[name][("small", "moderate", "large").index(a.get("severity", "small"))]
+        sentences.append(template.format(**fields))
+    sentences = sentences or ["nothing stands out"]
+    return " ".join(s[0].upper() + s[1:] + "." for s in sentences)
+
+
+def caption_signs(captions: list[str]) -> np.ndarray:
+    """(N, 13) bool: which findings' signs each caption names (CAPTION_SIGNS)."""
+    return np.array([[bool(re.search(CAPTION_SIGNS[n], c.lower())) for n in FINDINGS] for c in captions])
+
+
 def make_synthetic(out_dir, n_train=2000, n_val=200, n_test=500, size=128, seed=0) -> Path:
     """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
     (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
@@ -1000,24 +1067,31 @@ NUMERIC_PINS = {
 }
 
 
+def word_piece_tokenizer(texts: list[str], out_dir: Path):
+    """A BERT tokenizer whose word pieces are every word of the texts as BERT splits them, and every character alone
+    and as a word's continuation ("##x"), so that an unseen word still gets pieces (a trainer's merges break ties by
+    chance); its vocab.txt is written to out_dir."""
+    from tokenizers.normalizers import BertNormalizer
+    from tokenizers.pre_tokenizers import BertPreTokenizer
+    from transformers import BertTokenizerFast
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    normalize, split = BertNormalizer(lowercase=True), BertPreTokenizer()
+    words = {w for t in texts for w, _ in split.pre_tokenize_str(normalize.normalize_str(t))}
+    characters = {c for w in words for c in w}
+    pieces = SPECIAL_PIECES + sorted(words | characters | {"##" + c for c in characters})
+    (Path(out_dir) / "vocab.txt").write_text("\n".join(pieces) + "\n")
+    return BertTokenizerFast.from_pretrained(str(out_dir))
+
+
 def train_chexbert(records, out_dir, hidden, layers, heads, epochs, lr, batch_size, seed=0) -> Path:
     """CheXbert (f1chexbert's model) trained on the records' reports against their labels: cross-entropy summed over
     the 14 heads, AdamW with a 5 % warm-up then a linear decay. Writes chexbert.pth, config.json, vocab.txt."""
-    from tokenizers.normalizers import BertNormalizer
-    from tokenizers.pre_tokenizers import BertPreTokenizer
-    from transformers import BertConfig, BertTokenizerFast
+    from transformers import BertConfig
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     reports = [r.report for r in records]
-    # the word pieces: every word of the reports as BERT splits them, and every character alone and as a word's
-    # continuation ("##x"), so that an unseen word still gets pieces (a trainer's merges break ties by chance)
-    normalize, split = BertNormalizer(lowercase=True), BertPreTokenizer()
-    words = {w for t in reports for w, _ in split.pre_tokenize_str(normalize.normalize_str(t))}
-    characters = {c for w in words for c in w}
-    pieces = SPECIAL_PIECES + sorted(words | characters | {"##" + c for c in characters})
-    (out_dir / "vocab.txt").write_text("\n".join(pieces) + "\n")
-    tokenizer = BertTokenizerFast.from_pretrained(str(out_dir))
+    tokenizer = word_piece_tokenizer(reports, out_dir)
     size = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden)
     config = BertConfig(vocab_size=tokenizer.vocab_size, **size)
     config.to_json_file(out_dir / "config.json")
@@ -1065,6 +1139,231 @@ def synthetic_chexbert(annotation=None, settings=None) -> Path:
     except OSError:  # another process finished first: its copy is identical
         shutil.rmtree(tmp, ignore_errors=True)
     return final / CHEXBERT_FILE
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path):
+    """An exclusive lock on `path` (a file beside a cached model): one process trains it, the others wait for it."""
+    import fcntl
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# The sandbox's foundation (README): what the papers start from, a general pre-trained vision-language model, for
+# --model tiny on --data synthetic. The tiny VLM learns two tasks that never meet: captions of images drawn apart from
+# the synthetic set (another seed), started by <caption>; and report text with each view blank, started by BOS, as a
+# language model reads text. It sees, and it writes report language, but it was never shown which report an image has.
+# Beside it, DCRRG's ClinicalBERT stand-in: a small BERT that learned the same report text as a masked language model,
+# no labels. Both train once, in a process of their own under NUMERIC_PINS, until the likelihood of held-out data
+# stops improving (the best weights kept); foundation.json records the curves, the probe and the CPU seconds.
+FOUNDATION_VERSION = 1  # of the recipe below: a new one trains into a new folder
+CAPTION_TOKEN = "<caption>"
+REASONING_TAGS = ("<think>", "</think>", "<report>", "</report>")  # MRG-R1's answer format, in the tokenizer as in a
+# general VLM's, first trained by MRG-R1's SFT
+FOUNDATION = dict(images=4000, reports=4000, held_out=400, batch_size=32, lr=1e-3, every=250, patience=3)
+FOUNDATION |= dict(min_gain=0.005, max_steps=20000, seed=1)  # min_gain in nats per token; seed 1: not the set's 0
+SIZES_TEXT_ENCODER = dict(hidden=128, layers=2, heads=2)  # DCRRG --model tiny's BERT (BERT-Tiny's shape)
+
+
+def foundation_data(n_images: int, n_reports: int, seed: int) -> tuple[list, list[str], list[str]]:
+    """What the foundation reads, drawn apart from the synthetic set: images with their captions, and report texts."""
+    rng = np.random.default_rng(seed)
+    images, captions, reports = [], [], []
+    for _ in range(n_images):
+        findings, _ = sample_synthetic_study(rng)
+        images.append(Image.fromarray(draw_synthetic_cxr(findings, rng)))
+        captions.append(describe_synthetic_image(findings))
+    for _ in range(n_reports):
+        findings, labels = sample_synthetic_study(rng)
+        reports.append(write_synthetic_report(findings, labels, rng))
+    return images, captions, reports
+
+
+def held_out_convergence(loss_fn, held_out_fn, model, desc, every, patience, min_gain, max_steps, lr) -> dict:
+    """AdamW on loss_fn(step) until held_out_fn() (a loss, no gradient) stops falling by min_gain for `patience`
+    validations, every `every` steps; the best weights loaded. -> {"steps", "best_step", "curve": [[step, loss]]}."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    rule, curve, step = Convergence(every, patience, min_gain, max_steps), [], 0
+    for step in trange(1, max_steps + 1, desc=desc):
+        loss = loss_fn(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % every == 0:
+            with torch.no_grad():
+                held = float(held_out_fn())
+            rule.update(-held, step, model)
+            curve.append([step, held])
+            if rule.converged:
+                break
+    model.load_state_dict(rule.best_weights, strict=False)
+    return {"steps": step, "best_step": rule.best_step, "curve": curve}
+
+
+def train_foundation_vlm(train_records, images, captions, reports, held_out, out_dir, batch_size, seed, **rule):
+    """The tiny VLM on captions (<caption> first) and blank-view reports (BOS first), half a batch each: the mean of
+    the two teacher-forced NLLs. Saved as a policy (load_policy) in out_dir. -> its training record."""
+    # the tokenizer covers the captions, the reports, the synthetic set's words and the labels' names (MRG-R1's SFT)
+    words = [r.report for r in train_records] + [n.lower() for n in CHEXPERT_LABELS]
+    tokenizer = WordTokenizer.build(captions + reports + words, (CAPTION_TOKEN, *REASONING_TAGS))
+    torch.manual_seed(seed)
+    policy = TinyPolicy(TinyVLM(len(tokenizer.vocab), max_len=128), tokenizer)
+    pixels = policy.caption_prompts([[im] for im in images])  # every image once: (N, 1, 1, S, S), <caption>
+    blank = policy.prompt_batch([[Image.new("L", images[0].size)]])  # a blank view, BOS
+    n_images, n_reports = len(images) - held_out, len(reports) - held_out
+
+    def nll(c, r):
+        """The mean of the captions' NLL (images c) and the reports' (texts r), each a token mean."""
+        caption_prompts = {k: v[c] for k, v in pixels.items()}
+        report_prompts = {k: v.expand(len(r), *v.shape[1:]) for k, v in blank.items()}
+        loss_c = policy.sft_loss(caption_prompts, [captions[i] for i in c])
+        return (loss_c + policy.sft_loss(report_prompts, [reports[i] for i in r])) / 2
+
+    g = torch.Generator().manual_seed(seed)
+
+    def batch_loss(step):
+        half = batch_size // 2
+        return nll(torch.randint(n_images, (half,), generator=g), torch.randint(n_reports, (half,), generator=g))
+
+    def held_out_loss():
+        c, r = torch.arange(n_images, len(images)), torch.arange(n_reports, len(reports))
+        return np.mean([nll(c[k : k + 100], r[k : k + 100]).item() for k in range(0, held_out, 100)])
+
+    record = held_out_convergence(batch_loss, held_out_loss, policy.model, "sandbox foundation VLM (steps)", **rule)
+    policy.save(out_dir)
+    return record | {"vocabulary": len(tokenizer.vocab)}
+
+
+def train_text_encoder(reports, held_out, out_dir, hidden, layers, heads, batch_size, seed, words=(), **rule):
+    """DCRRG's ClinicalBERT stand-in: a BERT (BertForMaskedLM) that learns report text as BERT did, 15 % of the word
+    pieces masked (80 % [MASK], 10 % a random piece, 10 % kept), until the held-out MLM loss stops falling. Saved with
+    its tokenizer (AutoModel and AutoTokenizer load it); `words`: texts whose words the word pieces also cover. -> its
+    training record."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    tokenizer = word_piece_tokenizer(reports + list(words), out_dir)
+    size = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden)
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(BertConfig(vocab_size=tokenizer.vocab_size, **size)).train()
+    special = torch.tensor(tokenizer.all_special_ids)
+    fit, held = reports[:-held_out], reports[-held_out:]
+
+    def mlm_loss(texts, g):
+        enc = tokenizer(texts, padding=True, return_tensors="pt")
+        ids = enc["input_ids"]  # (B, L)
+        u = torch.rand(ids.shape, generator=g)
+        chosen = (torch.rand(ids.shape, generator=g) < 0.15) & ~torch.isin(ids, special)  # (B, L)
+        masked = torch.where(chosen & (u < 0.8), tokenizer.mask_token_id, ids)
+        noise = torch.randint(len(SPECIAL_PIECES), tokenizer.vocab_size, ids.shape, generator=g)
+        masked = torch.where(chosen & (u >= 0.8) & (u < 0.9), noise, masked)
+        labels = torch.where(chosen, ids, -100)
+        return model(input_ids=masked, attention_mask=enc["attention_mask"], labels=labels).loss
+
+    g = torch.Generator().manual_seed(seed)
+
+    def batch_loss(step):
+        return mlm_loss([fit[i] for i in torch.randint(len(fit), (batch_size,), generator=g)], g)
+
+    def held_out_loss():
+        fixed = torch.Generator().manual_seed(seed)  # the same masks at every validation
+        return np.mean([mlm_loss(held[k : k + 100], fixed).item() for k in range(0, len(held), 100)])
+
+    record = held_out_convergence(batch_loss, held_out_loss, model, "sandbox text encoder (steps)", **rule)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return record | {"vocabulary": tokenizer.vocab_size}
+
+
+@torch.no_grad()
+def foundation_probe(policy, data: dict, write: bool = True) -> dict:
+    """Does the foundation see? A linear probe (logistic regression) on its frozen image features (the prefix grid,
+    flattened) fit on the training split's images, its AUROC per label on the test split; and (write) its greedy
+    captions of the test images against what was drawn (the signs each names, micro F1 over the 13 findings), and
+    what it writes for them started as a report (BOS)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+
+    def features(records):
+        images = [[load_image(r.image_paths[0], r.id)] for r in records]
+        chunks = [policy.prompt_batch(images[k : k + 256]) for k in range(0, len(images), 256)]
+        return torch.cat([policy.model.prefix(**p)[:, :-1].flatten(1) for p in chunks]).numpy()  # (N, g*g*D)
+
+    x_train, x_test = features(data["train"]), features(data["test"])
+    y_train, y_test = (binarize(np.stack([r.labels for r in data[s]])) for s in ("train", "test"))  # (N, 14)
+    auroc = {}
+    for k, name in enumerate(CHEXPERT_LABELS):
+        if 0 < y_train[:, k].sum() < len(y_train) and 0 < y_test[:, k].sum() < len(y_test):
+            probe = LogisticRegression(max_iter=2000).fit(x_train, y_train[:, k])
+            auroc[name] = float(roc_auc_score(y_test[:, k], probe.decision_function(x_test)))
+    out = {"probe_auroc": auroc, "probe_auroc_mean": float(np.mean(list(auroc.values())))}
+    if not write:
+        return out
+    records = data["test"]
+    written, reports = [], []
+    for k in range(0, len(records), 64):
+        images = [[load_image(r.image_paths[0], r.id)] for r in records[k : k + 64]]
+        written += policy.decode(*policy.generate(policy.caption_prompts(images), 96, do_sample=False))
+        reports += policy.decode(*policy.generate(policy.prompt_batch(images), 96, do_sample=False))
+    drawn = [describe_synthetic_image(r.meta["findings"]) for r in records]
+    said, truth = caption_signs(written), caption_signs(drawn)  # (N, 13) each
+    tp, fp, fn = (said & truth).sum(), (said & ~truth).sum(), (~said & truth).sum()
+    return out | {
+        "caption_signs_f1": float(2 * tp / max(1, 2 * tp + fp + fn)),
+        "captions_exact": float(np.mean([w == d for w, d in zip(written, drawn)])),
+        "captions": [{"drawn": d, "written": w} for d, w in list(zip(drawn, written))[:5]],
+        "reports_distinct": len(set(reports)),  # of the test images, started as a report: never trained with images
+        "reports": Counter(reports).most_common(3),
+    }
+
+
+def train_foundation(annotation, out_dir, settings: dict) -> Path:
+    """The sandbox's foundation for the synthetic set at `annotation` (its training words, its images for the probe):
+    out_dir/vlm (the tiny VLM), out_dir/text_encoder (the BERT), out_dir/foundation.json."""
+    out_dir, clock = Path(out_dir), time.process_time()
+    s = dict(settings)
+    data = load_annotation(annotation)
+    n, held_out, seed = s.pop("images"), s["held_out"], s.pop("seed")
+    images, captions, reports = foundation_data(n + held_out, s.pop("reports") + held_out, seed)
+    rule = {k: s[k] for k in ("every", "patience", "min_gain", "max_steps", "lr", "batch_size")} | {"seed": seed}
+    vlm = train_foundation_vlm(data["train"], images, captions, reports, held_out, out_dir / "vlm", **rule)
+    words = [r.report for r in data["train"]]  # the set's words are whole word pieces (DCRRG's decoder writes them)
+    text = train_text_encoder(reports, held_out, out_dir / "text_encoder", **SIZES_TEXT_ENCODER, words=words, **rule)
+    probe = foundation_probe(load_policy(out_dir / "vlm"), data)
+    torch.manual_seed(seed)  # the same model untrained: what a probe reads from random features
+    untrained = TinyPolicy(TinyVLM(vlm["vocabulary"], max_len=128), WordTokenizer.build([]))
+    probe["probe_auroc_mean_untrained"] = foundation_probe(untrained, data, write=False)["probe_auroc_mean"]
+    record = {"version": FOUNDATION_VERSION, "settings": settings, "vlm": vlm, "text_encoder": text, "probe": probe}
+    record["cpu_seconds"] = round(time.process_time() - clock, 1)
+    (out_dir / "foundation.json").write_text(json.dumps(record, indent=1))
+    return out_dir
+
+
+def synthetic_foundation(annotation=None, settings=None) -> Path:
+    """The sandbox's foundation beside the synthetic set (or `annotation`'s), trained once in a process of its own
+    under NUMERIC_PINS (every machine gets the same weights); while one process trains it, others wait."""
+    annotation = Path(annotation or synthetic_data())
+    final = annotation.parent / f"foundation-v{FOUNDATION_VERSION}"
+    with cache_lock(annotation.parent / ".foundation.lock"):
+        if not (final / "foundation.json").is_file():
+            log.info("training the sandbox's foundation model beside %s, once (minutes): %s", annotation, final)
+            tmp = Path(tempfile.mkdtemp(dir=annotation.parent, prefix=".tmp-foundation-"))
+            command = [sys.executable, str(Path(__file__).resolve()), "foundation", "--data", str(annotation)]
+            command += ["--out", str(tmp)]
+            for name, value in (settings or FOUNDATION).items():
+                command += [f"--{name.replace('_', '-')}", str(value)]
+            try:
+                subprocess.run(command, env=dict(os.environ, **NUMERIC_PINS), check=True)
+                tmp.rename(final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 # ==== 4. Metrics: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D) and CE (label precision/recall/F1) =========
@@ -1261,15 +1560,16 @@ class TinyVLM(torch.nn.Module):
         config = GPT2Config(vocab_size=vocab_size, **size, **no_dropout, bos_token_id=1, eos_token_id=2)
         self.decoder = GPT2LMHeadModel(config)
 
-    def prefix(self, pixel_values, view_mask, bos_id: int):
-        """(N, V, 1, S, S) zero-padded views, view_mask (N, V) -> (N, g*g + 1, D): the views' mean features, BOS."""
+    def prefix(self, pixel_values, view_mask, start_ids):
+        """(N, V, 1, S, S) zero-padded views, view_mask (N, V), start_ids (N,) or one id -> (N, g*g + 1, D): the views'
+        mean features, then the start token (BOS: a report; the foundation's <caption>: a caption)."""
         N, V = pixel_values.shape[:2]
         feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
         feats = self.project(feats.flatten(2).transpose(1, 2)).view(N, V, -1, self.hparams["n_embd"])  # (N, V, g*g, D)
         m = view_mask.to(feats.dtype)[:, :, None, None]  # (N, V, 1, 1)
         feats = (feats * m).sum(1) / m.sum(1)  # (N, g*g, D) mean over the study's real views
-        bos = self.decoder.transformer.wte(torch.full((N, 1), bos_id, device=feats.device))  # (N, 1, D)
-        return torch.cat([feats, bos], dim=1)
+        start = torch.as_tensor(start_ids, device=feats.device).reshape(-1, 1).expand(N, 1)  # (N, 1)
+        return torch.cat([feats, self.decoder.transformer.wte(start)], dim=1)
 
 
 class TinyPolicy:
@@ -1291,13 +1591,25 @@ class TinyPolicy:
             for study in images
         ]  # (V, 1, S, S) each
         pixel_values, view_mask = pad_views(views)
-        return {"pixel_values": pixel_values.to(self.device), "view_mask": view_mask.to(self.device)}
+        start_ids = torch.full((len(views),), self.tokenizer.bos_id)  # (B,) a report's start token
+        prompts = {"pixel_values": pixel_values, "view_mask": view_mask, "start_ids": start_ids}
+        return {k: v.to(self.device) for k, v in prompts.items()}
+
+    def caption_prompts(self, images) -> dict:
+        """The sandbox foundation's other task: prompt_batch with <caption> as the start token."""
+        prompts = self.prompt_batch(images)
+        prompts["start_ids"] = torch.full_like(prompts["start_ids"], self.tokenizer.index[CAPTION_TOKEN])
+        return prompts
+
+    def vision_and_language(self):
+        """(the CNN and its projection, the GPT-2 decoder) as modules, as HFPolicy's."""
+        return torch.nn.ModuleList([self.model.encoder, self.model.project]), self.model.decoder
 
     def repeat(self, prompts: dict, G: int) -> dict:
         return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
 
     def generate(self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
-        embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
+        embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
         attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
         inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask)
         max_new_tokens = min(max_new_tokens, self.model.hparams["max_len"])
@@ -1307,7 +1619,7 @@ class TinyPolicy:
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
-        prefix = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], self.tokenizer.bos_id)  # (N, P, D)
+        prefix = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
         P, T = prefix.shape[1], completion_ids.shape[1]
         embeds = torch.cat([prefix, self.model.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
         logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1 : P - 1 + T]  # (N, T, V) predicts token t
@@ -1570,6 +1882,21 @@ class SmallCNN(torch.nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class FoundationImageEncoder(torch.nn.Module):
+    """The sandbox foundation's image side (a TinyVLM's CNN and projection) as an encoder of images normalised as
+    default_transform(S, 1) gives them: (B, 1, S, S) -> (B, g*g*D), its g x g prefix features flattened (where a sign
+    lies stays visible), as ImageNet's ResNet-50 stands for a pre-trained image encoder (DCRRG, App. A)."""
+
+    def __init__(self, vlm: TinyVLM):
+        super().__init__()
+        self.encoder, self.project = vlm.encoder, vlm.project
+        self.dim = vlm.hparams["grid"] ** 2 * vlm.hparams["n_embd"]
+
+    def forward(self, x):
+        x = (x * 0.229 + 0.485) * 2 - 1  # default_transform's ImageNet normalisation -> TinyPolicy's [-1, 1]
+        return self.project(self.encoder(x).flatten(2).transpose(1, 2)).flatten(1)  # (B, g*g, D) -> (B, g*g*D)
 
 
 def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--pretrained") -> ViewMean:
@@ -1836,6 +2163,9 @@ class RunArgs:
     """auto: bf16 (the papers') on a GPU that has it, else fp32; what trains keeps fp32 master weights"""
     clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"
     """R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's"""
+    tiny_start: Literal["auto", "foundation", "random"] = "auto"
+    """--model tiny's weights at the start: foundation (the sandbox's pre-trained tiny VLM, trained once beside the
+    synthetic set: README) or random; auto: foundation on --data synthetic, else random"""
     resume: bool = False
     """continue the run in --out from its last checkpoint, with the flags in its config.json"""
     drop_invalid: bool = False
@@ -1976,8 +2306,11 @@ def exact_div(a: int, b: int, what: str) -> int:
 class Run:
     """One run: processes (rank, world size, device, dtype), inputs (data, labeler), folder (README, "Run folders")."""
 
-    def __init__(self, args, rank, world_size, device, data, labeler, resume_flags=None, check=True, notes=()):
+    def __init__(
+        self, args, rank, world_size, device, data, labeler, resume_flags=None, check=True, notes=(), foundation=None
+    ):
         self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
+        self.foundation = foundation  # the sandbox's foundation folder (--tiny-start foundation), else None
         self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
         self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
         self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
@@ -2019,7 +2352,8 @@ class Run:
         """A run in out/<name> (config, log, checkpoint) sharing processes, data, labeler; --resume checks `flags`."""
         args = dataclasses.replace(self.args, out=str(self.out / name))
         processes = (self.rank, self.world_size, self.device)
-        return Run(args, *processes, self.data, self.labeler, resume_flags=tuple(flags), notes=self.notes)
+        inputs = (self.data, self.labeler)
+        return Run(args, *processes, *inputs, resume_flags=tuple(flags), notes=self.notes, foundation=self.foundation)
 
     def per_rank(self, batch_size: int, flag: str) -> int:
         """A global batch (as the papers count) -> this rank's share."""
@@ -2167,7 +2501,8 @@ class Run:
                 for r, c in zip(records, completions)
             ]
             labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
-            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **(ce or {}))
+            gold = np.stack([r.labels for r in records]) if all(r.labels is not None for r in records) else None
+            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, gold=gold, **(ce or {}))
             if score:
                 results |= score(rows, labeler)
             self.write(f"generations_{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
@@ -2193,6 +2528,10 @@ def resolve_defaults(args):
         args.labeler = "rule" if offline else "chexbert"
     if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
         args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    if args.model == "tiny" and args.tiny_start == "auto":  # as the papers, a pre-trained start (the sandbox's)
+        args.tiny_start = "foundation" if args.data == "synthetic" else "random"
+    if args.model == "tiny" and args.tiny_start == "foundation" and args.data != "synthetic":
+        raise ValueError("--tiny-start foundation needs --data synthetic: the foundation knows its images and words")
     return args
 
 
@@ -2209,6 +2548,7 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     data = load_data(args.data, drop_invalid=args.drop_invalid)
     if args.labeler == "chexbert" and args.data == "synthetic" and not args.chexbert_weights:
         args.chexbert_weights = str(synthetic_chexbert())  # the sandbox's, trained once beside the synthetic set
+    foundation = synthetic_foundation() if args.model == "tiny" and args.tiny_start == "foundation" else None
     if rank == 0:
         barrier()
     if args.clean == "auto":
@@ -2220,7 +2560,7 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     )
     notes = [rule, *notes] if args.labeler == "rule" else list(notes)
     seed_everything(args.seed)
-    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes)
+    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes, foundation=foundation)
     if rank == 0:
         log.info(start_block(run))
         for note in notes:
@@ -2239,7 +2579,8 @@ def start_block(run: Run) -> str:
         "run folder": f"{run.out} ({'--resume: continued' if args.resume else 'a new run'})",
         "data": f"{data}: {', '.join(f'{k} {len(v)}' for k, v in run.data.items())} studies; views per study: "
         f"{', '.join(f'{v} in {n}' for v, n in views.most_common())} studies; cleaning {args.clean}",
-        "model": f"{args.model}; {args.dtype} on {run.device}; {run.world_size} process(es)",
+        "model": f"{args.model}; {args.dtype} on {run.device}; {run.world_size} process(es)"
+        + (f"; starts from the sandbox's foundation, {run.foundation}" if run.foundation else ""),
         "labeler": f"chexbert, {weights}" if args.labeler == "chexbert" else "rule (offline CheXpert-style rules)",
     }
     return "\n".join(f"{k:<12}{v}" for k, v in lines.items())
@@ -2356,6 +2697,17 @@ def warm_start_stage(
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
+def initial_policy(run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512):
+    """--model's policy before the paper trains it, equal on every rank: the sandbox's foundation (--tiny-start
+    foundation), a random tiny model on the reports' words, or the Hugging Face model's own weights."""
+    if run.foundation is not None:
+        policy = load_policy(run.foundation / "vlm", run.device, run.dtype)
+    else:
+        policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
+    broadcast_parameters(policy.model)
+    return policy
+
+
 def build_policy(
     run: Run,
     records: list,
@@ -2369,15 +2721,14 @@ def build_policy(
     max_pixels: int | None = 512 * 512,
     fsdp: bool = False,
 ):
-    """(policy, reference): `init` (a saved policy) or --model, equal on every rank. `lora` ({r, alpha, dropout,
-    targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none": reference=False).
-    `warm_start` (warm_start_stage's settings) first fine-tunes on the reports (a random model earns no reward)."""
+    """(policy, reference): `init` (a saved policy) or initial_policy(), equal on every rank. `lora` ({r, alpha,
+    dropout, targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none":
+    reference=False). `warm_start` (warm_start_stage's settings) first fine-tunes on the reports."""
     if init is not None:
         policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
+        broadcast_parameters(policy.model)
     else:
-        reports = [r.report for r in records]
-        policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
-    broadcast_parameters(policy.model)
+        policy = initial_policy(run, [r.report for r in records], max_new_tokens, extra_tokens, max_pixels)
 
     def add_lora():
         vision = policy.vision_and_language()[0]  # its MLP shares the LM's names
@@ -2596,26 +2947,38 @@ def make_labeler(name: str, chexbert_weights=None, device=None):
     return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
 
 
-def evaluate_generations(rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1") -> dict:
+def evaluate_generations(
+    rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None
+) -> dict:
     """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
     (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
-    every metric. Degenerate output (most reports alike, or none with a word of the references) is called out."""
+    every metric. Degenerate output (most reports alike, or none with a word of the references) is called out.
+    `gold` (N, 14): the references' own labels (the annotation's): "ce_gold" scores against them in place of the
+    labeler's reading of the references. With CheXbert, "labelers_agree": how often the rules read the generated
+    reports as it does (each report's 14 labels, binarised as CE counts them)."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
     n_empty = sum(not h.strip() for h in hyps)
     if n_empty:
         log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
     cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
-    return {
+    hyp_labels, inner = labeler(hyps), getattr(labeler, "labeler", labeler)  # inside a LabelCache, the labeler
+    out = {
         "n": len(rows),
         "n_empty_generations": n_empty,
         "degenerate": degenerate_output(hyps, refs),
         "clean": clean,
-        "labeler": type(getattr(labeler, "labeler", labeler)).__name__,  # inside a LabelCache, the labeler
+        "labeler": type(inner).__name__,
         "uncertain_as": uncertain_as,
         "headline": headline,
         "nlg": nlg_metrics(*cleaned, meteor=meteor),
-        "ce": ce_metrics(labeler(hyps), labeler(refs), uncertain_as=uncertain_as),
+        "ce": ce_metrics(hyp_labels, labeler(refs), uncertain_as=uncertain_as),
     }
+    if gold is not None:
+        out["ce_gold"] = ce_metrics(hyp_labels, gold, uncertain_as=uncertain_as)
+    if isinstance(inner, CheXbertLabeler):
+        same = binarize(hyp_labels, uncertain_as) == binarize(RuleLabeler()(hyps), uncertain_as)  # (N, 14)
+        out["labelers_agree"] = {"reports": float(same.all(1).mean()), "labels": float(same.mean())}
+    return out
 
 
 STOP_WORDS = {"a", "an", "the", "and", "or", "this", "that", "it", "its", "there"}
@@ -2644,7 +3007,8 @@ def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
     if signs:
         warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little"
         log.warning(warning)
-    return dict(distinct=distinct, most_common_share=count / n, contentless_share=contentless / n, warning=warning)
+    out = dict(distinct=distinct, most_common_share=count / n, contentless_share=contentless / n, warning=warning)
+    return out | {"most_common": top[:200]}
 
 
 def summary(results: dict) -> str:
@@ -2717,6 +3081,11 @@ def main(argv=None):
     for name, default in SANDBOX_CHEXBERT.items():
         c.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     c.add_argument("--seed", type=int, default=0)
+    f = sub.add_parser("foundation", help="train the sandbox's foundation once (the tiny VLM, DCRRG's text encoder)")
+    f.add_argument("--data", default="synthetic", help='"synthetic" or a synthetic set\'s annotation.json')
+    f.add_argument("--out", help="a fresh folder (default: beside the set, where every run finds it)")
+    for name, default in FOUNDATION.items():
+        f.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     plot = sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl")
     plot.add_argument("run", help="a run's --out folder")
     s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout) to a folder")
@@ -2736,6 +3105,23 @@ def main(argv=None):
             raise SystemExit(f"error: {args.data}: every training record needs 'labels' to train CheXbert on")
         settings = {k: getattr(args, k) for k in SANDBOX_CHEXBERT}
         print(f"wrote {train_chexbert(records, args.out, **settings, seed=args.seed)}")
+        return
+    if args.command == "foundation":
+        annotation = synthetic_data() if args.data == "synthetic" else args.data
+        settings = {k: getattr(args, k) for k in FOUNDATION}
+        if not args.out and settings != FOUNDATION:
+            raise SystemExit(
+                "error: other settings than FOUNDATION's need --out (the cached foundation is the recipe's)"
+            )
+        out = (
+            train_foundation(annotation, args.out, settings) if args.out else synthetic_foundation(annotation, settings)
+        )
+        record = json.loads((out / "foundation.json").read_text())
+        probe = record["probe"]
+        print(
+            f"wrote {out}: linear probe AUROC {probe['probe_auroc_mean']:.3f} (mean over the labels), caption signs F1 "
+            f"{probe['caption_signs_f1']:.3f}, {record['cpu_seconds']:.0f} CPU-seconds"
+        )
         return
     if args.command == "synthetic":
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)

@@ -52,8 +52,9 @@ class Args(common.RunArgs):
     """--model paper: the ResNet-50's start, "imagenet" (App. A: torchvision's weights, downloaded once), "none"
     (random) or a state-dict file"""
     text_encoder: str | None = None
-    """HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT, as it is: 768 / 12 heads); None: a random BERT (paper:
-    512 hidden, 8 heads) on our vocabulary"""
+    """HF id or folder (App. A: emilyalsentzer/Bio_ClinicalBERT, as it is: 768 / 12 heads); None: with the sandbox's
+    foundation (--tiny-start) its BERT, pre-trained on report text without labels, else a random BERT (paper: 512
+    hidden, 8 heads) on our vocabulary"""
     extra_data: str | None = None
     """annotation.json whose train records join Step 1 only (Tables 1 and 5: CheXpert)"""
     lr: Annotated[float | None, "[0, 1]"] = None
@@ -181,12 +182,16 @@ class ProjectionHead(nn.Module):
 class DCRRG(nn.Module):
     """All the parts: each step trains some (set_trainable) and saves all."""
 
-    def __init__(self, args: Args, tokenizer):
+    def __init__(self, args: Args, tokenizer, foundation=None):
         super().__init__()
         size = SIZES[args.model]
         self.tokenizer = tokenizer
-        # Eq. 1a's E_img, averaged over a study's views: a small CNN or ResNet-50's pooled 2048-d feature (App. A)
-        if args.model == "tiny":
+        # Eq. 1a's E_img, averaged over a study's views: ResNet-50's pooled 2048-d feature (App. A); --model tiny: the
+        # sandbox foundation's image side (ImageNet's stand-in, `foundation`), or a random small CNN
+        if args.model == "tiny" and foundation is not None:
+            vlm = common.load_policy(foundation / "vlm").model
+            self.image_encoder = common.ViewMean(common.FoundationImageEncoder(vlm))
+        elif args.model == "tiny":
             self.image_encoder = common.ViewMean(common.SmallCNN())
         else:
             weights = None if args.pretrained == "none" else args.pretrained
@@ -589,7 +594,9 @@ def step4(run, args: Args, env: dict, name: str, init: str | None) -> dict:
         )
         rows = [{"id": r.id, "reference": r.report, "generated": g} for r, g in zip(records, texts)]
         st.write("generations_test.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # rank 0 writes and scores
-        scores = common.evaluate_generations(rows, env["labeler"], args.clean, **CE) if st.is_main else {}
+        gold = [env["gold"].get(r.id) for r in records]  # the annotation's labels, where it has them
+        gold = np.stack(gold) if all(g is not None for g in gold) else None
+        scores = common.evaluate_generations(rows, env["labeler"], args.clean, gold=gold, **CE) if st.is_main else {}
         return {"step4": args.step4, **scores}
 
     # Sec. 3.4: P-Tuning trains the prefixes and the fresh head only; FFT the image side and the decoder
@@ -679,7 +686,7 @@ def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, b
     if st.done is not None:
         return st.done
     common.seed_everything(args.seed)  # the same fresh weights on every rank
-    model = DCRRG(args, env["tokenizer"]).to(run.device)
+    model = DCRRG(args, env["tokenizer"], env["foundation"]).to(run.device)
     if init is not None:
         path = run.out / init / "model.pt"
         if not path.is_file():
@@ -787,7 +794,10 @@ def prepare(run, args: Args) -> dict:
     # No augmentation: R2Gen's random flip swaps left and right, which the reports name
     transform = common.default_transform(SIZES[args.model]["image_size"], channels=1 if args.model == "tiny" else 3)
     tokenizer = build_tokenizer(args, [r.report for r in data["train"] + data["extra"]], run)
-    return dict(data, labeler=run.labeler, transform=transform, tokenizer=tokenizer)
+    gold = {r.id: r.labels for records in run.data.values() for r in records}  # before relabel(): the annotation's
+    return dict(
+        data, labeler=run.labeler, transform=transform, tokenizer=tokenizer, foundation=run.foundation, gold=gold
+    )
 
 
 def paper_notes(args: Args) -> list[str]:
@@ -805,6 +815,8 @@ def paper_notes(args: Args) -> list[str]:
 
 def train(command: str, args: Args) -> dict:
     run = common.start_run(args, stages=True, notes=paper_notes(args))
+    if run.foundation is not None and args.text_encoder is None:  # ClinicalBERT's stand-in: the sandbox's text BERT
+        args.text_encoder = str(run.foundation / "text_encoder")
     env = prepare(run, args)
     if command == "ablation":
         return ablation(run, args, env)

@@ -17,7 +17,8 @@ compares the reward diversity of groups, random 100 % vs DDSampling 20 %.
     torchrun --nproc_per_node=8 deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --fsdp
 
 Commands: all (= sft, sample, rl) | sft | sample | rl | table6 | table7; a stage runs in its folder of --out (sft/,
-ddsampling/, rl_<weighting>/: rl_grad is DEER); --resume continues a stage, skips finished ones.
+ddsampling/, rl_<weighting>[_<subset>]/: rl_grad is DEER, rl_grad_all DiTPO on all the data); --resume continues a
+stage, skips finished ones.
 
 CE metric (Sec. 4.1, PromptMRG's): sample-wise (example) F1 over the 14 labels, positives only.
 
@@ -77,6 +78,9 @@ class Args(common.RunArgs):
     """RL lr; None: 1e-6 (Sec. 4.1) for HF models, 1e-4 tiny (ours)"""
     steps: Annotated[int | None, "[0, inf)"] = None
     """RL steps; None: one epoch of the subset for HF models (the paper gives none), 120 tiny"""
+    sft_lm: Literal["auto", "frozen", "trained"] = "auto"
+    """Stage 1's language model: frozen (Sec. 4.1: the vision encoder and projector learn), or trained; auto: frozen,
+    but trained for a random tiny model (a random language model writes nothing)"""
     sft_steps: Annotated[int | None, "[0, inf)"] = None
     """SFT steps; None: one epoch for HF models (the paper gives none), tiny: until validation stops improving
     (CONVERGE, the sandbox's stand-in for a finished cold start)"""
@@ -112,10 +116,10 @@ RULE_NOTE = (
 )
 CE = dict(headline="example_f1", uncertain_as=0)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives
 BAR = ("reward", "f1", "bleu2", "loss")  # the RL progress bar (every number is in metrics.jsonl)
-SHARED = ("data", "model", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")
+SHARED = ("data", "model", "tiny_start", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")
 RL_FLAGS = ("labeler", "weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step", "grad_accum", "lr")
 STAGE_FLAGS = {  # the flags a stage's output depends on
-    "sft": SHARED + ("sft_steps",),
+    "sft": SHARED + ("sft_steps", "sft_lm"),
     "ddsampling": SHARED + ("labeler",),  # --grad-accum: memory, SFT may differ
     "rl": SHARED + RL_FLAGS + ("steps", "subset", "fraction", "fsdp"),  # --steps places the phase switch
 }
@@ -338,11 +342,11 @@ def ditpo_step(policy, roll: common.Rollout, w: torch.Tensor, G: int):
 
 
 # Stage 1: SFT cold start -------------------------------------------------------------------------
-def sft_trainable(policy, tiny: bool) -> list:
-    """Sec. 4.1: the LM frozen, the vision encoder + projector (Qwen's tower and merger) train; tiny: all (ours)."""
-    policy.model.requires_grad_(tiny)
-    if not tiny:
-        policy.vision_and_language()[0].requires_grad_(True)
+def sft_trainable(policy, frozen_lm: bool) -> list:
+    """Sec. 4.1: the LM frozen, the vision encoder + projector (Qwen's tower and merger; the tiny model's CNN and
+    projection) train; else all of it."""
+    policy.model.requires_grad_(not frozen_lm)
+    policy.vision_and_language()[0].requires_grad_(True)
     common.fp32_trainable(policy.model)  # bf16 weights: what trains keeps fp32 master weights
     return [p for p in policy.model.parameters() if p.requires_grad]
 
@@ -352,11 +356,10 @@ def sft(run: common.Run, args: Args, s: Settings) -> dict:
     if run.done:
         return run.done
     studies = run.data["train"]
-    policy = common.make_policy(
-        args.model, [r.report for r in studies], run.device, run.dtype, s.max_new, max_pixels=args.max_pixels
-    )
-    common.broadcast_parameters(policy.model)
-    params = sft_trainable(policy, s.tiny)
+    policy = common.initial_policy(run, [r.report for r in studies], s.max_new, max_pixels=args.max_pixels)
+    random_lm = s.tiny and run.foundation is None  # a random language model writes nothing: it trains
+    frozen_lm = args.sft_lm == "frozen" or (args.sft_lm == "auto" and not random_lm)
+    params = sft_trainable(policy, frozen_lm)
     converge = common.Convergence(**CONVERGE) if s.sft_converge else None
     total = s.sft_steps if s.sft_steps is not None else len(studies) // s.sft_batch  # one epoch
     if converge:
@@ -608,7 +611,8 @@ def train(command: str, args: Args) -> dict:
     if command in ("sample", "all"):  # Stage 2: DDSampling, the RL subset
         results["ddsampling"] = ddsampling(run.stage("ddsampling", STAGE_FLAGS["ddsampling"]), args, s)
     if command in ("rl", "all"):  # Stage 3: DiTPO from the SFT model on the subset (--weighting none: GRPO)
-        results["rl"] = ditpo(run.stage(f"rl_{args.weighting}", STAGE_FLAGS["rl"]), args, s)
+        subset = "" if args.subset == "ddsampling" else f"_{args.subset}"  # rl_grad: DEER, rl_none_all: GRPO 100 %
+        results["rl"] = ditpo(run.stage(f"rl_{args.weighting}{subset}", STAGE_FLAGS["rl"]), args, s)
     if command in ("table6", "table7"):  # analyses of the SFT policy, in one process
         if run.world_size > 1:
             raise ValueError(f"run `deer.py {command}` with python, not torchrun (a single-process analysis)")

@@ -63,8 +63,9 @@ class Args(common.RunArgs):
     steps: Annotated[int | None, "[0, inf)"] = None
     """RL steps; None: 3 epochs (TRL's default) for HF models, 250 for the tiny model; 0: evaluate only"""
     sft_steps: Annotated[int | None, "[0, inf)"] = None
-    """warm start before RL (the paper: RL only, from a general VLM); None: 0 for HF models; the tiny model (a random
-    one writes no words) learns report text with blank images until it stops improving (CONVERGE): fluent, task-naive"""
+    """warm start before RL (the paper: RL only, from a general VLM); None: 0 for HF models and the sandbox's
+    foundation (--tiny-start); a random tiny model (it writes no words) learns report text with blank images until it
+    stops improving (CONVERGE): fluent, task-naive"""
     max_new_tokens: Annotated[int | None, "[1, inf)"] = None
     """None: 256 (TRL's max_completion_length) for HF models, 96 for the tiny model"""
     loss_type: Literal["dr_grpo", "grpo", "bnpo"] = "dr_grpo"
@@ -100,11 +101,10 @@ FACTS_BETA = 2.0  # Eq. 15's beta > 1 weights recall; no value given (ours)
 FACT_TOKENS = 256  # the hf: extractor's answer length
 ZRR_MOMENTUM, ZRR_POWER = 0.5, 2.0  # Eq. 9's EMA momentum m and Eq. 10's sharpening exponent p: Table 6 (arXiv v2)
 WARM_START = dict(lr=1e-3, batch_size=32)  # --sft-steps' settings (ours)
-# The paper's policy is a general VLM that has never seen the task; the sandbox's tiny model learns to write reports
-# with each view blank (the report text alone), validated every 100 steps by the mean token log-likelihood of N_EVAL
-# validation reports, stopped after 3 validations without a gain of 0.01 nats (declared before any sweep). Fig. 2
-# starts near 30 % zero-reward groups; from this start OraPO's default run (seed 0) had 14 % over its first 50 steps,
-# vanilla GRPO from a 25-step blind start 16.5 %: fluent text on the synthetic vocabulary seldom misses every finding
+# The paper's policy is a general VLM that has never seen the task: on --data synthetic the sandbox's foundation. A
+# random tiny model (real data) instead learns to write reports with each view blank (the report text alone),
+# validated every 100 steps by the mean token log-likelihood of N_EVAL validation reports, stopped after 3 validations
+# without a gain of 0.01 nats
 CONVERGE = dict(every=100, patience=3, min_gain=0.01, max_steps=5000)
 # Sec. 4.2: "macro-averaged over labels", the unweighted mean over the 14; positives (the benchmark scores label == 1)
 CE = dict(headline="macro_f1", uncertain_as=0)
@@ -431,7 +431,9 @@ def train(args: Args) -> dict:
     gt = {pool[i].id: y[i] for i in keep}  # study id -> y (14,)
     extractor = SentenceFacts() if args.facts == "sentences" else LLMFacts(args.facts[3:], run.device)
 
-    blind = tiny and args.sft_steps is None  # the sandbox's task-naive start: report text, no image
+    # RL only (Sec. 4.1), from the sandbox's foundation (a general VLM's stand-in); a random tiny model first learns
+    # report text with blank images (task-naive, image-blind: what a general VLM knows of the text, nothing more)
+    blind = tiny and args.sft_steps is None and run.foundation is None
 
     def fluency(stage, policy, step):
         """The blind warm start's validation: the mean token log-likelihood of N_EVAL validation reports."""

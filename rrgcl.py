@@ -35,6 +35,7 @@ Equations, and where they are implemented:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -62,7 +63,10 @@ class Args(common.RunArgs):
     t0: bool = True
     """epochs t = 0..T (Algorithm 1 line 6: the lambda_n(0) subset trains first); --no-t0: t = 1..T (Sec. 3.3.1)"""
     steps: Annotated[int | None, "[0, inf)"] = None
-    """steps in all, shared over the epochs as their subsets' sizes; None: a pass over each (Alg. 1 l. 11)"""
+    """Algorithm 1's steps in all, shared over the epochs as their subsets' sizes; None: a pass over each (l. 11)"""
+    converge: Literal["auto", "yes", "no"] = "auto"
+    """yes: after t = T, train on every study until validation stops improving (CONVERGE), the best weights kept, as
+    the sandbox trains every table's model; auto: yes from the sandbox's foundation, else no (the schedule's steps)"""
     batch_size: Annotated[int, "[1, inf)"] = 32
     """studies per step over all ranks (the paper follows the wrapped model; ours)"""
     lr: Annotated[float | None, "[0, 1]"] = None
@@ -102,6 +106,11 @@ ARRAYS = ("labels", "dif1", "dif2")  # of the difficulty file, NaN (a blank labe
 C0 = 0.01  # Linear / Root / Geom start (Platanios et al. 2019)
 BUCKETS = 5  # Baby Step / One Pass buckets (Bengio 2009 gives none)
 MAX_GRAD_NORM = 1.0
+# The sandbox trains the generator to convergence, as it does every table's model: validation CE micro F1 of greedy
+# reports on N_VAL studies every 100 steps, and after Algorithm 1's last epoch (t = T: every study) on over all studies
+# until 4 validations bring no gain of 0.005; the best validated weights kept (declared before the sweep)
+CONVERGE = dict(every=100, patience=4, min_gain=0.005, max_steps=5000)
+N_VAL = 200
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(r=16, alpha=32, dropout=0.05, targets=LORA_TARGETS)
 
@@ -317,26 +326,38 @@ def train(args: Args) -> dict:
         steps = np.diff(np.round(args.steps * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
     ends = np.cumsum(steps)  # each epoch's last step
     optimizer, scheduler = common.adamw(params, args.lr or (1e-3 if tiny else 1e-4), int(ends[-1]))
-    start = run.restore(policy.model, optimizer, scheduler)  # > 0 under --resume
+    converge = args.converge == "yes" or (args.converge == "auto" and run.foundation is not None)
+    rule = common.Convergence(**CONVERGE) if converge else None
+    start = run.restore(policy.model, optimizer, scheduler, state=vars(rule) if rule else None)  # > 0: --resume
+    epochs = list(enumerate(ts))
+    if rule:  # after t = T, every study until the rule stops (counted as epoch T + 1)
+        epochs.append((len(ts), T + 1))
+        ends = np.append(ends, ends[-1] + CONVERGE["max_steps"])
+
+    trained = start  # steps trained so far
 
     # Algorithm 1 lines 6-12
-    for e, t in enumerate(ts):  # line 6: for t = 0 to T
-        lam = rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"])  # Eq. 11: lambda_n(t) of every class n, (c,)
+    for e, t in epochs:  # line 6: for t = 0 to T
+        lam = rrgcl_lambda(min(t, T), T, plan["gamma"], plan["lambda0"])  # Eq. 11: lambda_n(t) of every class n, (c,)
         # lines 7-10: D_sub(t) = the easiest lambda_n(t) of each D_n, united (Table 2's schedulers: a global slice)
-        if args.scheduler == "rrgcl":
+        if t > T:
+            d_sub = np.arange(len(train_set))
+        elif args.scheduler == "rrgcl":
             d_sub = rrgcl_subset(plan["class_orders"], lam)
         else:
             d_sub = epoch_subset(args.scheduler, t, T, plan)
         first = int(ends[e - 1]) if e else 0  # the epoch's steps: first..end - 1
         end = int(ends[e])
-        if max(start, first) >= end:
+        if max(start, first) >= end or (rule and rule.converged and t > T):
             continue  # trained before --resume, or no step of --steps falls in this epoch
         batches = epoch_batches(run, d_sub, first, end, e)
         # line 11: train G on D_sub(t)
         for step, batch in run.steps(end, batches, f"RRGCL t = {t}", start=max(start, first)):
+            if rule and rule.converged and t > T:
+                break  # decided at the last validation (its metrics line is written)
             if step == first:
                 lambdas = {}
-                if args.scheduler == "rrgcl":
+                if args.scheduler == "rrgcl" and t <= T:
                     lambdas = {f"lambda/{n}": x for n, x in zip(plan["classes"], lam)}
                 run.log(epoch=t, subset=len(d_sub), **lambdas)
             with run.autocast():
@@ -344,6 +365,13 @@ def train(args: Args) -> dict:
             loss.backward()
             run.log(loss=loss.item())
             run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
+            trained = step + 1
+            if rule and (step + 1) % rule.every == 0:  # the sandbox's convergence rule
+                r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{step + 1}", PROMPT, max_new, ce=CE)
+                rule.update(r["ce"][r["headline"]], step + 1, policy.model)
+                run.log(validation=r["ce"][r["headline"]])
+    if rule:
+        policy.model.load_state_dict(rule.best_weights, strict=False)  # the best validation's weights
 
     def q1(rows, labeler):
         """Fig. 1 on the greedy test reports."""
@@ -351,10 +379,11 @@ def train(args: Args) -> dict:
 
     result = run.evaluate(policy, test_set, "test", PROMPT, max_new, score=q1, meteor=True, ce=CE)
     if run.is_main:
-        print(f"{args.scheduler} after {ends[-1]} steps: {common.summary(result)}")
-    return run.finish(
-        {"test": result, "scheduler": args.scheduler, "steps": int(ends[-1]), "classes": plan["table"]}, policy
-    )
+        print(f"{args.scheduler} after {trained} steps: {common.summary(result)}")
+    record = {"steps": trained}
+    if rule:
+        record["converge"] = dataclasses.asdict(dataclasses.replace(rule, best_weights={}))
+    return run.finish({"test": result, "scheduler": args.scheduler, **record, "classes": plan["table"]}, policy)
 
 
 # The generator's side: each step's studies, the loss ------------------------------------------------

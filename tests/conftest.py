@@ -41,6 +41,37 @@ def _no_full_sandbox_chexbert(monkeypatch):
 
     monkeypatch.setattr(common, "synthetic_chexbert", small_only)
 
+    real_foundation = common.synthetic_foundation
+
+    def small_foundation_only(annotation=None, settings=None):
+        if settings is None:
+            raise AssertionError("this test trains the sandbox's foundation at full size: give it --tiny-start random")
+        return real_foundation(annotation, settings)
+
+    monkeypatch.setattr(common, "synthetic_foundation", small_foundation_only)
+
+
+# The sandbox's foundation at a size a test can afford: seconds on a CPU (tests/test_foundation.py)
+SMALL_FOUNDATION = dict(images=48, reports=48, held_out=16, batch_size=8, lr=3e-3, every=5, patience=2)
+SMALL_FOUNDATION |= dict(min_gain=0.01, max_steps=20, seed=1)
+
+
+@pytest.fixture(scope="session")
+def small_foundation(small_synthetic):
+    """A foundation for the small synthetic set, built once for the session (beside it, as runs find it)."""
+    import common
+
+    return common.synthetic_foundation(small_synthetic, SMALL_FOUNDATION)
+
+
+@pytest.fixture
+def synthetic_is_small(monkeypatch, small_synthetic, small_foundation):
+    """`--data synthetic` reads the small set, and its foundation is the small one (as the full ones are found)."""
+    import common
+
+    monkeypatch.setattr(common, "synthetic_data", lambda *a, **k: small_synthetic)
+    monkeypatch.setattr(common, "synthetic_foundation", lambda *a, **k: small_foundation)
+
 
 @pytest.fixture(scope="session")
 def small_synthetic(tmp_path_factory):

@@ -255,3 +255,18 @@ def test_the_sandbox_chexbert_is_trained_once_beside_its_data(small_synthetic, m
 
     monkeypatch.setattr(common.subprocess, "run", no_training)
     assert common.synthetic_chexbert(small_synthetic, TINY_SANDBOX) == path and path.stat().st_mtime_ns == stamp
+
+
+def test_evaluation_scores_against_the_references_own_labels_and_checks_the_labeler(labeler):
+    """Beside CE against the labeler's reading of the references, "ce_gold" against their own labels (generated
+    reports still read by the labeler); with CheXbert, how often the rules read the generated reports as it does."""
+    refs = ["There is mild cardiomegaly.", "No pneumothorax.", "Small left pleural effusion.", "The lungs are clear."]
+    hyps = ["There is mild cardiomegaly.", "Small left pleural effusion.", "No pneumothorax.", "The lungs are clear."]
+    rows = [{"reference": r, "generated": h} for r, h in zip(refs, hyps)]
+    gold = common.RuleLabeler()(refs)  # the references' own labels (the rules read these sentences right)
+    out = common.evaluate_generations(rows, labeler, meteor=False, uncertain_as=0, gold=gold)
+    assert out["ce_gold"] == common.ce_metrics(labeler(hyps), gold, uncertain_as=0)
+    assert out["ce"] == common.ce_metrics(labeler(hyps), labeler(refs), uncertain_as=0)
+    same = common.binarize(labeler(hyps), 0) == common.binarize(common.RuleLabeler()(hyps), 0)  # (4, 14)
+    assert out["labelers_agree"] == {"reports": same.all(1).mean(), "labels": same.mean()}
+    assert "labelers_agree" not in common.evaluate_generations(rows, common.RuleLabeler(), meteor=False)

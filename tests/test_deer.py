@@ -467,7 +467,7 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
     torch.testing.assert_close(A_t, A[:, None] * w)
     torch.testing.assert_close(mask, roll.completion_mask)
     assert old is None and ref_logp is None and kw["loss_type"] == "grpo"
-    row = metrics(tmp_path / "rl_rule" / "metrics.jsonl")[0]
+    row = metrics(tmp_path / "rl_rule_all" / "metrics.jsonl")[0]  # --subset all: its own stage folder
     assert (
         "bleu2" not in row
         and row["gamma"] == 0
@@ -567,8 +567,8 @@ def test_grad_weighting_with_chexbert(tmp_path, staged, small, chexbert, monkeyp
             "random",
         ]
     )
-    assert json.loads((tmp_path / "rl_grad" / "config.json").read_text())["weighting"] == "grad"  # auto -> grad
-    lines = metrics(tmp_path / "rl_grad" / "metrics.jsonl")
+    assert json.loads((tmp_path / "rl_grad_random" / "config.json").read_text())["weighting"] == "grad"  # auto: grad
+    lines = metrics(tmp_path / "rl_grad_random" / "metrics.jsonl")
     assert all(x["w_mean"] >= 1 for x in lines) and max(x["w_max"] for x in lines) > 1
 
 

@@ -776,3 +776,40 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, difficulty_
     ck = torch.load(out / "last.pt", weights_only=True)  # LoRA: the adapters only, on the language model
     assert ck["partial"] and ck["model"] and all("lora_" in k for k in ck["model"] if k in dict(ck["model"]))
     assert (out / "final" / "config.json").is_file()
+
+
+def test_after_the_schedule_training_goes_on_until_validation_stops_improving(
+    tmp_path, small_synthetic, difficulty_file, monkeypatch
+):
+    """--converge yes (the sandbox's rule for every table's model): validation every `every` steps from the start;
+    after t = T every study until `patience` validations bring no gain, stopping no earlier than the schedule's end;
+    the best validated weights are the ones tested."""
+    monkeypatch.setattr(rrgcl, "CONVERGE", dict(every=2, patience=2, min_gain=10.0, max_steps=40))  # never a gain
+    monkeypatch.setattr(rrgcl, "N_VAL", 4)
+    kept = {}
+    real_update = common.Convergence.update
+
+    def update(self, score, step, model):
+        real_update(self, score, step, model)
+        kept[step] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    monkeypatch.setattr(common.Convergence, "update", update)
+    flags = ["--data", str(small_synthetic), "--epochs", "2", "--batch-size", "8", "--steps", "3"]
+    out = tmp_path / "run"
+    rrgcl.main(flags + ["--out", str(out), "--difficulty", str(difficulty_file), "--converge", "yes"])
+    rows = read_jsonl(out / "metrics.jsonl")
+    validated = [x["step"] for x in rows if "validation" in x]
+    # the schedule's 3 steps; the rule: best at step 2 (the first), 2 validations without a gain: steps 4 and 6
+    assert validated == [2, 4, 6] and rows[-1]["step"] == 6
+    epochs = [x["epoch"] for x in rows if "epoch" in x]  # --steps 3 over t = 0..2 by subset size, then T + 1
+    assert epochs[-1] == 3 and epochs == sorted(epochs) and set(epochs) < {0, 1, 2, 3}
+    assert next(x for x in rows if x.get("epoch") == 3)["subset"] == 40
+    results = json.loads((out / "eval.json").read_text())
+    assert results["steps"] == 6 and results["converge"]["best_step"] == 2
+    tested = common.load_policy(out / "final").model.state_dict()
+    assert all(torch.equal(tested[k], kept[2][k]) for k in tested)  # the best validation's weights, not the last
+    plain = tmp_path / "plain"
+    rrgcl.main(flags + ["--out", str(plain), "--difficulty", str(difficulty_file)])  # random start: --converge auto = no
+    assert read_jsonl(plain / "metrics.jsonl")[-1]["step"] == 3 and "converge" not in json.loads(
+        (plain / "eval.json").read_text()
+    )

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# formatted lines (ruff format, 120 columns)
-BUDGETS = {"common.py": 2800, "dcrrg.py": 850, "deer.py": 640, "rrgcl.py": 620, "orapo.py": 530, "mrg_r1.py": 350}
+# formatted lines (ruff format, 120 columns). common.py 2,800 -> 3,200 and rrgcl.py 620 -> 650 with the sandbox's
+# foundation (captions, the tiny VLM and text encoder trained once, its probe) and RRGCL's convergence rule
+BUDGETS = {"common.py": 3200, "dcrrg.py": 850, "deer.py": 640, "rrgcl.py": 650, "orapo.py": 530, "mrg_r1.py": 350}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
