@@ -1,11 +1,12 @@
 """Regenerate the README's effect tables and paper figures from declared seeds, and print them from committed results.
 
     python tests/reproduce.py NAME                     # run the declared seeds, write tests/results/NAME.json, print
-    python tests/reproduce.py NAME --report            # run nothing: the README's lines from tests/results/NAME.json
-    python tests/reproduce.py NAME --report --readme README.md   # ...and write them between the README's markers
-    python tests/reproduce.py NAME --seeds 308-311     # more seeds: an extension, with its own verdicts
+    python tests/reproduce.py NAME --report            # run nothing: NAME's section of tests/RESULTS.md
+    python tests/reproduce.py NAME --report --write    # ...and every table's blocks into README.md, tests/RESULTS.md
+    python tests/reproduce.py NAME --seeds 408-411     # more seeds: an extension, with its own verdicts
     python tests/reproduce.py NAME --dry-run           # the command lines still to run, nothing run
-    python tests/reproduce.py NAME --recheck 300 --out runs/recheck   # one seed again, against its committed row
+    python tests/reproduce.py NAME --recheck 400 --out runs/recheck   # one seed again, against its committed row
+    python tests/reproduce.py references               # every table's blind and ceiling rows -> results/references.json
     python tests/reproduce.py labels --gold FILE.csv   # a labeler against radiologists' labels
     python tests/reproduce.py labels --labeler chexbert --gold synthetic   # the sandbox's CheXbert, synthetic test
 
@@ -15,12 +16,14 @@ this command); a run stopped half-way is continued with --resume, so a sweep can
 tests/results/NAME.json gets every run's numbers and, per run, the machine (CPU model, the kernels torch picked), torch
 and Python versions, the numeric pins, the project's commit and the command line.
 
-Seeds and the primary comparison (the paper's claim) of each table are declared in EXPERIMENTS below, before a sweep.
-The README leads with the primary verdict on the declared seeds; any other seeds are an extension, reported apart with
-their own verdicts, never pooled with the declared ones. A verdict is one of the words of `verdict()`.
+Seeds, claims (each comparison a paper draws, with the sign its table gives every column) and criteria are declared in
+EXPERIMENTS below, before a sweep. The README leads with the primary verdict on the declared seeds; any other seeds are
+an extension, reported apart with their own verdicts, never pooled with the declared ones. A verdict is one of the words
+of `verdict()`, by the rule above it (a paired t-test at 5 %), or "degenerate" when an arm writes too few distinct
+reports.
 
-Runs take one thread each (--jobs of them at once) under the PINS below, skip METEOR (no table uses it) and their own
-figures. CPU-minutes per seed, as measured on the development machine, are in each results file and the README.
+Runs take one thread each (--jobs of them at once) under the PINS below, skip their own figures, and METEOR unless the
+paper's table has it. CPU-minutes per seed, as measured on the development machine, are in each results file.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,13 +70,23 @@ class Job:
 
 @dataclass
 class Claim:
-    """A comparison's verdict line: a - b on `metric`. sign +1: the paper says a > b; -1: a < b; 0: a check of the
-    sandbox, not a claim (its words say which way it went)."""
+    """A comparison a paper draws, a - b, with the sign its table gives each of its columns: +1 (a > b), -1 (a < b) or
+    "=" (a matches b: within MARGIN of b's mean). A column the table gives both ways (two data sets) is left out."""
 
     a: str
     b: str
+    signs: dict  # metric -> 1 | -1 | "="
+    label: str  # where the paper draws it: its table and rows (or its words)
+    paper: str = ""  # the paper's own numbers, as printed
+
+
+@dataclass
+class Check:
+    """The sandbox's own comparison, no paper's claim: a - b on `metric` (b an arm, or a number such as chance)."""
+
+    a: str
+    b: str | float
     metric: str
-    sign: int
     label: str
 
 
@@ -81,93 +95,150 @@ class Experiment:
     title: str
     jobs: object  # (seed, declared seeds) -> [Job]
     read: object  # (folder of NAME, seed) -> {arm: {metric: value}, ...}
-    metrics: list  # the paired table's columns; the first is the per-seed table's
-    comparisons: list  # (a, b, label): the paired table's rows, a - b
-    claims: list  # [Claim]: verdict lines, the first is the primary one (the paper's claim)
+    headline: str  # the paper's CE number: the per-seed table's, and each arm's place between blind and ceiling
+    columns: list  # the paper's table's columns the sandbox computes: the paired table's metrics
+    claims: list  # [Claim], declared before the sweep; the first claim's first metric is the primary one
     declared: list  # the seeds declared before the sweep
+    test: dict  # how its arms' test reports are scored, for the reference rows: n (studies), ce, meteor
+    checks: list = field(default_factory=list)  # [Check]
+    min_distinct: int = 10  # an arm writing fewer distinct greedy test reports is "degenerate" (declared)
     figure: object = None  # (experiment, results, seeds, path) -> None
-    extra: object = None  # (results, seeds) -> [markdown lines] printed under the verdicts
-    notes: list = field(default_factory=list)
+    extra: object = None  # (results, seeds) -> [markdown lines] printed under the checks
+    meteor: bool = False  # its runs compute METEOR (a column of the paper's table)
 
 
 # --- the rule: when a paired difference is an effect, and the words a verdict may use --------------------------------
+# A two-sided paired t-test at 5 % (t(n - 1, 0.975) SE: 2.365 at 8 seeds) whose sign holds on more than half of the
+# seeds; "=" claims a two one-sided tests equivalence (the 90 % interval of the mean inside +-MARGIN of b's mean).
+ALPHA = 0.05
+MARGIN = 0.05  # an equivalence claim's margin: 5 % of b's mean, declared before the sweep
 CLAIM_WORDS = {1: "reproduced", -1: "reversed", 0: "not reproduced"}
 CHECK_WORDS = {1: "higher", -1: "lower", 0: "no effect"}
+DEGENERATE = "degenerate"  # a claim whose arms write fewer distinct reports than declared: no verdict
 
 
 def paired(a, b) -> dict:
-    """Paired a - b over seeds: mean, standard error (sample sd / sqrt n), how many seeds have a > b."""
+    """Paired a - b over seeds: mean, standard error (sample sd / sqrt n), how many seeds have a > b and a < b."""
     d = np.asarray(a, float) - np.asarray(b, float)
     se = d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else math.nan
-    return {"mean": float(d.mean()), "se": float(se), "positive": int((d > 0).sum()), "n": len(d), "d": d}
+    return {
+        "mean": float(d.mean()),
+        "se": float(se),
+        "positive": int((d > 0).sum()),
+        "negative": int((d < 0).sum()),
+    } | {
+        "n": len(d),
+        "d": d,
+    }
+
+
+def t_quantile(q: float, n: int) -> float:
+    """Student's t quantile with n - 1 degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(q, n - 1))
+
+
+def threshold(p: dict) -> float:
+    """The smallest |mean| the rule calls an effect at this SE: t(n - 1, 1 - ALPHA / 2) SE (the table's resolution)."""
+    return t_quantile(1 - ALPHA / 2, p["n"]) * p["se"] if p["n"] > 1 else math.nan
 
 
 def effect_sign(p: dict) -> int:
-    """+1 or -1 when the paired difference is an effect by the README's rule, else 0. The rule: the mean is at least two
-    standard errors from 0 and has its sign on more than half of the seeds (two seeds at least)."""
+    """+1 or -1 when the paired difference is an effect by the README's rule, else 0: |mean| >= threshold() and the
+    mean's sign on more than half of the seeds (two seeds at least)."""
     d = p["d"]
     if len(d) < 2 or np.isnan(d).any() or p["mean"] == 0:
         return 0
     sign = 1 if p["mean"] > 0 else -1
-    same = int((np.sign(d) == sign).sum())
-    return sign if abs(p["mean"]) >= 2 * p["se"] and same > len(d) / 2 else 0
+    same = p["positive"] if sign > 0 else p["negative"]
+    return sign if abs(p["mean"]) >= threshold(p) and same > len(d) / 2 else 0
 
 
-def verdict(p: dict, claim_sign: int) -> str:
-    """The word for a paired difference: for a paper's claim (sign +1 or -1) "reproduced" (an effect the claimed way),
-    "reversed" (an effect the other way) or "not reproduced"; for a check (sign 0) "higher", "lower" or "no effect"."""
+def equivalent(p: dict, margin: float) -> bool:
+    """Two one-sided tests at ALPHA: the mean is within +-margin with t(n - 1, 1 - ALPHA) SE to spare."""
+    return p["n"] > 1 and abs(p["mean"]) + t_quantile(1 - ALPHA, p["n"]) * p["se"] <= margin
+
+
+def verdict(p: dict, sign, margin: float | None = None) -> str:
+    """The word for a paired difference: for a claim (sign +1 or -1) "reproduced" (an effect the claimed way),
+    "reversed" (an effect the other way) or "not reproduced"; for "=" (margin) "reproduced" when equivalence is shown;
+    for a check (sign 0) "higher", "lower" or "no effect"."""
+    if sign == "=":
+        return CLAIM_WORDS[1] if equivalent(p, margin) else CLAIM_WORDS[0]
     found = effect_sign(p)
-    if claim_sign == 0:
-        return CHECK_WORDS[found]
-    return CLAIM_WORDS[found * claim_sign]
+    return CHECK_WORDS[found] if sign == 0 else CLAIM_WORDS[found * sign]
 
 
-def difference(p: dict) -> str:
-    """'+0.012 ± 0.004 (8 of 8)': mean ± SE, and on how many seeds a > b. n/a: an arm lacks the metric."""
+def difference(p: dict, sign=1) -> str:
+    """'+0.012 ± 0.004 (8 of 8 higher)': mean ± SE, and on how many seeds a - b has the claimed sign (a check or "=":
+    a > b). n/a: an arm lacks the metric."""
     if math.isnan(p["mean"]):
         return "n/a"
-    return f"{p['mean']:+.3f} ± {p['se']:.3f} ({p['positive']} of {p['n']})"
+    seeds = f"{p['negative']} of {p['n']} lower" if sign == -1 else f"{p['positive']} of {p['n']} higher"
+    return f"{p['mean']:+.3f} ± {p['se']:.3f} ({seeds})"
 
 
 # --- the experiments: jobs per seed, the numbers read back ------------------------------------------------------------
-def ce(result: dict) -> float:
-    """The paper's headline CE metric of an evaluation (its eval JSON says which)."""
-    return result["ce"][result["headline"]]
-
-
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+CE_AVERAGES = {"micro": "micro", "macro": "macro", "example": "example"}
+NLG_COLUMNS = ("BLEU-1", "BLEU-2", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
+
+
+def metrics_of(result: dict) -> dict:
+    """Every number of an evaluation a table may print: CE precision, recall and F1 (micro, macro, example) against the
+    labeler's reading of the references and, "(gold)", against their own labels; NLG; and what the reports are."""
+    out = {}
+    for avg in CE_AVERAGES:
+        for key, name in (("precision", "precision"), ("recall", "recall"), ("f1", "F1")):
+            out[f"CE {avg} {name}"] = result["ce"][f"{avg}_{key}"]
+            if "ce_gold" in result:
+                out[f"CE {avg} {name} (gold)"] = result["ce_gold"][f"{avg}_{key}"]
+    out |= {k: result["nlg"][k] for k in NLG_COLUMNS if k in result["nlg"]}
+    degenerate = result["degenerate"]
+    out |= {"distinct reports": degenerate["distinct"], "commonest share": degenerate["most_common_share"]}
+    if "most_common" in degenerate:
+        out["commonest report"] = degenerate["most_common"]
+    if "labelers_agree" in result:
+        out["labelers agree"] = result["labelers_agree"]["reports"]
+    return out
+
+
+MRG_R1_ARMS = {  # Table II's rows (the paper's names) -> run folders; "Base" is the converged SFT start (premises)
+    "Base": "start",
+    "+ SFT": "sft+300",
+    "+ NLG": "nlg",
+    "+ CE F1": "ce_f1",
+    "+ format": "format",
+    "+ CE F1 + format": "ce_f1+format",
+    "+ MCCS": "mccs",
+    "+ MCCS + format": "mccs+format",
+}
+
+
 def mrg_r1_jobs(seed, declared):
-    """Table II rows from one converged warm start per seed (`start`: SFT until validation stops improving, then the
-    test split), each row the script's default RL from it; one more arm trains 300 more SFT steps instead of RL."""
+    """Table II's rows from one converged warm start per seed (`start`: SFT until validation stops improving, then the
+    test split), each reward's RL from it (the script's default run); "+ SFT" trains 300 more SFT steps instead."""
     start = f"s{seed}/start"
     init = ["--init", f"{{root}}/{start}/warm_start/final"]
     base = ["mrg_r1.py", "--seed", str(seed)]
     jobs = [Job(start, base + ["--steps", "0"])]
-    for reward in ("mccs+format", "format", "ce_f1+format"):
+    for reward in ("mccs+format", "format", "ce_f1+format", "mccs", "ce_f1", "nlg"):
         jobs.append(Job(f"s{seed}/{reward}", base + init + ["--reward", reward], after=(start,)))
     jobs.append(Job(f"s{seed}/sft+300", base + init + ["--sft-steps", "300", "--steps", "0"], after=(start,)))
     return jobs
 
 
-def mrg_r1_arm(result: dict) -> dict:
-    return {
-        "CE micro F1": ce(result),
-        "CE micro precision": result["ce"]["micro_precision"],
-        "CE micro recall": result["ce"]["micro_recall"],
-        "greedy reward": result["reward"],
-        "greedy MCCS": result.get("reward_mccs", math.nan),
-    }
-
-
 def mrg_r1_read(root, seed):
     folder = root / f"s{seed}"
-    out = {"warm start": mrg_r1_arm(read_json(folder / "start" / "eval.json")["test_before"])}
-    for arm in ("mccs+format", "format", "ce_f1+format"):
-        out[arm] = mrg_r1_arm(read_json(folder / arm / "eval.json")["test_after"])
-    out["sft+300"] = mrg_r1_arm(read_json(folder / "sft+300" / "eval.json")["test_before"])  # --steps 0: no RL
+    out = {}
+    for arm, run in MRG_R1_ARMS.items():
+        result = read_json(folder / run / "eval.json")
+        result = result.get("test_after", result["test_before"])  # --steps 0 (Base, + SFT): no RL, one evaluation
+        out[arm] = metrics_of(result) | {"greedy MCCS": result.get("reward_mccs", math.nan)}
     converge = read_json(folder / "start" / "warm_start" / "eval.json")
     out["start"] = {"SFT steps": converge["steps"], "best step": converge["converge"]["best_step"]}
     return out
@@ -177,34 +248,44 @@ def mrg_r1_starts(results, seeds) -> list[str]:
     """Where each seed's warm start stopped (the declared rule) and which step's weights it kept."""
     starts = [results[s]["start"] for s in seeds]
     each = ", ".join(f"{s}: {int(x['best step'])} of {int(x['SFT steps'])}" for s, x in zip(seeds, starts))
-    return ["", f"Warm starts, the step kept of the SFT steps run until validation stopped improving, by seed: {each}."]
+    return ["", f"Base, the SFT start: the step kept of the SFT steps run until validation stopped improving: {each}."]
+
+
+DEER_ARMS = {  # Tables 1 and 4's rows -> stage folders; DEER is DiTPO on the DDSampling 20 %, DiTPO alone on 100 %
+    "SFT": "sft",
+    "GRPO (100 %)": "rl_none_all",
+    "DiTPO (100 %)": "rl_grad_all",
+    "DiTPO, rule (100 %)": "rl_rule_all",
+    "GRPO (20 %)": "rl_none_random",
+    "DEER": "rl_grad",
+    "DEER, rule": "rl_rule",
+}
 
 
 def deer_jobs(seed, declared):
-    """Each seed its own SFT cold start (until validation stops improving) and DDSampling subset; from them DiTPO with
-    gradient weights (deer.py all: the paper's), with rule weights, and GRPO; Tables 6 and 7 on that SFT model."""
+    """Each seed its own SFT cold start (until validation stops improving) and DDSampling subset; from them Tables 1
+    and 4's RL rows: DEER (`deer.py all`: gradient weights on the DDSampling 20 %), DEER with rule weights, DiTPO (both
+    weightings) and GRPO on all the data, GRPO on a random 20 %; Tables 6 and 7 on that SFT model."""
 
     def job(command, *flags, done):
         return Job(f"s{seed}", ["deer.py", command, "--seed", str(seed), *flags], done)
 
-    return [
-        job("all", done="rl_grad/eval.json"),
-        job("rl", "--weighting", "rule", done="rl_rule/eval.json"),
-        job("rl", "--weighting", "none", done="rl_none/eval.json"),
-        job("table6", done="table6.json"),
-        job("table7", done="table7.json"),
-    ]
-
-
-DEER_ARMS = {"SFT": "sft", "DiTPO (grad)": "rl_grad", "DiTPO (rule)": "rl_rule", "GRPO": "rl_none"}
+    jobs = [job("all", done="rl_grad/eval.json")]
+    for weighting, subset in [
+        ("rule", "ddsampling"),
+        ("none", "all"),
+        ("grad", "all"),
+        ("rule", "all"),
+        ("none", "random"),
+    ]:
+        stage = f"rl_{weighting}" + ("" if subset == "ddsampling" else f"_{subset}")  # deer.py's stage folder
+        jobs.append(job("rl", "--weighting", weighting, "--subset", subset, done=f"{stage}/eval.json"))
+    return jobs + [job("table6", done="table6.json"), job("table7", done="table7.json")]
 
 
 def deer_read(root, seed):
     folder = root / f"s{seed}"
-    out = {}
-    for arm, stage in DEER_ARMS.items():
-        r = read_json(folder / stage / "eval.json")["test"]
-        out[arm] = {"CE example F1": ce(r), "CE micro F1": r["ce"]["micro_f1"], "BLEU-4": r["nlg"]["BLEU-4"]}
+    out = {arm: metrics_of(read_json(folder / stage / "eval.json")["test"]) for arm, stage in DEER_ARMS.items()}
     t6 = read_json(folder / "table6.json")
     t7 = read_json(folder / "table7.json")
     for w in ("grad", "rule", "random"):
@@ -219,7 +300,7 @@ def deer_read(root, seed):
 
 
 def orapo_jobs(seed, declared):
-    """Fig. 2: OraPO against vanilla GRPO (lambda 0), paired by seed."""
+    """Fig. 2 and Table 4's rows 3 and 6: OraPO against GRPO (lambda 0), both on FactS, paired by seed."""
     base = ["orapo.py", "--seed", str(seed)]
     return [Job(f"s{seed}/orapo", base), Job(f"s{seed}/grpo", base + ["--lambda-min", "0", "--lambda-max", "0"])]
 
@@ -230,34 +311,47 @@ def dpo_accuracy(lines: list[dict]) -> float:
     return sum(x["dpo_accuracy_x_zero"] for x in lines) / zero if zero else math.nan
 
 
+ORAPO_ARMS = {"OraPO + FactS": "orapo", "GRPO + FactS": "grpo"}  # Table 4's rows 6 and 3
+
+
 def orapo_read(root, seed):
     out = {}
-    for arm in ("orapo", "grpo"):
-        folder = root / f"s{seed}" / arm
+    for arm, run in ORAPO_ARMS.items():
+        folder = root / f"s{seed}" / run
         lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-        r = read_json(folder / "eval.json")["test_after"]
+        result = read_json(folder / "eval.json")
         zero = [x["zero_group_ratio"] for x in lines]
-        out[arm] = {
-            "test macro F1": ce(r),
-            "test FactS": r["facts_reward"],
-            "distinct test reports": r["degenerate"]["distinct"],  # of the test split's greedy reports
-            "zero-reward groups": float(np.mean(zero)),
-            "zero-reward groups, first 50 steps": float(np.mean(zero[:50])),
-            "zero-reward groups, last 50 steps": float(np.mean(zero[-50:])),
-            "curve": zero,
-            "mean lambda": float(np.mean([x.get("lambda", 0.0) for x in lines])),  # Eq. 10's DPO weight; GRPO: 0
-        }
-    lines = [json.loads(x) for x in (root / f"s{seed}" / "orapo" / "metrics.jsonl").read_text().splitlines()]
-    out["DPO, first 50 steps"] = {"accuracy on zero-reward groups": dpo_accuracy(lines[:50])}
-    out["DPO, last 50 steps"] = {"accuracy on zero-reward groups": dpo_accuracy(lines[-50:])}
+        per_label = result["test_after"]["ce"]["per_label"]
+        out[arm] = (
+            metrics_of(result["test_after"])
+            | {
+                "test FactS": result["test_after"]["facts_reward"],
+                "Pneumonia F1": per_label["Pneumonia"]["f1"],  # Fig. 2 (right)'s hard labels, on the test split
+                "Fracture F1": per_label["Fracture"]["f1"],
+                "zero-reward groups": float(np.mean(zero)),
+                "zero-reward groups, first 50 steps": float(np.mean(zero[:50])),
+                "zero-reward groups, last 50 steps": float(np.mean(zero[-50:])),
+                "curve": zero,
+                "mean lambda": float(np.mean([x.get("lambda", 0.0) for x in lines])),  # Eq. 10's DPO weight; GRPO: 0
+            }
+        )
+        if run == "orapo":  # Table 4's row 1: the base model, before RL (both arms start from it)
+            out["Base"] = metrics_of(result["test_before"])
+            out["DPO, first 50 steps"] = {"accuracy on zero-reward groups": dpo_accuracy(lines[:50])}
+            out["DPO, last 50 steps"] = {"accuracy on zero-reward groups": dpo_accuracy(lines[-50:])}
     return out
 
 
+RRGCL_ARMS = {"Baseline": "none", "RRGCL": "rrgcl", "RRGCL, one file": "rrgcl_first_file", "Root": "root"}
+RRGCL_STEPS = 1000  # Algorithm 1's steps (the schedule's length) in every arm, then each trains to convergence
+
+
 def rrgcl_jobs(seed, declared):
-    """Curriculum against random order at equal steps (400), both ways of pairing the difficulty: each seed's own
-    measurement and the first declared seed's file for every seed; Table 2's global Root scheduler on the seed's own."""
+    """The curriculum against the baseline (no measurer, no scheduler: random order), each arm RRGCL_STEPS steps of
+    its schedule then on to convergence, both ways of pairing the difficulty: each seed's own measurement and the
+    first declared seed's file for every seed; Table 2's (f), Root, on the seed's own."""
     own, first = f"s{seed}/measure", f"s{declared[0]}/measure"  # each writes <folder>/difficulty.json
-    base = ["rrgcl.py", "--seed", str(seed), "--steps", "400"]
+    base = ["rrgcl.py", "--seed", str(seed), "--steps", str(RRGCL_STEPS)]
 
     def difficulty(measure):
         return ["--difficulty", f"{{root}}/{measure}/difficulty.json"]
@@ -274,19 +368,16 @@ def rrgcl_jobs(seed, declared):
 
 def rrgcl_read(root, seed):
     out = {}
-    for arm in ("none", "rrgcl", "rrgcl_first_file", "root"):
-        r = read_json(root / f"s{seed}" / arm / "eval.json")["test"]
-        out[arm] = {
-            "CE micro F1": ce(r),
-            "CE macro F1": r["ce"]["macro_f1"],
-            "BLEU-4": r["nlg"]["BLEU-4"],
-            "CIDEr": r["nlg"]["CIDEr"],
-        }
+    for arm, run in RRGCL_ARMS.items():
+        result = read_json(root / f"s{seed}" / run / "eval.json")
+        out[arm] = metrics_of(result["test"]) | {"steps": result["steps"]}
     out["schedule"] = read_json(root / f"s{seed}" / "rrgcl" / "schedule.json")
     # --steps is shared over the epochs in proportion to |D_sub(t)| (Alg. 1 l. 11), so a step of epoch t draws from a
     # share |D_sub(t)| / N of the training set: averaged over the steps, sum |D_sub|^2 / (N sum |D_sub|); random order 1
     sizes = np.array(out["schedule"]["subset_sizes"], float)
-    out["rrgcl"]["training set in D_sub(t), over steps"] = float((sizes**2).sum() / (sizes.max() * sizes.sum()))
+    out["RRGCL"]["training set in D_sub(t), over the schedule's steps"] = float(
+        (sizes**2).sum() / (sizes.max() * sizes.sum())
+    )
     declared = EXPERIMENTS["rrgcl"].declared
     out["measurer"] = measurer_agreement(root, seed, declared[1] if seed == declared[0] else declared[0])
     return out
@@ -322,15 +413,9 @@ def dcrrg_jobs(seed, declared):
 
 
 def dcrrg_read(root, seed):
-    out = {}
-    for model, folder in TABLE4.items():
-        r = read_json(root / f"s{seed}" / "ablation" / folder / "eval.json")
-        out[f"Model {model}"] = {
-            "CE micro F1": ce(r),
-            "BLEU-4": r["nlg"]["BLEU-4"],
-            "CIDEr": r["nlg"]["CIDEr"],
-            "distinct reports": r["degenerate"]["distinct"],
-        }
+    out = {
+        f"Model {m}": metrics_of(read_json(root / f"s{seed}" / "ablation" / f / "eval.json")) for m, f in TABLE4.items()
+    }
     step1 = read_json(root / f"s{seed}" / "ablation" / "step1" / "eval.json")
     out["Step 1"] = {"AUROC, image": step1["auroc_image"]["mean"], "AUROC, text": step1["auroc_text"]["mean"]}
     retrieval = read_json(root / f"s{seed}" / "ablation" / "step2" / "eval.json")["retrieval"]
@@ -338,27 +423,143 @@ def dcrrg_read(root, seed):
     return out
 
 
-def more_comparisons(title: str, rows: list) -> object:
-    """An `extra` table: (a, b, metric, sign, label) rows, each a - b paired by seed with both means and its verdict
-    (sign as Claim's); b a number: a against that value (a paper's figure)."""
+# --- reference rows: where an image-blind model lands, and how far the images and the labeler let a model go ---------
+# Each table's test studies, scored like its arms (its CE convention, the sandbox's CheXbert) by four writers that need
+# no training run: the best constant training report (chosen on the training split by the table's headline) and the
+# commonest one (image-blind); a classifier trained on the training images for the 13 findings, its test predictions
+# written through the synthetic report templates (image ceiling); the test references' own labels written through the
+# templates (labeler ceiling: what the labeler's misreadings leave). `python tests/reproduce.py references`.
+REFERENCES = RESULTS / "references.json"
+REFERENCE_ROWS = ("blind: best constant report", "blind: commonest report", "image ceiling", "labeler ceiling")
+CEILING = dict(image_size=64, batch_size=64, lr=1e-3, seed=0)
+CEILING_CONVERGE = dict(every=1, patience=3, min_gain=0.001, max_steps=60)  # epochs; the held-out loss
 
-    def extra(results, seeds) -> list[str]:
-        lines = ["", f"| {title} | a: mean ± sd | b: mean ± sd | a - b (mean ± SE, seeds with a > b) | verdict |"]
-        lines.append("|---|---|---|---|---|")
-        for a, b, metric, sign, label in rows:
-            va = values(results, seeds, a, metric)
-            if isinstance(b, str):
-                vb = values(results, seeds, b, metric)
-                sb = f"{np.mean(vb):.3f} ± {np.std(vb, ddof=1):.3f}"
-            else:
-                vb = [b] * len(seeds)
-                sb = f"{b}"
-            p = paired(va, vb)
-            mean_a = f"{np.mean(va):.3f} ± {np.std(va, ddof=1):.3f}"
-            lines.append(f"| {label} | {mean_a} | {sb} | {difference(p)} | {verdict(p, sign)} |")
-        return lines
 
-    return extra
+def finding_options(records) -> list[list[str]]:
+    """Per finding, its classes: "absent", then every attribute set (hedge, side, grade, device) the records hold."""
+    options = []
+    for name in common.FINDINGS:
+        seen = {json.dumps(r.meta["findings"][name], sort_keys=True) for r in records if name in r.meta["findings"]}
+        options.append(["absent", *sorted(seen)])
+    return options
+
+
+def image_ceiling_findings(data: dict) -> tuple[list[dict], dict]:
+    """A classifier of the training images (common.SmallCNN, a softmax per finding over finding_options), trained until
+    the loss on the validation split stops falling, the best epoch kept -> each test study's findings, its record."""
+    import torch
+    import torch.nn.functional as F
+
+    options = finding_options(data["train"] + data["val"])  # the validation split's sets are classes of its loss
+    sizes = [len(o) for o in options]
+
+    def targets(records):
+        return torch.tensor(
+            [
+                [
+                    o.index(json.dumps(r.meta["findings"][n], sort_keys=True)) if n in r.meta["findings"] else 0
+                    for n, o in zip(common.FINDINGS, options)
+                ]
+                for r in records
+            ]
+        )  # (N, 13)
+
+    transform = common.default_transform(CEILING["image_size"], 1)
+    images = {s: torch.stack([common.ReportDataset([r], transform)[0]["images"][0] for r in data[s]]) for s in data}
+    y = {s: targets(data[s]) for s in ("train", "val")}
+    torch.manual_seed(CEILING["seed"])
+    net = torch.nn.Sequential(
+        common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, sum(sizes))
+    )
+
+    def loss_of(x, t):
+        logits = net(x).split(sizes, dim=1)  # 13 x (B, classes)
+        return sum(F.cross_entropy(z, t[:, k]) for k, z in enumerate(logits))
+
+    optimizer = torch.optim.AdamW(net.parameters(), lr=CEILING["lr"])
+    rule = common.Convergence(**CEILING_CONVERGE)
+    order = torch.Generator().manual_seed(CEILING["seed"])
+    for epoch in range(1, rule.max_steps + 1):
+        net.train()
+        for batch in torch.randperm(len(y["train"]), generator=order).split(CEILING["batch_size"]):
+            loss = loss_of(images["train"][batch], y["train"][batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        net.eval()
+        with torch.no_grad():
+            rule.update(-loss_of(images["val"], y["val"]).item(), epoch, net)
+        if rule.converged:
+            break
+    net.load_state_dict(rule.best_weights)
+    with torch.no_grad():
+        chosen = [z.argmax(1) for z in net(images["test"]).split(sizes, dim=1)]  # 13 x (N,)
+    findings = [
+        {n: json.loads(o[int(c[i])]) for n, o, c in zip(common.FINDINGS, options, chosen) if int(c[i])}
+        for i in range(len(data["test"]))
+    ]
+    return findings, {"epochs": epoch, "best_epoch": rule.best_step, "validation_loss": -rule.best}
+
+
+def templated_report(findings: dict, rng) -> str:
+    """A report of these findings through the synthetic templates; a finding absent is negated at the set's own rate."""
+    labels = np.full(len(common.CHEXPERT_LABELS), np.nan)
+    for name in common.FINDINGS:
+        if name in findings:
+            labels[common.LABEL_INDEX[name]] = common.UNCERTAIN if findings[name]["uncertain"] else common.POSITIVE
+        elif rng.random() < common.SYNTHETIC_RATES[name][1]:
+            labels[common.LABEL_INDEX[name]] = common.NEGATIVE
+    return common.write_synthetic_report(findings, common.apply_no_finding_rule(labels), rng)
+
+
+def best_constant(train, labeler, headline: str, uncertain_as: int) -> str:
+    """The training report that, written for every training study, scores the best headline CE against them."""
+    reports = [r.report for r in train]
+    labels = labeler(reports)  # (N, 14)
+    key = [tuple(np.nan_to_num(x, nan=9.0)) for x in labels]
+    score = {}
+    for k, row in dict(zip(key, labels)).items():  # each distinct label vector once
+        score[k] = common.ce_metrics(np.tile(row, (len(labels), 1)), labels, uncertain_as)[headline]
+    best = max(score, key=score.get)
+    return Counter(t for t, k in zip(reports, key) if k == best).most_common(1)[0][0]  # its commonest wording
+
+
+def reference_writers(data: dict, labeler, seed: int = 0) -> tuple[dict, dict]:
+    """Each reference row's report for every test study -> ({exp name: {row: reports}}, the classifier's record)."""
+    findings, classifier = image_ceiling_findings(data)
+    rng = np.random.default_rng(seed)
+    ceiling = [templated_report(f, rng) for f in findings]
+    rewritten = [common.write_synthetic_report(r.meta["findings"], r.labels.copy(), rng) for r in data["test"]]
+    commonest = Counter(r.report for r in data["train"]).most_common(1)[0][0]
+    writers = {}
+    for name, exp in EXPERIMENTS.items():
+        best = best_constant(data["train"], labeler, exp.test["ce"]["headline"], exp.test["ce"]["uncertain_as"])
+        writers[name] = {
+            REFERENCE_ROWS[0]: [best] * len(data["test"]),
+            REFERENCE_ROWS[1]: [commonest] * len(data["test"]),
+            REFERENCE_ROWS[2]: ceiling,
+            REFERENCE_ROWS[3]: rewritten,
+        }
+    return writers, classifier
+
+
+def compute_references() -> dict:
+    """Every table's reference rows, scored as its arms are (its test studies, CE convention, METEOR if a column)."""
+    data = common.load_data("synthetic")
+    labeler = common.LabelCache(common.make_labeler("chexbert", common.synthetic_chexbert(), "cpu"))
+    writers, classifier = reference_writers(data, labeler)
+    out = {"image ceiling classifier": classifier | {"settings": CEILING | CEILING_CONVERGE}}
+    for name, exp in EXPERIMENTS.items():
+        test = data["test"][: exp.test["n"]]
+        gold = np.stack([r.labels for r in test])
+        out[name] = {}
+        for row, reports in writers[name].items():
+            rows = [{"reference": r.report, "generated": g} for r, g in zip(test, reports)]
+            result = common.evaluate_generations(
+                rows, labeler, "mimic_cxr", meteor=exp.meteor, gold=gold, **exp.test["ce"]
+            )
+            out[name][row] = metrics_of(result)
+    return out
 
 
 # --- the rule labeler against radiologists (NegBio's Open-i gold) ----------------------------------------------------
@@ -453,43 +654,147 @@ def labels_table(gold: str, labeler) -> list[str]:
 
 
 # --- tables -----------------------------------------------------------------------------------------------------------
-def arms_of(results: dict, seeds: list, metric: str) -> list[str]:
-    return [a for a, v in results[seeds[0]].items() if isinstance(v, dict) and metric in v]
-
-
 def values(results, seeds, arm, metric) -> list[float]:
     return [results[s][arm].get(metric, math.nan) for s in seeds]
 
 
-def seed_table(exp: Experiment, results: dict, seeds: list) -> list[str]:
-    """The headline metric of every arm, a column per seed."""
-    head = exp.metrics[0]
+def report_arms(exp: Experiment, results: dict, seeds: list) -> list[str]:
+    """The arms whose test reports the table scores (they have the headline metric), in the order read."""
+    return [a for a, v in results[seeds[0]].items() if isinstance(v, dict) and exp.headline in v]
+
+
+def mean_sd(v) -> str:
+    return f"{np.mean(v):.3f} ± {np.std(v, ddof=1):.3f}"
+
+
+def place(value: float, blind: float, ceiling: float) -> str:
+    """Where a score sits from the best image-blind report (0 %) to the image ceiling (100 %)."""
+    if math.isnan(blind) or math.isnan(ceiling) or ceiling == blind:
+        return "n/a"
+    return f"{100 * (value - blind) / (ceiling - blind):.0f} %"
+
+
+def seed_table(exp: Experiment, results: dict, seeds: list, refs: dict) -> list[str]:
+    """The headline metric of every arm, a column per seed; then the reference rows (no seed: one value each)."""
+    head = exp.headline
     lines = [f"| {head} | " + " | ".join(map(str, seeds)) + " | mean ± sd |", "|---" * (len(seeds) + 2) + "|"]
-    for arm in arms_of(results, seeds, head):
+    for arm in report_arms(exp, results, seeds):
         v = values(results, seeds, arm, head)
-        cells = " | ".join(f"{x:.3f}" for x in v)
-        lines.append(f"| {arm} | {cells} | {np.mean(v):.3f} ± {np.std(v, ddof=1):.3f} |")
+        lines.append(f"| {arm} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {mean_sd(v)} |")
+    for row, m in refs.items():
+        lines.append(f"| *{row}* | " + " | ".join("" for _ in seeds) + f" | {m[head]:.3f} |")
+    return lines
+
+
+def degenerate(exp: Experiment, results: dict, seeds: list, arm: str) -> bool:
+    """On more than half of the seeds the arm wrote fewer than exp.min_distinct distinct greedy test reports."""
+    counts = [results[s][arm].get("distinct reports") for s in seeds]
+    return sum(c is not None and c < exp.min_distinct for c in counts) > len(seeds) / 2
+
+
+def outputs_table(exp: Experiment, results: dict, seeds: list, refs: dict) -> list[str]:
+    """What each arm writes, as the mean over seeds: its headline against the labeler's reading of the references and
+    against their own labels (gold), its place between blind and image ceiling, how often CheXbert and the rules agree
+    on its reports, how many distinct reports it writes (fewest, most), the commonest one's share, and the first seed's
+    commonest report."""
+    head = exp.headline
+    blind, ceiling = (refs.get(row, {}).get(head, math.nan) for row in (REFERENCE_ROWS[0], REFERENCE_ROWS[2]))
+    lines = [
+        (
+            f"| arm | {head} | {head} (gold) | place: blind 0 %, image ceiling 100 % | labelers agree (reports) "
+            f"| distinct reports of {exp.test['n']} (fewest, most) | commonest share "
+            f"| commonest report (seed {seeds[0]}) |"
+        ),
+        "|---" * 8 + "|",
+    ]
+    rows = [(arm, [results[s][arm] for s in seeds]) for arm in report_arms(exp, results, seeds)]
+    rows += [(f"*{row}*", [m]) for row, m in refs.items()]
+    for arm, ms in rows:
+
+        def mean(key, ms=ms):
+            return np.mean([m.get(key, math.nan) for m in ms])
+
+        distinct = [m["distinct reports"] for m in ms]
+        text = str(ms[0].get("commonest report", ""))
+        text = text if len(text) <= 60 else text[:57] + "..."
+        cells = [
+            f"{mean(head):.3f}",
+            f"{mean(head + ' (gold)'):.3f}",
+            place(mean(head), blind, ceiling),
+            f"{mean('labelers agree'):.3f}",
+            f"{np.mean(distinct):.0f} ({min(distinct)}, {max(distinct)})",
+            f"{mean('commonest share'):.3f}",
+            f'"{text}"',
+        ]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def claim_rows(exp: Experiment, results: dict, seeds: list, metrics=None) -> list[tuple]:
+    """(claim, metric, sign, paired difference, verdict) for every column of every claim (or only `metrics`)."""
+    rows = []
+    for c in exp.claims:
+        broken = any(degenerate(exp, results, seeds, arm) for arm in (c.a, c.b))
+        for metric, sign in sorted(c.signs.items(), key=lambda kv: kv[0] != exp.headline):  # the headline first
+            if metrics and metric not in metrics:
+                continue
+            p = paired(values(results, seeds, c.a, metric), values(results, seeds, c.b, metric))
+            margin = MARGIN * abs(np.mean(values(results, seeds, c.b, metric)))
+            word = DEGENERATE if broken and c.a in report_arms(exp, results, seeds) else verdict(p, sign, margin)
+            rows.append((c, metric, sign, p, word))
+    return rows
+
+
+RELATION = {1: ">", -1: "<", "=": "="}
+
+
+def claimed(sign) -> str:
+    return f"a {RELATION[sign]} b"
+
+
+def claims_table(exp: Experiment, results: dict, seeds: list) -> list[str]:
+    """Every claim on every column: what the paper's table says, a - b paired by seed, the smallest effect this table
+    could call one (t SE; for "=", the margin), and the verdict; the first row is the primary claim."""
+    lines = [
+        (
+            "| the paper's claim (a - b) | column | claimed | a - b: mean ± SE (seeds the claimed way) | detectable "
+            "| verdict |"
+        ),
+        "|---" * 6 + "|",
+    ]
+    for k, (c, metric, sign, p, word) in enumerate(claim_rows(exp, results, seeds)):
+        label = f"{c.label}: {c.a} - {c.b}" + (" (primary)" if k == 0 else "")
+        resolution = f"{threshold(p):.3f}"
+        if sign == "=":
+            resolution = f"margin {MARGIN * abs(np.mean(values(results, seeds, c.b, metric))):.3f}"
+        lines.append(f"| {label} | {metric} | {claimed(sign)} | {difference(p, sign)} | {resolution} | **{word}** |")
+    return lines
+
+
+def checks_table(exp: Experiment, results: dict, seeds: list) -> list[str]:
+    """The sandbox's own comparisons (no paper's claim): both sides, a - b, the word."""
+    if not exp.checks:
+        return []
+    lines = ["| the sandbox's check | a: mean ± sd | b | a - b (mean ± SE, seeds a > b) | verdict |", "|---" * 5 + "|"]
+    for c in exp.checks:
+        va = values(results, seeds, c.a, c.metric)
+        vb = values(results, seeds, c.b, c.metric) if isinstance(c.b, str) else [c.b] * len(seeds)
+        p = paired(va, vb)
+        sb = mean_sd(vb) if isinstance(c.b, str) else f"{c.b}"
+        lines.append(f"| {c.label} | {mean_sd(va)} | {sb} | {difference(p, 0)} | {verdict(p, 0)} |")
     return lines
 
 
 def paired_table(exp: Experiment, results: dict, seeds: list) -> list[str]:
-    """Each comparison a - b on each metric: mean ± SE over seeds, and on how many seeds a > b."""
-    lines = [f"| a - b, paired by seed (mean ± SE, seeds with a > b) | {' | '.join(exp.metrics)} |"]
-    lines.append("|---" * (len(exp.metrics) + 1) + "|")
-    for a, b, label in exp.comparisons:
-        cells = [difference(paired(values(results, seeds, a, m), values(results, seeds, b, m))) for m in exp.metrics]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def verdict_lines(exp: Experiment, results: dict, seeds: list) -> list[str]:
-    lines = []
-    for k, c in enumerate(exp.claims):
-        p = paired(values(results, seeds, c.a, c.metric), values(results, seeds, c.b, c.metric))
-        kind = "primary: the paper's claim" if k == 0 else ("the paper's" if c.sign else "a check, no claim")
-        claimed = {1: ", claimed > 0", -1: ", claimed < 0", 0: ""}[c.sign]
-        line = f"- {c.label}, {c.metric}: **{verdict(p, c.sign)}**, {difference(p)}{claimed} ({kind})"
-        lines.append(line)
+    """Each claim's comparison a - b on each of the table's columns (and the headline on gold labels): mean ± SE over
+    seeds, and on how many seeds a > b."""
+    columns = exp.columns + [exp.headline + " (gold)"]
+    lines = [f"| a - b, paired by seed (mean ± SE, seeds a > b) | {' | '.join(columns)} |"]
+    lines.append("|---" * (len(columns) + 1) + "|")
+    pairs = dict.fromkeys((c.a, c.b) for c in exp.claims if c.a in report_arms(exp, results, seeds))
+    for a, b in pairs:
+        cells = [difference(paired(values(results, seeds, a, m), values(results, seeds, b, m)), 0) for m in columns]
+        lines.append(f"| {a} - {b} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -520,27 +825,84 @@ def machines(runs: dict, seeds: list) -> list[str]:
     ]
 
 
-def report(name: str, data: dict) -> list[str]:
-    """The README's lines for one table, from its results file: the declared seeds' tables and verdicts, then any
-    extension seeds apart, then where the runs ran."""
+def results_of(data: dict) -> dict:
+    return {int(s): v["arms"] for s, v in data["seeds"].items()}
+
+
+def report(name: str, data: dict, refs: dict) -> list[str]:
+    """tests/RESULTS.md's section for one table, from its results file and the reference rows: the declared seeds'
+    tables and verdicts, then any extension seeds apart, then where the runs ran."""
     exp = EXPERIMENTS[name]
-    results = {int(s): v["arms"] for s, v in data["seeds"].items()}
+    results = results_of(data)
     declared = [s for s in exp.declared if s in results]
     lines = [f"<!-- printed by `python tests/reproduce.py {name} --report` from tests/results/{name}.json -->"]
     if declared != exp.declared:
-        return lines + interim(name, exp, data, declared)
+        return lines + interim(name, exp, data, declared, refs)
     extension = sorted(set(results) - set(declared))
     lines += [f"Declared seeds {span(declared)}, `python tests/reproduce.py {name}`:", ""]
-    lines += seed_table(exp, results, declared) + [""] + paired_table(exp, results, declared) + [""]
-    lines += verdict_lines(exp, results, declared)
+    lines += seed_table(exp, results, declared, refs) + [""] + outputs_table(exp, results, declared, refs) + [""]
+    lines += claims_table(exp, results, declared) + [""] + paired_table(exp, results, declared)
+    lines += ([""] + checks_table(exp, results, declared)) if exp.checks else []
     if exp.extra:
         lines += exp.extra(results, declared)
     if extension:
         lines += ["", f"Extension, seeds {span(extension)} (added after the declaration; not pooled with it):", ""]
-        lines += paired_table(exp, results, extension) + [""] + verdict_lines(exp, results, extension)
+        lines += claims_table(exp, results, extension)
     lines += [""] + machines(data["runs"], declared + extension)
     if "recheck" in data:
         lines.append(recheck_line(data["recheck"]))
+    return lines
+
+
+def short_report(name: str, data: dict, refs: dict) -> list[str]:
+    """The README's block for one table: the claims on the headline metric, and the arms' headline beside the
+    reference rows; every seed, arm and column in tests/RESULTS.md."""
+    exp = EXPERIMENTS[name]
+    results = results_of(data)
+    lines = [
+        f"<!-- printed by `python tests/reproduce.py {name} --report`; every seed, arm and column: tests/RESULTS.md -->"
+    ]
+    if [s for s in exp.declared if s in results] != exp.declared:
+        return lines + [pending(name, exp, len(set(exp.declared) & set(results)))]
+    seeds, head = exp.declared, exp.headline
+    lines += [f"| the paper's claim, {head} | a - b (mean ± SE, seeds the claimed way) | detectable | verdict |"]
+    lines.append("|---|---|---|---|")
+    for c, metric, sign, p, word in claim_rows(exp, results, seeds, metrics={head}):
+        detect = (
+            f"{threshold(p):.3f}"
+            if sign != "="
+            else f"margin {MARGIN * abs(np.mean(values(results, seeds, c.b, metric))):.3f}"
+        )
+        lines.append(f"| {c.label}: {c.a} {RELATION[sign]} {c.b} | {difference(p, sign)} | {detect} | **{word}** |")
+    arms = [f"{a} {np.mean(values(results, seeds, a, head)):.3f}" for a in report_arms(exp, results, seeds)]
+    refs_line = [f"{row} {m[head]:.3f}" for row, m in refs.items()]
+    lines += ["", f"{head}, mean over seeds {span(seeds)}: {'; '.join(arms)}. Reference rows: {'; '.join(refs_line)}."]
+    return lines
+
+
+def summary(datas: dict, refs: dict) -> list[str]:
+    """The README's first table: each paper's primary claim, its verdict, and where its arms sit."""
+    lines = [
+        (
+            "| paper | primary claim (the paper's table) | verdict | a - b (mean ± SE, seeds the claimed way) | blind "
+            "| b | a | image ceiling |"
+        ),
+        "|---" * 8 + "|",
+    ]
+    for name, exp in EXPERIMENTS.items():
+        results = results_of(datas.get(name, {"seeds": {}}))
+        c = exp.claims[0]
+        if [s for s in exp.declared if s in results] != exp.declared:
+            lines.append(f"| {name} | {c.label} | not yet measured | | | | | |")
+            continue
+        (_, metric, sign, p, word), *_ = claim_rows(exp, results, exp.declared)
+        head = exp.headline
+        blind, ceiling = (refs.get(name, {}).get(row, {}).get(head, math.nan) for row in REFERENCE_ROWS[::2])
+        a, b = (np.mean(values(results, exp.declared, arm, head)) for arm in (c.a, c.b))
+        lines.append(
+            f"| {name} | {c.label}: {c.a} {RELATION[sign]} {c.b}, {metric} | **{word}** | {difference(p, sign)} "
+            f"| {blind:.3f} | {b:.3f} | {a:.3f} | {ceiling:.3f} |"
+        )
     return lines
 
 
@@ -553,41 +915,51 @@ def sweep_jobs(exp: Experiment, seeds: list[int]) -> list[Job]:
     return list(jobs.values())
 
 
-def interim(name: str, exp: Experiment, data: dict, done: list) -> list[str]:
-    """A table whose declared seeds have not all run: the command that runs the rest, and the seeds that have run
-    without a verdict (the rule is applied to the declared seeds only, all of them)."""
+def pending(name: str, exp: Experiment, done: int) -> str:
     n_runs = len(sweep_jobs(exp, exp.declared))
-    seeds = f"{len(done)} of {len(exp.declared)} have run"
-    head = (
-        f"**Not yet measured on the declared seeds {span(exp.declared)}** ({seeds}): "
+    return (
+        f"**Not yet measured on the declared seeds {span(exp.declared)}** ({done} of {len(exp.declared)} have run): "
         f"`python tests/reproduce.py {name}` runs the rest ({n_runs} runs in all) and prints the table and its "
         "verdicts here. No verdict is printed before every declared seed has run."
     )
-    lines = [head]
+
+
+def interim(name: str, exp: Experiment, data: dict, done: list, refs: dict) -> list[str]:
+    """A table whose declared seeds have not all run: the command that runs the rest, and the seeds that have run
+    without a verdict (the rule is applied to the declared seeds only, all of them)."""
+    lines = [pending(name, exp, len(done))]
     if done:
-        results = {int(s): v["arms"] for s, v in data["seeds"].items()}
+        results = results_of(data)
         lines += ["", f"Seeds run so far, {span(done)} (interim: no verdict):", ""]
-        lines += seed_table(exp, results, done) + [""] + paired_table(exp, results, done)
+        lines += seed_table(exp, results, done, refs) + [""] + paired_table(exp, results, done)
         lines += [""] + machines(data["runs"], done)
     return lines
 
 
 README_BEGIN = "<!-- reproduce {name}: begin -->"
 README_END = "<!-- reproduce {name}: end -->"
+RESULTS_DOC = ROOT / "tests" / "RESULTS.md"
 
 
 def readme_block(text: str, name: str) -> tuple[int, int]:
-    """Start and end (character offsets) of NAME's printed block in the README, between its markers."""
+    """Start and end (character offsets) of NAME's printed block in a document, between its markers."""
     begin, end = README_BEGIN.format(name=name), README_END.format(name=name)
     if begin not in text or end not in text:
-        raise ValueError(f"README has no {begin!r} ... {end!r} markers")
+        raise ValueError(f"no {begin!r} ... {end!r} markers")
     return text.index(begin) + len(begin) + 1, text.index(end)
 
 
-def write_readme(path: Path, name: str, lines: list[str]):
+def write_block(path: Path, name: str, lines: list[str]):
     text = path.read_text()
     start, stop = readme_block(text, name)
     path.write_text(text[:start] + "\n".join(lines) + "\n" + text[stop:])
+
+
+def load_references() -> dict:
+    """tests/results/references.json, or empty rows (NaN) when it has not been computed."""
+    if REFERENCES.is_file():
+        return read_json(REFERENCES)
+    return {name: {} for name in EXPERIMENTS}
 
 
 # --- figures ----------------------------------------------------------------------------------------------------------
@@ -619,16 +991,17 @@ def save(p, fig, axes, path):
 
 
 def comparison_figure(exp, results, seeds, path, metrics=None):
-    """Per metric, the paired differences of the table's comparisons (mean ± SE over seeds, a dot per seed)."""
+    """Per metric, the paired differences of the claims' comparisons (mean ± SE over seeds, a dot per seed)."""
     p = plt()
-    metrics = metrics or exp.metrics[:3]
-    fig, axes = p.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
+    metrics = metrics or exp.columns[:3]
+    fig, axes = p.subplots(1, len(metrics), figsize=(4.8 * len(metrics), 3.6), squeeze=False)
+    pairs = dict.fromkeys((c.a, c.b) for c in exp.claims if c.a in report_arms(exp, results, seeds))
     for ax, m in zip(axes[0], metrics):
         differences = {}
-        for a, b, label in exp.comparisons:
+        for a, b in pairs:
             d = np.array(values(results, seeds, a, m)) - np.array(values(results, seeds, b, m))
             if not np.isnan(d).any():
-                differences[label] = d
+                differences[f"{a} - {b}"] = d
         paired_bars(ax, differences, f"{m}: a - b, paired by seed")
     fig.suptitle(f"{exp.title}: seeds {span(seeds)}, mean ± SE (dots: seeds)", fontsize=8)
     save(p, fig, axes[0], path)
@@ -638,7 +1011,7 @@ def orapo_figure(exp, results, seeds, path):
     """Fig. 2 (left): the share of zero-reward groups over training, OraPO and GRPO, mean ± SE over seeds."""
     p = plt()
     fig, axes = p.subplots(1, 2, figsize=(7.4, 2.8))
-    for arm, color in (("orapo", "#c33"), ("grpo", "#37a")):
+    for arm, color in (("OraPO + FactS", "#c33"), ("GRPO + FactS", "#37a")):
         c = np.array([results[s][arm]["curve"] for s in seeds])  # (seeds, steps)
         w = 10  # a running mean over 10 steps
         c = np.stack([np.convolve(x, np.ones(w) / w, "valid") for x in c])
@@ -648,8 +1021,9 @@ def orapo_figure(exp, results, seeds, path):
     axes[0].set(xlabel="step", ylabel="zero-reward groups (10-step mean)")
     axes[0].legend(fontsize=7)
     differences = {}
-    for m in ("test macro F1", "test FactS"):
-        differences[m] = np.array(values(results, seeds, "orapo", m)) - np.array(values(results, seeds, "grpo", m))
+    for m in ("CE macro F1", "test FactS", "Pneumonia F1", "Fracture F1"):
+        a, b = (np.array(values(results, seeds, arm, m)) for arm in ("OraPO + FactS", "GRPO + FactS"))
+        differences[m] = a - b
     paired_bars(axes[1], differences, "OraPO - GRPO, paired by seed")
     fig.suptitle(f"OraPO Fig. 2 on the synthetic set, seeds {span(seeds)} (mean ± SE)", fontsize=8)
     save(p, fig, axes, path)
@@ -669,10 +1043,10 @@ def rrgcl_figure(exp, results, seeds, path):
         ax.set(xlabel="epoch t", ylabel="lambda_n(t)", ylim=(0, 1.02))
         ax.legend(fontsize=6, title="class (gamma_n)", title_fontsize=6)
     differences = {}
-    for arm, label in (("rrgcl", "RRGCL, own file"), ("rrgcl_first_file", "RRGCL, one file"), ("root", "Root")):
+    for arm in ("RRGCL", "RRGCL, one file", "Root"):
         a = np.array(values(results, seeds, arm, "CE micro F1"))
-        differences[label] = a - np.array(values(results, seeds, "none", "CE micro F1"))
-    paired_bars(axes[3], differences, "CE micro F1 minus random order")
+        differences[arm] = a - np.array(values(results, seeds, "Baseline", "CE micro F1"))
+    paired_bars(axes[3], differences, "CE micro F1 minus the baseline (random order)")
     fig.suptitle(f"RRGCL Fig. 3 (seed {seeds[0]}, easiest classes first) and the curriculum's effect", fontsize=8)
     save(p, fig, axes, path)
 
@@ -703,169 +1077,393 @@ TABLE4_KEY = {
     7: "Steps 1+2+3, FFT",
 }
 
-DECLARED = list(range(300, 308))  # the papers' premises (README): declared for every table before its sweep
+
+# --- the declaration: seeds, claims and criteria, written before the sweep --------------------------------------------
+# Seeds 400-407 for the sandbox's foundation premises (README): a new regime, new seeds. Each claim is a comparison the
+# paper draws, with the sign its own table gives on every column it prints (both data sets where it has two; a column
+# they disagree on is left out); its label names the table and rows (README: each paper's section).
+DECLARED = list(range(400, 408))
+CE_MICRO = ["CE micro precision", "CE micro recall", "CE micro F1"]
+ALL_UP = dict.fromkeys(CE_MICRO, 1)
 
 EXPERIMENTS = {
     "mrg_r1": Experiment(
-        "MRG-R1 Table II rows from a converged warm start",
+        "MRG-R1 Table II from a converged SFT start (Base)",
         mrg_r1_jobs,
         mrg_r1_read,
-        ["CE micro F1", "CE micro precision", "CE micro recall", "greedy MCCS"],  # not "greedy reward": its own
+        "CE micro F1",
+        CE_MICRO,
         [
-            ("mccs+format", "format", "mccs+format - format"),
-            ("mccs+format", "ce_f1+format", "mccs+format - ce_f1+format"),
-            ("mccs+format", "warm start", "mccs+format - warm start"),
-            ("format", "warm start", "format - warm start"),
-            ("ce_f1+format", "warm start", "ce_f1+format - warm start"),
-            ("sft+300", "warm start", "300 more SFT steps - warm start"),
-            ("mccs+format", "sft+300", "mccs+format - 300 more SFT steps"),
+            Claim(
+                "+ MCCS + format",
+                "+ CE F1 + format",
+                ALL_UP,
+                "Table II (MCCS the most effective shaping)",
+                "F1 51.88 vs 51.35 (IU), 40.39 vs 29.50 (MIMIC)",
+            ),
+            Claim(
+                "+ MCCS",
+                "+ CE F1",
+                {"CE micro recall": 1, "CE micro F1": 1},
+                "Table II",
+                "F1 49.66 vs 44.81, 38.67 vs 29.69",
+            ),
+            Claim("+ MCCS + format", "+ format", ALL_UP, "Table II", "F1 51.88 vs 29.67, 40.39 vs 26.58"),
+            Claim(
+                "+ MCCS + format",
+                "Base",
+                ALL_UP,
+                "Tables I-II (MRG-R1 over its base)",
+                "F1 51.88 vs 6.52, 40.39 vs 19.45",
+            ),
+            Claim("+ CE F1", "Base", ALL_UP, "Table II", "F1 44.81 vs 6.52, 29.69 vs 19.45"),
+            Claim("+ CE F1", "+ NLG", ALL_UP, "Table II", "F1 44.81 vs 22.97, 29.69 vs 12.72"),
+            Claim("+ format", "Base", ALL_UP, "Table II (+ reasoning)", "R 38.33 vs 7.33, 25.53 vs 16.51"),
+            Claim(
+                "+ SFT",
+                "Base",
+                {"CE micro recall": -1, "CE micro F1": -1},
+                "Table II (SFT does not improve CE)",
+                "F1 4.99 vs 6.52, 14.64 vs 19.45",
+            ),
+            Claim(
+                "+ MCCS + format",
+                "+ SFT",
+                ALL_UP,
+                "Table II (label semantics over token-level supervision)",
+                "F1 51.88 vs 4.99, 40.39 vs 14.64",
+            ),
+            Claim("+ NLG", "Base", {"CE micro precision": 1}, "Table II", "P 41.19 vs 5.87, 24.74 vs 23.67"),
         ],
-        [
-            Claim("mccs+format", "format", "CE micro F1", 1, "the clinical term teaches (mccs+format - format)"),
-            Claim("mccs+format", "warm start", "CE micro F1", 1, "RL over the SFT start (mccs+format - warm start)"),
-            Claim("mccs+format", "ce_f1+format", "CE micro F1", 1, "Table II: MCCS over CE-F1 as the reward"),
-            Claim("sft+300", "warm start", "CE micro F1", 0, "the start has converged: 300 more SFT steps"),
-        ],
-        declared=DECLARED,
+        DECLARED,
+        {"n": 500, "ce": {"headline": "micro_f1", "uncertain_as": 0}},
+        checks=[Check("+ MCCS + format", "Base", "greedy MCCS", "RL raises its reward: greedy MCCS over Base")],
         figure=comparison_figure,
         extra=mrg_r1_starts,
     ),
     "deer": Experiment(
-        "DEER DiTPO vs GRPO from a converged SFT cold start",
+        "DEER Tables 1, 4, 6 and 7 from a converged SFT cold start",
         deer_jobs,
         deer_read,
-        ["CE example F1", "CE micro F1", "BLEU-4"],
+        "CE example F1",
+        ["CE example precision", "CE example recall", "CE example F1", "BLEU-4", "METEOR", "ROUGE-L"],
         [
-            ("DiTPO (grad)", "GRPO", "DiTPO (grad) - GRPO"),
-            ("DiTPO (rule)", "GRPO", "DiTPO (rule) - GRPO"),
-            ("DiTPO (grad)", "DiTPO (rule)", "DiTPO (grad) - DiTPO (rule)"),
-            ("GRPO", "SFT", "GRPO - SFT"),
-            ("DiTPO (grad)", "SFT", "DiTPO (grad) - SFT"),
+            Claim(
+                "DiTPO (100 %)",
+                "GRPO (100 %)",
+                {"CE example F1": 1, "CE example precision": 1, "BLEU-4": 1, "METEOR": 1, "ROUGE-L": 1},
+                "Table 1",
+                "F1 0.516 vs 0.507",
+            ),
+            Claim(
+                "DEER",
+                "GRPO (20 %)",
+                {
+                    "CE example F1": 1,
+                    "CE example precision": -1,
+                    "CE example recall": 1,
+                    "BLEU-4": 1,
+                    "METEOR": 1,
+                    "ROUGE-L": -1,
+                },
+                "Table 1",
+                "F1 0.516 vs 0.502",
+            ),
+            Claim(
+                "DEER",
+                "DiTPO (100 %)",
+                {
+                    "CE example F1": "=",
+                    "CE example precision": -1,
+                    "CE example recall": 1,
+                    "BLEU-4": -1,
+                    "METEOR": -1,
+                    "ROUGE-L": -1,
+                },
+                "Table 1 (20 % matches 100 %; lower NLG)",
+                "F1 0.516 vs 0.516",
+            ),
+            Claim(
+                "DiTPO (100 %)",
+                "DiTPO, rule (100 %)",
+                {"CE example F1": 1, "CE example precision": -1, "CE example recall": 1, "BLEU-4": 1},
+                "Table 4 (gradient over rule weights)",
+                "F1 0.516 vs 0.511",
+            ),
+            Claim(
+                "DEER",
+                "DEER, rule",
+                {"CE example F1": 1, "CE example precision": -1, "CE example recall": 1, "BLEU-4": -1},
+                "Table 4",
+                "F1 0.516 vs 0.504",
+            ),
+            Claim(
+                "DEER",
+                "SFT",
+                {"CE example F1": 1, "CE example precision": 1, "CE example recall": 1, "BLEU-4": 1},
+                "Table 4 (every RL row over SFT)",
+                "F1 0.516 vs 0.385",
+            ),
+            Claim(
+                "DEER, rule",
+                "SFT",
+                {"CE example F1": 1, "CE example precision": 1, "CE example recall": 1, "BLEU-4": 1},
+                "Table 4",
+                "F1 0.504 vs 0.385",
+            ),
+            Claim(
+                "DiTPO (100 %)",
+                "SFT",
+                {"CE example F1": 1, "CE example precision": 1, "CE example recall": 1, "BLEU-4": 1},
+                "Table 4",
+                "F1 0.516 vs 0.385",
+            ),
+            Claim(
+                "DiTPO, rule (100 %)",
+                "SFT",
+                {"CE example F1": 1, "CE example precision": 1, "CE example recall": 1, "BLEU-4": 1},
+                "Table 4",
+                "F1 0.511 vs 0.385",
+            ),
+            Claim(
+                "Table 6, grad", "Table 6, random", {"labels changed": 1, "F1 after": -1}, "Table 6", "32.7 % vs 16.4 %"
+            ),
+            Claim(
+                "Table 6, rule", "Table 6, random", {"labels changed": 1, "F1 after": -1}, "Table 6", "25.6 % vs 16.4 %"
+            ),
+            Claim(
+                "Table 6, grad", "Table 6, rule", {"labels changed": 1, "F1 after": -1}, "Table 6", "32.7 % vs 25.6 %"
+            ),
+            Claim(
+                "Table 7, ddsampling",
+                "Table 7, random_100",
+                {"zero-variance groups": -1, "distinct rewards": 1, "reward std": 1},
+                "Table 7 (Avg. Std +26.7 %)",
+                "35.5 % -> 16.9 %, 2.6 -> 3.6, 0.15 -> 0.19",
+            ),
         ],
-        [
-            Claim("DiTPO (grad)", "GRPO", "CE example F1", 1, "DiTPO (the paper's gradient weights) over GRPO"),
-            Claim("DiTPO (rule)", "GRPO", "CE example F1", 1, "DiTPO with rule weights over GRPO"),
-            Claim("GRPO", "SFT", "CE example F1", 1, "RL over the SFT cold start (GRPO - SFT)"),
-        ],
-        declared=DECLARED,
+        DECLARED,
+        {"n": 500, "ce": {"headline": "example_f1", "uncertain_as": 0}},
         figure=comparison_figure,
-        extra=more_comparisons(
-            "DEER Tables 6-7, paired by seed",
-            [
-                ("Table 6, grad", "Table 6, random", "labels changed", 1, "Table 6: top 10 % by grad weight vs random"),
-                ("Table 6, rule", "Table 6, random", "labels changed", 1, "Table 6: top 10 % by rule weight vs random"),
-                ("Table 7, ddsampling", "Table 7, random_100", "zero-variance groups", -1, "Table 7: zero-variance"),
-                ("Table 7, ddsampling", "Table 7, random_100", "distinct rewards", 1, "Table 7: distinct rewards"),
-            ],
-        ),
+        meteor=True,
     ),
     "orapo": Experiment(
-        "OraPO Fig. 2 from a task-naive start",
+        "OraPO Fig. 2 and Table 4 from the sandbox's foundation",
         orapo_jobs,
         orapo_read,
-        ["zero-reward groups", "zero-reward groups, last 50 steps", "test macro F1", "test FactS"],
-        [("orapo", "grpo", "OraPO - GRPO")],
+        "CE macro F1",
+        ["CE macro precision", "CE macro recall", "CE macro F1"],
         [
-            Claim("orapo", "grpo", "zero-reward groups", -1, "Fig. 2: fewer zero-reward groups with OraPO"),
-            Claim("orapo", "grpo", "test macro F1", 1, "Table 1: OraPO's test macro F1 over GRPO's"),
+            Claim(
+                "OraPO + FactS",
+                "GRPO + FactS",
+                {"zero-reward groups": -1, "zero-reward groups, last 50 steps": -1},
+                "Fig. 2 (left): fewer zero-reward groups, a lower plateau",
+                "GRPO ~30 % in its first 50 steps",
+            ),
+            Claim(
+                "OraPO + FactS",
+                "GRPO + FactS",
+                dict.fromkeys(["CE macro precision", "CE macro recall", "CE macro F1"], 1),
+                "Table 4, row 6 vs row 3",
+                "F1 0.341 vs 0.291 (+17.2 %)",
+            ),
+            Claim(
+                "OraPO + FactS",
+                "GRPO + FactS",
+                {"Pneumonia F1": 1, "Fracture F1": 1},
+                "Fig. 2 (right): the hard labels, on the test split",
+                "no numbers",
+            ),
+            Claim(
+                "OraPO + FactS",
+                "Base",
+                dict.fromkeys(["CE macro precision", "CE macro recall", "CE macro F1"], 1),
+                "Table 4, row 6 vs row 1",
+                "F1 0.341 vs 0.034",
+            ),
+            Claim(
+                "GRPO + FactS",
+                "Base",
+                dict.fromkeys(["CE macro precision", "CE macro recall", "CE macro F1"], 1),
+                "Table 4, row 3 vs row 1",
+                "F1 0.291 vs 0.034",
+            ),
         ],
-        declared=DECLARED,
+        DECLARED,
+        {"n": 500, "ce": {"headline": "macro_f1", "uncertain_as": 0}},
+        checks=[
+            Check(
+                "GRPO + FactS",
+                0.3,
+                "zero-reward groups, first 50 steps",
+                "GRPO's zero-reward groups, first 50 steps, vs Fig. 2's ~0.3",
+            ),
+            Check(
+                "DPO, last 50 steps",
+                "DPO, first 50 steps",
+                "accuracy on zero-reward groups",
+                "OraPO's DPO on the zero-reward groups: accuracy, last vs first 50 steps",
+            ),
+            Check(
+                "DPO, last 50 steps",
+                0.5,
+                "accuracy on zero-reward groups",
+                "OraPO's DPO on the zero-reward groups: accuracy, last 50 steps, vs chance",
+            ),
+            Check(
+                "OraPO + FactS",
+                0.05,
+                "mean lambda",
+                "OraPO's DPO weight lambda (Eq. 10), mean over steps, vs its floor",
+            ),
+        ],
         figure=orapo_figure,
-        extra=more_comparisons(
-            "OraPO's mechanism",
-            [
-                (
-                    "grpo",
-                    0.3,
-                    "zero-reward groups, first 50 steps",
-                    0,
-                    "GRPO's zero-reward groups, first 50 steps, vs Fig. 2's ~0.3",
-                ),
-                (
-                    "DPO, last 50 steps",
-                    "DPO, first 50 steps",
-                    "accuracy on zero-reward groups",
-                    0,
-                    "OraPO's DPO on the zero-reward groups: accuracy, last 50 vs first 50 steps",
-                ),
-                (
-                    "DPO, last 50 steps",
-                    0.5,
-                    "accuracy on zero-reward groups",
-                    0,
-                    "OraPO's DPO on the zero-reward groups: accuracy, last 50 steps, vs chance (step 0: 0, a tie)",
-                ),
-                ("orapo", 0.05, "mean lambda", 0, "OraPO's DPO weight lambda (Eq. 10), mean over steps, vs its floor"),
-                ("orapo", 1, "distinct test reports", 0, "OraPO's greedy test reports: distinct, vs one for all"),
-                ("grpo", 1, "distinct test reports", 0, "GRPO's greedy test reports: distinct, vs one for all"),
-            ],
-        ),
     ),
     "rrgcl": Experiment(
-        "RRGCL curriculum vs random order, from a converged measurer",
+        "RRGCL Tables 1-2 (RGRG's rows) from the sandbox's foundation, trained to convergence",
         rrgcl_jobs,
         rrgcl_read,
-        ["CE micro F1", "CE macro F1", "BLEU-4", "CIDEr"],
+        "CE micro F1",
+        ["BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", *CE_MICRO],
         [
-            ("rrgcl", "none", "RRGCL (own file) - random"),
-            ("rrgcl_first_file", "none", "RRGCL (first seed's file) - random"),
-            ("root", "none", "Root - random"),
-            ("rrgcl", "root", "RRGCL (own file) - Root"),
-        ],
-        [
-            Claim("rrgcl", "none", "CE micro F1", 1, "the curriculum over random order (own file)"),
-            Claim("rrgcl_first_file", "none", "CE micro F1", 1, "the curriculum over random order (one file)"),
-            Claim("rrgcl", "root", "CE micro F1", 1, "Table 2: RRGCL's scheduler over Root"),
-        ],
-        declared=DECLARED,
-        figure=rrgcl_figure,
-        extra=more_comparisons(
-            "RRGCL's measurer (each seed's file vs the first's; declared criterion 0.8) and the subsets it trains on",
-            [
-                ("measurer", 0.8, "Spearman, studies", 0, "difficulty of the training studies, Spearman"),
-                ("measurer", 0.8, "Spearman, classes", 0, "class difficulty (Eq. 12's diff_C), Spearman"),
-                (
-                    "rrgcl",
-                    1.0,
-                    "training set in D_sub(t), over steps",
-                    0,
-                    "RRGCL: the share of the training set a step draws from, mean over steps, vs random order's 1",
+            Claim(
+                "RRGCL",
+                "Baseline",
+                dict.fromkeys(
+                    ["CE micro F1", "BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CE micro precision", "CE micro recall"], 1
                 ),
-            ],
-        ),
+                "Tables 1-2 (RGRG + RRGCL vs RGRG)",
+                "F1 0.459 vs 0.447, BL-4 0.129 vs 0.126",
+            ),
+            Claim(
+                "Root",
+                "Baseline",
+                dict.fromkeys(
+                    ["CE micro F1", "BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CE micro precision", "CE micro recall"], 1
+                ),
+                "Table 2, (f) vs the baseline",
+                "F1 0.455 vs 0.447",
+            ),
+            Claim(
+                "RRGCL",
+                "Root",
+                dict.fromkeys(
+                    ["CE micro F1", "BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CE micro precision", "CE micro recall"], 1
+                ),
+                "Table 2, ours vs (f)",
+                "F1 0.459 vs 0.455",
+            ),
+        ],
+        DECLARED,
+        {"n": 500, "ce": {"headline": "micro_f1", "uncertain_as": 0}},
+        checks=[
+            Check(
+                "RRGCL, one file",
+                "Baseline",
+                "CE micro F1",
+                "the curriculum from the first seed's difficulty file vs the baseline",
+            ),
+            Check(
+                "measurer",
+                0.8,
+                "Spearman, studies",
+                "the measurer: difficulty of the training studies, Spearman vs the first seed's (declared 0.8)",
+            ),
+            Check(
+                "measurer",
+                0.8,
+                "Spearman, classes",
+                "the measurer: class difficulty (Eq. 12's diff_C), Spearman (declared 0.8)",
+            ),
+            Check(
+                "RRGCL",
+                1.0,
+                "training set in D_sub(t), over the schedule's steps",
+                "RRGCL: the share of the training set a step of the schedule draws from, vs random order's 1",
+            ),
+            Check("RRGCL", "Baseline", "steps", "steps trained (the schedule's, then to convergence)"),
+        ],
+        figure=rrgcl_figure,
+        meteor=True,
     ),
     "dcrrg": Experiment(
-        "DCRRG Table 4 under the sandbox's CheXbert",
+        "DCRRG Table 4 from the sandbox's pre-trained encoders",
         dcrrg_jobs,
         dcrrg_read,
-        ["CE micro F1", "BLEU-4", "CIDEr"],
+        "CE micro F1",
+        ["BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "CE micro precision", "CE micro F1"],
         [
-            ("Model 6", "Model 3", "Step 1 (6 - 3)"),
-            ("Model 5", "Model 2", "Step 1 (5 - 2)"),
-            ("Model 6", "Model 4", "Step 2 (6 - 4)"),
-            ("Model 5", "Model 1", "Step 2, no Step 3 (5 - 1)"),
-            ("Model 7", "Model 5", "Step 3 (7 - 5)"),
-            ("Model 6", "Model 5", "Step 3 and PT instead of FFT (6 - 5)"),
-            ("Model 3", "Model 2", "Step 3 and PT instead of FFT (3 - 2)"),
-            ("Model 6", "Model 7", "PT vs FFT (6 - 7)"),
+            Claim(
+                "Model 6",
+                "Model 3",
+                dict.fromkeys(["CE micro F1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "CE micro precision"], 1),
+                "App. B: Step 1 is essential",
+                "F1 0.376 vs 0.327",
+            ),
+            Claim(
+                "Model 5",
+                "Model 2",
+                {"CE micro F1": 1, "BLEU-4": 1, "METEOR": 1, "ROUGE-L": -1, "CIDEr": 1, "CE micro precision": 1},
+                "App. B: Step 1",
+                "F1 0.371 vs 0.324",
+            ),
+            Claim(
+                "Model 6",
+                "Model 4",
+                dict.fromkeys(["CE micro F1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "CE micro precision"], 1),
+                "App. B: Step 2 improves NLG and CE",
+                "F1 0.376 vs 0.365",
+            ),
+            Claim(
+                "Model 5",
+                "Model 1",
+                {"CE micro F1": 1, "BLEU-4": 1, "METEOR": 1, "ROUGE-L": -1, "CIDEr": 1, "CE micro precision": 1},
+                "App. B: Step 2 without Step 3",
+                "F1 0.371 vs 0.363",
+            ),
+            Claim(
+                "Model 6",
+                "Model 5",
+                dict.fromkeys(["CE micro F1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "CE micro precision"], 1),
+                "App. B: Step 3 (and PT instead of FFT)",
+                "B-4 0.119 vs 0.115",
+            ),
+            Claim(
+                "Model 3",
+                "Model 2",
+                {"CE micro F1": 1, "BLEU-4": 1, "METEOR": 1, "ROUGE-L": -1, "CIDEr": 1, "CE micro precision": 1},
+                "App. B: Step 3 (and PT), no Step 1",
+                "B-4 0.113 vs 0.110",
+            ),
+            Claim(
+                "Model 6",
+                "Model 7",
+                dict.fromkeys(["CE micro F1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "CE micro precision"], "="),
+                "App. B: PT matches FFT",
+                "F1 0.376 vs 0.376",
+            ),
         ],
-        [
-            Claim("Model 6", "Model 3", "CE micro F1", 1, "Step 1 is essential (6 - 3)"),
-            Claim("Model 6", "Model 4", "CE micro F1", 1, "Step 2 helps (6 - 4)"),
-            Claim("Model 6", "Model 4", "BLEU-4", 1, "Step 2 helps (6 - 4)"),
-            Claim("Model 7", "Model 5", "BLEU-4", 1, "Step 3 helps NLG (7 - 5)"),
-            Claim("Model 6", "Model 7", "CE micro F1", 0, "PT matches FFT (6 - 7)"),
+        DECLARED,
+        {"n": 200, "ce": {"headline": "micro_f1", "uncertain_as": 0}},
+        checks=[
+            Check("Model 7", "Model 5", "BLEU-4", "Step 3 alone (7 - 5: both FFT; App. B does not name it)"),
+            Check("Model 7", "Model 5", "CE micro F1", "Step 3 alone (7 - 5), CE"),
+            Check(
+                "Step 1",
+                0.5,
+                "AUROC, image",
+                "Step 1: the image encoder's AUROC, mean over the 14, vs chance (App. C: 0.75)",
+            ),
+            Check(
+                "Step 2",
+                0.2,
+                "retrieval P@1",
+                "Step 2: image-to-text retrieval P@1, 5 classes, vs chance (Table 2: 0.48)",
+            ),
         ],
-        declared=DECLARED,
         figure=dcrrg_figure,
-        extra=more_comparisons(
-            "DCRRG's Steps 1 and 2 on their own (against chance)",
-            [
-                ("Step 1", 0.5, "AUROC, image", 0, "Step 1: the image encoder's AUROC, mean over the 14"),
-                ("Step 1", 0.5, "AUROC, text", 0, "Step 1: the text encoder's AUROC, mean over the 14"),
-                ("Step 2", 0.2, "retrieval P@1", 0, "Step 2: image-to-text retrieval P@1, 5 classes"),
-            ],
-        ),
+        meteor=True,
     ),
 }
 
@@ -954,10 +1552,10 @@ def check_finished(job: Job, root: Path):
         )
 
 
-def run_job(job: Job, root: Path, machine_info: dict, revision: str) -> int:
+def run_job(job: Job, root: Path, machine_info: dict, revision: str, meteor: bool = False) -> int:
     """Run one job under the pins, appending its launch record (with the CPU seconds it used) to <folder>.runs.jsonl."""
     cmd = command(job, root)
-    env = dict(os.environ, **PINS, **QUIET, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, **PINS, **QUIET, PYTHONPATH=str(ROOT)) | ({"RRG_METEOR": "1"} if meteor else {})
     start = time.time()
     with open(str(job.folder(root)) + ".log", "a") as log:
         process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -979,7 +1577,7 @@ def run_job(job: Job, root: Path, machine_info: dict, revision: str) -> int:
     return code
 
 
-def run_all(jobs: list[Job], root: Path, n_jobs: int, dry_run: bool):
+def run_all(jobs: list[Job], root: Path, n_jobs: int, dry_run: bool, meteor: bool = False):
     """Run what is not finished, at most n_jobs at once, each after the folders it needs."""
 
     def done(j):
@@ -1006,7 +1604,7 @@ def run_all(jobs: list[Job], root: Path, n_jobs: int, dry_run: bool):
                 todo.remove(j)
                 j.folder(root).parent.mkdir(parents=True, exist_ok=True)
                 print(f"[{time.strftime('%H:%M:%S')}] start {j.name}: {' '.join(command(j, root)[1:])}", flush=True)
-                running[pool.submit(run_job, j, root, machine_info, revision)] = j
+                running[pool.submit(run_job, j, root, machine_info, revision, meteor)] = j
             if not running:
                 raise SystemExit(f"error: runs wait for jobs that cannot run: {[j.name for j in todo]}")
             for future in wait(running, return_when=FIRST_COMPLETED).done:
@@ -1097,12 +1695,49 @@ def draw(name: str, data: dict, folder: Path):
         print("figure skipped: it needs `pip install matplotlib`")
 
 
+def write_documents(datas: dict, refs: dict, readme: Path = ROOT / "README.md", results_doc: Path = RESULTS_DOC):
+    """The README's summary and short blocks and tests/RESULTS.md's full sections, from the results files."""
+    for name in EXPERIMENTS:
+        data = datas.get(name, {"seeds": {}, "runs": {}})
+        write_block(results_doc, name, report(name, data, refs.get(name, {})))
+        write_block(readme, name, short_report(name, data, refs.get(name, {})))
+    write_block(readme, "summary", summary(datas, refs))
+
+
+def results_files(folder: Path = RESULTS) -> dict:
+    return {name: read_json(folder / f"{name}.json") for name in EXPERIMENTS if (folder / f"{name}.json").is_file()}
+
+
+def pinned(argv: list[str]):
+    """Run this command again in a process under the numeric pins (they act when torch is imported), unless it is."""
+    if all(os.environ.get(k) == v for k, v in PINS.items()):
+        return False
+    subprocess.run([sys.executable, __file__, *argv], env=dict(os.environ, **PINS), check=True)
+    return True
+
+
+def references_table(refs: dict) -> list[str]:
+    """Each table's reference rows on its headline metric (and on gold labels)."""
+    lines = ["| table | headline | " + " | ".join(REFERENCE_ROWS) + " |", "|---" * (len(REFERENCE_ROWS) + 2) + "|"]
+    for name, exp in EXPERIMENTS.items():
+        cells = [
+            f"{refs[name][row][exp.headline]:.3f} ({refs[name][row][exp.headline + ' (gold)']:.3f})"
+            for row in REFERENCE_ROWS
+        ]
+        lines.append(f"| {name} | {exp.headline} (gold) | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=sorted(EXPERIMENTS) + ["labels"])
+    p.add_argument("name", choices=sorted(EXPERIMENTS) + ["labels", "references"])
     p.add_argument("--seeds", help="default: the declared ones; others are an extension")
-    p.add_argument("--report", action="store_true", help="run nothing: print the README's lines from the results file")
-    p.add_argument("--readme", help="with --report: write the lines between the README's markers for NAME")
+    p.add_argument("--report", action="store_true", help="run nothing: print NAME's section of tests/RESULTS.md")
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help="with --report: write every table's blocks into README.md and tests/RESULTS.md",
+    )
     p.add_argument(
         "--gold", help="labels: a gold CSV in NegBio's Open-i layout (id, report, ChestX-ray14 findings, normal)"
     )
@@ -1131,16 +1766,23 @@ def main(argv=None):
             return print("\n".join(labels_table(args.gold, labeler)))
         except (FileNotFoundError, ValueError, TypeError) as e:
             raise SystemExit(f"error: {e}" if args.gold else "error: labels needs --gold FILE.csv") from None
+    if args.name == "references":
+        if not pinned(["references", *(argv or sys.argv[1:])[1:]]):
+            refs = compute_references()
+            REFERENCES.write_text(json.dumps(refs, indent=1, default=float) + "\n")
+            print(f"wrote {REFERENCES}")
+        return print("\n".join(references_table(read_json(REFERENCES))))
     exp, results_file = EXPERIMENTS[args.name], Path(args.results) / f"{args.name}.json"
+    refs = load_references()
     if args.report:
         data = read_json(results_file) if results_file.is_file() else {"seeds": {}, "runs": {}}
         try:
-            lines = report(args.name, data)
+            lines = report(args.name, data, refs.get(args.name, {}))
+            if args.write:
+                write_documents(results_files(Path(args.results)), refs)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         print("\n".join(lines))
-        if args.readme:
-            write_readme(Path(args.readme), args.name, lines)
         draw(args.name, data, Path(args.figures))
         return
     root = Path(args.out) / args.name
@@ -1148,7 +1790,7 @@ def main(argv=None):
         return recheck_seed(args, exp, results_file, root)
     seeds = parse_seeds(args.seeds) if args.seeds else exp.declared
     jobs = sweep_jobs(exp, seeds)
-    run_all(jobs, root, args.jobs, args.dry_run)
+    run_all(jobs, root, args.jobs, args.dry_run, exp.meteor)
     if args.dry_run:
         return
     old = read_json(results_file) if results_file.is_file() else {"seeds": {}, "runs": {}}
@@ -1157,7 +1799,7 @@ def main(argv=None):
     results_file.parent.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(data, indent=1, default=float) + "\n")
     print(f"wrote {results_file}")
-    print("\n".join(report(args.name, data)))
+    print("\n".join(report(args.name, data, refs.get(args.name, {}))))
     draw(args.name, data, Path(args.figures))
 
 
@@ -1171,12 +1813,16 @@ def recheck_seed(args, exp: Experiment, results_file: Path, root: Path):
     committed = [r for runs in data["runs"][str(seed)].values() for r in runs]
     if any(r in committed for j in jobs for r in records(j, root)):
         raise SystemExit(f"error: {root} holds the sweep's own runs of seed {seed}: give --out a fresh folder")
-    run_all(jobs, root, args.jobs, args.dry_run)
+    run_all(jobs, root, args.jobs, args.dry_run, exp.meteor)
     if args.dry_run:
         return
     data["recheck"] = recheck(args.name, seed, root, data)
     results_file.write_text(json.dumps(data, indent=1, default=float) + "\n")
     print(recheck_line(data["recheck"]))
+
+
+if __name__ == "__main__":
+    main()
 
 
 if __name__ == "__main__":

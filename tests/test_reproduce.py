@@ -21,10 +21,11 @@ def test_seeds_are_declared_ranges_or_lists():
 
 def test_paired_difference_by_hand():
     p = reproduce.paired([0.5, 0.7, 0.4, 0.9], [0.4, 0.5, 0.5, 0.6])  # d = 0.1, 0.2, -0.1, 0.3
-    assert p["mean"] == pytest.approx(0.125) and p["positive"] == 3 and p["n"] == 4
+    assert p["mean"] == pytest.approx(0.125) and p["positive"] == 3 and p["negative"] == 1 and p["n"] == 4
     sd = np.sqrt(((0.1 - 0.125) ** 2 + 0.075**2 + 0.225**2 + 0.175**2) / 3)
     assert p["se"] == pytest.approx(sd / 2)
-    assert reproduce.difference(p) == "+0.125 ± 0.085 (3 of 4)"
+    assert reproduce.difference(p) == "+0.125 ± 0.085 (3 of 4 higher)"
+    assert reproduce.difference(p, -1) == "+0.125 ± 0.085 (1 of 4 lower)"  # counted the claimed way
 
 
 def d(*diffs):
@@ -32,21 +33,44 @@ def d(*diffs):
     return reproduce.paired(list(diffs), [0.0] * len(diffs))
 
 
+SPREAD = np.array([0.3, -0.1, 0.2, -0.4, 0.1, 0.0, -0.2, 0.1])  # mean 0: SE sd / sqrt 8, whatever is added
+
+
+def at(mean: float):
+    return d(*(SPREAD - SPREAD.mean() + mean))
+
+
 def test_the_rule_at_its_boundaries():
-    """An effect: the mean at least 2 SE from 0 and its sign on more than half of the seeds."""
-    exactly_two_se = d(3.0, 1.0)  # mean 2, sd sqrt(2), SE 1: 2 SE exactly, both seeds positive
-    assert exactly_two_se["mean"] == 2 * exactly_two_se["se"]
-    assert reproduce.effect_sign(exactly_two_se) == 1
-    just_under = d(3.0, 0.99)  # mean 1.995, SE 1.005: 1.99 SE
-    assert reproduce.effect_sign(just_under) == 0
-    # mean 2 SE from 0 but its sign on only half of the seeds: not an effect
-    half = d(*[1.0] * 5, *[-0.01] * 5)  # mean 0.495, SE 0.166
-    assert half["mean"] > 2 * half["se"] and reproduce.effect_sign(half) == 0
-    three_of_five = d(10.0, 10.0, 10.0, -0.1, -0.1)  # its sign on 3 of 5: more than half
-    assert three_of_five["mean"] > 2 * three_of_five["se"] and reproduce.effect_sign(three_of_five) == 1
+    """An effect: |mean| >= t(n - 1, 0.975) SE, two-sided at 5 % (2.365 SE at 8 seeds), and its sign on more than
+    half of the seeds; t from tables: 2.3646 at 7 degrees of freedom, 12.706 at 1."""
+    assert reproduce.t_quantile(0.975, 8) == pytest.approx(2.364624, abs=1e-6)
+    assert reproduce.t_quantile(0.975, 2) == pytest.approx(12.7062, abs=1e-4)
+    se = SPREAD.std(ddof=1) / np.sqrt(8)
+    edge = 2.364624 * se
+    assert reproduce.threshold(at(1.0)) == pytest.approx(edge, rel=1e-5)
+    assert reproduce.effect_sign(at(edge * 1.0001)) == 1 and reproduce.effect_sign(at(-edge * 1.0001)) == -1
+    assert reproduce.effect_sign(at(edge * 0.9999)) == 0  # 2.36 SE: an effect by the old 2 SE rule, not by this one
+    assert reproduce.effect_sign(at(2.1 * se)) == 0
+    # mean past the threshold but its sign on only half of the seeds: not an effect
+    half = d(*[1.0] * 4, *[-0.01] * 4)
+    assert half["mean"] > reproduce.threshold(half) and reproduce.effect_sign(half) == 0
+    five_of_eight = d(*[10.0] * 5, *[-0.1] * 3)  # its sign on 5 of 8: more than half
+    assert five_of_eight["mean"] > reproduce.threshold(five_of_eight) and reproduce.effect_sign(five_of_eight) == 1
     assert reproduce.effect_sign(d(-0.5, -0.5, -0.5)) == -1  # SE 0: every seed the same way
     assert reproduce.effect_sign(d(0.0, 0.0, 0.0)) == 0
     assert reproduce.effect_sign(d(1.0)) == 0  # one seed: no standard error, no effect
+
+
+def test_equivalence_at_its_boundaries():
+    """a = b: the 90 % interval of the mean inside +-margin (two one-sided tests at 5 %, t(7, 0.95) = 1.8946)."""
+    se = SPREAD.std(ddof=1) / np.sqrt(8)
+    margin = 0.5
+    edge = margin - 1.894579 * se  # the largest |mean| still shown equivalent
+    assert reproduce.equivalent(at(edge * 0.999), margin) and reproduce.equivalent(at(-edge * 0.999), margin)
+    assert not reproduce.equivalent(at(edge * 1.001), margin)
+    assert not reproduce.equivalent(d(0.0), margin)  # one seed shows nothing
+    assert reproduce.verdict(at(0.0), "=", margin) == "reproduced"
+    assert reproduce.verdict(at(0.0), "=", 1.894579 * se * 0.99) == "not reproduced"  # too few seeds for the margin
 
 
 def test_verdict_words():
@@ -56,12 +80,22 @@ def test_verdict_words():
     assert [reproduce.verdict(p, 0) for p in (up, down, none)] == ["higher", "lower", "no effect"]
 
 
+def arm_values(exp, value, seed):
+    """Every arm of `exp` with every metric its tables read, each value(seed, arm, metric)."""
+    arms = {a for c in exp.claims for a in (c.a, c.b)} | {c.a for c in exp.checks}
+    arms |= {c.b for c in exp.checks if isinstance(c.b, str)}
+    metrics = set(exp.columns) | {m for c in exp.claims for m in c.signs} | {c.metric for c in exp.checks}
+    metrics |= {exp.headline + " (gold)", "labelers agree", "commonest share"}
+    out = {}
+    for a in sorted(arms):
+        out[a] = {m: value(seed, a, m) for m in metrics} | {"curve": [0.1] * 20, "distinct reports": 300}
+        out[a]["commonest report"] = "The lungs are clear."
+    return out | {"start": {"SFT steps": 900, "best step": 500}}
+
+
 def fake_results(name, seeds, value):
     """A results file for `name` whose arms all score value(seed, arm, metric)."""
     exp = reproduce.EXPERIMENTS[name]
-    arms = {a for c in exp.comparisons for a in c[:2]} | {a for c in exp.claims for a in (c.a, c.b)}
-    arms |= {"DPO, first 50 steps", "DPO, last 50 steps"}  # OraPO's extra rows
-    metrics = exp.metrics + ["zero-reward groups, first 50 steps", "accuracy on zero-reward groups"]
     record = {
         "argv": ["x"],
         "machine": {"cpu": "CPU", "cpu_capability": "AVX2", "torch": "2.x", "python": "3.x"},
@@ -71,75 +105,138 @@ def fake_results(name, seeds, value):
     }
     data = {"name": name, "declared": exp.declared, "seeds": {}, "runs": {}}
     for s in seeds:
-        numbers = {a: {m: value(s, a, m) for m in metrics} | {"curve": [0.1] * 20} for a in sorted(arms)}
-        data["seeds"][str(s)] = {"arms": numbers}
+        data["seeds"][str(s)] = {"arms": arm_values(exp, value, s)}
         data["runs"][str(s)] = {"job": [record]}
     return data
+
+
+REFS = {
+    row: {"CE macro F1": 0.1 * k, "CE macro F1 (gold)": 0.1 * k, "distinct reports": 1}
+    for k, row in enumerate(reproduce.REFERENCE_ROWS)
+}
 
 
 def test_report_leads_with_the_declared_seeds_and_keeps_an_extension_apart():
     exp = reproduce.EXPERIMENTS["orapo"]
     claim = exp.claims[0]  # Fig. 2: fewer zero-reward groups (sign -1)
+    metric = next(iter(claim.signs))
     seeds = exp.declared + [900, 901, 902]
 
-    def value(s, arm, metric):
-        if arm == claim.a and metric == claim.metric:
+    def value(s, arm, m):
+        if arm == claim.a and m == metric:
             return 0.1 + (0.05 if s >= 900 else -0.02) + 0.001 * (s % 3)  # declared: lower; extension: higher
         return 0.1
 
-    lines = reproduce.report("orapo", fake_results("orapo", seeds, value))
+    lines = reproduce.report("orapo", fake_results("orapo", seeds, value), REFS)
     text = "\n".join(lines)
-    primary = next(x for x in lines if "(primary" in x)
-    assert "**reproduced**" in primary and "-0.019 ± 0.000 (0 of 8)" in primary
+    primary = next(x for x in lines if "(primary)" in x)
+    assert "**reproduced**" in primary and "-0.019 ± 0.000 (8 of 8 lower)" in primary and metric in primary
     extension = text[text.index("Extension, seeds 900-902") :]
     assert "**reversed**" in extension  # its own verdict, on its own seeds
-    assert "(8 of 8)" not in extension and "(3 of 3)" in extension
+    assert "(0 of 3 lower)" in extension
     assert "CPU-minutes per seed: 1. Every run: CPU (AVX2 kernels)" in lines[-1]
-    partial = "\n".join(reproduce.report("orapo", fake_results("orapo", exp.declared[:-1], value)))
-    assert "Not yet measured on the declared seeds 300-307** (7 of 8 have run)" in partial
+    assert "| *image ceiling* |" in text and "| 0.200 |" in text  # the reference rows, one value each
+    partial = "\n".join(reproduce.report("orapo", fake_results("orapo", exp.declared[:-1], value), REFS))
+    assert "Not yet measured on the declared seeds 400-407** (7 of 8 have run)" in partial
     assert "`python tests/reproduce.py orapo`" in partial and "interim: no verdict" in partial
-    assert not any(f"**{w}**" in partial for w in [*reproduce.CLAIM_WORDS.values(), *reproduce.CHECK_WORDS.values()])
-    nothing = reproduce.report("orapo", {"seeds": {}, "runs": {}})
+    words = [*reproduce.CLAIM_WORDS.values(), *reproduce.CHECK_WORDS.values(), reproduce.DEGENERATE]
+    assert not any(f"**{w}**" in partial for w in words)
+    nothing = reproduce.report("orapo", {"seeds": {}, "runs": {}}, {})
     assert len(nothing) == 2 and "(0 of 8 have run)" in nothing[1]
+    short = reproduce.short_report("orapo", fake_results("orapo", exp.declared, value), REFS)
+    assert "tests/RESULTS.md" in short[0] and sum("**" in x for x in short) == 3  # the claims on CE macro F1
+
+
+def test_a_claim_on_an_arm_that_writes_a_handful_of_reports_is_degenerate():
+    exp = reproduce.EXPERIMENTS["orapo"]
+    data = fake_results("orapo", exp.declared, lambda s, a, m: 0.5 + (0.1 + 0.001 * s) * (a == "OraPO + FactS"))
+    rows = {(c.label, m): w for c, m, _, _, w in reproduce.claim_rows(exp, reproduce.results_of(data), exp.declared)}
+    assert rows["Table 4, row 6 vs row 3", "CE macro F1"] == "reproduced"
+    for s in exp.declared[:5]:  # 5 of 8 seeds: 9 distinct reports, one fewer than declared
+        data["seeds"][str(s)]["arms"]["GRPO + FactS"]["distinct reports"] = exp.min_distinct - 1
+    rows = {(c.label, m): w for c, m, _, _, w in reproduce.claim_rows(exp, reproduce.results_of(data), exp.declared)}
+    assert rows["Table 4, row 6 vs row 3", "CE macro F1"] == reproduce.DEGENERATE
+    assert (
+        rows["Fig. 2 (left): fewer zero-reward groups, a lower plateau", "zero-reward groups"] == reproduce.DEGENERATE
+    )
+    assert rows["Table 4, row 6 vs row 1", "CE macro F1"] == "reproduced"  # its arms write enough
+    data["seeds"][str(exp.declared[0])]["arms"]["GRPO + FactS"]["distinct reports"] = exp.min_distinct  # 4 of 8
+    rows = {(c.label, m): w for c, m, _, _, w in reproduce.claim_rows(exp, reproduce.results_of(data), exp.declared)}
+    assert rows["Table 4, row 6 vs row 3", "CE macro F1"] == "reproduced"
+
+
+def test_an_equivalence_claim_uses_its_declared_margin():
+    exp = reproduce.EXPERIMENTS["dcrrg"]
+    claim = next(c for c in exp.claims if "=" in c.signs.values())
+
+    def value(s, arm, m):
+        return 0.6 + (0.02 + 0.001 * (s % 2)) * (arm == claim.a)  # a - b 0.0205 ± 0.0002: inside 5 % of 0.6 = 0.03
+
+    results = reproduce.results_of(fake_results("dcrrg", exp.declared, value))
+    words = {m: w for c, m, _, _, w in reproduce.claim_rows(exp, results, exp.declared) if c is claim}
+    assert set(words.values()) == {"reproduced"}
+    results = reproduce.results_of(
+        fake_results("dcrrg", exp.declared, lambda s, a, m: value(s, a, m) * (1 + 0.5 * (a == claim.a)))
+    )
+    words = {m: w for c, m, _, _, w in reproduce.claim_rows(exp, results, exp.declared) if c is claim}
+    assert set(words.values()) == {"not reproduced"}
+    assert "margin 0.030" in "\n".join(
+        reproduce.claims_table(exp, reproduce.results_of(fake_results("dcrrg", exp.declared, value)), exp.declared)
+    )
+
+
+def test_every_claim_names_the_paper_table_and_a_column_of_the_arms():
+    """Declared before the sweep: each claim has a table (or appendix) in its label, a sign for each column, arms
+    the experiment reads; its first claim's first column is the primary claim."""
+    for name, exp in reproduce.EXPERIMENTS.items():
+        assert exp.claims and all(("Table" in c.label or "Fig." in c.label or "App." in c.label) for c in exp.claims), (
+            name
+        )
+        for c in exp.claims:
+            assert c.signs and set(c.signs.values()) <= {1, -1, "="}, (name, c.label)
+        assert exp.declared == list(range(400, 408)) and exp.min_distinct == 10
 
 
 def test_recheck_compares_a_seed_with_its_committed_row_to_the_printed_digits(tmp_path, monkeypatch):
     exp = reproduce.EXPERIMENTS["orapo"]
     data = fake_results("orapo", exp.declared, lambda s, arm, metric: 0.25)
-    row = data["seeds"]["300"]["arms"]
+    row = data["seeds"]["400"]["arms"]
     same = json.loads(json.dumps(row))
-    same["orapo"]["test macro F1"] = 0.2501  # rounds to the printed 0.250
+    same["OraPO + FactS"]["CE macro F1"] = 0.2501  # rounds to the printed 0.250
     monkeypatch.setattr(exp, "read", lambda root, seed: same)
-    check = reproduce.recheck("orapo", 300, tmp_path, data)
+    check = reproduce.recheck("orapo", 400, tmp_path, data)
     assert check["differs"] == [] and check["largest_difference"] == pytest.approx(1e-4)
     line = reproduce.recheck_line(check)
-    assert line.startswith("Seed 300 run again") and f"all {check['numbers']} numbers" in line
+    assert line.startswith("Seed 400 run again") and f"all {check['numbers']} numbers" in line
     moved = json.loads(json.dumps(row))
-    moved["grpo"]["curve"][3] = 0.2  # one point of a curve: printed 0.200, committed 0.100
-    moved["orapo"]["test FactS"] = 0.2506  # printed 0.251
+    moved["GRPO + FactS"]["curve"][3] = 0.2  # one point of a curve: printed 0.200, committed 0.100
+    moved["OraPO + FactS"]["Pneumonia F1"] = 0.2506  # printed 0.251
     monkeypatch.setattr(exp, "read", lambda root, seed: moved)
-    check = reproduce.recheck("orapo", 300, tmp_path, data)
-    assert sorted(check["differs"]) == ["grpo/curve[3]", "orapo/test FactS"]
+    check = reproduce.recheck("orapo", 400, tmp_path, data)
+    assert sorted(check["differs"]) == ["GRPO + FactS/curve[3]", "OraPO + FactS/Pneumonia F1"]
     assert "2 of" in reproduce.recheck_line(check)
     data["recheck"] = check
-    assert reproduce.report("orapo", data)[-1] == reproduce.recheck_line(check)
-    del moved["grpo"]["curve"]
+    assert reproduce.report("orapo", data, REFS)[-1] == reproduce.recheck_line(check)
+    del moved["GRPO + FactS"]["curve"]
     with pytest.raises(ValueError, match="definition changed"):
-        reproduce.recheck("orapo", 300, tmp_path, data)
+        reproduce.recheck("orapo", 400, tmp_path, data)
 
 
-def test_readme_tables_are_the_reports_verbatim():
-    """Every table the README prints comes from `--report` on a committed results file, to the character."""
-    readme = (ROOT / "README.md").read_text()
+def test_documents_print_the_reports_verbatim():
+    """Every table the README and tests/RESULTS.md print comes from `--report` on committed results files, to the
+    character: README's summary and short blocks, RESULTS.md's full sections."""
+    readme, results_doc = (ROOT / "README.md").read_text(), reproduce.RESULTS_DOC.read_text()
+    datas, refs = reproduce.results_files(), reproduce.load_references()
+    start, stop = reproduce.readme_block(readme, "summary")
+    assert readme[start:stop].splitlines() == reproduce.summary(datas, refs), "README's summary differs"
     for name in reproduce.EXPERIMENTS:
-        results = ROOT / "tests" / "results" / f"{name}.json"
-        if reproduce.README_BEGIN.format(name=name) not in readme:
-            assert not results.is_file(), f"{results} is committed but the README does not print it"
-            continue
+        data = datas.get(name, {"seeds": {}, "runs": {}})
         start, stop = reproduce.readme_block(readme, name)
-        data = json.loads(results.read_text()) if results.is_file() else {"seeds": {}, "runs": {}}
-        printed = reproduce.report(name, data)
-        assert readme[start:stop].splitlines() == printed, f"README's {name} table differs from its --report"
+        printed = reproduce.short_report(name, data, refs.get(name, {}))
+        assert readme[start:stop].splitlines() == printed, f"README's {name} block differs from its --report"
+        start, stop = reproduce.readme_block(results_doc, name)
+        printed = reproduce.report(name, data, refs.get(name, {}))
+        assert results_doc[start:stop].splitlines() == printed, f"RESULTS.md's {name} section differs"
 
 
 def dry_run(name, tmp_path, capsys, *flags) -> dict[str, list[str]]:
@@ -178,19 +275,41 @@ def test_orapo_arms_differ_by_lambda_only(tmp_path, capsys):
 
 
 def test_mrg_r1_arms_differ_by_their_reward_only(tmp_path, capsys):
-    """One converged warm start per seed; every arm starts from it (--init) and differs from the primary arm by its
-    reward alone, or (the check) by SFT steps instead of RL."""
-    runs = dry_run("mrg_r1", tmp_path, capsys, "--seeds", "300")
+    """One converged warm start per seed (Base); every arm starts from it (--init) and differs from MRG-R1's own by its
+    reward alone, or (+ SFT) by SFT steps instead of RL."""
+    runs = dry_run("mrg_r1", tmp_path, capsys, "--seeds", "400")
     arm = {name.split("/")[1]: flags(argv) for name, (argv,) in runs.items()}
-    assert arm["start"] == {"--seed": "300", "--steps": "0"}  # the script's own warm start, until it converges
+    assert arm["start"] == {"--seed": "400", "--steps": "0"}  # the script's own warm start, until it converges
     assert (
-        arm["mccs+format"]["--init"].endswith("/s300/start/warm_start/final") and arm["mccs+format"]["--seed"] == "300"
+        arm["mccs+format"]["--init"].endswith("/s400/start/warm_start/final") and arm["mccs+format"]["--seed"] == "400"
     )
     assert arm["mccs+format"]["--reward"] == "mccs+format"
-    for other in ("format", "ce_f1+format"):
+    for other in ("format", "ce_f1+format", "mccs", "ce_f1", "nlg"):
         assert differ(arm[other], arm["mccs+format"]) == {"--reward": (other, "mccs+format")}
     sft = differ(arm["sft+300"], arm["mccs+format"])
     assert sft == {"--sft-steps": ("300", None), "--steps": ("0", None), "--reward": (None, "mccs+format")}
+    assert set(reproduce.MRG_R1_ARMS.values()) == set(arm)  # every run is a row of the table
+
+
+def test_deer_arms_are_tables_1_and_4s_rows(tmp_path, capsys):
+    """One SFT and DDSampling per seed (`all` runs DEER itself); each RL row differs by its weighting and subset."""
+    (runs,) = dry_run("deer", tmp_path, capsys, "--seeds", "400").values()
+    commands = {(argv[1], flags(argv).get("--weighting"), flags(argv).get("--subset")) for argv in runs}
+    assert commands == {
+        ("all", None, None),
+        ("rl", "rule", "ddsampling"),
+        ("rl", "none", "all"),
+        ("rl", "grad", "all"),
+        ("rl", "rule", "all"),
+        ("rl", "none", "random"),
+        ("table6", None, None),
+        ("table7", None, None),
+    }
+    jobs = {j.argv[1] + str(j.argv[4:]): j.done for j in reproduce.deer_jobs(400, [400])}
+    assert jobs["rl['--weighting', 'none', '--subset', 'all']"] == "rl_none_all/eval.json"  # deer.py's folder
+    assert jobs["rl['--weighting', 'rule', '--subset', 'ddsampling']"] == "rl_rule/eval.json"
+    stages = {j.done.split("/")[0] for j in reproduce.deer_jobs(400, [400]) if "/" in j.done}
+    assert stages == set(reproduce.DEER_ARMS.values()) - {"sft"}  # every RL row is run, and read
 
 
 def test_rrgcl_first_file_is_the_first_declared_seeds_whatever_seeds_run(tmp_path, capsys):
@@ -236,38 +355,101 @@ def write_eval(path: Path, before: dict, after: dict | None = None, key: str = "
     (path / "eval.json").write_text(json.dumps(result))
 
 
-def evaluation(headline: str, value: float, **extra) -> dict:
-    ce = dict.fromkeys(("micro_f1", "macro_f1", "example_f1", "micro_precision", "micro_recall"), value)
-    nlg = {"BLEU-4": value, "CIDEr": value}
-    return {"ce": ce, "headline": headline, "nlg": nlg, "degenerate": {"distinct": int(value * 100)}} | extra
+def evaluation(value: float, **extra) -> dict:
+    """An evaluation (common.evaluate_generations' layout) whose every number is `value`."""
+    ce = {f"{a}_{m}": value for a in ("micro", "macro", "example") for m in ("precision", "recall", "f1")}
+    ce["per_label"] = {n: {"f1": value} for n in ("Pneumonia", "Fracture")}
+    nlg = dict.fromkeys(("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"), value)
+    degenerate = {"distinct": int(value * 100), "most_common_share": value, "most_common": "No acute process."}
+    return {"ce": ce, "ce_gold": ce, "nlg": nlg, "degenerate": degenerate} | extra
 
 
 def test_tables_read_the_evaluation_after_training(tmp_path):
-    """RL arms are read from test_after (test_before is the start they share); the SFT-only arm from its only one."""
+    """RL arms are read from test_after (test_before is the start they share); the SFT-only arms from their only one."""
     root = tmp_path / "mrg_r1"
-    for arm in ("mccs+format", "format", "ce_f1+format"):
-        before = evaluation("micro_f1", 0.2, reward=0.2)
-        write_eval(root / "s1" / arm, before, evaluation("micro_f1", 0.9, reward=0.9))
-    write_eval(root / "s1" / "sft+300", evaluation("micro_f1", 0.5, reward=0.5), key="test_before")
-    write_eval(root / "s1" / "start", evaluation("micro_f1", 0.1, reward=0.1), key="test_before")
+    for arm, run in reproduce.MRG_R1_ARMS.items():
+        if run in ("start", "sft+300"):
+            write_eval(root / "s1" / run, evaluation(0.1 if run == "start" else 0.5, reward=0.2), key="test_before")
+        else:
+            write_eval(root / "s1" / run, evaluation(0.2, reward=0.2), evaluation(0.9, reward=0.9))
     (root / "s1" / "start" / "warm_start").mkdir()
     (root / "s1" / "start" / "warm_start" / "eval.json").write_text('{"steps": 900, "converge": {"best_step": 500}}')
     out = reproduce.mrg_r1_read(root, 1)
-    assert out["warm start"]["CE micro F1"] == 0.1 and out["sft+300"]["CE micro F1"] == 0.5
-    assert {out[a]["CE micro F1"] for a in ("mccs+format", "format", "ce_f1+format")} == {0.9}
-    assert {out[a]["CE micro recall"] for a in ("mccs+format", "format", "ce_f1+format")} == {0.9}
+    assert out["Base"]["CE micro F1"] == 0.1 and out["+ SFT"]["CE micro F1"] == 0.5
+    assert {out[a]["CE micro recall"] for a in reproduce.MRG_R1_ARMS if a not in ("Base", "+ SFT")} == {0.9}
+    assert out["Base"]["CE micro F1 (gold)"] == 0.1 and out["Base"]["distinct reports"] == 10
     root = tmp_path / "orapo"
     for arm in ("orapo", "grpo"):
-        before = evaluation("macro_f1", 0.1, facts_reward=0.1)
-        write_eval(root / "s1" / arm, before, evaluation("macro_f1", 0.9, facts_reward=0.9))
+        write_eval(root / "s1" / arm, evaluation(0.1, facts_reward=0.1), evaluation(0.9, facts_reward=0.9))
         (root / "s1" / arm / "metrics.jsonl").write_text(
             json.dumps({"zero_group_ratio": 0.5, "dpo_accuracy_x_zero": 0.25, "lambda": 0.07}) + "\n"
         )
     out = reproduce.orapo_read(root, 1)
-    assert out["orapo"]["test macro F1"] == 0.9 and out["grpo"]["test FactS"] == 0.9
-    assert out["orapo"]["distinct test reports"] == 90  # after training, not before (10)
-    assert out["orapo"]["mean lambda"] == 0.07
+    assert out["OraPO + FactS"]["CE macro F1"] == 0.9 and out["GRPO + FactS"]["test FactS"] == 0.9
+    assert out["OraPO + FactS"]["distinct reports"] == 90  # after training, not before (10)
+    assert out["Base"]["CE macro F1"] == 0.1 and out["Base"]["distinct reports"] == 10  # Table 4's row 1: before RL
+    assert out["OraPO + FactS"]["mean lambda"] == 0.07 and out["GRPO + FactS"]["Fracture F1"] == 0.9
     assert out["DPO, first 50 steps"]["accuracy on zero-reward groups"] == 0.5  # 0.25 of the steps' 0.5 zero groups
+
+
+def test_every_claim_reads_numbers_the_tables_produce(tmp_path):
+    """Each claim's and check's arms and metrics are among those the experiment's read() returns from its runs'
+    files (a misspelt arm or column fails here, not after a sweep)."""
+    for name, exp in reproduce.EXPERIMENTS.items():
+        root = tmp_path / name
+        seed = exp.declared[0]
+        write_runs(name, root, seed)
+        out = reproduce.EXPERIMENTS[name].read(root, seed)
+        for c in exp.claims:
+            for arm in (c.a, c.b):
+                assert set(c.signs) <= set(out[arm]), (name, arm, set(c.signs) - set(out[arm]))
+        for c in exp.checks:
+            assert c.metric in out[c.a] and (not isinstance(c.b, str) or c.metric in out[c.b]), (name, c.label)
+        assert all(m in out[a] for a in reproduce.report_arms(exp, {seed: out}, [seed]) for m in exp.columns)
+
+
+def write_runs(name: str, root: Path, seed: int):
+    """The files a seed's runs write that read() takes its numbers from, every number 0.5."""
+    folder = root / f"s{seed}"
+    if name == "mrg_r1":
+        test_tables_read_shape = evaluation(0.5, reward=0.5, reward_mccs=0.5)
+        for run in reproduce.MRG_R1_ARMS.values():
+            write_eval(folder / run, test_tables_read_shape, test_tables_read_shape)
+        (folder / "start" / "warm_start").mkdir()
+        (folder / "start" / "warm_start" / "eval.json").write_text('{"steps": 9, "converge": {"best_step": 5}}')
+    elif name == "deer":
+        for stage in reproduce.DEER_ARMS.values():
+            write_eval(folder / stage, evaluation(0.5))
+        row = {"label_mod_ratio_binary": 0.5, "post_mask_f1": 0.5}
+        (folder / "table6.json").write_text(json.dumps({w: row for w in ("grad", "rule", "random")}))
+        row = {"zero_variance": 0.5, "unique_rewards": 2.0, "reward_std": 0.1}
+        (folder / "table7.json").write_text(json.dumps({s: row for s in ("random_100", "ddsampling")}))
+    elif name == "orapo":
+        for run in reproduce.ORAPO_ARMS.values():
+            write_eval(folder / run, evaluation(0.5, facts_reward=0.5), evaluation(0.5, facts_reward=0.5))
+            line = {"zero_group_ratio": 0.5, "dpo_accuracy_x_zero": 0.25, "lambda": 0.07}
+            (folder / run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    elif name == "rrgcl":
+        for run in reproduce.RRGCL_ARMS.values():
+            (folder / run).mkdir(parents=True)
+            (folder / run / "eval.json").write_text(json.dumps({"test": evaluation(0.5), "steps": 1000}))
+        (folder / "rrgcl" / "schedule.json").write_text(json.dumps({"subset_sizes": [10, 20, 40]}))
+        rng = np.random.default_rng(0)
+        labels = np.where(rng.random((40, 14)) < 0.3, 1.0, np.nan).tolist()
+        for s in (seed, seed + 1):
+            m = {"dif1": rng.random(40).tolist(), "dif2": rng.random(40).tolist(), "labels": labels}
+            (root / f"s{s}" / "measure").mkdir(parents=True)
+            (root / f"s{s}" / "measure" / "difficulty.json").write_text(json.dumps(m))
+    else:
+        for model in reproduce.TABLE4.values():
+            (folder / "ablation" / model).mkdir(parents=True)
+            (folder / "ablation" / model / "eval.json").write_text(json.dumps(evaluation(0.5)))
+        for step, result in (
+            ("step1", {"auroc_image": {"mean": 0.7}, "auroc_text": {"mean": 0.9}}),
+            ("step2", {"retrieval": {"P@1": 0.4, "P@5": 0.4}}),
+        ):
+            (folder / "ablation" / step).mkdir(parents=True)
+            (folder / "ablation" / step / "eval.json").write_text(json.dumps(result))
 
 
 def test_runner_order_skips_finished_and_resumes_started(tmp_path, monkeypatch):
@@ -318,7 +500,7 @@ def test_runner_never_runs_two_jobs_of_one_folder_at_once(tmp_path, monkeypatch)
 
 def test_report_command_prints_from_the_results_file(tmp_path):
     exp = reproduce.EXPERIMENTS["orapo"]
-    data = fake_results("orapo", exp.declared, lambda s, a, m: 0.1 * (a == "orapo") + 0.001 * s)
+    data = fake_results("orapo", exp.declared, lambda s, a, m: 0.1 * (a == "OraPO + FactS") + 0.001 * s)
     (tmp_path / "orapo.json").write_text(json.dumps(data))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "reproduce.py"), "orapo", "--report", "--results", str(tmp_path)]
@@ -330,7 +512,10 @@ def test_report_command_prints_from_the_results_file(tmp_path):
         env={"RRG_FIGURES": "0", "PATH": ""},
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[: len(reproduce.report("orapo", data))] == reproduce.report("orapo", data)
+    refs = reproduce.load_references().get("orapo", {})
+    assert proc.stdout.splitlines()[: len(reproduce.report("orapo", data, refs))] == reproduce.report(
+        "orapo", data, refs
+    )
 
 
 def test_mention_f1_by_hand():
@@ -358,3 +543,44 @@ def test_commit_is_marked_changed_by_code_not_by_a_sweeps_figures(tmp_path, monk
     assert reproduce.commit() == clean and "+" not in clean
     (tmp_path / "orapo.py").write_text("x = 2\n")
     assert reproduce.commit() == clean + "+changes"
+
+
+def test_best_constant_report_by_hand():
+    """The blind row's report: the training report whose labels, written for every training study, score the best
+    headline. Micro F1 of a constant prediction, by hand: cardiomegaly 6 / 12, edema 2 / 12, clear lungs 4 / 12."""
+    import common
+
+    texts = ["There is mild cardiomegaly."] * 3 + ["There is mild pulmonary edema."] + ["The lungs are clear."] * 2
+    train = [common.Record(str(k), [], t, "train") for k, t in enumerate(texts)]
+    best = reproduce.best_constant(train, common.RuleLabeler(), "micro_f1", 0)
+    assert best == "There is mild cardiomegaly."
+    labels = common.RuleLabeler()(texts)
+    score = common.ce_metrics(np.tile(labels[0], (6, 1)), labels, 0)["micro_f1"]
+    assert score == pytest.approx(0.5)
+    assert reproduce.best_constant(train, common.RuleLabeler(), "example_f1", 0) == "There is mild cardiomegaly."
+
+
+def test_templated_reports_say_the_findings_they_are_given():
+    """The ceilings write findings through the set's own templates: the rules read back exactly those findings."""
+    import common
+
+    rng = np.random.default_rng(3)
+    studies = [common.sample_synthetic_study(rng)[0] for _ in range(300)]
+    reports = [reproduce.templated_report(f, rng) for f in studies]
+    labels = common.RuleLabeler()(reports)[:, :13]  # (N, 13)
+    for f, row in zip(studies, labels):
+        for k, name in enumerate(common.FINDINGS):
+            expected = (common.UNCERTAIN if f[name]["uncertain"] else common.POSITIVE) if name in f else None
+            assert (row[k] == expected) if expected is not None else row[k] not in (1, -1), (name, f, row)
+
+
+def test_image_ceiling_classifier_predicts_attribute_sets_it_was_shown(small_synthetic):
+    import common
+
+    data = common.load_annotation(small_synthetic)
+    findings, record = reproduce.image_ceiling_findings(data)
+    options = reproduce.finding_options(data["train"] + data["val"])
+    assert len(findings) == len(data["test"]) and record["best_epoch"] >= 1
+    for f in findings:
+        for name, attrs in f.items():
+            assert json.dumps(attrs, sort_keys=True) in options[common.FINDINGS.index(name)]
