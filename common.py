@@ -1,13 +1,20 @@
-"""common.py: the small shared part of rrg-from-scratch, in reading order.
+"""common.py: the shared part of rrg-from-scratch. Part I is what a paper computes, in the order of one training step;
+Part II, the machine room, changes nothing a paper computes.
 
-1. Labels    the 14 CheXpert observations (CheXbert order); label arrays (N, 14) float: 1, 0, -1 uncertain, NaN blank
-2. Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, a torch Dataset, the synthetic set
-3. Labelers  RuleLabeler (CheXpert-style rules) and CheXbertLabeler (f1chexbert's model)
-4. Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its Java scorer), clinical efficacy (CE) P/R/F1
-5. Models    one policy interface: TinyPolicy (offline), HFPolicy (Qwen2.5-VL and kin); image and text encoders; LoRA
-6. RL core   group advantages, GRPO loss (grpo / bnpo / dr_grpo, k3 KL), DPO loss, rollouts
-7. Running   train()'s scaffold: torchrun, seed, threads, run folder, resume, logs, evaluation, RL policy, checkpoints
-8. Command line  flags from an Args dataclass; `python common.py evaluate --generations FILE.jsonl`
+Part I, read beside the papers (one RL step: I.2's rollout through I.3's policy, scored through I.1's labels, then
+I.2's losses; evaluation: I.4)
+  I.1 Labels    the 14 CheXpert observations (CheXbert order), label arrays (N, 14): 1, 0, -1 uncertain, NaN blank;
+                binarize, CheXpert's No Finding, LabelCache (each text labelled once a step), make_labeler
+  I.2 RL core   group_advantages, grpo_loss (grpo / bnpo / dr_grpo, k3 KL), dpo_loss (LN-DPO), rollout (sample, score)
+  I.3 Policy    one interface (prompt_batch, repeat, generate, completion_logprobs, sft_loss) for TinyPolicy and
+                HFPolicy (Qwen2.5-VL and kin); LoRA written out
+  I.4 Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its jar), CE P/R/F1, evaluate_generations
+  I.5 Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, views, batches; image and text encoders
+Part II, the machine room
+  II.1 Labelers RuleLabeler (CheXpert's rules), CheXbertLabeler (f1chexbert's model, real or sandbox weights)
+  II.2 Sandbox  the synthetic set and its captions; the sandbox's CheXbert and foundation, each trained once, cached
+  II.3 Running  torchrun, Run (folder, steps, metrics.jsonl, checkpoints, resume, evaluation), warm starts, AdamW
+  II.4 Commands flags from an Args dataclass; python common.py evaluate | chexbert | foundation | synthetic | plot
 """
 
 from __future__ import annotations
@@ -68,7 +75,11 @@ except (ImportError, RuntimeError, AttributeError) as e:  # one line, not 60 of 
         "--upgrade torch torchvision transformers, together, at least requirements.txt's floors"
     ) from None
 
-# ==== 1. Labels ===================================================================================
+
+# ==================================================================================================================
+# PART I: what a paper computes, in the order of one training step (read it beside the papers)
+# ==================================================================================================================
+# ==== I.1 Labels and the label cache: what a reward and a CE number read ===========================
 # CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
 CHEXPERT_LABELS = [
     "Enlarged Cardiomediastinum",
@@ -104,7 +115,817 @@ def apply_no_finding_rule(labels: np.ndarray) -> np.ndarray:
     return labels
 
 
-# ==== 2. Data =====================================================================================
+class LabelCache:
+    """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
+
+    def __init__(self, labeler):
+        self.labeler = labeler
+        self.labels = {}  # text -> (14,) labels
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        new = [t for t in dict.fromkeys(texts) if t not in self.labels]
+        if new:
+            self.labels.update(zip(new, self.labeler(new)))
+        return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
+
+
+def make_labeler(name: str, chexbert_weights=None, device=None):
+    """--labeler rule|chexbert; CheXbert on `device`, by default the GPU where there is one."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
+
+
+# ==== I.2 RL core: group advantages, the GRPO clipped loss (three normalisations), DPO, rollouts ====
+# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N, T as in section 5; tensors in, (loss, stats) out.
+def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
+    """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
+    std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"the reward function returned NaN or inf at completions {bad}")
+    if group_size < 2:  # one completion per prompt: every advantage is 0 and nothing would be learned
+        raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
+    r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
+    A = r - r.mean(dim=1, keepdim=True)  # (B, G)
+    if scale == "std":
+        A = A / (r.std(dim=1, keepdim=True) + eps)  # (B, G), Bessel's std (N - 1)
+    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) every reward of the group equal
+    return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
+
+
+def grpo_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    beta=0.0,
+    loss_type="grpo",
+    max_completion_length=None,
+):
+    """Clipped GRPO surrogate plus the k3 KL -> (loss, stats). Equals TRL's GRPOTrainer loss with
+    use_bias_correction_kl=False (TRL's default since 1.10, True, multiplies the KL term by the differentiable ratio).
+    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp may be None when beta == 0.
+    old_logp=None means one update per rollout: old = logp.detach(), the ratio is exactly 1, clipping never acts
+    (the loss is ~ -mean A, its gradient is not 0). Normalisation of the masked per-token loss L_it, where they differ:
+      "grpo":    mean over each sequence's tokens, then over the N sequences
+      "bnpo":    sum over all tokens / number of completion tokens in the batch
+      "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
+    A sequence with an empty mask contributes 0 and still counts among the N."""
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("dr_grpo needs max_completion_length (its constant normaliser)")
+    mask = mask.to(logp.dtype)  # (N, T)
+    old_logp = logp.detach() if old_logp is None else old_logp  # (N, T)
+    A = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (N, 1) or (N, T)
+    # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old per token, L = -min(ratio A, clip(ratio) A)
+    ratio = torch.exp(logp - old_logp)  # (N, T)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
+    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
+    kl = None  # (N, T) with a reference
+    if ref_logp is not None:
+        # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
+        log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
+        kl = torch.exp(log_r) - log_r - 1  # (N, T)
+        if beta:
+            per_token = per_token + beta * kl  # (N, T)
+    n_tokens = mask.sum().clamp(min=1)  # ()
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # ()
+    elif loss_type == "bnpo":
+        loss = (per_token * mask).sum() / n_tokens  # ()
+    else:
+        loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
+    with torch.no_grad():  # as TRL counts them: a token is clipped when the min took the clipped branch
+        A_t = A.expand_as(ratio)  # (N, T)
+        low, high = (ratio < 1 - clip_eps_low) & (A_t < 0), (ratio > 1 + clip_eps_high) & (A_t > 0)  # (N, T) each
+        is_clipped = (low | high).to(mask.dtype)  # (N, T)
+        stats = {
+            "clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
+            "kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0,
+            "ratio_mean": ((ratio * mask).sum() / n_tokens).item(),
+        }
+    return loss, stats
+
+
+def dpo_loss(
+    policy_chosen,
+    policy_rejected,
+    ref_chosen,
+    ref_rejected,
+    beta=0.1,
+    length_normalize=False,
+    chosen_mask=None,
+    rejected_mask=None,
+):
+    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
+    with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
+    length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
+
+    def seq_logp(lp, m):
+        """(N, T) with a mask -> (N,); (N,) as it is."""
+        if m is None:
+            return lp
+        total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
+        return total / m.sum(-1).clamp(min=1) if length_normalize else total
+
+    c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
+    r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
+    # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
+    chosen_reward, rejected_reward = beta * (c - ref_c), beta * (r - ref_r)  # (N,) implicit rewards, Sec. 5
+    margin = chosen_reward - rejected_reward  # (N,)
+    loss = -torch.nn.functional.logsigmoid(margin).mean()  # ()
+    with torch.no_grad():
+        stats = {
+            "reward_margin": margin.mean().item(),
+            "chosen_reward": chosen_reward.mean().item(),
+            "rejected_reward": rejected_reward.mean().item(),
+            "accuracy": (margin > 0).float().mean().item(),
+        }
+    return loss, stats
+
+
+@dataclass
+class Rollout:
+    """G sampled completions for each of B prompts (N = B*G rows, groups contiguous)."""
+
+    prompts: dict  # model inputs, each prompt repeated G times
+    completion_ids: torch.Tensor  # (N, T)
+    completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
+    texts: list  # N decoded completions
+    rewards: torch.Tensor  # (N,)
+    ref_logp: torch.Tensor | None  # (N, T) under the reference policy, when asked for
+
+
+def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0, ref="none") -> Rollout:
+    """Sample G completions per study and score them: reward_fn(texts, owners) -> N rewards, owners[n] =
+    n // G the study completion n answers. ref: "none", "lora" (LoRA switched off) or a frozen policy."""
+    prompts = policy.repeat(policy.prompt_batch(images, text), G)
+    ids, mask = policy.generate(prompts, max_new_tokens, temperature)  # (N, T), (N, T)
+    texts = policy.decode(ids, mask)
+    owners = [n // G for n in range(len(texts))]
+    rewards = torch.as_tensor(reward_fn(texts, owners), dtype=torch.float32, device=ids.device)  # (N,)
+    ref_logp = None
+    if ref == "lora":
+        with torch.no_grad(), lora_disabled(policy.model):
+            ref_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
+    elif ref != "none":
+        with torch.no_grad():
+            ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
+    return Rollout(prompts, ids, mask, texts, rewards, ref_logp)
+
+
+# ==== I.3 The policy: one interface for the tiny built-in VLM and Hugging Face VLMs; LoRA ===========
+# Every script talks to a policy through the same methods (N = B prompts x G samples, groups contiguous; T tokens):
+#   prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
+#   repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
+#   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
+#   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
+#   encode_targets(texts) -> ids, mask; decode(ids, mask) -> texts; sft_loss(prompts, texts); save(dir); load_policy
+_WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
+
+
+class TinyPolicy:
+    """The tiny built-in policy (`--model tiny`): its prompt is the image prefix + BOS (`text` is ignored)."""
+
+    def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
+        self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
+        self.device = torch.device(device)
+        self.eos_token_ids = [tokenizer.eos_id]  # as HFPolicy's, a list
+        self.suppressed = ()  # ids never sampled: none (HFPolicy's: vision placeholders)
+        self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
+
+    def prompt_batch(self, images, text=None) -> dict:
+        """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
+        import torchvision.transforms.functional as F
+
+        views = [
+            torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
+            for study in images
+        ]  # (V, 1, S, S) each
+        pixel_values, view_mask = pad_views(views)
+        start_ids = torch.full((len(views),), self.tokenizer.bos_id)  # (B,) a report's start token
+        prompts = {"pixel_values": pixel_values, "view_mask": view_mask, "start_ids": start_ids}
+        return {k: v.to(self.device) for k, v in prompts.items()}
+
+    def caption_prompts(self, images) -> dict:
+        """The sandbox foundation's other task: prompt_batch with <caption> as the start token."""
+        prompts = self.prompt_batch(images)
+        prompts["start_ids"] = torch.full_like(prompts["start_ids"], self.tokenizer.index[CAPTION_TOKEN])
+        return prompts
+
+    def vision_and_language(self):
+        """(the CNN and its projection, the GPT-2 decoder) as modules, as HFPolicy's."""
+        return torch.nn.ModuleList([self.model.encoder, self.model.project]), self.model.decoder
+
+    def repeat(self, prompts: dict, G: int) -> dict:
+        return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
+
+    def generate(self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
+        embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
+        attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+        inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask)
+        max_new_tokens = min(max_new_tokens, self.model.hparams["max_len"])
+        return generate_completions(
+            self, self.model.decoder, inputs, 0, max_new_tokens, temperature, do_sample, return_logprobs, top_p
+        )
+
+    def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
+        """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
+        prefix = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
+        P, T = prefix.shape[1], completion_ids.shape[1]
+        embeds = torch.cat([prefix, self.model.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
+        logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1 : P - 1 + T]  # (N, T, V) predicts token t
+        return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
+
+    def encode_targets(self, texts: list[str]):
+        targets = [self.tokenizer.encode(t)[: self.model.hparams["max_len"] - 1] + [self.eos_token_id] for t in texts]
+        return pad_completions(targets, self.pad_token_id, self.device)
+
+    def decode(self, completion_ids, completion_mask) -> list[str]:
+        return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
+
+    def sft_loss(self, prompts: dict, texts: list[str]):
+        """Teacher-forced NLL of the texts: token sum / token count."""
+        ids, mask = self.encode_targets(texts)
+        return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
+
+    def save(self, path, state_dict: dict | None = None):
+        """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        checkpoint = {"hparams": self.model.hparams, "state_dict": state_dict or lora_merged_state_dict(self.model)}
+        checkpoint["vocab"] = self.tokenizer.vocab
+        checkpoint["image_size"] = self.image_size
+        torch.save(checkpoint, Path(path) / "tiny_policy.pt")
+
+
+class HFPolicy:
+    """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL): the chat template with one image per view,
+    left-padded; completions right-padded. The hub's top_k / top_p / repetition penalty give way to plain temperature
+    sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
+
+    MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    MAX_TARGET_TOKENS = 512  # of an SFT / DPO target, EOS included
+
+    def __init__(self, name_or_path, device="cpu", dtype=torch.float32, gradient_checkpointing=False, max_pixels=None):
+        from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+
+        self.device, self.dtype = torch.device(device), dtype
+        options = {}
+        if max_pixels:
+            options["size"] = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
+        try:
+            self.processor = AutoProcessor.from_pretrained(name_or_path, **options)
+        except OSError as e:  # no such folder, hub id or cached download
+            raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
+        self.tokenizer = self.processor.tokenizer
+        self.tokenizer.padding_side = "left"  # prompts end where generation starts
+        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype).to(self.device)
+        if not hasattr(getattr(self.model, "model", None), "visual"):
+            raise ValueError(
+                f"--model {name_or_path}: a {type(self.model).__name__}; HFPolicy takes the Qwen2-VL family"
+            )
+        gen, cfg = self.model.generation_config, self.model.config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
+        self.eos_token_ids = list(dict.fromkeys(([eos] if isinstance(eos, int) else list(eos)) + [self.eos_token_id]))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = self.eos_token_ids[0] if pad is None else pad
+        # A vision placeholder (<|image_pad|> ...) in a completion (a random model writes them) would be taken for an
+        # image slot by the next forward ("Image features and image tokens do not match"): never sampled, probability 0.
+        vision_tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        self.suppressed = [getattr(cfg, n) for n in vision_tokens if getattr(cfg, n, None) is not None]
+        special = dict(bos_token_id=gen.bos_token_id, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id)
+        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+        self.model.generation_config = GenerationConfig(**special, **sampling, suppress_tokens=self.suppressed or None)
+        if gradient_checkpointing:
+            enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
+            self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
+        self.model.train()  # from_pretrained gives eval mode (no checkpointing, no LoRA dropout); generate() toggles it
+
+    def vision_and_language(self):
+        """(the vision tower and merger, the LM with its head) as modules."""
+        return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
+
+    def prompt_batch(self, images, text) -> dict:
+        """images: PIL views per study; text: one instruction, or one per study."""
+        texts = [text] * len(images) if isinstance(text, str) or text is None else list(text)
+        chats = [
+            [{"role": "user", "content": [{"type": "image"} for _ in views] + [{"type": "text", "text": t or ""}]}]
+            for views, t in zip(images, texts)
+        ]
+        prompt_text = [self.processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        flat = [im.convert("RGB") for views in images for im in views]
+        inputs = self.processor(text=prompt_text, images=flat, padding=True, return_tensors="pt")  # never truncated
+        prompts = {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
+        prompts["n_images"] = torch.tensor([len(v) for v in images])  # (B,) views per study, for repeat()
+        return prompts
+
+    def repeat(self, prompts: dict, G: int) -> dict:
+        """Each study G times in a row; pixel_values (every image's t*h*w patch rows in turn) is cut per study."""
+        n_images = prompts["n_images"].tolist()
+        rows = prompts["image_grid_thw"].prod(-1).split(n_images)  # patches per image, per study
+        per_image = ("pixel_values", "image_grid_thw")
+        out = {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items() if k not in per_image}
+        pixel_values = prompts["pixel_values"].split([int(r.sum()) for r in rows])  # per study
+        out["pixel_values"] = torch.cat([c for c in pixel_values for _ in range(G)])
+        out["image_grid_thw"] = torch.cat([c for c in prompts["image_grid_thw"].split(n_images) for _ in range(G)])
+        return out
+
+    def generate(self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
+        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
+        P = prompts["input_ids"].shape[1]
+        with autocast(self.device, self.dtype):
+            return generate_completions(
+                self, self.model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p
+            )
+
+    def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
+        """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T)."""
+        T = completion_ids.shape[1]
+        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
+        inputs["input_ids"] = torch.cat([prompts["input_ids"], completion_ids], dim=1)  # (N, P+T)
+        mask = completion_mask.to(prompts["attention_mask"].dtype)
+        inputs["attention_mask"] = torch.cat([prompts["attention_mask"], mask], 1)
+        if "mm_token_type_ids" in prompts:  # completions are text (type 0)
+            inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
+        # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
+        with autocast(self.device, self.dtype):
+            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits
+        logits = logits[:, :-1]  # (N, T, V) predicts token t
+        return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
+
+    def encode_targets(self, texts: list[str]):
+        targets = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        targets = [ids[: self.MAX_TARGET_TOKENS - 1] + [self.eos_token_id] for ids in targets]
+        return pad_completions(targets, self.pad_token_id, self.device)
+
+    def decode(self, completion_ids, completion_mask) -> list[str]:
+        rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
+        return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
+
+    sft_loss = TinyPolicy.sft_loss
+
+    def save(self, path, state_dict: dict | None = None):
+        """save_pretrained with LoRA folded into the weights (the live model untouched), and the processor: the folder
+        loads with HFPolicy(path) or plain transformers. `state_dict`: a sharded model's (full_state_dicts)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, state_dict=state_dict or lora_merged_state_dict(self.model))
+        self.processor.save_pretrained(path)
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """bf16 matmuls under torch.autocast (also mixing bf16 weights with fp32 parts: fp32_trainable, LoRA); fp32: off."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype)
+
+
+def make_policy(
+    model, train_reports, device, dtype=torch.float32, max_new_tokens=128, extra_tokens=(), max_pixels=512 * 512
+):
+    """`--model tiny`: TinyPolicy (the reports' words), else HFPolicy, checkpointed (512^2 px: <= 334 tokens a view)."""
+    if model == "tiny":
+        tok = WordTokenizer.build(list(train_reports), extra_tokens)
+        return TinyPolicy(TinyVLM(len(tok.vocab), max_len=max_new_tokens), tok, device=device)
+    return HFPolicy(model, device, dtype, gradient_checkpointing=True, max_pixels=max_pixels)
+
+
+def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
+    """A policy saved by policy.save(path): TinyPolicy (tiny_policy.pt) or HFPolicy."""
+    f = Path(path) / "tiny_policy.pt"
+    if not f.is_file():
+        hf_kwargs.setdefault("gradient_checkpointing", True)  # as make_policy
+        return HFPolicy(str(path), device, dtype, **hf_kwargs)
+    ck = torch.load(f, map_location="cpu", weights_only=True)
+    model = TinyVLM(**ck["hparams"])
+    model.load_state_dict(ck["state_dict"])
+    return TinyPolicy(model, WordTokenizer(ck["vocab"]), ck["image_size"], device)
+
+
+def fp32_trainable(model: torch.nn.Module):
+    """Cast what trains to fp32 (bf16 rounds away AdamW's ~1e-6 steps on ~0.02): after freezing, before AdamW."""
+    for p in [p for p in model.parameters() if p.requires_grad and p.dtype != torch.float32]:
+        p.data = p.data.float()
+
+
+@torch.no_grad()
+def generate_completions(
+    policy, model, inputs, prompt_len, max_new_tokens, temperature, do_sample, return_logprobs, top_p
+):
+    """model.generate (KV cache, eval mode) -> ids (N, T) padded after the first EOS, mask (N, T) and the log-probs
+    under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses).
+    The policy gives the stop ids (eos_token_ids), padding and the ids never sampled (suppressed)."""
+    eos_ids = policy.eos_token_ids
+    was_training = policy.model.training
+    policy.model.eval()
+    sampling = dict(do_sample=False)
+    if do_sample:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    stop = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id)
+    output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
+    fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
+    out = model.generate(**inputs, **stop, **output, **sampling, synced_gpus=fsdp)
+    policy.model.train(was_training)
+    ids = out.sequences[:, prompt_len:]  # (N, T) the completion only
+    mask = completion_mask(ids, eos_ids)  # (N, T)
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, policy.pad_token_id))
+    if not return_logprobs:
+        return ids, mask
+    return ids, mask, token_logprobs(torch.stack(out.logits, 1), ids, temperature, policy.suppressed) * mask
+
+
+def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
+    """log softmax(logits / temperature) at ids -> (N, T) float32, row by row: without grad no fp32 (N, T, V) copy; with
+    grad each row's copy is saved (608 KB a token at 151,936 words: README, memory table). `suppressed` ids: p = 0."""
+    rows = []
+    for lg, tok in zip(logits, ids):  # (T, V), (T,)
+        lg = lg.float() / temperature
+        if len(suppressed):
+            lg[:, list(suppressed)] = float("-inf")
+        rows.append(lg.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(lg, dim=-1))  # (T,)
+    return torch.stack(rows)  # (N, T)
+
+
+def completion_mask(ids, eos_id):
+    """(N, T) float: 1 up to and including the first EOS (an id, or any of a list: chat models end a turn with
+    <|im_end|> but may stop on <|endoftext|>), 0 after; all 1 without one."""
+    is_eos = torch.isin(ids, torch.as_tensor(eos_id, device=ids.device)).int()  # (N, T)
+    return ((is_eos.cumsum(1) - is_eos) == 0).float()  # (N, T) no EOS strictly before
+
+
+def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
+    """Right-padded: ids (N, T) long, mask (N, T)."""
+    T = max(1, max(len(s) for s in seqs))
+    ids, mask = torch.full((len(seqs), T), pad_id, dtype=torch.long), torch.zeros(len(seqs), T)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+class TinyVLM(torch.nn.Module):
+    """A small CNN turns each view (1, S, S) into g x g features; a study's views are averaged position by position
+    (R2GenGPT's way: any number of views) into g x g prefix embeddings read before BOS by a random GPT-2 decoder."""
+
+    _no_split_modules = ("GPT2Block",)  # shard()'s blocks
+
+    def __init__(self, vocab_size: int, grid=4, n_embd=128, n_layer=2, n_head=4, max_len=96, channels=32):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        gpt2_size = dict(n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+        self.hparams = dict(vocab_size=vocab_size, grid=grid, **gpt2_size, max_len=max_len, channels=channels)
+        c = channels
+
+        def block(i, o):
+            return [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+
+        self.encoder = torch.nn.Sequential(
+            *block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c), torch.nn.AdaptiveAvgPool2d(grid)
+        )
+        self.project = torch.nn.Linear(2 * c, n_embd)
+        # No dropout, GroupNorm not BatchNorm: log-probs must not depend on train/eval mode or the batch (GRPO's ratio)
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        size = dict(n_positions=grid * grid + 1 + max_len, **gpt2_size)  # the image prefix, BOS, the report
+        # WordTokenizer's <bos>, <eos>; no pad id: generate() drops the all-ones mask, then warned of each pad fed back
+        config = GPT2Config(vocab_size=vocab_size, **size, **no_dropout, bos_token_id=1, eos_token_id=2)
+        self.decoder = GPT2LMHeadModel(config)
+
+    def prefix(self, pixel_values, view_mask, start_ids):
+        """(N, V, 1, S, S) zero-padded views, view_mask (N, V), start_ids (N,) or one id -> (N, g*g + 1, D): the views'
+        mean features, then the start token (BOS: a report; the foundation's <caption>: a caption)."""
+        N, V = pixel_values.shape[:2]
+        feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
+        feats = self.project(feats.flatten(2).transpose(1, 2)).view(N, V, -1, self.hparams["n_embd"])  # (N, V, g*g, D)
+        m = view_mask.to(feats.dtype)[:, :, None, None]  # (N, V, 1, 1)
+        feats = (feats * m).sum(1) / m.sum(1)  # (N, g*g, D) mean over the study's real views
+        start = torch.as_tensor(start_ids, device=feats.device).reshape(-1, 1).expand(N, 1)  # (N, 1)
+        return torch.cat([feats, self.decoder.transformer.wte(start)], dim=1)
+
+
+class WordTokenizer:
+    """The tiny model's tokenizer from the training reports: lower-cased words, numbers, punctuation; <think> whole."""
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0-3 in a built vocabulary
+
+    def __init__(self, vocab: list[str]):
+        self.vocab, self.index = list(vocab), {w: i for i, w in enumerate(vocab)}
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = [self.index[t] for t in self.SPECIALS]
+
+    @classmethod
+    def build(cls, texts: list[str], extra_tokens=()) -> WordTokenizer:
+        words = sorted({w for t in texts for w in _WORD_RE.findall(t.lower())})
+        specials = [*cls.SPECIALS, *extra_tokens]
+        return cls(specials + [w for w in words if w not in specials])
+
+    def encode(self, text: str) -> list[int]:
+        return [self.index.get(w, self.unk_id) for w in _WORD_RE.findall(text.lower())]
+
+    def decode(self, ids) -> str:
+        text = " ".join(self.vocab[i] for i in ids if i not in (self.pad_id, self.bos_id, self.eos_id))
+        return re.sub(r" ?- ?", "-", re.sub(r" ([.,;:?!])", r"\1", text))
+
+
+# LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's LoraLayer: W0 frozen, B = 0 at first; switched off, the reference.
+class LoRALinear(torch.nn.Module):
+    def __init__(self, base: torch.nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0):
+        super().__init__()
+        self.base = base
+        out_f, in_f = base.weight.shape
+        # fp32 adapters whatever the base's dtype (PEFT's autocast_adapter_dtype): bf16 would round updates away
+        self.lora_A = torch.nn.Parameter(torch.empty(r, in_f, device=base.weight.device))  # (r, in)
+        self.lora_B = torch.nn.Parameter(torch.zeros(out_f, r, device=base.weight.device))  # (out, r)
+        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default init, as PEFT
+        self.scaling, self.enabled = alpha / r, True
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        base.requires_grad_(False)
+
+    def forward(self, x):
+        """x (..., in) -> (..., out)."""
+        out = self.base(x)
+        if not self.enabled:
+            return out
+        x = self.dropout(x).to(self.lora_A.dtype)  # h = W0 x + (alpha / r) * B (A dropout(x))
+        delta = torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B) * self.scaling
+        return out + delta.to(out.dtype)
+
+    def delta_weight(self):
+        """(alpha / r) * B A, (out, in), fp32: merges add it to the base weight in fp32 and round the sum once."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+
+
+def apply_lora(model, target_modules, r=8, alpha=16.0, dropout=0.0, exclude=None) -> list[str]:
+    """Wrap every nn.Linear named ...<target> (["q_proj", "v_proj"]) outside `exclude` (the vision tower,
+    whose MLP shares the language model's names) in a LoRALinear, freeze the rest; the wrapped names."""
+    skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
+    matched = [
+        (n, m)
+        for n, m in model.named_modules()
+        if id(m) not in skip
+        and isinstance(m, torch.nn.Linear)
+        and any(n == t or n.endswith("." + t) for t in target_modules)
+    ]
+    if not matched:
+        raise ValueError(f"no nn.Linear layer name ends with one of the LoRA targets {target_modules}")
+    model.requires_grad_(False)
+    for name, module in matched:
+        model.set_submodule(name, LoRALinear(module, r, alpha, dropout))
+    return [name for name, _ in matched]
+
+
+@torch.no_grad()
+def lora_merged_state_dict(model: torch.nn.Module) -> dict:
+    """The state dict with every LoRA folded into its base layer (names as without LoRA), on the side."""
+    state = model.state_dict()
+    for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
+        del state[f"{name}.lora_A"], state[f"{name}.lora_B"]
+        for key in [k for k in ("weight", "bias") if f"{name}.base.{k}" in state]:
+            state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
+        state[f"{name}.weight"] = (state[f"{name}.weight"].float() + m.delta_weight()).to(m.base.weight.dtype)
+    return state
+
+
+@contextlib.contextmanager
+def lora_disabled(model: torch.nn.Module):
+    """Inside the block, LoRA off: the base model, the reference for free."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
+# ==== I.4 Metrics and evaluation: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D), CE (P/R/F1), degenerate output ====
+# BLEU, ROUGE-L and CIDEr-D equal pycocoevalcap 1.2 (tests/test_metrics.py), written here because rewards score
+# thousands of pairs a step; one reference per report. METEOR is pycocoevalcap's Java jar: no port matches it.
+NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
+_METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
+
+
+def ngram_counts(tokens: list[str]) -> list[Counter]:
+    """[k-gram Counter, k = 1..4]: precook() of bleu/cider_scorer.py."""
+    return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, NGRAM_N + 1)]
+
+
+def _lcs_length(a: list[str], b: list[str]) -> int:
+    """LCS length, my_lcs() of rouge.py bit-parallel (Allison & Dix 1986; Hyyro 2004): a big int holds a DP column."""
+    match = {}  # match[t] has bit i set where a[i] == t
+    for i, tok in enumerate(a):
+        match[tok] = match.get(tok, 0) | (1 << i)
+    full = v = (1 << len(a)) - 1  # zero bits of v mark where the LCS grew
+    for tok in b:
+        u = v & match.get(tok, 0)
+        v = (v + u) | (v - u)
+    return len(a) - (v & full).bit_count()
+
+
+def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool = False, cider_df=None) -> dict:
+    """BLEU-1..4, ROUGE-L, CIDEr-D and METEOR (with java, unless RRG_METEOR=0) of each text against its one reference,
+    as pycocoevalcap; per_sample adds per-report scores; cider_df: (df, documents) of a corpus, for CIDEr-D."""
+    if len(hyps) != len(refs) or not hyps:
+        raise ValueError(f"need as many references as hypotheses, at least one: got {len(hyps)} and {len(refs)}")
+    hyp_toks, ref_toks = [h.split() for h in hyps], [r.split() for r in refs]
+    hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
+
+    # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
+    def bleu(correct, guess, hyp_len, ref_len):
+        """BLEU-1..4 per row (N, 4), in BleuScorer.compute_score()'s order of operations."""
+        tiny, small = 1e-15, 1e-9  # its smoothing: an empty hypothesis gives 0, not NaN
+        # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
+        b = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
+        ratio = (hyp_len + tiny) / (ref_len + small)  # brevity penalty exp(1 - r/c) when the hypothesis is shorter
+        with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
+            return b * np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)[:, None]
+
+    correct = np.zeros((len(hyps), NGRAM_N))  # (N, 4)
+    for i, (hc, rc) in enumerate(zip(hyp_counts, ref_counts)):
+        correct[i] = [sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
+    guess = np.array([[max(0, len(t) - k) for k in range(NGRAM_N)] for t in hyp_toks], dtype=float)  # (N, 4)
+    hyp_len, ref_len = np.array([len(t) for t in hyp_toks], float), np.array([len(t) for t in ref_toks], float)
+    each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], bleu(correct, guess, hyp_len, ref_len).T))
+    corpus = bleu(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
+    out = {f"BLEU-{k + 1}": float(corpus[k]) for k in range(NGRAM_N)}
+    # ROUGE-L (Rouge.calc_score() of rouge.py): F_beta of LCS precision and recall in pycocoevalcap's operation order,
+    # 0 for an empty text (pycocoevalcap would give 1.0 to an empty hypothesis against an empty reference)
+    lcs = np.array([_lcs_length(h, r) if h and r else 0 for h, r in zip(hyp_toks, ref_toks)], float)  # (N,)
+    prec, rec = lcs / np.maximum(hyp_len, 1), lcs / np.maximum(ref_len, 1)  # (N,) each
+    with np.errstate(invalid="ignore"):  # 0 / 0 where lcs == 0
+        each["ROUGE-L"] = np.where(lcs > 0, ((1 + ROUGE_BETA**2) * prec * rec) / (rec + ROUGE_BETA**2 * prec), 0.0)
+    # CIDEr-D as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf) times a Gaussian
+    # length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based). Document
+    # frequencies from the references scored (one pair: all 0), or cider_df's of a corpus. Sums run over the
+    # hypothesis's n-grams in their order, as CiderScorer's: a set's order would move the last digit with the hash seed
+    df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
+    log_n = math.log(n_docs)
+    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
+
+    def norm(counts):
+        return [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]
+
+    each["CIDEr"] = []
+    for h, r in zip(hyp_counts, ref_counts):
+        penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
+        sims = [
+            sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc if g in rc) / (hn * rn if hn and rn else 1)
+            for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))
+        ]
+        each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
+    out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})  # the mean of the per-report scores
+    meteor = meteor and os.environ.get("RRG_METEOR") != "0"  # RRG_METEOR=0: left out on purpose, nothing to say
+    if meteor and importlib.util.find_spec("pycocoevalcap") and shutil.which("java"):
+        global _METEOR_SCORER  # corpus METEOR: the jar's own aggregate, not the mean per report
+        if _METEOR_SCORER is None:
+            from pycocoevalcap.meteor.meteor import Meteor
+
+            _METEOR_SCORER = Meteor()
+
+        def one_line(t):
+            """A newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)."""
+            return " ".join(t.replace("|||", " ").split())
+
+        score, scores = _METEOR_SCORER.compute_score(
+            {i: [one_line(r)] for i, r in enumerate(refs)}, {i: [one_line(h)] for i, h in enumerate(hyps)}
+        )
+        out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
+    elif meteor:
+        log.warning("METEOR skipped: it needs `pip install pycocoevalcap` and java on PATH")
+    if per_sample:
+        out["per_sample"] = {k: [float(x) for x in v] for k, v in each.items()}
+    return out
+
+
+def _prf(tp, fp, fn):
+    """Precision, recall, F1 = 2TP / (2TP + FP + FN); 0 where undefined (scikit-learn's zero_division=0)."""
+
+    def div(a, b):
+        return np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)
+
+    return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
+
+
+def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
+    """Clinical efficacy of generated (hyp) vs reference labels (N, 14), uncertain positive (uncertain_as=1) or not."""
+    hyp = binarize(hyp_labels, uncertain_as).astype(bool)  # (N, 14); uncertain_as=1: CheXpert's "U-ones" (DEER; ours)
+    ref = binarize(ref_labels, uncertain_as).astype(bool)  # (N, 14); uncertain_as=0: PromptMRG's code
+    tp, fp, fn = (hyp & ref).astype(float), (hyp & ~ref).astype(float), (~hyp & ref).astype(float)  # (N, 14) each
+    # Micro: TP/FP/FN pooled over reports and labels
+    out = dict(zip(("micro_precision", "micro_recall", "micro_f1"), _prf(tp.sum(), fp.sum(), fn.sum())))
+    # Macro: per label, then the plain mean over the 14 (a label never positive counts 0: scikit-learn's "macro")
+    p_lab, r_lab, f_lab = _prf(tp.sum(0), fp.sum(0), fn.sum(0))  # (14,) each
+    out.update(macro_precision=p_lab.mean(), macro_recall=r_lab.mean(), macro_f1=f_lab.mean())
+    # Example-based (PromptMRG, modules/metrics_clinical.py): per report, then the mean over all reports; a report with
+    # no predicted (or no reference) positive scores 0, as PromptMRG's nan_to_num and scikit-learn's "samples" average
+    p_ex, r_ex, f_ex = _prf(tp.sum(1), fp.sum(1), fn.sum(1))  # (N,) each
+    out.update(example_precision=p_ex.mean(), example_recall=r_ex.mean(), example_f1=f_ex.mean())
+    # F1-CheXbert (R2Gen/CMN/... tables): micro over the 5 common observations only
+    cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
+    p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
+    out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
+    per_label = {}
+    for i, name in enumerate(CHEXPERT_LABELS):
+        p, r, f, support = float(p_lab[i]), float(r_lab[i]), float(f_lab[i]), int(ref[:, i].sum())
+        per_label[name] = {"precision": p, "recall": r, "f1": f, "support": support}
+    return {k: float(v) for k, v in out.items()} | {"per_label": per_label}
+
+
+def evaluate_generations(
+    rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None
+) -> dict:
+    """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
+    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
+    every metric. Degenerate output (most reports alike, or none with a word of the references) is called out.
+    `gold` (N, 14): the references' own labels (the annotation's): "ce_gold" scores against them in place of the
+    labeler's reading of the references. With CheXbert, "labelers_agree": how often the rules read the generated
+    reports as it does (each report's 14 labels, binarised as CE counts them)."""
+    hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
+    n_empty = sum(not h.strip() for h in hyps)
+    if n_empty:
+        log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
+    cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
+    hyp_labels, inner = labeler(hyps), getattr(labeler, "labeler", labeler)  # inside a LabelCache, the labeler
+    out = {
+        "n": len(rows),
+        "n_empty_generations": n_empty,
+        "degenerate": degenerate_output(hyps, refs),
+        "clean": clean,
+        "labeler": type(inner).__name__,
+        "uncertain_as": uncertain_as,
+        "headline": headline,
+        "nlg": nlg_metrics(*cleaned, meteor=meteor),
+        "ce": ce_metrics(hyp_labels, labeler(refs), uncertain_as=uncertain_as),
+    }
+    if gold is not None:
+        out["ce_gold"] = ce_metrics(hyp_labels, gold, uncertain_as=uncertain_as)
+    if isinstance(inner, CheXbertLabeler):
+        same = binarize(hyp_labels, uncertain_as) == binarize(RuleLabeler()(hyps), uncertain_as)  # (N, 14)
+        out["labelers_agree"] = {"reports": float(same.all(1).mean()), "labels": float(same.mean())}
+    return out
+
+
+STOP_WORDS = {"a", "an", "the", "and", "or", "this", "that", "it", "its", "there"}
+STOP_WORDS |= {"of", "in", "on", "at", "to", "for", "as", "by", "from", "with", "without"}
+STOP_WORDS |= {"is", "are", "was", "were", "be", "been", "has", "have", "no", "not"}
+
+
+def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
+    """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
+    scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
+
+    def words(text: str) -> set[str]:
+        return set(re.findall(r"[a-z]+", text.lower())) - STOP_WORDS
+
+    vocab = set().union(*map(words, refs))
+    top, count = Counter(hyps).most_common(1)[0]
+    n = len(hyps)
+    distinct = len(set(hyps))
+    contentless = sum(not words(h) & vocab for h in hyps)
+    signs = []
+    if n >= 5 and count > n / 2:
+        signs.append(f"{distinct} distinct report(s) of {n}, {count} identical ({top[:40]!r})")
+    if contentless > n / 2:
+        signs.append(f"{contentless} of {n} without a word of the references' vocabulary")
+    warning = ""
+    if signs:
+        warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little"
+        log.warning(warning)
+    out = dict(distinct=distinct, most_common_share=count / n, contentless_share=contentless / n, warning=warning)
+    return out | {"most_common": top[:200]}
+
+
+def summary(results: dict) -> str:
+    """The paper's headline CE metric, BLEU-4 and the degenerate-output warning, in a line."""
+    h, unc = results["headline"], "positive" if results["uncertain_as"] else "negative"
+    line = f"CE {h.replace('_', ' ')} {results['ce'][h]:.3f} (uncertain = {unc}), BLEU-4 {results['nlg']['BLEU-4']:.3f}"
+    return line + (f"  [{results['degenerate']['warning']}]" if results["degenerate"]["warning"] else "")
+
+
+def read_generations(path) -> list[dict]:
+    """generations.jsonl: a {"id", "reference", "generated", ...} per line."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"generations file not found: {path}")
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if row is None:  # a blank line
+            continue
+        if not all(isinstance(row.get(k), str) for k in ("reference", "generated")):
+            raise ValueError(f"{path}:{n}: 'reference' and 'generated' must be strings (the line has {sorted(row)})")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no generations in the file")
+    return rows
+
+
+# ==== I.5 The data core (annotation files, views, cleaning, batches) and the encoders ==============
 @dataclass
 class Record:
     """One study: id, image paths (IU X-Ray: 1-5 views, MIMIC-CXR in R2Gen's file: one), report, labels if given."""
@@ -316,6 +1137,418 @@ def study_batches(records: list[Record], batch_size: int, seed=0, rank=0, world_
         epoch, skip = epoch + 1, 0
 
 
+def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
+    """--data: "synthetic", an annotation.json or its folder."""
+    if data == "synthetic":
+        return load_annotation(synthetic_data(), **kwargs)
+    return load_annotation(Path(data) / "annotation.json" if Path(data).is_dir() else data, **kwargs)
+
+
+# Image and text encoders of DCRRG and RRGCL (neither uses the policy interface for them) ----------
+class ViewMean(torch.nn.Module):
+    """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d)."""
+
+    def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None, dim: int | None = None):
+        super().__init__()
+        self.body, self.head, self.dim = body, head, dim or getattr(body, "dim", None)
+
+    def forward(self, x):
+        return self.body(x.flatten(0, 1)).view(x.shape[0], x.shape[1], -1).mean(1)  # (B, d)
+
+
+class SmallCNN(torch.nn.Module):
+    """Offline image encoder (B, 1, S, S) -> (B, dim): 3 x 3 conv blocks (GroupNorm: no batch statistics),
+    average-pooled to grid x grid (where a sign lies stays visible), flattened, then Linear + ReLU to `dim`."""
+
+    def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
+        super().__init__()
+        c = [1, *widths]
+        blocks = []
+        for i, o, s in zip(c, c[1:], strides):
+            blocks += [torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+        blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
+        if dim is not None:
+            blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*blocks)
+        self.dim = dim or c[-1] * grid * grid
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class FoundationImageEncoder(torch.nn.Module):
+    """The sandbox foundation's image side (a TinyVLM's CNN and projection) as an encoder of images normalised as
+    default_transform(S, 1) gives them: (B, 1, S, S) -> (B, g*g*D), its g x g prefix features flattened (where a sign
+    lies stays visible), as ImageNet's ResNet-50 stands for a pre-trained image encoder (DCRRG, App. A)."""
+
+    def __init__(self, vlm: TinyVLM):
+        super().__init__()
+        self.encoder, self.project = vlm.encoder, vlm.project
+        self.dim = vlm.hparams["grid"] ** 2 * vlm.hparams["n_embd"]
+
+    def forward(self, x):
+        x = (x * 0.229 + 0.485) * 2 - 1  # default_transform's ImageNet normalisation -> TinyPolicy's [-1, 1]
+        return self.project(self.encoder(x).flatten(2).transpose(1, 2)).flatten(1)  # (B, g*g, D) -> (B, g*g*D)
+
+
+def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--pretrained") -> ViewMean:
+    """torchvision ResNet-`depth` without its classifier, as a ViewMean -> (B, 2048). weights: None, "imagenet"
+    (downloaded once when asked) or a state-dict file (a checkpoint's "module."/"model." prefixes are dropped)."""
+    name = f"resnet{depth}"
+    imagenet = torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
+    net = torchvision.models.get_model(name, weights=imagenet)
+    dim, net.fc = net.fc.in_features, torch.nn.Identity()
+    if weights not in (None, "imagenet"):
+        if not Path(weights).is_file():
+            raise FileNotFoundError(f"{flag} {weights}: no such file (a torchvision ResNet-{depth} state dict)")
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("module.").removeprefix("model."): v for k, v in state.get("state_dict", state).items()}
+        try:
+            net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
+        except RuntimeError as e:
+            raise ValueError(f"{flag} {weights}: not a torchvision ResNet-{depth} state dict ({e!s:.300})") from None
+    return ViewMean(net, dim=dim)
+
+
+def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_length: int = 512) -> torch.Tensor:
+    """Mean of a BERT-like model's last hidden states over each text's word pieces -> (B, H)."""
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    h = model(**enc).last_hidden_state  # (B, L, H)
+    m = enc["attention_mask"][..., None].to(h.dtype)  # (B, L, 1)
+    return (h * m).sum(1) / m.sum(1)
+
+
+# ==================================================================================================================
+# PART II: the machine room. Nothing below changes what a paper computes: the labelers' insides, the synthetic set
+# and the sandbox's trained models, the run scaffold (torchrun, folders, checkpoints, resume), the command line.
+# ==================================================================================================================
+# ==== II.1 The labelers' insides: CheXpert's rules, CheXbert's model and weights ===================
+def _words(*phrases: str) -> str:
+    """The phrases as one group that ends a word (RuleLabeler puts one word start before all of a label's phrases)."""
+    return r"(?:" + "|".join(phrases) + r")\b"
+
+
+_GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"  # a gap inside one mention ("heart ... enlarged"), within the clause
+_HEART = r"(?:heart(?: size)?|cardiac (?:silhouette|size|contour|contours|shadow))"
+_MEDIASTINUM = r"(?:cardiomediastinal (?:silhouette|contours?)|mediastinal (?:contours?|silhouette)|mediastinum)"
+_NORMAL = r"(?:normal|within normal limits|unremarkable)"  # "heart size ... limits of normal" reaches "normal"
+_STABLE = r"(?:stable|unchanged)\b"
+
+
+class RuleLabeler:
+    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
+    expressions: its mention phrases, negation and uncertainty cues, aggregation and No Finding rule; offline, fast, not
+    CheXbert (README, "The rule labeler on real reports"). A mention (CheXpert's order) is uncertain with a pre-negation
+    uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
+    cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
+
+    # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
+    # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
+    MENTIONS: ClassVar[dict] = {
+        "Enlarged Cardiomediastinum": [
+            _words(
+                r"mediastinal widening|widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum|enlarged cardiomediastinum"
+                r"|enlarged cardiomediastinal silhouette"
+            ),
+            _MEDIASTINUM + _GAP + r"{0,30}?\b" + _words(r"widened", r"enlarged", _NORMAL),
+            _words("normal") + " " + _MEDIASTINUM,
+        ],
+        "Cardiomegaly": [
+            _words(
+                r"cardiomegaly|(?:cardiac|heart) enlargement|enlarged (?:heart|cardiac silhouette)"
+                r"|enlargement of the (?:heart|cardiac silhouette)|increase in (?:the )?heart size"
+            ),
+            _HEART + r"\b" + _GAP + r"{0,30}?\b" + _words(r"enlarged", r"increased", r"large", r"borderline", _NORMAL),
+            _words("normal") + " " + _HEART + r"\b",
+        ],
+        "Lung Opacity": [
+            _words(
+                r"opacit(?:y|ies)|opacification|opacified|infiltrat(?:e|es|ion)|haziness|hazy"
+                r"|air ?space (?:disease|process)|ground[- ]glass|scar(?:s|ring)?|interstitial (?:markings?|pattern)"
+                r"|reticular (?:pattern|markings?)|reticulation|(?:peribronchial|wall) thickening|increased density"
+            )
+        ],
+        "Lung Lesion": [
+            _words(
+                r"mass(?:es)?|mass-?like|nodules?|lumps?|cavitary lesions?|carcinoma"
+                r"|nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)|neoplasms?|tumou?rs?"
+            )
+        ],
+        "Edema": [_words(r"edema", r"heart failure", r"chf")],
+        "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
+        # CheXpert also lists "infection" and "infectious": the radiologists' gold rarely reads them as pneumonia (ours)
+        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infectious process")],
+        "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
+        "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
+        "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
+        "Pleural Other": [
+            _words(
+                r"pleural (?:thickening|plaques?|calcifications?)|fibrothorax|fibrosis"
+                r"|pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?"
+            )
+        ],
+        "Fracture": [_words(r"fractur(?:e|es|ed)")],
+        "Support Devices": [
+            _words(
+                r"endotracheal tube|et tube|ett|tracheostomy(?: tube)?|(?:naso|oro)gastric tube|ng tube|og tube"
+                r"|enteric tube|feeding tube|dobhoff(?: tube)?|chest tubes?"
+                r"|(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?"
+                r"|central (?:venous )?line|picc(?: line)?|port-a-cath|portacath|mediport|pacemaker|pacer|icd"
+                r"|defibrillator|pacing leads?|sternotomy wires|intra-aortic balloon pump|iabp|stents?|drains?"
+                r"|prosthetic valve|valve replacement|lvad"
+            )
+        ],
+        # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
+        # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
+        "No Finding": [
+            (
+                r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
+                r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
+                r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
+                r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
+                r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
+                r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
+                r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
+                r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
+            )
+        ],
+    }
+    # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
+    # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
+    UNMENTIONS: ClassVar[dict] = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
+    # At most uncertain (positive -> uncertain, negative stays): CheXpert's post-negation uncertainty patterns (a stable
+    # heart, "vascular congestion", ...) and, from its aggregation, "chf" and "heart failure" as uncertain Cardiomegaly.
+    HEDGED: ClassVar[dict] = {
+        "Enlarged Cardiomediastinum": [_MEDIASTINUM + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _MEDIASTINUM],
+        "Cardiomegaly": [
+            _words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
+            _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE,
+            _STABLE + " " + _HEART + r"\b",
+        ],
+        "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")],
+    }
+    # Cues (CheXpert's patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt): (pattern, kind,
+    # direction, reach: characters from cue to mention). kind: "pre_neg_unc" (uncertain despite a negation), "neg",
+    # "unc"; direction: "pre" acts on mentions after the cue, "post" on those before; one inside a mention acts on it.
+    CLAUSE = 1000  # reach to the end of the clause
+    PRE_NEGATION_UNCERTAINTY = (
+        r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
+        r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
+        r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)"
+    )
+    NEGATION_AFTER = (  # "the effusion has resolved"
+        r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
+        r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
+        r"|widened)"
+    )
+    NEGATION_BEFORE = (  # "no effusion"
+        r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
+        r"|history of|disappearance of|rather than|without|no|not|nor|neither|never"
+    )
+    UNCERTAINTY_AFTER = (  # "pneumonia is suspected"
+        r"is possible|are possible|(?:is |are )?suspected|is likely|are likely|is questioned|may be present"
+        r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration"
+    )
+    UNCERTAINTY_BEFORE = (  # "possible pneumonia"
+        r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
+        r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
+        r"|suggestion of|maybe|favou?r(?:s|ing|ed)?|differential|consider(?:ed)?|equivocal|presumed|presumably"
+        r"|indeterminate|evaluate for|evaluation for|assess for|rule out|r/o|correlate clinically for"
+    )
+    CUES = (
+        (PRE_NEGATION_UNCERTAINTY, "pre_neg_unc", "both", CLAUSE),
+        (NEGATION_AFTER, "neg", "post", 40),
+        (r"not well[- ](?:seen|visualized|evaluated|appreciated)|poorly evaluated", "unc", "post", 40),
+        (NEGATION_BEFORE, "neg", "pre", CLAUSE),
+        (r"normal|within normal limits|unremarkable", "neg", "both", 0),  # only inside "heart size is normal"
+        (UNCERTAINTY_AFTER, "unc", "post", 30),
+        (UNCERTAINTY_BEFORE, "unc", "pre", CLAUSE),
+        (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
+    )
+    # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
+    TERMINATORS = (
+        r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
+        r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b"
+    )
+    SENTENCE_ENDS = r"\.(?<!\bvs\.)(?!\d)|;|\n"  # not "1.2 cm", not "vs."
+
+    def __init__(self):
+        self.mentions = []  # (label index, mention pattern, unmention pattern), one per label
+        for name, phrases in self.MENTIONS.items():
+            alternatives = [f"(?:{p})" for p in phrases]
+            hedged = self.HEDGED.get(name)
+            if hedged:
+                alternatives.append(f"(?P<hedged>{'|'.join(hedged)})")
+            word_start = "" if name == "No Finding" else r"\b"  # No Finding's phrases match inside words
+            pattern = re.compile(word_start + "(?:" + "|".join(alternatives) + ")")
+            unmention = re.compile(self.UNMENTIONS.get(name, "(?!)"))
+            self.mentions.append((LABEL_INDEX[name], pattern, unmention))
+        # One pass over the text finds every cue; group i+1 is CUES[i].
+        words = "|".join(f"({pattern})" for pattern, *_ in self.CUES[:-1])
+        self.cues = re.compile(rf"(?<!\w)(?:{words})(?!\w)|({self.CUES[-1][0]})")
+        self.boundaries = re.compile(f"{self.SENTENCE_ENDS}|{self.TERMINATORS}")
+
+    def _mentions(self, text: str) -> np.ndarray:
+        """(14,) labels of one lower-cased report; No Finding's place holds the abnormal findings outside the 13."""
+        labels = np.full(len(CHEXPERT_LABELS), np.nan)
+        boundaries = [(0, 0)] + [m.span() for m in self.boundaries.finditer(text)] + [(len(text), len(text))]
+        starts = [start for start, _ in boundaries]
+        ends = [end for _, end in boundaries]
+        cues = [(m.start(), m.end(), self.CUES[m.lastindex - 1]) for m in self.cues.finditer(text)]
+        for idx, pattern, unmention in self.mentions:
+            found = set()
+            unmentions = None  # looked for at the label's first mention
+            for m in pattern.finditer(text):
+                if unmentions is None:
+                    unmentions = [u.span() for u in unmention.finditer(text)]
+                if any(a < m.end() and m.start() < b for a, b in unmentions):
+                    continue
+                # the clause around a mention: the last boundary before it, the first after it
+                lo = ends[bisect.bisect_right(ends, m.start()) - 1]
+                hi = starts[bisect.bisect_left(starts, m.end())]
+                state = self._state(*m.span(), lo, hi, cues)
+                found.add(UNCERTAIN if m.lastgroup == "hedged" and state == POSITIVE else state)
+            labels[idx] = next((s for s in (POSITIVE, UNCERTAIN, NEGATIVE) if s in found), BLANK)
+        return labels
+
+    @staticmethod
+    def _state(start, end, lo, hi, cues) -> float:
+        kinds = {
+            kind
+            for c_start, c_end, (_, kind, direction, reach) in cues
+            if (start <= c_start and c_end <= end)  # inside the mention's own span
+            or (lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach)
+            or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)
+        }
+        for kind, label in (("pre_neg_unc", UNCERTAIN), ("neg", NEGATIVE), ("unc", UNCERTAIN)):
+            if kind in kinds:
+                return label
+        return POSITIVE
+
+    def __call__(self, reports: list[str]) -> np.ndarray:
+        """(N, 14) float labels, 1 / 0 / -1 / NaN, in CHEXPERT_LABELS order."""
+        if not reports:
+            return np.zeros((0, len(CHEXPERT_LABELS)))
+        labels = np.stack([self._mentions(r.lower()) for r in reports])
+        other = np.isin(labels[:, -1], (POSITIVE, UNCERTAIN))  # an abnormal finding outside the 13
+        labels = apply_no_finding_rule(labels)
+        # nothing said: all blank, No Finding too (CheXpert's rule would reward empty reports)
+        labels[other | np.array([not r.strip() for r in reports]), -1] = np.nan
+        return labels
+
+
+# CheXbert (Smit et al. 2020, arXiv:2004.09167): BERT-base, one linear head per observation over [CLS]; 13 heads of
+# 4 classes (0 blank, 1 positive, 2 negative, 3 uncertain), No Finding's of 2 (0 blank, 1 positive). As label.py:
+CHEXBERT_CLASS_VALUES = (np.nan, POSITIVE, NEGATIVE, UNCERTAIN)
+CHEXBERT_MAX_PIECES = 512  # including [CLS] and [SEP]: longer reports keep their first 510 pieces
+CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
+
+
+def chexbert_model(config=None, path=None):
+    """f1chexbert's bert_labeler, its BERT built from a config (its own __init__ downloads bert-base-uncased); `path`:
+    chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) loaded strictly (f1chexbert: strict=False)."""
+    with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
+        from f1chexbert.f1chexbert import bert_labeler
+    from transformers import BertConfig, BertModel
+
+    sandbox = path is not None and Path(path).with_name("vocab.txt").is_file()  # the sandbox's layout
+    if config is None and sandbox and Path(path).with_name("config.json").is_file():  # its small BERT's config
+        config = BertConfig.from_json_file(Path(path).with_name("config.json"))
+    config = config or BertConfig()  # bert-base-uncased: 30522 word pieces, 768 hidden, 12 layers
+
+    class CheXbertModel(bert_labeler):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.bert, self.dropout = BertModel(config), torch.nn.Dropout(0.1)
+            heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
+            self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
+
+    model = CheXbertModel()
+    if path is None:
+        return model
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
+            f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})"
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
+    except (RuntimeError, OSError, EOFError, AttributeError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path}: not a CheXbert checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
+    if "bert.embeddings.position_ids" not in model.state_dict():  # older transformers saved this buffer
+        state.pop("bert.embeddings.position_ids", None)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: does not match CheXbert's model ({str(e)[:300]})") from None
+    return model
+
+
+def from_hub(load):
+    """load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)."""
+    try:
+        return load(True)
+    except OSError:  # not cached (transformers and huggingface_hub raise OSError subclasses)
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=5).close()
+        except OSError as e:
+            raise ValueError(
+                f"--labeler chexbert needs {CHEXBERT_FILE} (Hub repo {CHEXBERT_REPO}) and bert-base-uncased's "
+                f"tokenizer, and huggingface.co cannot be reached ({e}): give --chexbert-weights FILE (with the "
+                "tokenizer in the Hugging Face cache), or --labeler rule (offline rules)"
+            ) from None
+    return load(False)
+
+
+class CheXbertLabeler:
+    """CheXbert's labels (N, 14) as RuleLabeler's, in batches sorted by length (f1chexbert labels one at a time)."""
+
+    def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
+        from transformers import BertTokenizerFast
+
+        if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
+            from huggingface_hub import hf_hub_download
+
+            def download(offline):
+                return hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)
+
+            model = chexbert_model(path=from_hub(download) if weights is None else weights)
+        vocab = Path(weights).with_name("vocab.txt") if weights is not None else None
+        if tokenizer is None and vocab is not None and vocab.is_file():  # the sandbox's word pieces, beside the weights
+            tokenizer = BertTokenizerFast.from_pretrained(str(vocab.parent))
+        self.tokenizer = tokenizer or from_hub(
+            lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased", local_files_only=offline)
+        )
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.device, self.batch_size = torch.device(device), batch_size
+
+    def encode(self, report: str) -> list[int] | None:
+        """[CLS] pieces [SEP], cut to 512 as CheXbert; None for an empty report."""
+        if not report.strip():
+            return None
+        ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
+        if len(ids) > CHEXBERT_MAX_PIECES:
+            ids = ids[: CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
+        return ids
+
+    @torch.inference_mode()
+    def __call__(self, reports: list[str]) -> np.ndarray:
+        out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)  # empty reports stay blank
+        encoded = [(i, s) for i, s in enumerate(map(self.encode, reports)) if s is not None]
+        encoded.sort(key=lambda x: len(x[1]))  # similar lengths share a batch: little padding
+        for b in range(0, len(encoded), self.batch_size):
+            chunk = encoded[b : b + self.batch_size]
+            ids, mask = pad_completions([s for _, s in chunk], self.tokenizer.pad_token_id, self.device)  # (B, L) each
+            # the reward runs inside the policy's bf16 autocast: labels must not depend on it
+            with torch.autocast(ids.device.type, enabled=False):
+                logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
+            classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14) 0 blank, 1 pos, 2 neg, 3 unc
+            out[[i for i, _ in chunk]] = np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]
+        return out
+
+
+# ==== II.2 The synthetic set, and the sandbox's trained models: its CheXbert, its foundation ========
 # Synthetic chest X-ray set (README, "The shared parts"): a visible sign and templated sentences per finding.
 # finding: (prevalence, chance that it is mentioned as negative when absent, else it goes unmentioned)
 SYNTHETIC_RATES = {
@@ -718,339 +1951,6 @@ def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, siz
     return final / "annotation.json"
 
 
-def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
-    """--data: "synthetic", an annotation.json or its folder."""
-    if data == "synthetic":
-        return load_annotation(synthetic_data(), **kwargs)
-    return load_annotation(Path(data) / "annotation.json" if Path(data).is_dir() else data, **kwargs)
-
-
-# ==== 3. Labelers =================================================================================
-def _words(*phrases: str) -> str:
-    """The phrases as one group that ends a word (RuleLabeler puts one word start before all of a label's phrases)."""
-    return r"(?:" + "|".join(phrases) + r")\b"
-
-
-_GAP = r"(?:(?!\bbut\b|\bhowever\b)[^.;,])"  # a gap inside one mention ("heart ... enlarged"), within the clause
-_HEART = r"(?:heart(?: size)?|cardiac (?:silhouette|size|contour|contours|shadow))"
-_MEDIASTINUM = r"(?:cardiomediastinal (?:silhouette|contours?)|mediastinal (?:contours?|silhouette)|mediastinum)"
-_NORMAL = r"(?:normal|within normal limits|unremarkable)"  # "heart size ... limits of normal" reaches "normal"
-_STABLE = r"(?:stable|unchanged)\b"
-
-
-class RuleLabeler:
-    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
-    expressions: its mention phrases, negation and uncertainty cues, aggregation and No Finding rule; offline, fast, not
-    CheXbert (README, "The rule labeler on real reports"). A mention (CheXpert's order) is uncertain with a pre-negation
-    uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
-    cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
-
-    # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
-    # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
-    MENTIONS: ClassVar[dict] = {
-        "Enlarged Cardiomediastinum": [
-            _words(
-                r"mediastinal widening|widen(?:ed|ing) (?:of the )?(?:superior )?mediastinum|enlarged cardiomediastinum"
-                r"|enlarged cardiomediastinal silhouette"
-            ),
-            _MEDIASTINUM + _GAP + r"{0,30}?\b" + _words(r"widened", r"enlarged", _NORMAL),
-            _words("normal") + " " + _MEDIASTINUM,
-        ],
-        "Cardiomegaly": [
-            _words(
-                r"cardiomegaly|(?:cardiac|heart) enlargement|enlarged (?:heart|cardiac silhouette)"
-                r"|enlargement of the (?:heart|cardiac silhouette)|increase in (?:the )?heart size"
-            ),
-            _HEART + r"\b" + _GAP + r"{0,30}?\b" + _words(r"enlarged", r"increased", r"large", r"borderline", _NORMAL),
-            _words("normal") + " " + _HEART + r"\b",
-        ],
-        "Lung Opacity": [
-            _words(
-                r"opacit(?:y|ies)|opacification|opacified|infiltrat(?:e|es|ion)|haziness|hazy"
-                r"|air ?space (?:disease|process)|ground[- ]glass|scar(?:s|ring)?|interstitial (?:markings?|pattern)"
-                r"|reticular (?:pattern|markings?)|reticulation|(?:peribronchial|wall) thickening|increased density"
-            )
-        ],
-        "Lung Lesion": [
-            _words(
-                r"mass(?:es)?|mass-?like|nodules?|lumps?|cavitary lesions?|carcinoma"
-                r"|nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)|neoplasms?|tumou?rs?"
-            )
-        ],
-        "Edema": [_words(r"edema", r"heart failure", r"chf")],
-        "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
-        # CheXpert also lists "infection" and "infectious": the radiologists' gold rarely reads them as pneumonia (ours)
-        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infectious process")],
-        "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
-        "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
-        "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
-        "Pleural Other": [
-            _words(
-                r"pleural (?:thickening|plaques?|calcifications?)|fibrothorax|fibrosis"
-                r"|pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?"
-            )
-        ],
-        "Fracture": [_words(r"fractur(?:e|es|ed)")],
-        "Support Devices": [
-            _words(
-                r"endotracheal tube|et tube|ett|tracheostomy(?: tube)?|(?:naso|oro)gastric tube|ng tube|og tube"
-                r"|enteric tube|feeding tube|dobhoff(?: tube)?|chest tubes?"
-                r"|(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?"
-                r"|central (?:venous )?line|picc(?: line)?|port-a-cath|portacath|mediport|pacemaker|pacer|icd"
-                r"|defibrillator|pacing leads?|sternotomy wires|intra-aortic balloon pump|iabp|stents?|drains?"
-                r"|prosthetic valve|valve replacement|lvad"
-            )
-        ],
-        # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
-        # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
-        "No Finding": [
-            (
-                r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
-                r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
-                r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
-                r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
-                r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
-                r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
-                r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
-                r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
-            )
-        ],
-    }
-    # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
-    # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
-    UNMENTIONS: ClassVar[dict] = {"Pleural Effusion": r"pericardial effusion", "Lung Opacity": r"pleural scar"}
-    # At most uncertain (positive -> uncertain, negative stays): CheXpert's post-negation uncertainty patterns (a stable
-    # heart, "vascular congestion", ...) and, from its aggregation, "chf" and "heart failure" as uncertain Cardiomegaly.
-    HEDGED: ClassVar[dict] = {
-        "Enlarged Cardiomediastinum": [_MEDIASTINUM + _GAP + r"{0,30}?\b" + _STABLE, _STABLE + " " + _MEDIASTINUM],
-        "Cardiomegaly": [
-            _words("chf", "heart failure", r"borderline (?:heart|cardiac) size"),
-            _HEART + r"\b" + _GAP + r"{0,30}?\b" + _STABLE,
-            _STABLE + " " + _HEART + r"\b",
-        ],
-        "Edema": [_words(r"(?:vascular|pulmonary) congestion", r"indistinctness", r"vascular prominence")],
-    }
-    # Cues (CheXpert's patterns/{pre_negation_uncertainty,negation,post_negation_uncertainty}.txt): (pattern, kind,
-    # direction, reach: characters from cue to mention). kind: "pre_neg_unc" (uncertain despite a negation), "neg",
-    # "unc"; direction: "pre" acts on mentions after the cue, "post" on those before; one inside a mention acts on it.
-    CLAUSE = 1000  # reach to the end of the clause
-    PRE_NEGATION_UNCERTAINTY = (
-        r"can ?not (?:be )?(?:entirely |completely )?(?:excluded|exclude|ruled out|rule out)"
-        r"|can't (?:be )?(?:excluded|exclude|ruled out|rule out)|not (?:be )?(?:entirely |completely )?"
-        r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)"
-    )
-    NEGATION_AFTER = (  # "the effusion has resolved"
-        r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
-        r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
-        r"|widened)"
-    )
-    NEGATION_BEFORE = (  # "no effusion"
-        r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
-        r"|history of|disappearance of|rather than|without|no|not|nor|neither|never"
-    )
-    UNCERTAINTY_AFTER = (  # "pneumonia is suspected"
-        r"is possible|are possible|(?:is |are )?suspected|is likely|are likely|is questioned|may be present"
-        r"|is not excluded|are not excluded|(?:is )?(?:a |another )?consideration"
-    )
-    UNCERTAINTY_BEFORE = (  # "possible pneumonia"
-        r"possible|possibly|probable|probably|likely|may|might|could|questionable|question(?: of)?|suspicious for"
-        r"|suspicion (?:of|for)|suspect|concerning for|concern for|worrisome for|suggestive of|suggests?|suggesting"
-        r"|suggestion of|maybe|favou?r(?:s|ing|ed)?|differential|consider(?:ed)?|equivocal|presumed|presumably"
-        r"|indeterminate|evaluate for|evaluation for|assess for|rule out|r/o|correlate clinically for"
-    )
-    CUES = (
-        (PRE_NEGATION_UNCERTAINTY, "pre_neg_unc", "both", CLAUSE),
-        (NEGATION_AFTER, "neg", "post", 40),
-        (r"not well[- ](?:seen|visualized|evaluated|appreciated)|poorly evaluated", "unc", "post", 40),
-        (NEGATION_BEFORE, "neg", "pre", CLAUSE),
-        (r"normal|within normal limits|unremarkable", "neg", "both", 0),  # only inside "heart size is normal"
-        (UNCERTAINTY_AFTER, "unc", "post", 30),
-        (UNCERTAINTY_BEFORE, "unc", "pre", CLAUSE),
-        (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
-    )
-    # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
-    TERMINATORS = (
-        r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
-        r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b"
-    )
-    SENTENCE_ENDS = r"\.(?<!\bvs\.)(?!\d)|;|\n"  # not "1.2 cm", not "vs."
-
-    def __init__(self):
-        self.mentions = []  # (label index, mention pattern, unmention pattern), one per label
-        for name, phrases in self.MENTIONS.items():
-            alternatives = [f"(?:{p})" for p in phrases]
-            hedged = self.HEDGED.get(name)
-            if hedged:
-                alternatives.append(f"(?P<hedged>{'|'.join(hedged)})")
-            word_start = "" if name == "No Finding" else r"\b"  # No Finding's phrases match inside words
-            pattern = re.compile(word_start + "(?:" + "|".join(alternatives) + ")")
-            unmention = re.compile(self.UNMENTIONS.get(name, "(?!)"))
-            self.mentions.append((LABEL_INDEX[name], pattern, unmention))
-        # One pass over the text finds every cue; group i+1 is CUES[i].
-        words = "|".join(f"({pattern})" for pattern, *_ in self.CUES[:-1])
-        self.cues = re.compile(rf"(?<!\w)(?:{words})(?!\w)|({self.CUES[-1][0]})")
-        self.boundaries = re.compile(f"{self.SENTENCE_ENDS}|{self.TERMINATORS}")
-
-    def _mentions(self, text: str) -> np.ndarray:
-        """(14,) labels of one lower-cased report; No Finding's place holds the abnormal findings outside the 13."""
-        labels = np.full(len(CHEXPERT_LABELS), np.nan)
-        boundaries = [(0, 0)] + [m.span() for m in self.boundaries.finditer(text)] + [(len(text), len(text))]
-        starts = [start for start, _ in boundaries]
-        ends = [end for _, end in boundaries]
-        cues = [(m.start(), m.end(), self.CUES[m.lastindex - 1]) for m in self.cues.finditer(text)]
-        for idx, pattern, unmention in self.mentions:
-            found = set()
-            unmentions = None  # looked for at the label's first mention
-            for m in pattern.finditer(text):
-                if unmentions is None:
-                    unmentions = [u.span() for u in unmention.finditer(text)]
-                if any(a < m.end() and m.start() < b for a, b in unmentions):
-                    continue
-                # the clause around a mention: the last boundary before it, the first after it
-                lo = ends[bisect.bisect_right(ends, m.start()) - 1]
-                hi = starts[bisect.bisect_left(starts, m.end())]
-                state = self._state(*m.span(), lo, hi, cues)
-                found.add(UNCERTAIN if m.lastgroup == "hedged" and state == POSITIVE else state)
-            labels[idx] = next((s for s in (POSITIVE, UNCERTAIN, NEGATIVE) if s in found), BLANK)
-        return labels
-
-    @staticmethod
-    def _state(start, end, lo, hi, cues) -> float:
-        kinds = {
-            kind
-            for c_start, c_end, (_, kind, direction, reach) in cues
-            if (start <= c_start and c_end <= end)  # inside the mention's own span
-            or (lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach)
-            or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)
-        }
-        for kind, label in (("pre_neg_unc", UNCERTAIN), ("neg", NEGATIVE), ("unc", UNCERTAIN)):
-            if kind in kinds:
-                return label
-        return POSITIVE
-
-    def __call__(self, reports: list[str]) -> np.ndarray:
-        """(N, 14) float labels, 1 / 0 / -1 / NaN, in CHEXPERT_LABELS order."""
-        if not reports:
-            return np.zeros((0, len(CHEXPERT_LABELS)))
-        labels = np.stack([self._mentions(r.lower()) for r in reports])
-        other = np.isin(labels[:, -1], (POSITIVE, UNCERTAIN))  # an abnormal finding outside the 13
-        labels = apply_no_finding_rule(labels)
-        # nothing said: all blank, No Finding too (CheXpert's rule would reward empty reports)
-        labels[other | np.array([not r.strip() for r in reports]), -1] = np.nan
-        return labels
-
-
-# CheXbert (Smit et al. 2020, arXiv:2004.09167): BERT-base, one linear head per observation over [CLS]; 13 heads of
-# 4 classes (0 blank, 1 positive, 2 negative, 3 uncertain), No Finding's of 2 (0 blank, 1 positive). As label.py:
-CHEXBERT_CLASS_VALUES = (np.nan, POSITIVE, NEGATIVE, UNCERTAIN)
-CHEXBERT_MAX_PIECES = 512  # including [CLS] and [SEP]: longer reports keep their first 510 pieces
-CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
-
-
-def chexbert_model(config=None, path=None):
-    """f1chexbert's bert_labeler, its BERT built from a config (its own __init__ downloads bert-base-uncased); `path`:
-    chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) loaded strictly (f1chexbert: strict=False)."""
-    with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
-        from f1chexbert.f1chexbert import bert_labeler
-    from transformers import BertConfig, BertModel
-
-    sandbox = path is not None and Path(path).with_name("vocab.txt").is_file()  # the sandbox's layout
-    if config is None and sandbox and Path(path).with_name("config.json").is_file():  # its small BERT's config
-        config = BertConfig.from_json_file(Path(path).with_name("config.json"))
-    config = config or BertConfig()  # bert-base-uncased: 30522 word pieces, 768 hidden, 12 layers
-
-    class CheXbertModel(bert_labeler):
-        def __init__(self):
-            torch.nn.Module.__init__(self)
-            self.bert, self.dropout = BertModel(config), torch.nn.Dropout(0.1)
-            heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
-            self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
-
-    model = CheXbertModel()
-    if path is None:
-        return model
-    if not Path(path).is_file():
-        raise FileNotFoundError(
-            f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
-            f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})"
-        )
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
-    except (RuntimeError, OSError, EOFError, AttributeError, pickle.UnpicklingError) as e:
-        raise ValueError(f"{path}: not a CheXbert checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-    if "bert.embeddings.position_ids" not in model.state_dict():  # older transformers saved this buffer
-        state.pop("bert.embeddings.position_ids", None)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: does not match CheXbert's model ({str(e)[:300]})") from None
-    return model
-
-
-def from_hub(load):
-    """load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)."""
-    try:
-        return load(True)
-    except OSError:  # not cached (transformers and huggingface_hub raise OSError subclasses)
-        try:
-            socket.create_connection(("huggingface.co", 443), timeout=5).close()
-        except OSError as e:
-            raise ValueError(
-                f"--labeler chexbert needs {CHEXBERT_FILE} (Hub repo {CHEXBERT_REPO}) and bert-base-uncased's "
-                f"tokenizer, and huggingface.co cannot be reached ({e}): give --chexbert-weights FILE (with the "
-                "tokenizer in the Hugging Face cache), or --labeler rule (offline rules)"
-            ) from None
-    return load(False)
-
-
-class CheXbertLabeler:
-    """CheXbert's labels (N, 14) as RuleLabeler's, in batches sorted by length (f1chexbert labels one at a time)."""
-
-    def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
-        from transformers import BertTokenizerFast
-
-        if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
-            from huggingface_hub import hf_hub_download
-
-            def download(offline):
-                return hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)
-
-            model = chexbert_model(path=from_hub(download) if weights is None else weights)
-        vocab = Path(weights).with_name("vocab.txt") if weights is not None else None
-        if tokenizer is None and vocab is not None and vocab.is_file():  # the sandbox's word pieces, beside the weights
-            tokenizer = BertTokenizerFast.from_pretrained(str(vocab.parent))
-        self.tokenizer = tokenizer or from_hub(
-            lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased", local_files_only=offline)
-        )
-        self.model = model.to(device).eval().requires_grad_(False)
-        self.device, self.batch_size = torch.device(device), batch_size
-
-    def encode(self, report: str) -> list[int] | None:
-        """[CLS] pieces [SEP], cut to 512 as CheXbert; None for an empty report."""
-        if not report.strip():
-            return None
-        ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
-        if len(ids) > CHEXBERT_MAX_PIECES:
-            ids = ids[: CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
-        return ids
-
-    @torch.inference_mode()
-    def __call__(self, reports: list[str]) -> np.ndarray:
-        out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)  # empty reports stay blank
-        encoded = [(i, s) for i, s in enumerate(map(self.encode, reports)) if s is not None]
-        encoded.sort(key=lambda x: len(x[1]))  # similar lengths share a batch: little padding
-        for b in range(0, len(encoded), self.batch_size):
-            chunk = encoded[b : b + self.batch_size]
-            ids, mask = pad_completions([s for _, s in chunk], self.tokenizer.pad_token_id, self.device)  # (B, L) each
-            # the reward runs inside the policy's bf16 autocast: labels must not depend on it
-            with torch.autocast(ids.device.type, enabled=False):
-                logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
-            classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14) 0 blank, 1 pos, 2 neg, 3 unc
-            out[[i for i, _ in chunk]] = np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]
-        return out
-
-
 # The sandbox's CheXbert (README): the papers' labeler on --data synthetic, nothing downloaded. Saved as chexbert.pth
 # is, with its BERT's config.json and vocab.txt beside it: the same loading code serves it and the real weights.
 SPECIAL_PIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # BERT's, first, in its order
@@ -1314,13 +2214,16 @@ def foundation_probe(policy, data: dict, write: bool = True) -> dict:
     drawn = [describe_synthetic_image(r.meta["findings"]) for r in records]
     said, truth = caption_signs(written), caption_signs(drawn)  # (N, 13) each
     tp, fp, fn = (said & truth).sum(), (said & ~truth).sum(), (~said & truth).sum()
-    return out | {
-        "caption_signs_f1": float(2 * tp / max(1, 2 * tp + fp + fn)),
-        "captions_exact": float(np.mean([w == d for w, d in zip(written, drawn)])),
-        "captions": [{"drawn": d, "written": w} for d, w in list(zip(drawn, written))[:5]],
-        "reports_distinct": len(set(reports)),  # of the test images, started as a report: never trained with images
-        "reports": Counter(reports).most_common(3),
-    }
+    return (
+        out
+        | {
+            "caption_signs_f1": float(2 * tp / max(1, 2 * tp + fp + fn)),
+            "captions_exact": float(np.mean([w == d.lower() for w, d in zip(written, drawn)])),  # decode lower-cases
+            "captions": [{"drawn": d, "written": w} for d, w in list(zip(drawn, written))[:5]],
+            "reports_distinct": len(set(reports)),  # of the test images, started as a report: never trained with images
+            "reports": Counter(reports).most_common(3),
+        }
+    )
 
 
 def train_foundation(annotation, out_dir, settings: dict) -> Path:
@@ -1366,780 +2269,7 @@ def synthetic_foundation(annotation=None, settings=None) -> Path:
     return final
 
 
-# ==== 4. Metrics: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D) and CE (label precision/recall/F1) =========
-# BLEU, ROUGE-L and CIDEr-D equal pycocoevalcap 1.2 (tests/test_metrics.py), written here because rewards score
-# thousands of pairs a step; one reference per report. METEOR is pycocoevalcap's Java jar: no port matches it.
-NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
-_METEOR_SCORER = None  # one JVM per process: the jar takes ~7 s to load its tables
-
-
-def ngram_counts(tokens: list[str]) -> list[Counter]:
-    """[k-gram Counter, k = 1..4]: precook() of bleu/cider_scorer.py."""
-    return [Counter(tokens)] + [Counter(zip(*(tokens[i:] for i in range(k)))) for k in range(2, NGRAM_N + 1)]
-
-
-def _lcs_length(a: list[str], b: list[str]) -> int:
-    """LCS length, my_lcs() of rouge.py bit-parallel (Allison & Dix 1986; Hyyro 2004): a big int holds a DP column."""
-    match = {}  # match[t] has bit i set where a[i] == t
-    for i, tok in enumerate(a):
-        match[tok] = match.get(tok, 0) | (1 << i)
-    full = v = (1 << len(a)) - 1  # zero bits of v mark where the LCS grew
-    for tok in b:
-        u = v & match.get(tok, 0)
-        v = (v + u) | (v - u)
-    return len(a) - (v & full).bit_count()
-
-
-def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool = False, cider_df=None) -> dict:
-    """BLEU-1..4, ROUGE-L, CIDEr-D and METEOR (with java, unless RRG_METEOR=0) of each text against its one reference,
-    as pycocoevalcap; per_sample adds per-report scores; cider_df: (df, documents) of a corpus, for CIDEr-D."""
-    if len(hyps) != len(refs) or not hyps:
-        raise ValueError(f"need as many references as hypotheses, at least one: got {len(hyps)} and {len(refs)}")
-    hyp_toks, ref_toks = [h.split() for h in hyps], [r.split() for r in refs]
-    hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
-
-    # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
-    def bleu(correct, guess, hyp_len, ref_len):
-        """BLEU-1..4 per row (N, 4), in BleuScorer.compute_score()'s order of operations."""
-        tiny, small = 1e-15, 1e-9  # its smoothing: an empty hypothesis gives 0, not NaN
-        # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
-        b = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
-        ratio = (hyp_len + tiny) / (ref_len + small)  # brevity penalty exp(1 - r/c) when the hypothesis is shorter
-        with np.errstate(over="ignore"):  # 1/ratio is ~1e16 for an empty hypothesis: exp -> 0
-            return b * np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)[:, None]
-
-    correct = np.zeros((len(hyps), NGRAM_N))  # (N, 4)
-    for i, (hc, rc) in enumerate(zip(hyp_counts, ref_counts)):
-        correct[i] = [sum(min(h[g], r[g]) for g in h.keys() & r.keys()) for h, r in zip(hc, rc)]
-    guess = np.array([[max(0, len(t) - k) for k in range(NGRAM_N)] for t in hyp_toks], dtype=float)  # (N, 4)
-    hyp_len, ref_len = np.array([len(t) for t in hyp_toks], float), np.array([len(t) for t in ref_toks], float)
-    each = dict(zip([f"BLEU-{k}" for k in range(1, NGRAM_N + 1)], bleu(correct, guess, hyp_len, ref_len).T))
-    corpus = bleu(*(x.sum(0, keepdims=True) for x in (correct, guess, hyp_len, ref_len)))[0]
-    out = {f"BLEU-{k + 1}": float(corpus[k]) for k in range(NGRAM_N)}
-    # ROUGE-L (Rouge.calc_score() of rouge.py): F_beta of LCS precision and recall in pycocoevalcap's operation order,
-    # 0 for an empty text (pycocoevalcap would give 1.0 to an empty hypothesis against an empty reference)
-    lcs = np.array([_lcs_length(h, r) if h and r else 0 for h, r in zip(hyp_toks, ref_toks)], float)  # (N,)
-    prec, rec = lcs / np.maximum(hyp_len, 1), lcs / np.maximum(ref_len, 1)  # (N,) each
-    with np.errstate(invalid="ignore"):  # 0 / 0 where lcs == 0
-        each["ROUGE-L"] = np.where(lcs > 0, ((1 + ROUGE_BETA**2) * prec * rec) / (rec + ROUGE_BETA**2 * prec), 0.0)
-    # CIDEr-D as CiderScorer: 10 x the mean over orders of sum_g min(w_h, w_r) w_r / norms (w = tf idf) times a Gaussian
-    # length penalty on pycocoevalcap's 'length', which counts bigrams (its `if n == 1` is 0-based). Document
-    # frequencies from the references scored (one pair: all 0), or cider_df's of a corpus. Sums run over the
-    # hypothesis's n-grams in their order, as CiderScorer's: a set's order would move the last digit with the hash seed
-    df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
-    log_n = math.log(n_docs)
-    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen n-grams: log(N)^2
-
-    def norm(counts):
-        return [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]
-
-    each["CIDEr"] = []
-    for h, r in zip(hyp_counts, ref_counts):
-        penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
-        sims = [
-            sum(min(hc[g], rc[g]) * rc[g] * idf2[g] for g in hc if g in rc) / (hn * rn if hn and rn else 1)
-            for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))
-        ]
-        each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
-    out.update({k: float(np.mean(each[k])) for k in ("ROUGE-L", "CIDEr")})  # the mean of the per-report scores
-    meteor = meteor and os.environ.get("RRG_METEOR") != "0"  # RRG_METEOR=0: left out on purpose, nothing to say
-    if meteor and importlib.util.find_spec("pycocoevalcap") and shutil.which("java"):
-        global _METEOR_SCORER  # corpus METEOR: the jar's own aggregate, not the mean per report
-        if _METEOR_SCORER is None:
-            from pycocoevalcap.meteor.meteor import Meteor
-
-            _METEOR_SCORER = Meteor()
-
-        def one_line(t):
-            """A newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)."""
-            return " ".join(t.replace("|||", " ").split())
-
-        score, scores = _METEOR_SCORER.compute_score(
-            {i: [one_line(r)] for i, r in enumerate(refs)}, {i: [one_line(h)] for i, h in enumerate(hyps)}
-        )
-        out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
-    elif meteor:
-        log.warning("METEOR skipped: it needs `pip install pycocoevalcap` and java on PATH")
-    if per_sample:
-        out["per_sample"] = {k: [float(x) for x in v] for k, v in each.items()}
-    return out
-
-
-def _prf(tp, fp, fn):
-    """Precision, recall, F1 = 2TP / (2TP + FP + FN); 0 where undefined (scikit-learn's zero_division=0)."""
-
-    def div(a, b):
-        return np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)
-
-    return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
-
-
-def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
-    """Clinical efficacy of generated (hyp) vs reference labels (N, 14), uncertain positive (uncertain_as=1) or not."""
-    hyp = binarize(hyp_labels, uncertain_as).astype(bool)  # (N, 14); uncertain_as=1: CheXpert's "U-ones" (DEER; ours)
-    ref = binarize(ref_labels, uncertain_as).astype(bool)  # (N, 14); uncertain_as=0: PromptMRG's code
-    tp, fp, fn = (hyp & ref).astype(float), (hyp & ~ref).astype(float), (~hyp & ref).astype(float)  # (N, 14) each
-    # Micro: TP/FP/FN pooled over reports and labels
-    out = dict(zip(("micro_precision", "micro_recall", "micro_f1"), _prf(tp.sum(), fp.sum(), fn.sum())))
-    # Macro: per label, then the plain mean over the 14 (a label never positive counts 0: scikit-learn's "macro")
-    p_lab, r_lab, f_lab = _prf(tp.sum(0), fp.sum(0), fn.sum(0))  # (14,) each
-    out.update(macro_precision=p_lab.mean(), macro_recall=r_lab.mean(), macro_f1=f_lab.mean())
-    # Example-based (PromptMRG, modules/metrics_clinical.py): per report, then the mean over all reports; a report with
-    # no predicted (or no reference) positive scores 0, as PromptMRG's nan_to_num and scikit-learn's "samples" average
-    p_ex, r_ex, f_ex = _prf(tp.sum(1), fp.sum(1), fn.sum(1))  # (N,) each
-    out.update(example_precision=p_ex.mean(), example_recall=r_ex.mean(), example_f1=f_ex.mean())
-    # F1-CheXbert (R2Gen/CMN/... tables): micro over the 5 common observations only
-    cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
-    p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
-    out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
-    per_label = {}
-    for i, name in enumerate(CHEXPERT_LABELS):
-        p, r, f, support = float(p_lab[i]), float(r_lab[i]), float(f_lab[i]), int(ref[:, i].sum())
-        per_label[name] = {"precision": p, "recall": r, "f1": f, "support": support}
-    return {k: float(v) for k, v in out.items()} | {"per_label": per_label}
-
-
-# ==== 5. Models: one small policy interface, a tiny built-in VLM and Hugging Face VLMs ============
-# Every script talks to a policy through the same methods (N = B prompts x G samples, groups contiguous; T tokens):
-#   prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
-#   repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
-#   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
-#   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
-#   encode_targets(texts) -> ids, mask; decode(ids, mask) -> texts; sft_loss(prompts, texts); save(dir); load_policy
-_WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
-
-
-class WordTokenizer:
-    """The tiny model's tokenizer from the training reports: lower-cased words, numbers, punctuation; <think> whole."""
-
-    SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0-3 in a built vocabulary
-
-    def __init__(self, vocab: list[str]):
-        self.vocab, self.index = list(vocab), {w: i for i, w in enumerate(vocab)}
-        self.pad_id, self.bos_id, self.eos_id, self.unk_id = [self.index[t] for t in self.SPECIALS]
-
-    @classmethod
-    def build(cls, texts: list[str], extra_tokens=()) -> WordTokenizer:
-        words = sorted({w for t in texts for w in _WORD_RE.findall(t.lower())})
-        specials = [*cls.SPECIALS, *extra_tokens]
-        return cls(specials + [w for w in words if w not in specials])
-
-    def encode(self, text: str) -> list[int]:
-        return [self.index.get(w, self.unk_id) for w in _WORD_RE.findall(text.lower())]
-
-    def decode(self, ids) -> str:
-        text = " ".join(self.vocab[i] for i in ids if i not in (self.pad_id, self.bos_id, self.eos_id))
-        return re.sub(r" ?- ?", "-", re.sub(r" ([.,;:?!])", r"\1", text))
-
-
-class TinyVLM(torch.nn.Module):
-    """A small CNN turns each view (1, S, S) into g x g features; a study's views are averaged position by position
-    (R2GenGPT's way: any number of views) into g x g prefix embeddings read before BOS by a random GPT-2 decoder."""
-
-    _no_split_modules = ("GPT2Block",)  # shard()'s blocks
-
-    def __init__(self, vocab_size: int, grid=4, n_embd=128, n_layer=2, n_head=4, max_len=96, channels=32):
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        gpt2_size = dict(n_embd=n_embd, n_layer=n_layer, n_head=n_head)
-        self.hparams = dict(vocab_size=vocab_size, grid=grid, **gpt2_size, max_len=max_len, channels=channels)
-        c = channels
-
-        def block(i, o):
-            return [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
-
-        self.encoder = torch.nn.Sequential(
-            *block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c), torch.nn.AdaptiveAvgPool2d(grid)
-        )
-        self.project = torch.nn.Linear(2 * c, n_embd)
-        # No dropout, GroupNorm not BatchNorm: log-probs must not depend on train/eval mode or the batch (GRPO's ratio)
-        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        size = dict(n_positions=grid * grid + 1 + max_len, **gpt2_size)  # the image prefix, BOS, the report
-        # WordTokenizer's <bos>, <eos>; no pad id: generate() drops the all-ones mask, then warned of each pad fed back
-        config = GPT2Config(vocab_size=vocab_size, **size, **no_dropout, bos_token_id=1, eos_token_id=2)
-        self.decoder = GPT2LMHeadModel(config)
-
-    def prefix(self, pixel_values, view_mask, start_ids):
-        """(N, V, 1, S, S) zero-padded views, view_mask (N, V), start_ids (N,) or one id -> (N, g*g + 1, D): the views'
-        mean features, then the start token (BOS: a report; the foundation's <caption>: a caption)."""
-        N, V = pixel_values.shape[:2]
-        feats = self.encoder(pixel_values.flatten(0, 1))  # (N*V, 2c, g, g)
-        feats = self.project(feats.flatten(2).transpose(1, 2)).view(N, V, -1, self.hparams["n_embd"])  # (N, V, g*g, D)
-        m = view_mask.to(feats.dtype)[:, :, None, None]  # (N, V, 1, 1)
-        feats = (feats * m).sum(1) / m.sum(1)  # (N, g*g, D) mean over the study's real views
-        start = torch.as_tensor(start_ids, device=feats.device).reshape(-1, 1).expand(N, 1)  # (N, 1)
-        return torch.cat([feats, self.decoder.transformer.wte(start)], dim=1)
-
-
-class TinyPolicy:
-    """The tiny built-in policy (`--model tiny`): its prompt is the image prefix + BOS (`text` is ignored)."""
-
-    def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
-        self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
-        self.device = torch.device(device)
-        self.eos_token_ids = [tokenizer.eos_id]  # as HFPolicy's, a list
-        self.suppressed = ()  # ids never sampled: none (HFPolicy's: vision placeholders)
-        self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
-
-    def prompt_batch(self, images, text=None) -> dict:
-        """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
-        import torchvision.transforms.functional as F
-
-        views = [
-            torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
-            for study in images
-        ]  # (V, 1, S, S) each
-        pixel_values, view_mask = pad_views(views)
-        start_ids = torch.full((len(views),), self.tokenizer.bos_id)  # (B,) a report's start token
-        prompts = {"pixel_values": pixel_values, "view_mask": view_mask, "start_ids": start_ids}
-        return {k: v.to(self.device) for k, v in prompts.items()}
-
-    def caption_prompts(self, images) -> dict:
-        """The sandbox foundation's other task: prompt_batch with <caption> as the start token."""
-        prompts = self.prompt_batch(images)
-        prompts["start_ids"] = torch.full_like(prompts["start_ids"], self.tokenizer.index[CAPTION_TOKEN])
-        return prompts
-
-    def vision_and_language(self):
-        """(the CNN and its projection, the GPT-2 decoder) as modules, as HFPolicy's."""
-        return torch.nn.ModuleList([self.model.encoder, self.model.project]), self.model.decoder
-
-    def repeat(self, prompts: dict, G: int) -> dict:
-        return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
-
-    def generate(self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
-        embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
-        attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
-        inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask)
-        max_new_tokens = min(max_new_tokens, self.model.hparams["max_len"])
-        return generate_completions(
-            self, self.model.decoder, inputs, 0, max_new_tokens, temperature, do_sample, return_logprobs, top_p
-        )
-
-    def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
-        """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
-        prefix = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
-        P, T = prefix.shape[1], completion_ids.shape[1]
-        embeds = torch.cat([prefix, self.model.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
-        logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1 : P - 1 + T]  # (N, T, V) predicts token t
-        return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
-
-    def encode_targets(self, texts: list[str]):
-        targets = [self.tokenizer.encode(t)[: self.model.hparams["max_len"] - 1] + [self.eos_token_id] for t in texts]
-        return pad_completions(targets, self.pad_token_id, self.device)
-
-    def decode(self, completion_ids, completion_mask) -> list[str]:
-        return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
-
-    def sft_loss(self, prompts: dict, texts: list[str]):
-        """Teacher-forced NLL of the texts: token sum / token count."""
-        ids, mask = self.encode_targets(texts)
-        return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
-
-    def save(self, path, state_dict: dict | None = None):
-        """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's."""
-        Path(path).mkdir(parents=True, exist_ok=True)
-        checkpoint = {"hparams": self.model.hparams, "state_dict": state_dict or lora_merged_state_dict(self.model)}
-        checkpoint["vocab"] = self.tokenizer.vocab
-        checkpoint["image_size"] = self.image_size
-        torch.save(checkpoint, Path(path) / "tiny_policy.pt")
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """bf16 matmuls under torch.autocast (also mixing bf16 weights with fp32 parts: fp32_trainable, LoRA); fp32: off."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype)
-
-
-class HFPolicy:
-    """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL): the chat template with one image per view,
-    left-padded; completions right-padded. The hub's top_k / top_p / repetition penalty give way to plain temperature
-    sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
-
-    MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
-    MAX_TARGET_TOKENS = 512  # of an SFT / DPO target, EOS included
-
-    def __init__(self, name_or_path, device="cpu", dtype=torch.float32, gradient_checkpointing=False, max_pixels=None):
-        from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
-
-        self.device, self.dtype = torch.device(device), dtype
-        options = {}
-        if max_pixels:
-            options["size"] = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
-        try:
-            self.processor = AutoProcessor.from_pretrained(name_or_path, **options)
-        except OSError as e:  # no such folder, hub id or cached download
-            raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
-        self.tokenizer = self.processor.tokenizer
-        self.tokenizer.padding_side = "left"  # prompts end where generation starts
-        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype).to(self.device)
-        if not hasattr(getattr(self.model, "model", None), "visual"):
-            raise ValueError(
-                f"--model {name_or_path}: a {type(self.model).__name__}; HFPolicy takes the Qwen2-VL family"
-            )
-        gen, cfg = self.model.generation_config, self.model.config
-        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
-        self.eos_token_ids = list(dict.fromkeys(([eos] if isinstance(eos, int) else list(eos)) + [self.eos_token_id]))
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = self.eos_token_ids[0] if pad is None else pad
-        # A vision placeholder (<|image_pad|> ...) in a completion (a random model writes them) would be taken for an
-        # image slot by the next forward ("Image features and image tokens do not match"): never sampled, probability 0.
-        vision_tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        self.suppressed = [getattr(cfg, n) for n in vision_tokens if getattr(cfg, n, None) is not None]
-        special = dict(bos_token_id=gen.bos_token_id, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id)
-        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-        self.model.generation_config = GenerationConfig(**special, **sampling, suppress_tokens=self.suppressed or None)
-        if gradient_checkpointing:
-            enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
-            enable({"use_reentrant": False})  # works with frozen inputs (LoRA); transformers 5 renamed it
-            self.model.config.use_cache = False  # generate() turns the cache back on (use_cache=True)
-        self.model.train()  # from_pretrained gives eval mode (no checkpointing, no LoRA dropout); generate() toggles it
-
-    def vision_and_language(self):
-        """(the vision tower and merger, the LM with its head) as modules."""
-        return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
-
-    def prompt_batch(self, images, text) -> dict:
-        """images: PIL views per study; text: one instruction, or one per study."""
-        texts = [text] * len(images) if isinstance(text, str) or text is None else list(text)
-        chats = [
-            [{"role": "user", "content": [{"type": "image"} for _ in views] + [{"type": "text", "text": t or ""}]}]
-            for views, t in zip(images, texts)
-        ]
-        prompt_text = [self.processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-        flat = [im.convert("RGB") for views in images for im in views]
-        inputs = self.processor(text=prompt_text, images=flat, padding=True, return_tensors="pt")  # never truncated
-        prompts = {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
-        prompts["n_images"] = torch.tensor([len(v) for v in images])  # (B,) views per study, for repeat()
-        return prompts
-
-    def repeat(self, prompts: dict, G: int) -> dict:
-        """Each study G times in a row; pixel_values (every image's t*h*w patch rows in turn) is cut per study."""
-        n_images = prompts["n_images"].tolist()
-        rows = prompts["image_grid_thw"].prod(-1).split(n_images)  # patches per image, per study
-        per_image = ("pixel_values", "image_grid_thw")
-        out = {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items() if k not in per_image}
-        pixel_values = prompts["pixel_values"].split([int(r.sum()) for r in rows])  # per study
-        out["pixel_values"] = torch.cat([c for c in pixel_values for _ in range(G)])
-        out["image_grid_thw"] = torch.cat([c for c in prompts["image_grid_thw"].split(n_images) for _ in range(G)])
-        return out
-
-    def generate(self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
-        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
-        P = prompts["input_ids"].shape[1]
-        with autocast(self.device, self.dtype):
-            return generate_completions(
-                self, self.model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p
-            )
-
-    def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
-        """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T)."""
-        T = completion_ids.shape[1]
-        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
-        inputs["input_ids"] = torch.cat([prompts["input_ids"], completion_ids], dim=1)  # (N, P+T)
-        mask = completion_mask.to(prompts["attention_mask"].dtype)
-        inputs["attention_mask"] = torch.cat([prompts["attention_mask"], mask], 1)
-        if "mm_token_type_ids" in prompts:  # completions are text (type 0)
-            inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
-        # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
-        with autocast(self.device, self.dtype):
-            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits
-        logits = logits[:, :-1]  # (N, T, V) predicts token t
-        return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
-
-    def encode_targets(self, texts: list[str]):
-        targets = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        targets = [ids[: self.MAX_TARGET_TOKENS - 1] + [self.eos_token_id] for ids in targets]
-        return pad_completions(targets, self.pad_token_id, self.device)
-
-    def decode(self, completion_ids, completion_mask) -> list[str]:
-        rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
-        return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
-
-    sft_loss = TinyPolicy.sft_loss
-
-    def save(self, path, state_dict: dict | None = None):
-        """save_pretrained with LoRA folded into the weights (the live model untouched), and the processor: the folder
-        loads with HFPolicy(path) or plain transformers. `state_dict`: a sharded model's (full_state_dicts)."""
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, state_dict=state_dict or lora_merged_state_dict(self.model))
-        self.processor.save_pretrained(path)
-
-
-def make_policy(
-    model, train_reports, device, dtype=torch.float32, max_new_tokens=128, extra_tokens=(), max_pixels=512 * 512
-):
-    """`--model tiny`: TinyPolicy (the reports' words), else HFPolicy, checkpointed (512^2 px: <= 334 tokens a view)."""
-    if model == "tiny":
-        tok = WordTokenizer.build(list(train_reports), extra_tokens)
-        return TinyPolicy(TinyVLM(len(tok.vocab), max_len=max_new_tokens), tok, device=device)
-    return HFPolicy(model, device, dtype, gradient_checkpointing=True, max_pixels=max_pixels)
-
-
-def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
-    """A policy saved by policy.save(path): TinyPolicy (tiny_policy.pt) or HFPolicy."""
-    f = Path(path) / "tiny_policy.pt"
-    if not f.is_file():
-        hf_kwargs.setdefault("gradient_checkpointing", True)  # as make_policy
-        return HFPolicy(str(path), device, dtype, **hf_kwargs)
-    ck = torch.load(f, map_location="cpu", weights_only=True)
-    model = TinyVLM(**ck["hparams"])
-    model.load_state_dict(ck["state_dict"])
-    return TinyPolicy(model, WordTokenizer(ck["vocab"]), ck["image_size"], device)
-
-
-def fp32_trainable(model: torch.nn.Module):
-    """Cast what trains to fp32 (bf16 rounds away AdamW's ~1e-6 steps on ~0.02): after freezing, before AdamW."""
-    for p in [p for p in model.parameters() if p.requires_grad and p.dtype != torch.float32]:
-        p.data = p.data.float()
-
-
-@torch.no_grad()
-def generate_completions(
-    policy, model, inputs, prompt_len, max_new_tokens, temperature, do_sample, return_logprobs, top_p
-):
-    """model.generate (KV cache, eval mode) -> ids (N, T) padded after the first EOS, mask (N, T) and the log-probs
-    under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses).
-    The policy gives the stop ids (eos_token_ids), padding and the ids never sampled (suppressed)."""
-    eos_ids = policy.eos_token_ids
-    was_training = policy.model.training
-    policy.model.eval()
-    sampling = dict(do_sample=False)
-    if do_sample:
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    stop = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id)
-    output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
-    fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
-    out = model.generate(**inputs, **stop, **output, **sampling, synced_gpus=fsdp)
-    policy.model.train(was_training)
-    ids = out.sequences[:, prompt_len:]  # (N, T) the completion only
-    mask = completion_mask(ids, eos_ids)  # (N, T)
-    ids = torch.where(mask.bool(), ids, torch.full_like(ids, policy.pad_token_id))
-    if not return_logprobs:
-        return ids, mask
-    return ids, mask, token_logprobs(torch.stack(out.logits, 1), ids, temperature, policy.suppressed) * mask
-
-
-def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
-    """log softmax(logits / temperature) at ids -> (N, T) float32, row by row: without grad no fp32 (N, T, V) copy; with
-    grad each row's copy is saved (608 KB a token at 151,936 words: README, memory table). `suppressed` ids: p = 0."""
-    rows = []
-    for lg, tok in zip(logits, ids):  # (T, V), (T,)
-        lg = lg.float() / temperature
-        if len(suppressed):
-            lg[:, list(suppressed)] = float("-inf")
-        rows.append(lg.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(lg, dim=-1))  # (T,)
-    return torch.stack(rows)  # (N, T)
-
-
-def completion_mask(ids, eos_id):
-    """(N, T) float: 1 up to and including the first EOS (an id, or any of a list: chat models end a turn with
-    <|im_end|> but may stop on <|endoftext|>), 0 after; all 1 without one."""
-    is_eos = torch.isin(ids, torch.as_tensor(eos_id, device=ids.device)).int()  # (N, T)
-    return ((is_eos.cumsum(1) - is_eos) == 0).float()  # (N, T) no EOS strictly before
-
-
-def pad_completions(seqs: list[list[int]], pad_id: int, device="cpu"):
-    """Right-padded: ids (N, T) long, mask (N, T)."""
-    T = max(1, max(len(s) for s in seqs))
-    ids, mask = torch.full((len(seqs), T), pad_id, dtype=torch.long), torch.zeros(len(seqs), T)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
-
-
-# Image and text encoders of DCRRG and RRGCL (neither uses the policy interface for them) ----------
-class ViewMean(torch.nn.Module):
-    """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d)."""
-
-    def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None, dim: int | None = None):
-        super().__init__()
-        self.body, self.head, self.dim = body, head, dim or getattr(body, "dim", None)
-
-    def forward(self, x):
-        return self.body(x.flatten(0, 1)).view(x.shape[0], x.shape[1], -1).mean(1)  # (B, d)
-
-
-class SmallCNN(torch.nn.Module):
-    """Offline image encoder (B, 1, S, S) -> (B, dim): 3 x 3 conv blocks (GroupNorm: no batch statistics),
-    average-pooled to grid x grid (where a sign lies stays visible), flattened, then Linear + ReLU to `dim`."""
-
-    def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
-        super().__init__()
-        c = [1, *widths]
-        blocks = []
-        for i, o, s in zip(c, c[1:], strides):
-            blocks += [torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
-        blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
-        if dim is not None:
-            blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
-        self.net = torch.nn.Sequential(*blocks)
-        self.dim = dim or c[-1] * grid * grid
-
-    def forward(self, x):
-        return self.net(x)
-
-
-class FoundationImageEncoder(torch.nn.Module):
-    """The sandbox foundation's image side (a TinyVLM's CNN and projection) as an encoder of images normalised as
-    default_transform(S, 1) gives them: (B, 1, S, S) -> (B, g*g*D), its g x g prefix features flattened (where a sign
-    lies stays visible), as ImageNet's ResNet-50 stands for a pre-trained image encoder (DCRRG, App. A)."""
-
-    def __init__(self, vlm: TinyVLM):
-        super().__init__()
-        self.encoder, self.project = vlm.encoder, vlm.project
-        self.dim = vlm.hparams["grid"] ** 2 * vlm.hparams["n_embd"]
-
-    def forward(self, x):
-        x = (x * 0.229 + 0.485) * 2 - 1  # default_transform's ImageNet normalisation -> TinyPolicy's [-1, 1]
-        return self.project(self.encoder(x).flatten(2).transpose(1, 2)).flatten(1)  # (B, g*g, D) -> (B, g*g*D)
-
-
-def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--pretrained") -> ViewMean:
-    """torchvision ResNet-`depth` without its classifier, as a ViewMean -> (B, 2048). weights: None, "imagenet"
-    (downloaded once when asked) or a state-dict file (a checkpoint's "module."/"model." prefixes are dropped)."""
-    name = f"resnet{depth}"
-    imagenet = torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
-    net = torchvision.models.get_model(name, weights=imagenet)
-    dim, net.fc = net.fc.in_features, torch.nn.Identity()
-    if weights not in (None, "imagenet"):
-        if not Path(weights).is_file():
-            raise FileNotFoundError(f"{flag} {weights}: no such file (a torchvision ResNet-{depth} state dict)")
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        state = {k.removeprefix("module.").removeprefix("model."): v for k, v in state.get("state_dict", state).items()}
-        try:
-            net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
-        except RuntimeError as e:
-            raise ValueError(f"{flag} {weights}: not a torchvision ResNet-{depth} state dict ({e!s:.300})") from None
-    return ViewMean(net, dim=dim)
-
-
-def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_length: int = 512) -> torch.Tensor:
-    """Mean of a BERT-like model's last hidden states over each text's word pieces -> (B, H)."""
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
-    h = model(**enc).last_hidden_state  # (B, L, H)
-    m = enc["attention_mask"][..., None].to(h.dtype)  # (B, L, 1)
-    return (h * m).sum(1) / m.sum(1)
-
-
-# LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's LoraLayer: W0 frozen, B = 0 at first; switched off, the reference.
-class LoRALinear(torch.nn.Module):
-    def __init__(self, base: torch.nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0):
-        super().__init__()
-        self.base = base
-        out_f, in_f = base.weight.shape
-        # fp32 adapters whatever the base's dtype (PEFT's autocast_adapter_dtype): bf16 would round updates away
-        self.lora_A = torch.nn.Parameter(torch.empty(r, in_f, device=base.weight.device))  # (r, in)
-        self.lora_B = torch.nn.Parameter(torch.zeros(out_f, r, device=base.weight.device))  # (out, r)
-        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default init, as PEFT
-        self.scaling, self.enabled = alpha / r, True
-        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
-        base.requires_grad_(False)
-
-    def forward(self, x):
-        """x (..., in) -> (..., out)."""
-        out = self.base(x)
-        if not self.enabled:
-            return out
-        x = self.dropout(x).to(self.lora_A.dtype)  # h = W0 x + (alpha / r) * B (A dropout(x))
-        delta = torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B) * self.scaling
-        return out + delta.to(out.dtype)
-
-    def delta_weight(self):
-        """(alpha / r) * B A, (out, in), fp32: merges add it to the base weight in fp32 and round the sum once."""
-        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
-
-
-def apply_lora(model, target_modules, r=8, alpha=16.0, dropout=0.0, exclude=None) -> list[str]:
-    """Wrap every nn.Linear named ...<target> (["q_proj", "v_proj"]) outside `exclude` (the vision tower,
-    whose MLP shares the language model's names) in a LoRALinear, freeze the rest; the wrapped names."""
-    skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
-    matched = [
-        (n, m)
-        for n, m in model.named_modules()
-        if id(m) not in skip
-        and isinstance(m, torch.nn.Linear)
-        and any(n == t or n.endswith("." + t) for t in target_modules)
-    ]
-    if not matched:
-        raise ValueError(f"no nn.Linear layer name ends with one of the LoRA targets {target_modules}")
-    model.requires_grad_(False)
-    for name, module in matched:
-        model.set_submodule(name, LoRALinear(module, r, alpha, dropout))
-    return [name for name, _ in matched]
-
-
-@torch.no_grad()
-def lora_merged_state_dict(model: torch.nn.Module) -> dict:
-    """The state dict with every LoRA folded into its base layer (names as without LoRA), on the side."""
-    state = model.state_dict()
-    for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
-        del state[f"{name}.lora_A"], state[f"{name}.lora_B"]
-        for key in [k for k in ("weight", "bias") if f"{name}.base.{k}" in state]:
-            state[f"{name}.{key}"] = state.pop(f"{name}.base.{key}")
-        state[f"{name}.weight"] = (state[f"{name}.weight"].float() + m.delta_weight()).to(m.base.weight.dtype)
-    return state
-
-
-@contextlib.contextmanager
-def lora_disabled(model: torch.nn.Module):
-    """Inside the block, LoRA off: the base model, the reference for free."""
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    for m in layers:
-        m.enabled = False
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m.enabled = True
-
-
-# ==== 6. RL core: group advantages, the GRPO clipped loss (three normalisations), DPO, rollouts ====
-# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N, T as in section 5; tensors in, (loss, stats) out.
-def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
-    """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
-    std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
-    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(f"the reward function returned NaN or inf at completions {bad}")
-    if group_size < 2:  # one completion per prompt: every advantage is 0 and nothing would be learned
-        raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
-    r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
-    A = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    if scale == "std":
-        A = A / (r.std(dim=1, keepdim=True) + eps)  # (B, G), Bessel's std (N - 1)
-    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) every reward of the group equal
-    return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
-
-
-def grpo_loss(
-    logp,
-    old_logp,
-    ref_logp,
-    advantages,
-    mask,
-    clip_eps_low=0.2,
-    clip_eps_high=0.2,
-    beta=0.0,
-    loss_type="grpo",
-    max_completion_length=None,
-):
-    """Clipped GRPO surrogate plus the k3 KL -> (loss, stats). Equals TRL's GRPOTrainer loss with
-    use_bias_correction_kl=False (TRL's default since 1.10, True, multiplies the KL term by the differentiable ratio).
-    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp may be None when beta == 0.
-    old_logp=None means one update per rollout: old = logp.detach(), the ratio is exactly 1, clipping never acts
-    (the loss is ~ -mean A, its gradient is not 0). Normalisation of the masked per-token loss L_it, where they differ:
-      "grpo":    mean over each sequence's tokens, then over the N sequences
-      "bnpo":    sum over all tokens / number of completion tokens in the batch
-      "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
-    A sequence with an empty mask contributes 0 and still counts among the N."""
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("dr_grpo needs max_completion_length (its constant normaliser)")
-    mask = mask.to(logp.dtype)  # (N, T)
-    old_logp = logp.detach() if old_logp is None else old_logp  # (N, T)
-    A = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (N, 1) or (N, T)
-    # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old per token, L = -min(ratio A, clip(ratio) A)
-    ratio = torch.exp(logp - old_logp)  # (N, T)
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
-    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
-    kl = None  # (N, T) with a reference
-    if ref_logp is not None:
-        # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
-        log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
-        kl = torch.exp(log_r) - log_r - 1  # (N, T)
-        if beta:
-            per_token = per_token + beta * kl  # (N, T)
-    n_tokens = mask.sum().clamp(min=1)  # ()
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # ()
-    elif loss_type == "bnpo":
-        loss = (per_token * mask).sum() / n_tokens  # ()
-    else:
-        loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
-    with torch.no_grad():  # as TRL counts them: a token is clipped when the min took the clipped branch
-        A_t = A.expand_as(ratio)  # (N, T)
-        low, high = (ratio < 1 - clip_eps_low) & (A_t < 0), (ratio > 1 + clip_eps_high) & (A_t > 0)  # (N, T) each
-        is_clipped = (low | high).to(mask.dtype)  # (N, T)
-        stats = {
-            "clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
-            "kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0,
-            "ratio_mean": ((ratio * mask).sum() / n_tokens).item(),
-        }
-    return loss, stats
-
-
-def dpo_loss(
-    policy_chosen,
-    policy_rejected,
-    ref_chosen,
-    ref_rejected,
-    beta=0.1,
-    length_normalize=False,
-    chosen_mask=None,
-    rejected_mask=None,
-):
-    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
-    with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
-    length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
-
-    def seq_logp(lp, m):
-        """(N, T) with a mask -> (N,); (N,) as it is."""
-        if m is None:
-            return lp
-        total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
-        return total / m.sum(-1).clamp(min=1) if length_normalize else total
-
-    c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
-    r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
-    # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
-    chosen_reward, rejected_reward = beta * (c - ref_c), beta * (r - ref_r)  # (N,) implicit rewards, Sec. 5
-    margin = chosen_reward - rejected_reward  # (N,)
-    loss = -torch.nn.functional.logsigmoid(margin).mean()  # ()
-    with torch.no_grad():
-        stats = {
-            "reward_margin": margin.mean().item(),
-            "chosen_reward": chosen_reward.mean().item(),
-            "rejected_reward": rejected_reward.mean().item(),
-            "accuracy": (margin > 0).float().mean().item(),
-        }
-    return loss, stats
-
-
-@dataclass
-class Rollout:
-    """G sampled completions for each of B prompts (N = B*G rows, groups contiguous)."""
-
-    prompts: dict  # model inputs, each prompt repeated G times
-    completion_ids: torch.Tensor  # (N, T)
-    completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
-    texts: list  # N decoded completions
-    rewards: torch.Tensor  # (N,)
-    ref_logp: torch.Tensor | None  # (N, T) under the reference policy, when asked for
-
-
-def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0, ref="none") -> Rollout:
-    """Sample G completions per study and score them: reward_fn(texts, owners) -> N rewards, owners[n] =
-    n // G the study completion n answers. ref: "none", "lora" (LoRA switched off) or a frozen policy."""
-    prompts = policy.repeat(policy.prompt_batch(images, text), G)
-    ids, mask = policy.generate(prompts, max_new_tokens, temperature)  # (N, T), (N, T)
-    texts = policy.decode(ids, mask)
-    owners = [n // G for n in range(len(texts))]
-    rewards = torch.as_tensor(reward_fn(texts, owners), dtype=torch.float32, device=ids.device)  # (N,)
-    ref_logp = None
-    if ref == "lora":
-        with torch.no_grad(), lora_disabled(policy.model):
-            ref_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
-    elif ref != "none":
-        with torch.no_grad():
-            ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
-    return Rollout(prompts, ids, mask, texts, rewards, ref_logp)
-
-
-# ==== 7. Running: the scaffold every script's train() stands on ===================================
+# ==== II.3 The run scaffold every script's train() stands on ======================================
 # Set-up, torchrun, resume and logging live here once, so that a script's train() reads as its paper (README: "The run
 # scaffold"). A script runs under `python` or `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK); rank 0 alone writes files.
 @dataclass
@@ -2840,7 +2970,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
     return ckpt["step"], ckpt["extra"]
 
 
-# ==== 8. Command line: flags from an Args dataclass, and `python common.py evaluate` ==============
+# ==== II.4 The command line: flags from an Args dataclass; python common.py evaluate | chexbert | ... =========
 def field_helps(args_class) -> dict[str, str]:
     """{field: help} from each class of args_class: the string under a field (CleanRL's attribute doc strings), so a
     knob is written once, with its help and its source beside it. A subclass's help wins."""
@@ -2905,117 +3035,6 @@ def parse_args(args_class, argv=None, description: str | None = None):
         if not (lo < value < hi or value == lo and interval[0] == "[" or value == hi and interval[-1] == "]"):
             raise SystemExit(f"error: --{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
     return args_class(**flags | {"out": str(out)})
-
-
-def read_generations(path) -> list[dict]:
-    """generations.jsonl: a {"id", "reference", "generated", ...} per line."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"generations file not found: {path}")
-    rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if row is None:  # a blank line
-            continue
-        if not all(isinstance(row.get(k), str) for k in ("reference", "generated")):
-            raise ValueError(f"{path}:{n}: 'reference' and 'generated' must be strings (the line has {sorted(row)})")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no generations in the file")
-    return rows
-
-
-class LabelCache:
-    """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
-
-    def __init__(self, labeler):
-        self.labeler = labeler
-        self.labels = {}  # text -> (14,) labels
-
-    def __call__(self, texts: list[str]) -> np.ndarray:
-        new = [t for t in dict.fromkeys(texts) if t not in self.labels]
-        if new:
-            self.labels.update(zip(new, self.labeler(new)))
-        return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
-
-
-def make_labeler(name: str, chexbert_weights=None, device=None):
-    """--labeler rule|chexbert; CheXbert on `device`, by default the GPU where there is one."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
-
-
-def evaluate_generations(
-    rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None
-) -> dict:
-    """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
-    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
-    every metric. Degenerate output (most reports alike, or none with a word of the references) is called out.
-    `gold` (N, 14): the references' own labels (the annotation's): "ce_gold" scores against them in place of the
-    labeler's reading of the references. With CheXbert, "labelers_agree": how often the rules read the generated
-    reports as it does (each report's 14 labels, binarised as CE counts them)."""
-    hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
-    n_empty = sum(not h.strip() for h in hyps)
-    if n_empty:
-        log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
-    cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
-    hyp_labels, inner = labeler(hyps), getattr(labeler, "labeler", labeler)  # inside a LabelCache, the labeler
-    out = {
-        "n": len(rows),
-        "n_empty_generations": n_empty,
-        "degenerate": degenerate_output(hyps, refs),
-        "clean": clean,
-        "labeler": type(inner).__name__,
-        "uncertain_as": uncertain_as,
-        "headline": headline,
-        "nlg": nlg_metrics(*cleaned, meteor=meteor),
-        "ce": ce_metrics(hyp_labels, labeler(refs), uncertain_as=uncertain_as),
-    }
-    if gold is not None:
-        out["ce_gold"] = ce_metrics(hyp_labels, gold, uncertain_as=uncertain_as)
-    if isinstance(inner, CheXbertLabeler):
-        same = binarize(hyp_labels, uncertain_as) == binarize(RuleLabeler()(hyps), uncertain_as)  # (N, 14)
-        out["labelers_agree"] = {"reports": float(same.all(1).mean()), "labels": float(same.mean())}
-    return out
-
-
-STOP_WORDS = {"a", "an", "the", "and", "or", "this", "that", "it", "its", "there"}
-STOP_WORDS |= {"of", "in", "on", "at", "to", "for", "as", "by", "from", "with", "without"}
-STOP_WORDS |= {"is", "are", "was", "were", "be", "been", "has", "have", "no", "not"}
-
-
-def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
-    """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
-    scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
-
-    def words(text: str) -> set[str]:
-        return set(re.findall(r"[a-z]+", text.lower())) - STOP_WORDS
-
-    vocab = set().union(*map(words, refs))
-    top, count = Counter(hyps).most_common(1)[0]
-    n = len(hyps)
-    distinct = len(set(hyps))
-    contentless = sum(not words(h) & vocab for h in hyps)
-    signs = []
-    if n >= 5 and count > n / 2:
-        signs.append(f"{distinct} distinct report(s) of {n}, {count} identical ({top[:40]!r})")
-    if contentless > n / 2:
-        signs.append(f"{contentless} of {n} without a word of the references' vocabulary")
-    warning = ""
-    if signs:
-        warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little"
-        log.warning(warning)
-    out = dict(distinct=distinct, most_common_share=count / n, contentless_share=contentless / n, warning=warning)
-    return out | {"most_common": top[:200]}
-
-
-def summary(results: dict) -> str:
-    """The paper's headline CE metric, BLEU-4 and the degenerate-output warning, in a line."""
-    h, unc = results["headline"], "positive" if results["uncertain_as"] else "negative"
-    line = f"CE {h.replace('_', ' ')} {results['ce'][h]:.3f} (uncertain = {unc}), BLEU-4 {results['nlg']['BLEU-4']:.3f}"
-    return line + (f"  [{results['degenerate']['warning']}]" if results["degenerate"]["warning"] else "")
 
 
 def plot_run(out) -> list[Path]:
