@@ -312,18 +312,15 @@ def test_deer_arms_are_tables_1_and_4s_rows(tmp_path, capsys):
     assert stages == set(reproduce.DEER_ARMS.values()) - {"sft"}  # every RL row is run, and read
 
 
-def test_rrgcl_first_file_is_the_first_declared_seeds_whatever_seeds_run(tmp_path, capsys):
+def test_rrgcl_arms_differ_by_their_scheduler_and_the_first_seed_is_measured_whatever_seeds_run(tmp_path, capsys):
     first = reproduce.EXPERIMENTS["rrgcl"].declared[0]
     runs = dry_run("rrgcl", tmp_path, capsys, "--seeds", f"{first + 2}-{first + 3}")
-    assert f"s{first}/measure" in runs  # measured once, though its seed is not run
+    assert f"s{first}/measure" in runs  # measured once, though its seed is not run: the measurer's agreement
     for s in (first + 2, first + 3):
-        (own,), (first_file,), (none,) = runs[f"s{s}/rrgcl"], runs[f"s{s}/rrgcl_first_file"], runs[f"s{s}/none"]
-        assert flags(first_file)["--difficulty"].endswith(f"/s{first}/measure/difficulty.json")
-        assert flags(own)["--difficulty"].endswith(f"/s{s}/measure/difficulty.json")
-        assert differ(flags(first_file), flags(own)) == {
-            "--difficulty": (flags(first_file)["--difficulty"], flags(own)["--difficulty"])
-        }
+        (own,), (none,), (root,) = runs[f"s{s}/rrgcl"], runs[f"s{s}/none"], runs[f"s{s}/root"]
+        assert flags(own)["--difficulty"].endswith(f"/s{s}/measure/difficulty.json") and "--steps" not in flags(own)
         assert differ(flags(none), flags(own)) == {"--scheduler": ("none", None)}
+        assert differ(flags(root), flags(own)) == {"--scheduler": ("root", None)}
 
 
 def test_every_arm_is_a_valid_command_line(tmp_path, capsys):

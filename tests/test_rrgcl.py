@@ -809,7 +809,9 @@ def test_after_the_schedule_training_goes_on_until_validation_stops_improving(
     tested = common.load_policy(out / "final").model.state_dict()
     assert all(torch.equal(tested[k], kept[2][k]) for k in tested)  # the best validation's weights, not the last
     plain = tmp_path / "plain"
-    rrgcl.main(flags + ["--out", str(plain), "--difficulty", str(difficulty_file)])  # random start: --converge auto = no
+    rrgcl.main(
+        flags + ["--out", str(plain), "--difficulty", str(difficulty_file)]
+    )  # random start: --converge auto = no
     assert read_jsonl(plain / "metrics.jsonl")[-1]["step"] == 3 and "converge" not in json.loads(
         (plain / "eval.json").read_text()
     )
