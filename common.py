@@ -25,6 +25,7 @@ import bisect
 import contextlib
 import copy
 import dataclasses
+import difflib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -835,14 +836,24 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 
 
 def evaluate_generations(
-    rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None
+    rows,
+    labeler,
+    clean="mimic_cxr",
+    uncertain_as=1,
+    meteor=True,
+    headline="micro_f1",
+    gold=None,
+    name="",
+    radgraph=None,
 ) -> dict:
     """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
     (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
-    every metric. Degenerate output (most reports alike, or none with a word of the references) is called out.
+    every metric. Degenerate output (most reports alike, or none with a word of the references) is called out (its
+    warning names the evaluation, `name`).
     `gold` (N, 14): the references' own labels (the annotation's): "ce_gold" scores against them in place of the
     labeler's reading of the references. With CheXbert, "labelers_agree": how often the rules read the generated
-    reports as it does (each report's 14 labels, binarised as CE counts them)."""
+    reports as it does (each report's 14 labels, binarised as CE counts them). `radgraph` (radgraph_annotator()):
+    F1 RadGraph of the raw reports."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
     n_empty = sum(not h.strip() for h in hyps)
     if n_empty:
@@ -852,7 +863,7 @@ def evaluate_generations(
     out = {
         "n": len(rows),
         "n_empty_generations": n_empty,
-        "degenerate": degenerate_output(hyps, refs),
+        "degenerate": degenerate_output(hyps, refs, name),
         "clean": clean,
         "labeler": type(inner).__name__,
         "uncertain_as": uncertain_as,
@@ -865,7 +876,52 @@ def evaluate_generations(
     if isinstance(inner, CheXbertLabeler):
         same = binarize(hyp_labels, uncertain_as) == binarize(RuleLabeler()(hyps), uncertain_as)  # (N, 14)
         out["labelers_agree"] = {"reports": float(same.all(1).mean()), "labels": float(same.mean())}
+    if radgraph is not None:
+        out["radgraph"] = radgraph_f1(radgraph(hyps), radgraph(refs))
     return out
+
+
+def radgraph_f1(hyp_graphs: list[dict], ref_graphs: list[dict]) -> dict:
+    """F1 RadGraph (Delbrouck et al. 2022, arXiv:2210.12186; the radgraph package's rewards) of each generated report's
+    RadGraph annotation ({"entities": {id: {"tokens", "label", "relations"}}}) against its reference's, averaged:
+    RG_E, an entity is its (tokens, label); RG_ER, the one RRG papers report ("F1 RadGraph"), an entity with a
+    relation is (tokens, label, True). An F1 with no entity on one side is 0."""
+
+    def f1(h: set, r: set) -> float:
+        tp = len(h & r)
+        precision, recall = (tp / len(h) if h else 0.0), (tp / len(r) if r else 0.0)
+        return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+    def entities(graph: dict, relations: bool) -> set:
+        return {
+            (e["tokens"], e["label"]) + ((True,) if relations and e["relations"] else ())
+            for e in graph["entities"].values()
+        }
+
+    return {
+        name: float(np.mean([f1(entities(h, rel), entities(r, rel)) for h, r in zip(hyp_graphs, ref_graphs)]))
+        for name, rel in (("RG_E", False), ("RG_ER", True))
+    }
+
+
+def radgraph_annotator(model_type: str = "radgraph"):
+    """The radgraph package's RadGraph (optional, like CheXbert's real weights: its model downloads once) as texts ->
+    annotations in order; an empty report has no entity. Without the package or its model: an error now."""
+    if importlib.util.find_spec("radgraph") is None:
+        raise ValueError("--radgraph needs the radgraph package: pip install radgraph (its model downloads once)")
+    from radgraph import RadGraph
+
+    try:
+        model = RadGraph(model_type=model_type)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--radgraph: the RadGraph model {model_type!r} could not be loaded ({e})") from None
+
+    def annotate(texts: list[str]) -> list[dict]:
+        found = model([t for t in texts if t.strip()]) if any(t.strip() for t in texts) else {}
+        graphs = iter(found[str(k)] for k in range(len(found)))
+        return [next(graphs) if t.strip() else {"entities": {}} for t in texts]
+
+    return annotate
 
 
 STOP_WORDS = {"a", "an", "the", "and", "or", "this", "that", "it", "its", "there"}
@@ -873,7 +929,7 @@ STOP_WORDS |= {"of", "in", "on", "at", "to", "for", "as", "by", "from", "with", 
 STOP_WORDS |= {"is", "are", "was", "were", "be", "been", "has", "have", "no", "not"}
 
 
-def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
+def degenerate_output(hyps: list[str], refs: list[str], name: str = "") -> dict:
     """Signs that the numbers say nothing of the model: over half the reports identical (a constant "normal" report
     scores a high CE F1 on IU X-Ray, mostly normal), or over half without a word of the references beyond stop words."""
 
@@ -892,7 +948,8 @@ def degenerate_output(hyps: list[str], refs: list[str]) -> dict:
         signs.append(f"{contentless} of {n} without a word of the references' vocabulary")
     warning = ""
     if signs:
-        warning = "degenerate output: " + "; ".join(signs) + ": its CE and NLG numbers say little"
+        where = f" ({name})" if name else ""  # the evaluation: test_after, val_step300, ...
+        warning = f"degenerate output{where}: " + "; ".join(signs) + ": its CE and NLG numbers say little"
         log.warning(warning)
     out = dict(distinct=distinct, most_common_share=count / n, contentless_share=contentless / n, warning=warning)
     return out | {"most_common": top[:200]}
@@ -2026,18 +2083,19 @@ def synthetic_chexbert(annotation=None, settings=None) -> Path:
     process of its own under NUMERIC_PINS, so that every machine gets the same weights (about 5 CPU-minutes)."""
     annotation = Path(annotation or synthetic_data())
     final = annotation.parent / f"chexbert-v{SANDBOX_CHEXBERT_VERSION}"
-    if (final / CHEXBERT_FILE).is_file():
-        return final / CHEXBERT_FILE
-    log.info("training the sandbox's CheXbert on %s's training reports, once: %s", annotation, final)
-    tmp = Path(tempfile.mkdtemp(dir=annotation.parent, prefix=".tmp-chexbert-"))
-    command = [sys.executable, str(Path(__file__).resolve()), "chexbert", "--data", str(annotation), "--out", str(tmp)]
-    for name, value in (settings or SANDBOX_CHEXBERT).items():
-        command += [f"--{name.replace('_', '-')}", str(value)]
-    subprocess.run(command, env=dict(os.environ, **NUMERIC_PINS), check=True)
-    try:
-        tmp.rename(final)
-    except OSError:  # another process finished first: its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
+    with cache_lock(annotation.parent / ".chexbert.lock"):  # one process trains it, the others wait for it
+        if not (final / CHEXBERT_FILE).is_file():
+            log.info("training the sandbox's CheXbert on %s's training reports, once: %s", annotation, final)
+            tmp = Path(tempfile.mkdtemp(dir=annotation.parent, prefix=".tmp-chexbert-"))
+            command = [sys.executable, str(Path(__file__).resolve()), "chexbert", "--data", str(annotation)]
+            command += ["--out", str(tmp)]
+            for name, value in (settings or SANDBOX_CHEXBERT).items():
+                command += [f"--{name.replace('_', '-')}", str(value)]
+            try:  # stopped (Ctrl-C) or failed: no half-trained folder is left
+                subprocess.run(command, env=dict(os.environ, **NUMERIC_PINS), check=True)
+                tmp.rename(final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return final / CHEXBERT_FILE
 
 
@@ -2329,9 +2387,9 @@ def barrier():
         torch.distributed.barrier()
 
 
-def end_process(message: str | None = None, at_once: bool = False):
-    """The end of a script (`message`: an error, exit 1). Under torchrun: leave the group after the others, then skip
-    the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception")."""
+def end_process(message: str | None = None, at_once: bool = False, code: int = 1):
+    """The end of a script (`message`: an error, exit `code`). Under torchrun: leave the group after the others, then
+    skip the teardown (os._exit), where gloo aborted ~1 run in 70 ("terminate called without an active exception")."""
     if _distributed():
         if not at_once:  # at_once: an error, maybe this rank's alone (the others in a collective); torchrun stops them
             barrier()
@@ -2339,7 +2397,10 @@ def end_process(message: str | None = None, at_once: bool = False):
         sys.stderr.write(f"{message}\n" if message else "")
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1 if message else 0)
+        os._exit(code if message else 0)
+    if message and code != 1:  # SystemExit(message) exits 1
+        sys.stderr.write(f"{message}\n")
+        raise SystemExit(code)
     if message:
         raise SystemExit(message)
 
@@ -2452,14 +2513,21 @@ class Run:
         if problem:
             raise ValueError(problem)
         self.resuming = bool(args.resume and (self.out / "config.json").is_file())
+        self.resolved = {}  # what the flags' None and "auto" came to (record())
         if check:  # the flags, beside the run's files (a folder holding nothing else is a run that failed its checks)
-            self.write("config.json", json.dumps(asdict(args) | {"notes": self.notes}, indent=2))
+            self.record()
+
+    def record(self, **resolved):
+        """config.json: the flags, the notes, and what a script resolved its defaults to (`resolved`: "lr": 1e-4)."""
+        self.resolved |= resolved
+        config = asdict(self.args) | {"notes": self.notes, "resolved": self.resolved}
+        self.write("config.json", json.dumps(config, indent=2, default=str))
 
     def _check_folder(self) -> str | None:
         """A fresh run needs an empty folder, a resumed one the run's flags; a finished one sets .done (eval.json)."""
         config = self.out / "config.json"
         if not self.args.resume:
-            if self.out.is_dir() and any(p.name != "config.json" for p in self.out.iterdir()):
+            if self.out.is_dir() and any(p.is_file() and p.name != "config.json" for p in self.out.rglob("*")):
                 return f"{self.out} already holds a run: pass --resume to continue it, or give another --out"
         elif config.is_file():
             saved, now = json.loads(config.read_text()), json.loads(json.dumps(asdict(self.args), default=str))
@@ -2605,7 +2673,17 @@ class Run:
 
     # Evaluation and the end --------------------------------------------------------------------
     def evaluate(
-        self, policy, records, name, prompt, max_new_tokens, report=None, score=None, meteor=False, ce=None
+        self,
+        policy,
+        records,
+        name,
+        prompt,
+        max_new_tokens,
+        report=None,
+        score=None,
+        meteor=False,
+        ce=None,
+        radgraph=None,
     ) -> dict:
         """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
         NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
@@ -2632,7 +2710,8 @@ class Run:
             ]
             labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
             gold = np.stack([r.labels for r in records]) if all(r.labels is not None for r in records) else None
-            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, gold=gold, **(ce or {}))
+            ce = dict(ce or {}, gold=gold, name=name, radgraph=radgraph)
+            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **ce)
             if score:
                 results |= score(rows, labeler)
             self.write(f"generations_{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
@@ -2681,6 +2760,10 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     foundation = synthetic_foundation() if args.model == "tiny" and args.tiny_start == "foundation" else None
     if rank == 0:
         barrier()
+    empty = [split for split in ("train", "test") if not data[split]]
+    if empty:  # before anything is written: a start that fails leaves nothing behind
+        dropped = " left by --drop-invalid" if args.drop_invalid else ""
+        raise ValueError(f"--data {args.data}: no {' or '.join(empty)} studies{dropped}")
     if args.clean == "auto":
         args.clean = clean_style([r for records in data.values() for r in records])
     labeler = make_labeler(args.labeler, args.chexbert_weights, device)
@@ -2706,13 +2789,15 @@ def start_block(run: Run) -> str:
     if args.data == "synthetic" and Path(weights).parent.name == f"chexbert-v{SANDBOX_CHEXBERT_VERSION}":
         weights = f"the sandbox's, trained on the synthetic reports: {weights}"
     lines = {
-        "run folder": f"{run.out} ({'--resume: continued' if args.resume else 'a new run'})",
+        "run folder": f"{run.out} ({'a new run' if not args.resume else '--resume: continued'})",
         "data": f"{data}: {', '.join(f'{k} {len(v)}' for k, v in run.data.items())} studies; views per study: "
         f"{', '.join(f'{v} in {n}' for v, n in views.most_common())} studies; cleaning {args.clean}",
         "model": f"{args.model}; {args.dtype} on {run.device}; {run.world_size} process(es)"
         + (f"; starts from the sandbox's foundation, {run.foundation}" if run.foundation else ""),
         "labeler": f"chexbert, {weights}" if args.labeler == "chexbert" else "rule (offline CheXpert-style rules)",
     }
+    if args.resume and run.done:  # a finished run: --resume reads its results back, trains nothing
+        lines["run folder"] = f"{run.out} (finished: --resume has nothing to train; its eval.json is read back)"
     return "\n".join(f"{k:<12}{v}" for k, v in lines.items())
 
 
@@ -2730,8 +2815,8 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
         results = train(command, args) if commands else train(args)
     except (OSError, ValueError) as e:  # bad input (a file, a record, a flag): one line, no traceback
         end_process(f"error: {e}", at_once=True)
-    except KeyboardInterrupt as e:
-        end_process(f"interrupted{': ' + str(e) if str(e) else ''}")
+    except KeyboardInterrupt as e:  # Ctrl-C: the shell's code for SIGINT, 128 + 2
+        end_process(f"interrupted{': ' + str(e) if str(e) else ''}", code=130)
     if os.environ.get("RANK", "0") == "0":
         print(end_block(args.out))
     end_process()
@@ -2764,16 +2849,25 @@ class Convergence:
     waited: int = 0  # validations since the best
     best_weights: dict = field(default_factory=dict)  # the trainable parameters at the best validation
 
-    def update(self, score: float, step: int, model: torch.nn.Module):
+    def update(self, score: float, step: int, model: torch.nn.Module) -> dict:
+        """One validation's score -> the numbers a progress bar shows (this score, the best, validations left)."""
         if score >= self.best + self.min_gain:
             self.best, self.best_step, self.waited = score, step, 0
             self.best_weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         else:
             self.waited += 1
+        return {"validation": score, "best": self.best, "patience_left": self.patience - self.waited}
 
     @property
     def converged(self) -> bool:
         return self.waited >= self.patience
+
+    def why(self, steps: int) -> str:
+        """The line that ends a run of the rule: where it stopped, why, and which weights it kept."""
+        reason = f"{self.waited} validations without a gain of {self.min_gain:g}" if self.converged else "max_steps"
+        return (
+            f"stopped after {steps} steps ({reason}); kept step {self.best_step}'s weights (validation {self.best:.4f})"
+        )
 
 
 def warm_start_stage(
@@ -2802,7 +2896,9 @@ def warm_start_stage(
         trained = stage.restore(policy.model, optimizer, state=vars(converge) if converge else None)
         total = converge.max_steps if converge else steps
         batches = stage.study_batches(records, batch_size, "the warm start's batch")
-        for step, batch in stage.steps(total, batches, "warm start"):
+        shown = ("sft_loss", "validation", "best", "patience_left")
+        # stage.steps writes each step's line to warm_start/metrics.jsonl, warm_start/last.pt every 50 steps
+        for step, batch in stage.steps(total, batches, "warm start", bar=shown):
             if converge and converge.converged:
                 break  # decided at the last validation (its metrics line is written)
             images = batch["images"]
@@ -2815,13 +2911,13 @@ def warm_start_stage(
             stage.log(sft_loss=loss.item())
             trained = step + 1
             if converge and trained % converge.every == 0:
-                score = validate(stage, policy, trained)
-                converge.update(score, trained, policy.model)
-                stage.log(validation=score)
+                stage.log(**converge.update(validate(stage, policy, trained), trained, policy.model))
         results = {"steps": trained}
         if converge:
             policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
             results["converge"] = asdict(dataclasses.replace(converge, best_weights={}))
+            if stage.is_main:
+                log.info("warm start: %s", converge.why(trained))
         stage.finish(results, policy)
     return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)
 
@@ -2998,26 +3094,43 @@ def default_out(args_class, data: str) -> Path:
     return Path(f"runs/{script}-{name}")
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): an unknown flag gets the closest known one."""
+
+    def error(self, message):
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        flags = [o for action in self._actions for o in action.option_strings]
+        close = difflib.get_close_matches(unknown.group(1).split("=")[0], flags, n=1) if unknown else []
+        hint = f" (did you mean {close[0]}?)" if close else " (--help lists every flag)"
+        self.exit(2, f"error: {message}{hint}\n")
+
+
 def parse_args(args_class, argv=None, description: str | None = None):
     """Flags from an Args dataclass: `--flag-name` per field, typed by its (string) annotation: a bool as --flag /
     --no-flag, Literal[...] as choices, a number checked against the range Annotated beside it; its help the doc
     string under the field. --out defaults to default_out(); --resume: the flags not given are the run's."""
     helps = field_helps(args_class)
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FlagParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = {
+        "paper": p.add_argument_group("the paper's settings (and ours where it gives none)"),
+        "run": p.add_argument_group("the run, its data and model (every script's)"),
+    }
     casts = {"int": int, "float": float, "str": str}
     fields = dataclasses.fields(args_class)
+    shared = {f.name for f in dataclasses.fields(RunArgs)}
     for f in fields:
+        group = groups["run" if f.name in shared else "paper"]
         kind, interval = flag_type(f)
         flag = "--" + f.name.replace("_", "-")
         help_ = f"{helps.get(f.name, '')} (default: {f.default}{'; in ' + interval if interval else ''})"
         help_ = help_.replace("%", "%%")
         if kind == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         elif kind.startswith("Literal["):
             choices = ast.literal_eval("(" + kind[len("Literal[") : kind.rindex("]")] + ",)")  # Literal[a, b] -> (a, b)
-            p.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
+            group.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
         else:
-            p.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
+            group.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
     unset = object()  # argparse keeps what the namespace holds: a flag still unset was not given
     parsed = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
     given = {k: v for k, v in parsed.items() if v is not unset}
@@ -3093,6 +3206,9 @@ def main(argv=None):
     e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning, else MIMIC-CXR's")
     e.add_argument("--uncertain-as", type=int, choices=[0, 1], help="CE: uncertain as positive, or the papers' 0")
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
+    e.add_argument(
+        "--radgraph", action="store_true", help="F1 RadGraph too (pip install radgraph; its model downloads)"
+    )
     e.add_argument("--out", help="JSON output (default: <generations file>.scores.json beside it)")
     c = sub.add_parser("chexbert", help="train a CheXbert of the sandbox's kind on an annotation file's labels")
     c.add_argument("--data", default="synthetic", help='"synthetic" or an annotation.json whose records have labels')
@@ -3162,7 +3278,11 @@ def main(argv=None):
         labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
         clean = None if rules["clean"] == "none" else rules["clean"]
         meteor = not args.no_meteor
-        results = evaluate_generations(rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"])
+        radgraph = radgraph_annotator() if args.radgraph else None
+        name = path.stem.removeprefix("generations_")  # the evaluation (test_after, ...), as its warnings name it
+        results = evaluate_generations(
+            rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"], name=name, radgraph=radgraph
+        )
     except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json

@@ -708,7 +708,9 @@ def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, b
     lr = args.lr or (tiny_lr if args.model == "tiny" else 1e-4)
     total = budget(args, kind, n)
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
+    st.record(lr=lr, steps=total, parts=parts)
     st.restore(model, optimizer)
+    # st.steps writes each step's line to <step>/metrics.jsonl, <step>/last.pt every 50 steps and at the end
     for _, batch in st.steps(total, batches, f"DCRRG {name}"):
         with st.autocast():
             loss, stats = loss_fn(model, batch)

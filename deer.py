@@ -40,6 +40,7 @@ Equations, and where they are implemented:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -92,6 +93,8 @@ class Args(common.RunArgs):
     """None: 256 for HF models, 96 tiny (ours)"""
     max_pixels: Annotated[int, "[784, inf)"] = 512 * 512
     """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
+    radgraph: bool = False
+    """Table 1's RG column too: F1 RadGraph of the test reports (pip install radgraph; its model downloads once)"""
 
 
 # Sec. 4.1's settings that are not worth a flag, and our choices where the paper is silent
@@ -139,6 +142,7 @@ class Settings:
     sft_steps: int | None  # None: one epoch, or until CONVERGE stops it (sft_converge)
     sft_converge: bool
     pool: int | None  # DDSampling's and --subset random's studies: the first `pool`; None: all
+    radgraph: object = None  # --radgraph: common.radgraph_annotator()
 
     @classmethod
     def from_args(cls, args: Args) -> Settings:
@@ -161,6 +165,7 @@ class Settings:
             sft_steps=args.sft_steps,
             sft_converge=tiny and args.sft_steps is None,
             pool=1000 if tiny else None,  # DDSampling, the costliest stage, of 1000: a ~7-CPU-minute default run
+            radgraph=common.radgraph_annotator() if args.radgraph else None,  # loaded now: an error before training
         )
 
 
@@ -360,15 +365,18 @@ def sft(run: common.Run, args: Args, s: Settings) -> dict:
     random_lm = s.tiny and run.foundation is None  # a random language model writes nothing: it trains
     frozen_lm = args.sft_lm == "frozen" or (args.sft_lm == "auto" and not random_lm)
     params = sft_trainable(policy, frozen_lm)
+    steps = s.sft_steps if s.sft_steps is not None else "one epoch"
+    steps = f"until validation stops improving ({CONVERGE})" if s.sft_converge else steps
+    run.record(lr=s.sft_lr, batch=s.sft_batch, sft_steps=steps, lm="frozen" if frozen_lm else "trained")
     converge = common.Convergence(**CONVERGE) if s.sft_converge else None
     total = s.sft_steps if s.sft_steps is not None else len(studies) // s.sft_batch  # one epoch
     if converge:
         total = converge.max_steps
     optimizer, _ = common.adamw(params, s.sft_lr, total)  # constant lr: the paper names no schedule
-    run.restore(policy.model, optimizer, state=vars(converge) if converge else None)
-    for step, batch in run.steps(
-        total, run.study_batches(studies, s.sft_batch, "the SFT batch"), "DEER SFT", bar=("sft_loss",)
-    ):
+    trained = run.restore(policy.model, optimizer, state=vars(converge) if converge else None)
+    batches = run.study_batches(studies, s.sft_batch, "the SFT batch")
+    # run.steps writes each step's line to sft/metrics.jsonl and sft/last.pt every 50 steps (README, "Run folders")
+    for step, batch in run.steps(total, batches, "DEER SFT", bar=("sft_loss", "validation", "best", "patience_left")):
         if converge and converge.converged:
             break  # decided at the last validation (its metrics line is written)
         for micro in common.split_batch(batch, args.grad_accum):
@@ -377,13 +385,17 @@ def sft(run: common.Run, args: Args, s: Settings) -> dict:
             (loss / args.grad_accum).backward()
             run.log(sft_loss=loss.item())
         run.optimizer_step(params, optimizer)
-        if converge and (step + 1) % converge.every == 0:
-            r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{step + 1}", PROMPT, s.max_new, ce=CE)
-            converge.update(r["ce"][r["headline"]], step + 1, policy.model)
-            run.log(validation=r["ce"][r["headline"]])
+        trained = step + 1
+        if converge and trained % converge.every == 0:
+            r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{trained}", PROMPT, s.max_new, ce=CE)
+            run.log(**converge.update(r["ce"][r["headline"]], trained, policy.model))
+    results = {"steps": trained}
     if converge:
         policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
-    return run.finish({"test": evaluate(run, policy, s)}, policy)
+        results["converge"] = dataclasses.asdict(dataclasses.replace(converge, best_weights={}))
+        if run.is_main:
+            common.log.info("DEER SFT: %s", converge.why(trained))
+    return run.finish(results | {"test": evaluate(run, policy, s)}, policy)
 
 
 # Stage 2: DDSampling -----------------------------------------------------------------------------
@@ -469,8 +481,10 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
     )
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer, _ = common.adamw(params, s.lr, total)  # constant lr: the paper names no schedule
+    run.record(lr=s.lr, prompts_per_step=s.prompts, steps=total, max_new_tokens=s.max_new, studies=len(records))
     run.restore(policy.model, optimizer)
     batches = run.study_batches(records, s.prompts, "--prompts-per-step")
+    # run.steps writes each step's logged numbers to metrics.jsonl and last.pt every 50 steps and at the end
     for step, batch in run.steps(
         total, batches, "GRPO" if args.weighting == "none" else f"DiTPO ({args.weighting})", bar=BAR
     ):
@@ -500,7 +514,7 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
 # Evaluation and Tables 6-7 ---------------------------------------------------------------------
 def evaluate(run: common.Run, policy, s: Settings) -> dict:
     """Greedy reports on the test split: NLG and CE metrics (METEOR where Java is), into the stage's folder."""
-    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s.max_new, meteor=True, ce=CE)
+    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s.max_new, meteor=True, ce=CE, radgraph=s.radgraph)
     if run.is_main:
         print(f"{run.out}: {common.summary(results)}")
     return results

@@ -289,6 +289,8 @@ def train(args: Args) -> dict:
     if total is None:  # one epoch (Sec. IV-B); the tiny model: ours
         total = 300 if tiny else len(train_set) // args.prompts_per_step
     optimizer, scheduler = common.adamw(params, lr, total, "cosine", WARMUP, **ADAMW)
+    warm = sft_steps if sft_steps is not None else f"until validation stops improving ({CONVERGE})"
+    run.record(lr=lr, steps=total, max_new_tokens=max_new, sft_steps=warm)  # config.json: the defaults resolved
     run.restore(policy.model, optimizer, scheduler)
 
     def evaluate(records, name):
@@ -307,6 +309,7 @@ def train(args: Args) -> dict:
     results = {"test_before": evaluate(test_set, "test_before")}
     batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
     ref_logp_from = ref if args.beta > 0 else "none"  # no KL, no reference pass (with LoRA, ref is "lora" even so)
+    # run.steps writes each step's logged numbers to metrics.jsonl and last.pt every 50 steps and at the end
     for _, batch in run.steps(total, batches, "MRG-R1", bar=("reward", "reward_mccs", "reward_format", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct text labelled once this step
         for micro in common.split_batch(batch, args.grad_accum):

@@ -460,6 +460,8 @@ def train(args: Args) -> dict:
         total = TINY_STEPS if tiny else HF_EPOCHS * len(train_set) // args.prompts_per_step
     # AdamW with linear decay, no warm-up, no weight decay: TRL's defaults (the paper names only the lr)
     optimizer, scheduler = common.adamw(params, lr, total, "linear", weight_decay=0.0)
+    warm = f"blind, until validation stops improving ({CONVERGE})" if blind else args.sft_steps or 0
+    run.record(lr=lr, steps=total, max_new_tokens=max_new, train_size=len(train_set), sft_steps=warm)
     run.restore(policy.model, optimizer, scheduler, state=zrr.values)  # the ZRR state is in every checkpoint
 
     def evaluate(records, name):
@@ -476,6 +478,7 @@ def train(args: Args) -> dict:
 
     results = {"test_before": evaluate(run.data["test"], "test_before")}
     batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
+    # run.steps writes each step's logged numbers to metrics.jsonl and last.pt every 50 steps and at the end
     for step, batch in run.steps(total, batches, "OraPO", bar=("reward", "zero_group_ratio", "lambda", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct fact labelled once this step
         y_batch = np.stack([gt[i] for i in batch["id"]])  # (B, 14)

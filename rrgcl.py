@@ -325,8 +325,10 @@ def train(args: Args) -> dict:
     else:
         steps = np.diff(np.round(args.steps * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
     ends = np.cumsum(steps)  # each epoch's last step
-    optimizer, scheduler = common.adamw(params, args.lr or (1e-3 if tiny else 1e-4), int(ends[-1]))
+    lr = args.lr or (1e-3 if tiny else 1e-4)
+    optimizer, scheduler = common.adamw(params, lr, int(ends[-1]))
     converge = args.converge == "yes" or (args.converge == "auto" and run.foundation is not None)
+    run.record(lr=lr, steps=int(ends[-1]), converge=f"after t = T, {CONVERGE}" if converge else "no")
     rule = common.Convergence(**CONVERGE) if converge else None
     start = run.restore(policy.model, optimizer, scheduler, state=vars(rule) if rule else None)  # > 0: --resume
     epochs = list(enumerate(ts))
@@ -352,7 +354,9 @@ def train(args: Args) -> dict:
             continue  # trained before --resume, or no step of --steps falls in this epoch
         batches = epoch_batches(run, d_sub, first, end, e)
         # line 11: train G on D_sub(t)
-        for step, batch in run.steps(end, batches, f"RRGCL t = {t}", start=max(start, first)):
+        # run.steps writes each step's logged numbers to metrics.jsonl and last.pt every 50 steps and at the end
+        shown = ("loss", "validation", "best", "patience_left")
+        for step, batch in run.steps(end, batches, f"RRGCL t = {t}", start=max(start, first), bar=shown):
             if rule and rule.converged and t > T:
                 break  # decided at the last validation (its metrics line is written)
             if step == first:
@@ -366,12 +370,13 @@ def train(args: Args) -> dict:
             run.log(loss=loss.item())
             run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
             trained = step + 1
-            if rule and (step + 1) % rule.every == 0:  # the sandbox's convergence rule
-                r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{step + 1}", PROMPT, max_new, ce=CE)
-                rule.update(r["ce"][r["headline"]], step + 1, policy.model)
-                run.log(validation=r["ce"][r["headline"]])
+            if rule and trained % rule.every == 0:  # the sandbox's convergence rule
+                r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{trained}", PROMPT, max_new, ce=CE)
+                run.log(**rule.update(r["ce"][r["headline"]], trained, policy.model))
     if rule:
         policy.model.load_state_dict(rule.best_weights, strict=False)  # the best validation's weights
+        if run.is_main:
+            common.log.info("RRGCL: %s", rule.why(trained))
 
     def q1(rows, labeler):
         """Fig. 1 on the greedy test reports."""

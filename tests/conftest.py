@@ -103,6 +103,12 @@ QWEN_CHAT = (
 )
 
 
+def qwen_flags(data, model_dir, out, *more: str) -> list[str]:
+    """A script's flags for a short run of the tiny random Qwen2.5-VL (the Hugging Face path): the data, the model, the
+    offline rules and the run folder; `more`: the test's own (steps, tokens, pixels, ...)."""
+    return ["--data", str(data), "--model", str(model_dir), "--labeler", "rule", "--out", str(out), *more]
+
+
 def build_tiny_qwen(out_dir, texts, image_pixels: int = 56 * 56, seed: int = 0):
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -175,7 +175,7 @@ def part_script(name: str, work: Path, figures: Figures):
             module.main([*flags, "--out", str(out)])
             raise RuntimeError("the run was not stopped after its first checkpoint")
         except SystemExit as e:
-            if not str(e).startswith("interrupted"):
+            if e.code != 130:  # Ctrl-C's exit: stopped after the checkpoint
                 raise
         module.main([*flags, "--out", str(out), "--resume"])
         steps = {}

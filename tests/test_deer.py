@@ -16,7 +16,7 @@ import torch
 import common
 import deer
 import test_chexbert
-from conftest import Crash, labels, metrics_rows, torchrun
+from conftest import Crash, labels, metrics_rows, qwen_flags, torchrun
 from deer import (
     align_to_tokens,
     diagnostic_diversity,
@@ -638,31 +638,8 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, small, monk
     monkeypatch.setattr(deer, "SFT", dict(deer.SFT, batch_hf=2, lr_hf=1e-3))
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})
     out = tmp_path / "hf"
-    deer.main(
-        [
-            "all",
-            "--data",
-            str(small_synthetic),
-            "--model",
-            str(tiny_qwen_dir),
-            "--labeler",
-            "rule",
-            "--out",
-            str(out),
-            "--max-new-tokens",
-            "8",
-            "--dtype",
-            "bf16",
-            "--max-pixels",
-            "6272",
-            "--sft-steps",
-            "2",
-            "--steps",
-            "1",
-            "--prompts-per-step",
-            "2",
-        ]
-    )
+    short = ["--max-new-tokens", "8", "--dtype", "bf16", "--sft-steps", "2", "--steps", "1", "--prompts-per-step", "2"]
+    deer.main(["all", *qwen_flags(small_synthetic, tiny_qwen_dir, out, *short, "--max-pixels", "6272")])
     sft_ckpt = torch.load(out / "sft" / "last.pt", weights_only=True)
     vision = {n for n, _ in common.HFPolicy(str(tiny_qwen_dir)).vision_and_language()[0].named_parameters()}
     trained = {k.split("visual.")[-1] for k, v in sft_ckpt["model"].items() if "visual." in k}

@@ -14,7 +14,7 @@ import torch
 import common
 import mrg_r1
 import orapo
-from conftest import fake_eval
+from conftest import fake_eval, qwen_flags
 
 
 # --------------------------------------------------------------------------- autocast blocks
@@ -73,29 +73,10 @@ def test_orapo_rollout_and_loss_in_separate_autocast_blocks(tmp_path, small_synt
 
 
 # --------------------------------------------------------------------------- bf16 end to end, tiny random Qwen2.5-VL
-def qwen_flags(small_synthetic, tiny_qwen_dir, out):
-    return [
-        "--data",
-        str(small_synthetic),
-        "--model",
-        str(tiny_qwen_dir),
-        "--labeler",
-        "rule",
-        "--dtype",
-        "bf16",
-        "--steps",
-        "1",
-        "--prompts-per-step",
-        "2",
-        "--max-new-tokens",
-        "6",
-        "--max-pixels",
-        str(56 * 56),
-        "--lr",
-        "1e-4",
-        "--out",
-        str(out),
-    ]
+def bf16_flags(small_synthetic, tiny_qwen_dir, out):
+    """One bf16 step of the tiny Qwen2.5-VL."""
+    short = ["--dtype", "bf16", "--steps", "1", "--prompts-per-step", "2", "--max-new-tokens", "6", "--lr", "1e-4"]
+    return qwen_flags(small_synthetic, tiny_qwen_dir, out, *short, "--max-pixels", str(56 * 56))
 
 
 def language_projections(names) -> list[str]:
@@ -115,7 +96,7 @@ def test_mrg_r1_lora_bf16_moves_every_language_adapter(tmp_path, small_synthetic
     monkeypatch.setattr(mrg_r1, "total_reward", alternating_rewards)
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)
     out = tmp_path / "run"
-    mrg_r1.main(qwen_flags(small_synthetic, tiny_qwen_dir, out))
+    mrg_r1.main(bf16_flags(small_synthetic, tiny_qwen_dir, out))
     adapters = torch.load(out / "last.pt", weights_only=True)["model"]
     lora_b = [k for k in adapters if k.endswith("lora_B")]
     assert len(lora_b) == 2 * 7 and all(".language_model." in k for k in lora_b)  # 2 layers x 7 projections
@@ -130,7 +111,7 @@ def test_orapo_full_fine_tuning_bf16_moves_every_language_weight(
     only embeddings and norms moved."""
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)
     out = tmp_path / "run"
-    orapo.main(qwen_flags(small_synthetic, tiny_qwen_dir, out) + ["--group-size", "2"])
+    orapo.main(bf16_flags(small_synthetic, tiny_qwen_dir, out) + ["--group-size", "2"])
     start, end = starting_weights[0], torch.load(out / "last.pt", weights_only=True)["model"]
     names = language_projections(end)
     assert len(names) == 2 * 7 and all(end[k].dtype == torch.float32 for k in names)  # fp32 master weights
@@ -146,7 +127,7 @@ def test_reference_equals_the_policy_at_step_0_in_bf16(tmp_path, small_synthetic
     monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen.append(a) or real(*a, **k))
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)
     out = tmp_path / "run"
-    orapo.main(qwen_flags(small_synthetic, tiny_qwen_dir, out) + ["--group-size", "2"])
+    orapo.main(bf16_flags(small_synthetic, tiny_qwen_dir, out) + ["--group-size", "2"])
     for logp, _, ref_logp, *_ in seen:
         torch.testing.assert_close(ref_logp, logp.detach(), rtol=0, atol=0)
     line = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

@@ -11,7 +11,7 @@ import torch
 
 import common
 import mrg_r1
-from conftest import Crash, fake_eval, labels, metrics_rows, torchrun
+from conftest import Crash, fake_eval, labels, metrics_rows, qwen_flags, torchrun
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
 L = common.LABEL_INDEX
@@ -415,28 +415,8 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, fast, monke
     rolls, real_rollout = [], common.rollout
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
     out = tmp_path / "hf"  # 64 x 64 views: 4 x 4 patches of 14 px at the default, 2 x 2 under --max-pixels 28 x 28
-    mrg_r1.main(
-        [
-            "--data",
-            str(small_synthetic),
-            "--model",
-            str(tiny_qwen_dir),
-            "--labeler",
-            "rule",
-            "--steps",
-            "2",
-            "--sft-steps",
-            "2",
-            "--max-new-tokens",
-            "8",
-            "--prompts-per-step",
-            "2",
-            "--max-pixels",
-            "784",
-            "--out",
-            str(out),
-        ]
-    )
+    short = ["--steps", "2", "--sft-steps", "2", "--max-new-tokens", "8", "--prompts-per-step", "2"]
+    mrg_r1.main(qwen_flags(small_synthetic, tiny_qwen_dir, out, *short, "--max-pixels", "784"))
     assert (rolls[0].prompts["image_grid_thw"].prod(-1) == 4).all()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["kl"] == 0.0 and all(math.isfinite(x["loss"]) for x in lines)

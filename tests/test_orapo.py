@@ -13,7 +13,7 @@ import torch
 
 import common
 import orapo
-from conftest import Crash, fake_eval, labels, metrics_rows, torchrun
+from conftest import Crash, fake_eval, labels, metrics_rows, qwen_flags, torchrun
 from orapo import (
     SentenceFacts,
     ZeroRewardRate,
@@ -647,30 +647,8 @@ def test_hugging_face_policy_full_and_lora(tmp_path, small_synthetic, tiny_qwen_
     step 1: L_DPO = log 2)."""
     monkeypatch.setattr(orapo, "LORA", lora)
     out = tmp_path / "hf"
-    orapo.main(
-        [
-            "--data",
-            str(small_synthetic),
-            "--model",
-            str(tiny_qwen_dir),
-            "--labeler",
-            "rule",
-            "--steps",
-            "2",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "2",
-            "--max-new-tokens",
-            "8",
-            "--lr",
-            "1e-3",
-            "--max-pixels",
-            str(56 * 56),
-            "--out",
-            str(out),
-        ]
-    )
+    short = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3"]
+    orapo.main(qwen_flags(small_synthetic, tiny_qwen_dir, out, *short, "--max-pixels", str(56 * 56)))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and all(math.isfinite(x["loss"]) for x in lines)
     assert lines[0]["kl"] == 0.0 and lines[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
@@ -685,31 +663,9 @@ def test_fsdp_hugging_face_policy(tmp_path, small_synthetic, tiny_qwen_dir):
     from transformers import AutoModelForImageTextToText
 
     out = tmp_path / "hf_fsdp"
-    torchrun(
-        "orapo.py",
-        "--data",
-        str(small_synthetic),
-        "--model",
-        str(tiny_qwen_dir),
-        "--labeler",
-        "rule",
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "2",
-        "--max-new-tokens",
-        "8",
-        "--lr",
-        "1e-3",
-        "--max-pixels",
-        str(56 * 56),
-        "--out",
-        str(out),
-        "--fsdp",
-        timeout=600,
-    )
+    short = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3"]
+    flags = qwen_flags(small_synthetic, tiny_qwen_dir, out, *short, "--max-pixels", str(56 * 56), "--fsdp")
+    torchrun("orapo.py", *flags, timeout=600)
     saved, ckpt = AutoModelForImageTextToText.from_pretrained(out / "final").state_dict(), torch.load(out / "last.pt")
     assert saved.keys() == ckpt["model"].keys() and all(torch.equal(saved[k], v) for k, v in ckpt["model"].items())
     assert all(isinstance(k, str) for k in ckpt["optimizer"]["state"])  # gathered by parameter name: it was sharded

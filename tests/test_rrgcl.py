@@ -17,7 +17,7 @@ import torch
 
 import common
 import rrgcl
-from conftest import Crash, fake_eval, metrics_rows, torchrun, update_relative_difference
+from conftest import Crash, fake_eval, metrics_rows, qwen_flags, torchrun, update_relative_difference
 from rrgcl import (
     class_difficulty,
     class_members,
@@ -751,26 +751,8 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, small_synthetic, dif
 def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, difficulty_file, monkeypatch):
     monkeypatch.setattr(rrgcl, "LORA", dict(rrgcl.LORA, r=4, alpha=8))
     out = tmp_path / "hf"
-    rrgcl.main(
-        [
-            "--data",
-            str(small_synthetic),
-            "--model",
-            str(tiny_qwen_dir),
-            "--labeler",
-            "rule",
-            "--out",
-            str(out),
-            "--epochs",
-            "1",
-            "--steps",
-            "2",
-            "--batch-size",
-            "2",
-            "--difficulty",
-            str(difficulty_file),
-        ]
-    )
+    short = ["--epochs", "1", "--steps", "2", "--batch-size", "2"]
+    rrgcl.main(qwen_flags(small_synthetic, tiny_qwen_dir, out, *short, "--difficulty", str(difficulty_file)))
     lines = read_jsonl(out / "metrics.jsonl")
     assert [x["step"] for x in lines] == [1, 2] and all(math.isfinite(x["loss"]) for x in lines)
     ck = torch.load(out / "last.pt", weights_only=True)  # LoRA: the adapters only, on the language model
@@ -790,8 +772,9 @@ def test_after_the_schedule_training_goes_on_until_validation_stops_improving(
     real_update = common.Convergence.update
 
     def update(self, score, step, model):
-        real_update(self, score, step, model)
+        shown = real_update(self, score, step, model)
         kept[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        return shown
 
     monkeypatch.setattr(common.Convergence, "update", update)
     flags = ["--data", str(small_synthetic), "--epochs", "2", "--batch-size", "8", "--steps", "3"]

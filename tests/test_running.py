@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -678,3 +679,116 @@ def test_shard_gathers_in_dtype_and_averages_gradients_in_fp32(monkeypatch):
     assert [type(m).__name__ for m, _ in units] == ["GPT2Block", "GPT2Block", "GPT2LMHeadModel"]
     assert all(p.param_dtype == torch.bfloat16 and p.reduce_dtype == torch.float32 for _, p in units)
     assert methods == ["generate"]
+
+
+# --- friction a new user met (issue 43), each fixed ---------------------------------------------
+def test_a_failed_start_leaves_nothing_that_blocks_the_next(tmp_path, small_synthetic):
+    """No training studies (every image missing, --drop-invalid): one line, and the folder stays usable; a folder
+    holding only config.json files (a stage's included) is not a run."""
+    import mrg_r1
+
+    broken = json.loads(small_synthetic.read_text())
+    for split in broken.values():
+        for record in split:
+            record["image_path"] = ["missing.png"]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "annotation.json").write_text(json.dumps(broken))
+    out = tmp_path / "run"
+    flags = ["--labeler", "rule", "--out", str(out), "--sft-steps", "1", "--steps", "1", "--max-new-tokens", "4"]
+    with pytest.raises(SystemExit, match="no train or test studies left by --drop-invalid"):
+        mrg_r1.main(["--data", str(tmp_path / "data"), "--drop-invalid", *flags])
+    assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]
+    (out / "warm_start").mkdir(parents=True)
+    (out / "warm_start" / "config.json").write_text("{}")  # what an older start left
+    mrg_r1.main(["--data", str(small_synthetic), *flags])  # the same folder, now a run
+    assert (out / "eval.json").is_file()
+
+
+def test_config_holds_the_resolved_values_and_the_warm_start_says_why_it_stopped(tmp_path, small_synthetic, caplog):
+    import mrg_r1
+
+    caplog.set_level("INFO", logger="rrg")
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mrg_r1, "CONVERGE", dict(every=2, patience=2, min_gain=10.0, max_steps=20))  # never a gain
+        mp.setattr(mrg_r1, "N_VAL", 4)
+        mrg_r1.main(["--data", str(small_synthetic), "--labeler", "rule", "--out", str(out), "--steps", "1"])
+    resolved = json.loads((out / "config.json").read_text())["resolved"]
+    assert resolved["lr"] == 1e-4 and resolved["steps"] == 1 and resolved["max_new_tokens"] == 128
+    assert resolved["sft_steps"].startswith("until validation stops improving")
+    assert json.loads((out / "config.json").read_text())["lr"] is None  # the flag as given: --resume compares these
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("warm start:"))
+    assert line == "warm start: stopped after 6 steps (2 validations without a gain of 10); kept step 2's weights " + (
+        f"(validation {json.loads((out / 'warm_start' / 'eval_val_step2.json').read_text())['ce']['micro_f1']:.4f})"
+    )
+    rows = [json.loads(x) for x in (out / "warm_start" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["patience_left"]) for r in rows if "patience_left" in r] == [(2, 2), (4, 1), (6, 0)]
+
+
+def test_argument_errors_are_one_line_with_the_closest_flag_and_help_has_groups(capsys):
+    import orapo
+
+    for argv, line in (
+        (["--stpes", "5"], "error: unrecognized arguments: --stpes 5 (did you mean --steps?)"),
+        (["--lr", "abc"], "error: argument --lr: invalid float value: 'abc' (--help lists every flag)"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            common.parse_args(orapo.Args, argv)
+        assert stop.value.code == 2 and capsys.readouterr().err == line + "\n"
+    with pytest.raises(SystemExit):
+        common.parse_args(orapo.Args, ["--help"])
+    text = capsys.readouterr().out
+    paper, run = text.index("the paper's settings"), text.index("the run, its data and model")
+    usage = text.index("\n\n")  # the usage block lists every flag first
+    assert usage < paper < text.index("  --lambda-min", usage) < run < text.index("  --tiny-start {", usage)
+
+
+def test_ctrl_c_exits_130_and_a_stopped_sandbox_training_leaves_no_folder(tmp_path, monkeypatch, small_synthetic):
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stop:
+        common.run_main(stopped, ToyArgs, ["--out", str(tmp_path / "toy")])
+    assert stop.value.code == 130
+    data = tmp_path / "set"
+    shutil.copytree(small_synthetic.parent, data, ignore=shutil.ignore_patterns("chexbert-*", "foundation-*", ".*"))
+    monkeypatch.setattr(common.subprocess, "run", stopped)  # Ctrl-C while the subprocess trains it
+    for build in (common.synthetic_chexbert, common.synthetic_foundation):
+        with pytest.raises(KeyboardInterrupt):
+            build(data / "annotation.json", {"epochs": 1})
+    assert not list(data.glob(".tmp-*"))
+
+
+def test_one_process_trains_a_sandbox_model_while_another_waits(tmp_path, small_synthetic, monkeypatch):
+    """Two runs start together on a fresh cache: the foundation trains once; the second finds it done."""
+    import threading
+
+    data = tmp_path / "set"
+    shutil.copytree(small_synthetic.parent, data, ignore=shutil.ignore_patterns("chexbert-*", "foundation-*", ".*"))
+    trained = []
+
+    def fake_training(command, **kwargs):
+        time.sleep(0.3)  # long enough for the other thread to reach the lock
+        out = Path(command[command.index("--out") + 1])
+        (out / "foundation.json").write_text("{}")
+        trained.append(out)
+
+    monkeypatch.setattr(common.subprocess, "run", fake_training)
+    found = []
+    threads = [
+        threading.Thread(target=lambda: found.append(common.synthetic_foundation(data / "annotation.json", {"x": 1})))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(trained) == 1 and found[0] == found[1] == data / f"foundation-v{common.FOUNDATION_VERSION}"
+
+
+def test_resume_of_a_finished_run_says_it_is_finished(toy_args, caplog):
+    caplog.set_level("INFO", logger="rrg")
+    toy_train(toy_args())
+    toy_train(toy_args(resume=True))
+    start = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run folder")]
+    assert "(a new run)" in start[0] and "(finished: --resume has nothing to train" in start[1]
