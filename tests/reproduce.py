@@ -1757,6 +1757,7 @@ def main(argv=None):
     if args.name == "references":
         if not pinned(["references", *(argv or sys.argv[1:])[1:]]):
             refs = compute_references()
+            REFERENCES.parent.mkdir(parents=True, exist_ok=True)
             REFERENCES.write_text(json.dumps(refs, indent=1, default=float) + "\n")
             print(f"wrote {REFERENCES}")
         return print("\n".join(references_table(read_json(REFERENCES))))
