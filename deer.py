@@ -120,10 +120,11 @@ RULE_NOTE = (
 CE = dict(headline="example_f1", uncertain_as=0)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives
 BAR = ("reward", "f1", "bleu2", "loss")  # the RL progress bar (every number is in metrics.jsonl)
 SHARED = ("data", "model", "tiny_start", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")
-RL_FLAGS = ("labeler", "weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step", "grad_accum", "lr")
+LABELS = ("labeler", "chexbert_weights")  # what reads the reports: SFT's validation, DDSampling, the reward
+RL_FLAGS = LABELS + ("weighting", "alpha", "beta", "gamma", "group_size", "prompts_per_step", "grad_accum", "lr")
 STAGE_FLAGS = {  # the flags a stage's output depends on
-    "sft": SHARED + ("sft_steps", "sft_lm"),
-    "ddsampling": SHARED + ("labeler",),  # --grad-accum: memory, SFT may differ
+    "sft": SHARED + LABELS + ("sft_steps", "sft_lm"),  # a converging SFT keeps the weights its labels validated best
+    "ddsampling": SHARED + LABELS,  # --grad-accum: memory, SFT may differ
     "rl": SHARED + RL_FLAGS + ("steps", "subset", "fraction", "fsdp"),  # --steps places the phase switch
 }
 
