@@ -8,7 +8,7 @@ vectors of the generated and the reference report, plus a small reward for a
 updates the policy (LoRA) under a KL penalty to the frozen starting model. With the tagged prompt only
 the text inside <report> is scored.
 
-    python mrg_r1.py                                    # synthetic set, tiny model: 5 CPU minutes
+    python mrg_r1.py                                    # synthetic set, the sandbox's foundation: 5 CPU-minutes
     python mrg_r1.py --reward ce_f1+format              # a Table II row (also mccs, format, nlg, ...)
     python mrg_r1.py --data /data/iu_xray --model FreedomIntelligence/HuatuoGPT-Vision-7B-Qwen2.5VL \\
         --grad-accum 4                                  # one GPU (CheXbert labels and bf16 by default)
