@@ -26,29 +26,27 @@ def _private_cache(tmp_path_factory):
     os.environ["RRG_FIGURES"] = "0"
 
 
-@pytest.fixture(autouse=True)
-def _no_full_sandbox_chexbert(monkeypatch):
-    """Training the sandbox's CheXbert at full size costs minutes: a test that would (a run on --data synthetic with
-    --labeler auto) fails at once instead; tests of it pass small settings."""
-    import common
+def _small_only(real, what: str, instead: str):
+    """The sandbox's `what` built only with small settings: at full size it costs minutes, so a test fails at once."""
 
-    real = common.synthetic_chexbert
-
-    def small_only(annotation=None, settings=None):
+    def build(annotation=None, settings=None):
         if settings is None:
-            raise AssertionError("this test trains the sandbox's CheXbert at full size: give it --labeler rule")
+            raise AssertionError(f"this test trains the sandbox's {what} at full size: give it {instead}")
         return real(annotation, settings)
 
-    monkeypatch.setattr(common, "synthetic_chexbert", small_only)
+    return build
 
-    real_foundation = common.synthetic_foundation
 
-    def small_foundation_only(annotation=None, settings=None):
-        if settings is None:
-            raise AssertionError("this test trains the sandbox's foundation at full size: give it --tiny-start random")
-        return real_foundation(annotation, settings)
+@pytest.fixture(autouse=True)
+def _no_full_sandbox_models(monkeypatch):
+    """A test that would train the sandbox's CheXbert or foundation at full size (a run on --data synthetic with
+    --labeler auto, or the tiny model there) fails at once instead; tests of them pass small settings."""
+    import common
 
-    monkeypatch.setattr(common, "synthetic_foundation", small_foundation_only)
+    chexbert = _small_only(common.synthetic_chexbert, "CheXbert", "--labeler rule")
+    monkeypatch.setattr(common, "synthetic_chexbert", chexbert)
+    foundation = _small_only(common.synthetic_foundation, "foundation", "--tiny-start random")
+    monkeypatch.setattr(common, "synthetic_foundation", foundation)
 
 
 # The sandbox's foundation at a size a test can afford: seconds on a CPU (tests/test_foundation.py)
