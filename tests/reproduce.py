@@ -653,8 +653,9 @@ def values(results, seeds, arm, metric) -> list[float]:
 
 
 def report_arms(exp: Experiment, results: dict, seeds: list) -> list[str]:
-    """The arms whose test reports the table scores (they have the headline metric), in the order read."""
-    return [a for a, v in results[seeds[0]].items() if isinstance(v, dict) and exp.headline in v]
+    """The arms whose test reports the table scores (they have the headline metric), lowest mean headline first."""
+    arms = [a for a, v in results[seeds[0]].items() if isinstance(v, dict) and exp.headline in v]
+    return sorted(arms, key=lambda a: np.mean(values(results, seeds, a, exp.headline)))
 
 
 def mean_sd(v) -> str:
@@ -1317,6 +1318,7 @@ EXPERIMENTS = {
                 "mean lambda",
                 "OraPO's DPO weight lambda (Eq. 10), mean over steps, vs its floor",
             ),
+            Check("OraPO + FactS", "GRPO + FactS", "test FactS", "the reward itself: FactS of the greedy test reports"),
         ],
         figure=orapo_figure,
     ),
