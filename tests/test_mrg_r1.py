@@ -168,6 +168,12 @@ def test_cider_with_document_frequencies_of_a_fixed_corpus():
     # each reference is its own document: an n-gram in both references has df 2 and idf 0
     df2, _ = mrg_r1.cider_document_frequency(["no effusion", "no pneumothorax"])
     assert df2["no"] == 2
+    # an n-gram no corpus document has gets df 1 (CiderScorer's max(1, df)): idf log(N), as in the norms.
+    # "a b" against "a c", corpus {"a x", "y z"}: every unigram has idf log 2, so order 1 scores 1/2
+    # (a matches, b and c do not), orders 2-4 nothing: CIDEr-D = 10 x (1/2) / 4
+    unseen = mrg_r1.cider_document_frequency(["a x", "y z"])
+    assert common.nlg_metrics(["a c"], ["a b"], meteor=False, cider_df=unseen)["CIDEr"] == pytest.approx(1.25)
+    assert common.nlg_metrics(["q r s t"], ["q r s t"], meteor=False, cider_df=unseen)["CIDEr"] == pytest.approx(10.0)
 
 
 def test_split_views_and_warm_start_targets():
