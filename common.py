@@ -764,16 +764,20 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     # hypothesis's n-grams in their order, as CiderScorer's: a set's order would move the last digit with the hash seed
     df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
     log_n = math.log(n_docs)
-    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf; unseen: log(N)^2 (max(1, df))
+    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}
+
+    def idf2_of(g):
+        """The squared idf; an n-gram no document holds counts as in one (CiderScorer's max(1, df)): log(N)^2."""
+        return idf2.get(g, log_n**2)
 
     def norm(counts):
-        return [math.sqrt(sum(tf * tf * idf2.get(g, log_n**2) for g, tf in c.items())) for c in counts]
+        return [math.sqrt(sum(tf * tf * idf2_of(g) for g, tf in c.items())) for c in counts]
 
     each["CIDEr"] = []
     for h, r in zip(hyp_counts, ref_counts):
         penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
         sims = [
-            sum(min(hc[g], rc[g]) * rc[g] * idf2.get(g, log_n**2) for g in hc if g in rc) / (hn * rn if hn and rn else 1)
+            sum(min(hc[g], rc[g]) * rc[g] * idf2_of(g) for g in hc if g in rc) / (hn * rn if hn and rn else 1)
             for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))
         ]
         each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
