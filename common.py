@@ -2083,24 +2083,38 @@ def train_chexbert(records, out_dir, hidden, layers, heads, epochs, lr, batch_si
 
 
 def synthetic_chexbert(annotation=None, settings=None) -> Path:
-    """The sandbox's CheXbert beside the synthetic set (or `annotation`'s), trained once on its training split in a
-    process of its own under NUMERIC_PINS, so that every machine gets the same weights (about 5 CPU-minutes)."""
+    """The sandbox's CheXbert beside the synthetic set (or `annotation`'s), trained once on its training split (about 6
+    CPU-minutes)."""
     annotation = Path(annotation or synthetic_data())
     final = annotation.parent / f"chexbert-v{SANDBOX_CHEXBERT_VERSION}"
-    with cache_lock(annotation.parent / ".chexbert.lock"):  # one process trains it, the others wait for it
-        if not (final / CHEXBERT_FILE).is_file():
-            log.info("training the sandbox's CheXbert on %s's training reports, once: %s", annotation, final)
-            tmp = Path(tempfile.mkdtemp(dir=annotation.parent, prefix=".tmp-chexbert-"))
-            command = [sys.executable, str(Path(__file__).resolve()), "chexbert", "--data", str(annotation)]
-            command += ["--out", str(tmp)]
-            for name, value in (settings or SANDBOX_CHEXBERT).items():
-                command += [f"--{name.replace('_', '-')}", str(value)]
-            try:  # stopped (Ctrl-C) or failed: no half-trained folder is left
-                subprocess.run(command, env=dict(os.environ, **NUMERIC_PINS), check=True)
+    return build_once(final, CHEXBERT_FILE, "chexbert", annotation, settings or SANDBOX_CHEXBERT) / CHEXBERT_FILE
+
+
+def build_once(final: Path, marker: str, command: str, annotation: Path, settings: dict) -> Path:
+    """`python common.py COMMAND --data ANNOTATION --out FINAL` (with `settings` as flags) unless FINAL/MARKER exists:
+    in a process of its own under NUMERIC_PINS, so that every machine gets the same weights. One process builds it,
+    others wait for it; stopped (Ctrl-C) or failed, no half-built folder is left."""
+    with cache_lock(final.parent / f".{command}.lock"):
+        if not (final / marker).is_file():
+            log.info("training the sandbox's %s beside %s, once: %s", command, annotation, final)
+            tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{command}-"))
+            argv = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                command,
+                "--data",
+                str(annotation),
+                "--out",
+                str(tmp),
+            ]
+            for name, value in settings.items():
+                argv += [f"--{name.replace('_', '-')}", str(value)]
+            try:
+                subprocess.run(argv, env=dict(os.environ, **NUMERIC_PINS), check=True)
                 tmp.rename(final)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-    return final / CHEXBERT_FILE
+    return final
 
 
 @contextlib.contextmanager
@@ -2311,24 +2325,10 @@ def train_foundation(annotation, out_dir, settings: dict) -> Path:
 
 
 def synthetic_foundation(annotation=None, settings=None) -> Path:
-    """The sandbox's foundation beside the synthetic set (or `annotation`'s), trained once in a process of its own
-    under NUMERIC_PINS (every machine gets the same weights); while one process trains it, others wait."""
+    """The sandbox's foundation beside the synthetic set (or `annotation`'s), trained once (about 15 CPU-minutes)."""
     annotation = Path(annotation or synthetic_data())
     final = annotation.parent / f"foundation-v{FOUNDATION_VERSION}"
-    with cache_lock(annotation.parent / ".foundation.lock"):
-        if not (final / "foundation.json").is_file():
-            log.info("training the sandbox's foundation model beside %s, once (minutes): %s", annotation, final)
-            tmp = Path(tempfile.mkdtemp(dir=annotation.parent, prefix=".tmp-foundation-"))
-            command = [sys.executable, str(Path(__file__).resolve()), "foundation", "--data", str(annotation)]
-            command += ["--out", str(tmp)]
-            for name, value in (settings or FOUNDATION).items():
-                command += [f"--{name.replace('_', '-')}", str(value)]
-            try:
-                subprocess.run(command, env=dict(os.environ, **NUMERIC_PINS), check=True)
-                tmp.rename(final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(final, "foundation.json", "foundation", annotation, settings or FOUNDATION)
 
 
 # ==== II.3 The run scaffold every script's train() stands on ======================================
