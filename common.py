@@ -540,7 +540,7 @@ def generate_completions(
 
 def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
     """log softmax(logits / temperature) at ids -> (N, T) float32, row by row: without grad no fp32 (N, T, V) copy; with
-    grad each row's copy is saved (608 KB a token at 151,936 words: README, memory table). `suppressed` ids: p = 0."""
+    grad each row's copy is saved (608 KB a token at 151,936 words: tests/MACHINES.md). `suppressed` ids: p = 0."""
     rows = []
     for lg, tok in zip(logits, ids):  # (T, V), (T,)
         lg = lg.float() / temperature
@@ -1299,7 +1299,7 @@ _STABLE = r"(?:stable|unchanged)\b"
 class RuleLabeler:
     """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
     expressions: its mention phrases, negation and uncertainty cues, aggregation and No Finding rule; offline, fast, not
-    CheXbert (README, "The rule labeler on real reports"). A mention (CheXpert's order) is uncertain with a pre-negation
+    CheXbert (tests/RESULTS.md, last section). A mention (CheXpert's order) is uncertain with a pre-negation
     uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
     cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
 
@@ -1610,7 +1610,7 @@ class CheXbertLabeler:
 
 
 # ==== II.2 The synthetic set, and the sandbox's trained models: its CheXbert, its foundation ========
-# Synthetic chest X-ray set (README, "The shared parts"): a visible sign and templated sentences per finding.
+# Synthetic chest X-ray set (README, "The sandbox"): a visible sign and templated sentences per finding.
 # finding: (prevalence, chance that it is mentioned as negative when absent, else it goes unmentioned)
 SYNTHETIC_RATES = {
     "Support Devices": (0.29, 0.0),
@@ -2753,7 +2753,7 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
     --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
     `notes`: what this run cannot do as the paper does, one line each at start and in config.json."""
     rank, world_size, device = setup_distributed()
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (README, "Threads on a CPU"):
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
     if rank != 0:
         barrier()  # rank 0 first: it builds the synthetic set and trains the sandbox's CheXbert, once

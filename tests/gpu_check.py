@@ -11,7 +11,7 @@ line and exits 0 after the preparation (tests/test_gpu_check.py runs that path).
     qwen3b:mrg_r1    Qwen2.5-VL-3B at full depth (36 decoder layers, its 32-block vision tower), random weights built
     qwen3b:orapo     on the GPU: one step of mrg_r1.main (LoRA r 128, 2 studies x G 4) and of orapo.main (full
                      fine-tuning against a frozen copy, 1 study x G 8), the papers' per-GPU batches, 256 new tokens:
-                     step time, generation tokens/s, peak torch.cuda.max_memory_allocated against the README's formula
+                     step time, generation tokens/s, peak torch.cuda.max_memory_allocated against the formula
     chexbert         CheXbert's shape (bert-base, 14 heads), random weights: labels per second at batch 64, and
                      DiTPO's gradient token weights (deer.gradient_weights) per completion
     scripts:NAME     each of the five scripts a few steps with the tiny model, and (mrg_r1, deer, orapo, rrgcl) with
@@ -226,11 +226,11 @@ def part_rl_core(work: Path, figures: Figures):
         figures[f"{key}_within_bound"] = all(v <= figures[key]["bound"] for v in rel.values())
 
 
-# Qwen2.5-VL-3B: the README's formula (section "Real architectures and GPU memory") --------------------------
+# Qwen2.5-VL-3B: the formula of tests/MACHINES.md ("Real architectures and GPU memory") --------------------------
 QWEN3B_PARAMS = 3_754_622_976
 EMBEDDING_PARAMS = 151936 * 2048  # tied to the LM head
 LORA_R128_PARAMS = 36 * 128 * (2 * (2048 + 2048) + 2 * (2048 + 256) + 3 * (2048 + 11008))  # 239,468,544
-PER_COMPLETION = 0.82 * GB  # activations of one completion of P 380 + T 256 tokens, checkpointed (README)
+PER_COMPLETION = 0.82 * GB  # activations of one completion of P 380 + T 256 tokens, checkpointed (tests/MACHINES.md)
 
 
 def formula_gb(script: str, completions: int) -> float:

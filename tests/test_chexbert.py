@@ -183,7 +183,7 @@ def test_strict_loading(labeler, vocab_file, tmp_path):
 
 @pytest.mark.slow
 def test_batched_speedup_bert_base_size(tmp_path):
-    """Benchmark (README): a bert-base-size random CheXbert, 128 reports of 40-120 words,
+    """Benchmark (tests/MACHINES.md): a bert-base-size random CheXbert, 128 reports of 40-120 words,
     batches of 32 sorted by length vs one report at a time (f1chexbert's way), 2 threads.
         python -m pytest -q tests/test_chexbert.py -m slow -s"""
     torch.set_num_threads(2)

@@ -1,4 +1,4 @@
-"""tests/gpu_check.py without a GPU: the preparation, then one line and exit 0; the README's memory formula it
+"""tests/gpu_check.py without a GPU: the preparation, then one line and exit 0; the memory formula it
 compares with; two of its parts run on the CPU, to check the parts themselves."""
 
 import json
@@ -34,8 +34,8 @@ def test_without_cuda_it_prepares_says_so_in_one_line_and_exits_0(tmp_path):
     assert len(json.loads((work / "data512" / "annotation.json").read_text())["train"]) == 8
 
 
-def test_memory_formula_is_the_readmes():
-    """The README's estimates for 3B, n = 8 completions of 636 tokens (0.82 GB each): OraPO's full fine-tuning with a
+def test_memory_formula_is_the_documented_one():
+    """MACHINES.md's estimates for 3B, n = 8 completions of 636 tokens (0.82 GB each): OraPO's full fine-tuning with a
     frozen reference 20 B a parameter and 2 more for the reference's fp32 embedding (311.2 M), 75.1 + 0.6 + 6.6 = 82.3
     GB (the table's 82 GB); MRG-R1's LoRA r 128 keeps the base in bf16 (7.5 GB) and 18 B per adapter parameter
     (239.5 M: 4.3 GB)."""

@@ -196,7 +196,7 @@ def test_grpo_steps_raise_the_reward(policy):
 
 @pytest.mark.slow
 def test_tiny_sft_beats_the_most_common_report():
-    """Benchmark (README): SFT of the tiny policy on the synthetic set, greedy reports on the
+    """Benchmark (tests/MACHINES.md): SFT of the tiny policy on the synthetic set, greedy reports on the
     500 test studies, CE micro F1 (rule labeler) against always writing the most common
     training report.   python -m pytest -q tests/test_policy.py -m slow -s"""
     import time
@@ -237,7 +237,7 @@ def test_tiny_sft_beats_the_most_common_report():
 
 @pytest.mark.slow
 def test_tiny_grpo_step_timing():
-    """Benchmark (README): one GRPO step of the tiny policy on CPU, 8 prompts x G = 8, split into
+    """Benchmark (tests/MACHINES.md): one GRPO step of the tiny policy on CPU, 8 prompts x G = 8, split into
     sampling, scoring (old/ref log-probs and rewards) and the update."""
     import copy
     import time

@@ -6,7 +6,7 @@ CheXbert (bert-base); Bio_ClinicalBERT's shape; torchvision ResNet-50/101. Param
 from the configs by hand, never read back from the module under test. All slow:
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_real_arch.py -m slow
-    OMP_NUM_THREADS=1 python tests/test_real_arch.py     # the memory measurements behind README's memory table
+    OMP_NUM_THREADS=1 python tests/test_real_arch.py     # the measurements behind tests/MACHINES.md's table
 """
 
 import json
@@ -59,7 +59,7 @@ QWEN3B_IDS = dict(
     image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
 )
 QWEN3B_PARAMS = 3_754_622_976  # "3.75B params" on the model card; the sum below, term by term
-# Qwen/Qwen2.5-VL-7B-Instruct (HuatuoGPT-Vision-7B-Qwen2.5VL's base, MRG-R1): the widths the README's table needs
+# Qwen/Qwen2.5-VL-7B-Instruct (HuatuoGPT-Vision-7B-Qwen2.5VL's base, MRG-R1): the widths the memory table needs
 QWEN7B_TEXT = dict(
     QWEN3B_TEXT,
     vocab_size=152064,
@@ -731,7 +731,7 @@ def test_decoder_layer_memory():
 
 
 def memory_table(m, prompt=380, views_tokens=320):
-    """README's table (GB = 1e9 B) from the measurements m: per GPU, each rank holding every weight (DDP):
+    """MACHINES.md's memory table (GB = 1e9 B) from the measurements m: per GPU, each rank holding every weight (DDP):
     states + n (P + T) [L c + a] + n T V 6 + n 4 I D (D_c + v), checkpointing on (the scripts' default; off: c = a,
     D_c = v), n the completions (studies for SFT) per rank per micro-batch, I the image tokens per view."""
     V, L, D, pix = 151936, 36, 32, 4 * views_tokens
@@ -783,7 +783,7 @@ def memory_table(m, prompt=380, views_tokens=320):
     return out
 
 
-if __name__ == "__main__":  # print the measurements (JSON) and the estimates of README's memory table
+if __name__ == "__main__":  # print the measurements (JSON) and the estimates of the memory table (tests/MACHINES.md)
     torch.set_num_threads(1)
     m = measure_layer_memory()
     print(json.dumps(m, indent=1))

@@ -268,7 +268,7 @@ def test_vns_gap_meaning():
 
 @pytest.mark.slow
 def test_vns_gap_benchmark_20000_x_512():
-    """Benchmark (README): VNS-Gap on CPU, N = 20,000, 512-dim features.
+    """Benchmark (tests/MACHINES.md): VNS-Gap on CPU, N = 20,000, 512-dim features.
     python -m pytest -q tests/test_rrgcl.py -m slow -s"""
     torch.set_num_threads(int(os.environ.get("RRG_BENCH_THREADS", "2")))
     g = torch.Generator().manual_seed(0)
