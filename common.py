@@ -2098,15 +2098,8 @@ def build_once(final: Path, marker: str, command: str, annotation: Path, setting
         if not (final / marker).is_file():
             log.info("training the sandbox's %s beside %s, once: %s", command, annotation, final)
             tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{command}-"))
-            argv = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                command,
-                "--data",
-                str(annotation),
-                "--out",
-                str(tmp),
-            ]
+            argv = [sys.executable, str(Path(__file__).resolve()), command, "--data", str(annotation)]
+            argv += ["--out", str(tmp)]
             for name, value in settings.items():
                 argv += [f"--{name.replace('_', '-')}", str(value)]
             try:

@@ -101,8 +101,7 @@ class Args(common.RunArgs):
 SFT = dict(lr_hf=1e-5, lr_tiny=1e-3, batch_hf=64, batch_tiny=32)  # Sec. 4.1 (HF); the tiny model starts random: ours
 # The paper's RL starts from a finished SFT cold start; the sandbox's tiny model trains SFT until it stops improving:
 # validation CE example F1 (the headline) of greedy reports on N_VAL studies every 100 steps, stopped after 4
-# validations without a gain of 0.005, the best weights kept (declared before any sweep;
-# README, DEER's table of what the paper assumes)
+# validations without a gain of 0.005, the best weights kept (declared before any sweep; README, DEER's premises)
 CONVERGE = dict(every=100, patience=4, min_gain=0.005, max_steps=5000)
 N_VAL = 200
 K = 10  # Sec. 3.2: sampled reports per image

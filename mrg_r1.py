@@ -90,8 +90,7 @@ TEMPERATURE = 1.0  # rollout sampling: the paper gives none; 1.0 samples the pol
 WARM_START = dict(lr_tiny=1e-3, lr_hf=1e-5, batch_size=32)  # the paper's SFT row names no settings (ours)
 # The paper starts RL from a capable medical VLM; the sandbox's tiny model starts from SFT trained until it stops
 # improving: validation CE micro F1 (the headline) of greedy reports on N_VAL studies every 100 steps, stopped after 4
-# validations without a gain of 0.005, the best weights kept (declared before any sweep;
-# README, MRG-R1's table of what the paper assumes)
+# validations without a gain of 0.005, the best weights kept (declared before any sweep; README, MRG-R1's premises)
 CONVERGE = dict(every=100, patience=4, min_gain=0.005, max_steps=5000)
 N_VAL = 200
 # Sec. IV-A: CheXbert P/R/F1 "over 14 chest X-ray observations", the protocol of R2Gen/CMN it cites: micro over the 14,
