@@ -72,12 +72,17 @@ def synthetic_is_small(monkeypatch, small_synthetic, small_foundation):
 
 
 @pytest.fixture(scope="session")
-def small_synthetic(tmp_path_factory):
-    """A small synthetic set (R2Gen layout) shared by the tests."""
+def small_synthetic(tmp_path_factory, request):
+    """A small synthetic set (R2Gen layout) shared by the tests, and by pytest-xdist's workers: one writes it (and the
+    small foundation beside it, through the cache's own lock), the other waits and reads it."""
     import common
 
-    out = tmp_path_factory.mktemp("synthetic")
-    common.make_synthetic(out, n_train=40, n_val=8, n_test=12, size=64, seed=0)
+    session = tmp_path_factory.getbasetemp()
+    worker = hasattr(request.config, "workerinput")  # a pytest-xdist worker: its folder is under the session's
+    out = (session.parent if worker else session) / "synthetic"
+    with common.cache_lock(out.parent / ".synthetic.lock"):
+        if not (out / "annotation.json").is_file():
+            common.make_synthetic(out, n_train=40, n_val=8, n_test=12, size=64, seed=0)
     return out / "annotation.json"
 
 

@@ -1821,7 +1821,3 @@ def recheck_seed(args, exp: Experiment, results_file: Path, root: Path):
 
 if __name__ == "__main__":
     main()
-
-
-if __name__ == "__main__":
-    main()
