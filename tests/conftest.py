@@ -40,13 +40,22 @@ def _small_only(real, what: str, instead: str):
 @pytest.fixture(autouse=True)
 def _no_full_sandbox_models(monkeypatch):
     """A test that would train the sandbox's CheXbert or foundation at full size (a run on --data synthetic with
-    --labeler auto, or the tiny model there) fails at once instead; tests of them pass small settings."""
+    --labeler auto, or the tiny model there), or draw the full synthetic set, fails at once instead; tests of them pass
+    small settings."""
     import common
 
     chexbert = _small_only(common.synthetic_chexbert, "CheXbert", "--labeler rule")
     monkeypatch.setattr(common, "synthetic_chexbert", chexbert)
     foundation = _small_only(common.synthetic_foundation, "foundation", "--tiny-start random")
     monkeypatch.setattr(common, "synthetic_foundation", foundation)
+    draw = common.synthetic_data
+
+    def small_set(*args, **kwargs):  # the full set draws 2,700 images (seconds): tests use small_synthetic
+        if not (args or kwargs):
+            raise AssertionError("this test draws the full synthetic set: monkeypatch common.synthetic_data")
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(common, "synthetic_data", small_set)
 
 
 # The sandbox's foundation at a size a test can afford: seconds on a CPU (tests/test_foundation.py)

@@ -255,6 +255,7 @@ def test_the_labeler_a_run_uses(tmp_path, small_synthetic, monkeypatch, data, mo
     made = []
     monkeypatch.setattr(common, "synthetic_chexbert", lambda *a, **k: "sandbox")
     monkeypatch.setattr(common, "load_data", lambda *a, **k: common.load_annotation(small_synthetic))
+    monkeypatch.setattr(common, "synthetic_data", lambda *a, **k: small_synthetic)  # not the full set, drawn
     monkeypatch.setattr(common, "make_labeler", lambda name, w=None, device=None: made.append((name, w)) or None)
     args = common.RunArgs(
         data="synthetic" if data == "synthetic" else str(small_synthetic),
