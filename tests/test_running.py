@@ -575,13 +575,18 @@ def test_gather_strided_puts_every_ranks_share_back_in_order(monkeypatch):
 
 
 class ImageEcho:
-    """A stand-in policy whose greedy "report" names the pixels it was shown: each record's text is known beforehand."""
+    """A stand-in policy whose greedy "report" names the pixels it was shown: each record's text is known beforehand.
+    It counts the studies it generated for (with any padding)."""
+
+    def __init__(self):
+        self.generated = 0
 
     def prompt_batch(self, images, text):
         return {"texts": [hashlib.md5(views[0].tobytes()).hexdigest() for views in images]}
 
     def generate(self, prompts, max_new_tokens, do_sample=True):
         assert not do_sample
+        self.generated += len(prompts["texts"])
         return prompts["texts"], None
 
     def decode(self, ids, mask):
@@ -596,7 +601,9 @@ def test_evaluation_pairs_each_report_with_its_own_reference_under_two_ranks(tmp
     expected = {r.id: hashlib.md5(common.load_image(r.image_paths[0]).tobytes()).hexdigest() for r in records}
     sent = []
     monkeypatch.setattr(common, "all_gather_objects", lambda mine: sent.append(mine) or [mine, mine])
-    _run(tmp_path, rank=1, world_size=2).evaluate(ImageEcho(), records, "test", "", 8)
+    echo = ImageEcho()
+    _run(tmp_path, rank=1, world_size=2).evaluate(echo, records, "test", "", 8)
+    assert echo.generated == 3  # padded to rank 0's 3: under FSDP every rank makes as many generate() calls
     assert sent[0] == [expected[r.id] for r in records[1::2]]  # rank 1's share without its padding
     monkeypatch.setattr(common, "all_gather_objects", lambda mine: [mine, sent[0]])
     _run(tmp_path, rank=0, world_size=2, labeler=common.RuleLabeler()).evaluate(
