@@ -194,18 +194,18 @@ def test_dcrrg_resumes_a_step_with_another_steps_budget_refused_and_other_steps_
 
 
 # --- each flag's range: the one its paper or method implies -------------------------------------------------------
-RANGES = {  # (script, field): the range, and why its ends are where they are
+STEPS, COUNT, LR, PIXELS = "[0, inf)", "[1, inf)", "[0, 1]", "[784, inf)"  # PIXELS: one 28 x 28 Qwen2.5-VL patch group
+RANGES = {  # (script, field): the range, and why its ends are where they are; every ranged flag of every script
     ("common", "seed"): "[0, 2e9]",  # numpy's and torch's seeds are unsigned 32-bit; + rank stays inside
     ("mrg_r1", "margin"): "[0, 1)",  # Eq. 6 divides by 1 - m
     ("mrg_r1", "group_size"): "[2, inf)",  # group-relative advantages need 2
     ("mrg_r1", "beta"): "[0, inf)",  # Eq. 1's KL weight, beta >= 0
-    ("mrg_r1", "lr"): "[0, 1]",
-    ("mrg_r1", "max_pixels"): "[784, inf)",  # one 28 x 28 patch group of Qwen2.5-VL at least
     ("orapo", "lambda_min"): "[0, 1]",  # Eq. 10-11: a convex weight
     ("orapo", "lambda_max"): "[0, 1]",
     ("orapo", "dpo_beta"): "(0, inf)",  # Eq. 5: beta 0 makes every margin 0
     ("orapo", "group_size"): "[2, inf)",
-    ("orapo", "train_size"): "[0, inf)",  # 0: all
+    ("orapo", "beta"): "[0, inf)",  # the KL weight
+    ("orapo", "train_size"): STEPS,  # 0: all
     ("deer", "fraction"): "(0, 1]",  # Sec. 3.2: a share of the data; 0 selects nothing
     ("deer", "alpha"): "[0, inf)",  # Eq. 8: w = 1 + alpha TF-IDF >= 1
     ("deer", "beta"): "[0, inf)",  # Eq. 12
@@ -213,17 +213,37 @@ RANGES = {  # (script, field): the range, and why its ends are where they are
     ("deer", "group_size"): "[2, inf)",
     ("rrgcl", "alpha"): "[0, 1]",  # Eq. 10, beta = 1 - alpha
     ("rrgcl", "epochs"): "[1, inf)",  # Eq. 11 divides by T
-    ("rrgcl", "steps"): "[0, inf)",
-    ("dcrrg", "prefix_len"): "[1, inf)",
-    ("dcrrg", "n_test"): "[1, inf)",
+    ("dcrrg", "prefix_len"): COUNT,
+    ("dcrrg", "n_test"): COUNT,
+    **{(s, "lr"): LR for s in ("mrg_r1", "orapo", "deer", "rrgcl", "dcrrg")},
+    **{(s, "steps"): STEPS for s in ("mrg_r1", "orapo", "deer", "rrgcl")},  # 0: evaluate only
+    **{(s, "sft_steps"): STEPS for s in ("mrg_r1", "orapo", "deer")},
+    **{(s, "max_new_tokens"): COUNT for s in ("mrg_r1", "orapo", "deer")},
+    **{(s, "prompts_per_step"): COUNT for s in ("mrg_r1", "orapo", "deer")},
+    **{(s, "grad_accum"): COUNT for s in ("mrg_r1", "deer")},
+    **{(s, "max_pixels"): PIXELS for s in ("mrg_r1", "orapo", "deer")},
+    ("rrgcl", "batch_size"): COUNT,
+    ("dcrrg", "batch_size"): COUNT,
+    ("dcrrg", "decoder_batch_size"): COUNT,
+    **{("dcrrg", f"step{k}_steps"): STEPS for k in (1, 2, 3, 4)},
 }
 
 
-@pytest.mark.parametrize("script, name", sorted(RANGES))
-def test_each_flag_range_is_the_one_its_method_implies(script, name):
+def ranged_flags(script: str) -> dict:
+    """{field: its range} of every flag of `script` that declares one (common: RunArgs's own)."""
     args_class = common.RunArgs if script == "common" else importlib.import_module(script).Args
-    f = next(f for f in dataclasses.fields(args_class) if f.name == name)
-    assert common.flag_type(f)[1] == RANGES[script, name]
+    inherited = set() if script == "common" else {f.name for f in dataclasses.fields(common.RunArgs)}
+    fields = [
+        f for f in dataclasses.fields(args_class) if f.name not in inherited or f.name in args_class.__annotations__
+    ]
+    return {f.name: common.flag_type(f)[1] for f in fields if common.flag_type(f)[1]}
+
+
+@pytest.mark.parametrize("script", ["common", "mrg_r1", "orapo", "deer", "rrgcl", "dcrrg"])
+def test_each_flag_range_is_the_one_its_method_implies(script):
+    """Every ranged flag is in RANGES (a new one, or a range dropped, fails too) with the range given there."""
+    expected = {name: r for (s, name), r in RANGES.items() if s == script}
+    assert ranged_flags(script) == expected
 
 
 def test_mccs_at_the_edge_of_its_margin_range_and_dpo_beta_0_would_learn_nothing():
