@@ -171,9 +171,11 @@ def test_meteor_equals_pycocoevalcap(monkeypatch):
     monkeypatch.setenv("RRG_METEOR", "1")
     hyps, refs = parity_set()
     hyps, refs = hyps[:60] + hyps[-10:], refs[:60] + refs[-10:]
+    # The jar on its own: a scorer (and JVM) of its own, called the documented pycocoevalcap way; started first, so
+    # that its JVM loads its tables while ours does
+    reference = Meteor()
     ours = nlg_metrics(hyps, refs, meteor=True, per_sample=True)
-    # The jar on its own: a scorer (and JVM) of its own, called the documented pycocoevalcap way
-    score, scores = Meteor().compute_score(*as_coco(hyps, refs))
+    score, scores = reference.compute_score(*as_coco(hyps, refs))
     assert ours["METEOR"] == pytest.approx(score, abs=TOL)
     np.testing.assert_allclose(ours["per_sample"]["METEOR"], scores, atol=TOL)
     assert 0 < ours["METEOR"] < 1
