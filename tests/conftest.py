@@ -17,6 +17,24 @@ def pytest_configure(config):
     torch.set_num_threads(int(os.environ.get("RRG_TEST_THREADS", "1")))
 
 
+# Tests that launch torchrun or two JVMs (8-30 s each) go first: pytest-xdist hands tests out in collection order, so
+# the two workers then end together rather than one waiting on a long test at the end (-n 2: the suite's wall time).
+LONG_FIRST = {
+    "test_torchrun_two_processes",
+    "test_torchrun_two_processes_equal_one_process",  # DCRRG's; RRGCL's shares module fixtures and stays in place
+    "test_two_nodes_through_the_c10d_rendezvous_equal_one_process",
+    "test_an_error_on_one_rank_ends_the_job_at_once",
+    "test_meteor_equals_pycocoevalcap",
+}
+
+
+def pytest_collection_modifyitems(items):
+    def first(item):
+        return item.originalname in LONG_FIRST and "test_rrgcl" not in item.nodeid
+
+    items.sort(key=lambda item: not first(item))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     # `--data synthetic` caches under $RRG_CACHE: keep tests out of the user's cache. METEOR starts a JVM
