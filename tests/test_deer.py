@@ -405,7 +405,8 @@ def test_ddsampling_resume_draws_the_same(tmp_path, staged, small, monkeypatch, 
 def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, small, monkeypatch):
     """What reaches common.grpo_loss in one rule-weighted step, against values computed here from the sampled
     tokens: the Eq. 1 phase-1 reward (report F1 written out), Eq. 2's advantages, Eq. 7-8's TF-IDF weights with
-    EOS at 1, and Eq. 6's product. Dropping the weights from the loss fails it."""
+    EOS at 1, Eq. 6's product, and each completion's own study's labels handed to the weighting (Eq. 9's targets).
+    Dropping the weights from the loss fails it."""
     out, base = staged
     shutil.copytree(out / "sft", tmp_path / "sft")
     seen, rolls = [], []
@@ -425,8 +426,15 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
 
         return batches
 
+    weighed, real_weights = [], deer.token_weights
+
+    def recorded_weights(*a):
+        weighed.append(a[-1])  # the labels each completion's weights read (Eq. 9's targets): its own study's
+        return real_weights(*a)
+
     monkeypatch.setattr(common, "grpo_loss", recorded_loss)
     monkeypatch.setattr(common, "rollout", recorded_rollout)
+    monkeypatch.setattr(deer, "token_weights", recorded_weights)
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})  # not under test
     monkeypatch.setattr(common.Run, "study_batches", first_studies)  # the first 2 studies
     deer.main(
@@ -452,6 +460,7 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
     h, y = ((x == 1) | (x == -1) for x in (lab(roll.texts), lab(refs)))  # positive or uncertain
     f1 = np.where(h.sum(1) + y.sum(1) > 0, 2 * (h & y).sum(1) / np.maximum(h.sum(1) + y.sum(1), 1), 0.0)
     np.testing.assert_allclose(roll.rewards.numpy(), f1, atol=1e-6)
+    np.testing.assert_array_equal(weighed[0], lab(refs))  # completion n: study n // G's labels (NaN equal to NaN)
     r = roll.rewards.view(-1, G)
     A = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
     A[torch.repeat_interleave((r == r[:, :1]).all(1), G)] = 0
