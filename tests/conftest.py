@@ -19,20 +19,18 @@ def pytest_configure(config):
 
 # Tests that launch torchrun or two JVMs (8-30 s each) go first: pytest-xdist hands tests out in collection order, so
 # the two workers then end together rather than one waiting on a long test at the end (-n 2: the suite's wall time).
+# (RRGCL's torchrun test shares module fixtures with its file's other tests and stays in place.)
 LONG_FIRST = {
-    "test_torchrun_two_processes",
-    "test_torchrun_two_processes_equal_one_process",  # DCRRG's; RRGCL's shares module fixtures and stays in place
-    "test_two_nodes_through_the_c10d_rendezvous_equal_one_process",
-    "test_an_error_on_one_rank_ends_the_job_at_once",
-    "test_meteor_equals_pycocoevalcap",
+    *(("test_" + script + ".py", "test_torchrun_two_processes") for script in ("orapo", "mrg_r1", "deer")),
+    ("test_dcrrg.py", "test_torchrun_two_processes_equal_one_process"),
+    ("test_running.py", "test_two_nodes_through_the_c10d_rendezvous_equal_one_process"),
+    ("test_running.py", "test_an_error_on_one_rank_ends_the_job_at_once"),
+    ("test_metrics.py", "test_meteor_equals_pycocoevalcap"),
 }
 
 
 def pytest_collection_modifyitems(items):
-    def first(item):
-        return item.originalname in LONG_FIRST and "test_rrgcl" not in item.nodeid
-
-    items.sort(key=lambda item: not first(item))  # stable: the rest keep their order
+    items.sort(key=lambda item: (item.path.name, item.originalname) not in LONG_FIRST)  # stable: the rest keep order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,11 +88,18 @@ def small_foundation(small_synthetic):
 
 
 @pytest.fixture
-def synthetic_is_small(monkeypatch, small_synthetic, small_foundation):
-    """`--data synthetic` reads the small set, and its foundation is the small one (as the full ones are found)."""
+def synthetic_set_is_small(monkeypatch, small_synthetic):
+    """`--data synthetic` reads the small set (as the full one is found)."""
     import common
 
     monkeypatch.setattr(common, "synthetic_data", lambda *a, **k: small_synthetic)
+
+
+@pytest.fixture
+def synthetic_is_small(monkeypatch, synthetic_set_is_small, small_foundation):
+    """`--data synthetic` reads the small set, and its foundation is the small one (as the full ones are found)."""
+    import common
+
     monkeypatch.setattr(common, "synthetic_foundation", lambda *a, **k: small_foundation)
 
 

@@ -271,11 +271,11 @@ def test_mccs_at_the_edge_of_its_margin_range_and_dpo_beta_0_would_learn_nothing
         ("real", "tiny", "chexbert", None, ("chexbert", None)),  # CheXbert's real weights, downloaded
     ],
 )
+@pytest.mark.usefixtures("synthetic_set_is_small")  # not the full set, drawn
 def test_the_labeler_a_run_uses(tmp_path, small_synthetic, monkeypatch, data, model, labeler, weights, expected):
     made = []
     monkeypatch.setattr(common, "synthetic_chexbert", lambda *a, **k: "sandbox")
     monkeypatch.setattr(common, "load_data", lambda *a, **k: common.load_annotation(small_synthetic))
-    monkeypatch.setattr(common, "synthetic_data", lambda *a, **k: small_synthetic)  # not the full set, drawn
     monkeypatch.setattr(common, "make_labeler", lambda name, w=None, device=None: made.append((name, w)) or None)
     args = common.RunArgs(
         data="synthetic" if data == "synthetic" else str(small_synthetic),

@@ -114,6 +114,7 @@ def test_auto_labeler_and_dtype():
     assert common.resolve_defaults(args()).dtype == "fp32"  # no GPU here: bf16 only where a GPU has it
 
 
+@pytest.mark.usefixtures("synthetic_set_is_small")  # not the full set, drawn
 def test_a_synthetic_run_labels_with_the_sandbox_chexbert(tmp_path, small_synthetic, monkeypatch):
     """start_run on --data synthetic with --labeler auto builds CheXbert from the sandbox's weights (trained once by
     synthetic_chexbert) and records their path in config.json."""
@@ -124,7 +125,6 @@ def test_a_synthetic_run_labels_with_the_sandbox_chexbert(tmp_path, small_synthe
         return common.RuleLabeler()
 
     monkeypatch.setattr(common, "load_data", lambda data, **kwargs: common.load_annotation(small_synthetic))
-    monkeypatch.setattr(common, "synthetic_data", lambda *a, **k: small_synthetic)  # not the full set, drawn
     monkeypatch.setattr(common, "synthetic_chexbert", lambda: "cache/chexbert-v2/chexbert.pth")
     monkeypatch.setattr(common, "make_labeler", make_labeler)
     run = common.start_run(common.RunArgs(out=str(tmp_path / "r"), tiny_start="random"))
