@@ -98,7 +98,7 @@ class Args(common.RunArgs):
 
 
 # Sec. 4.1's settings that are not worth a flag, and our choices where the paper is silent
-SFT = dict(lr_hf=1e-5, lr_tiny=1e-3, batch_hf=64, batch_tiny=32)  # Sec. 4.1 (HF); the tiny model starts random: ours
+SFT = dict(lr_hf=1e-5, lr_tiny=1e-3, batch_hf=64, batch_tiny=32)  # Sec. 4.1 (HF); the tiny model's: ours
 # The paper's RL starts from a finished SFT cold start; the sandbox's tiny model trains SFT until it stops improving:
 # validation CE example F1 (the headline) of greedy reports on N_VAL studies every 100 steps, stopped after 4
 # validations without a gain of 0.005, the best weights kept (declared before any sweep; README, DEER's premises)
