@@ -33,6 +33,18 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: (item.path.name, item.originalname) not in LONG_FIRST)  # stable: the rest keep order
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item):
+    """An error inside pytest's own handling of a test (an internal error: under pytest-xdist, the worker's traceback
+    and no test name) names the test it was running (.ci/run's digest prints the line)."""
+    try:
+        return (yield)
+    except Exception as e:
+        if hasattr(e, "add_note"):  # Python 3.11 and newer
+            e.add_note(f"raised while pytest ran {item.nodeid}")
+        raise
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     # `--data synthetic` caches under $RRG_CACHE: keep tests out of the user's cache. METEOR starts a JVM
