@@ -269,6 +269,9 @@ def test_mccs_at_the_edge_of_its_margin_range_and_dpo_beta_0_would_learn_nothing
         ("real", "tiny", "auto", None, ("rule", None)),  # the tiny model on real data, offline
         ("real", "tiny", "auto", "mine.pth", ("chexbert", "mine.pth")),
         ("real", "tiny", "chexbert", None, ("chexbert", None)),  # CheXbert's real weights, downloaded
+        ("synthetic", "Qwen/Qwen2.5-VL-3B-Instruct", "auto", None, ("chexbert", "sandbox")),
+        ("real", "Qwen/Qwen2.5-VL-3B-Instruct", "auto", None, ("chexbert", None)),  # a paper's model: its labeler
+        ("real", "Qwen/Qwen2.5-VL-3B-Instruct", "auto", "mine.pth", ("chexbert", "mine.pth")),
     ],
 )
 @pytest.mark.usefixtures("synthetic_set_is_small")  # not the full set, drawn
@@ -418,8 +421,10 @@ def test_every_reward_counts_an_uncertain_finding_as_present():
     import orapo
 
     unsure, sure = labels(Edema=-1), labels(Edema=1)
-    assert mrg_r1.mccs(unsure, sure, 0.5)[0] == pytest.approx(1.0) and mrg_r1.ce_f1_reward(sure, unsure)[0] == 1.0
-    assert deer.report_f1(unsure, sure)[0] == 1.0
+    for generated, reference in [(unsure, sure), (sure, unsure)]:
+        assert mrg_r1.mccs(generated, reference, 0.5)[0] == pytest.approx(1.0)
+        assert mrg_r1.ce_f1_reward(generated, reference)[0] == 1.0
+        assert deer.report_f1(generated, reference)[0] == 1.0
     assert deer.diagnostic_diversity(np.stack([unsure[0], sure[0]])[None])[0] == 0.0  # the same binary label in both
     reward, _ = orapo.facts_reward(
         ["Possible mild pulmonary edema."], sure, orapo.SentenceFacts(), common.RuleLabeler()
