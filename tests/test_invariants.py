@@ -150,6 +150,15 @@ def test_a_converging_warm_start_stopped_and_resumed_equals_one_never_stopped(
     assert same(a, b)
 
 
+@pytest.mark.parametrize("name, title", [("mrg_r1", "MRG-R1"), ("deer", "DEER"), ("rrgcl", "RRGCL")])
+def test_each_sft_stopping_rule_is_the_one_its_readme_section_declares(name, title):
+    """The rules were declared before the sweeps, in each paper's premises table: the code and the declaration agree
+    (a change to either alone fails)."""
+    rule = importlib.import_module(name).CONVERGE
+    section = (ROOT / "README.md").read_text().split(f"## {title} (`{name}.py`)")[1].split("\n## ")[0]
+    assert f"(every {rule['every']} steps, patience {rule['patience']}, gain {rule['min_gain']:g})" in section
+
+
 # --- the flags a stage's --resume checks ---------------------------------------------------------------------------
 def test_deer_stages_depend_on_these_flags_and_no_others():
     """A stage's output depends on every flag listed (a resume with another value is refused) and on no other (it may
