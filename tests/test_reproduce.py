@@ -495,6 +495,27 @@ def test_runner_never_runs_two_jobs_of_one_folder_at_once(tmp_path, monkeypatch)
     assert [x.split()[0] for x in lines] == ["start", "end"] * 3, lines
 
 
+def test_a_later_sweep_adds_its_seeds_to_the_results_and_keeps_the_ones_there(tmp_path, monkeypatch, capsys):
+    """`--seeds 900-901` after the declared sweep: the results file keeps seeds 400-407 with their launch records, and
+    adds 900-901."""
+    exp = reproduce.EXPERIMENTS["orapo"]
+
+    def value(seed, arm, metric):
+        return 0.1 + 0.001 * seed
+
+    (tmp_path / "orapo.json").write_text(json.dumps(fake_results("orapo", exp.declared, value)))
+    monkeypatch.setattr(reproduce, "run_all", lambda *a, **k: None)  # the runs: done
+    monkeypatch.setattr(reproduce, "collect", lambda name, seeds, root: fake_results(name, seeds, value))
+    reproduce.main(
+        ["orapo", "--seeds", "900-901", "--out", str(tmp_path), "--results", str(tmp_path), "--figures", str(tmp_path)]
+    )
+    data = json.loads((tmp_path / "orapo.json").read_text())
+    seeds = [str(s) for s in [*exp.declared, 900, 901]]
+    assert sorted(data["seeds"]) == sorted(data["runs"]) == sorted(seeds)
+    assert data["seeds"]["400"] == fake_results("orapo", [400], value)["seeds"]["400"]
+    assert "Extension, seeds 900-901" in capsys.readouterr().out
+
+
 def test_report_command_prints_from_the_results_file(tmp_path):
     exp = reproduce.EXPERIMENTS["orapo"]
     data = fake_results("orapo", exp.declared, lambda s, a, m: 0.1 * (a == "OraPO + FactS") + 0.001 * s)
