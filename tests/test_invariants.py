@@ -492,7 +492,7 @@ def test_degenerate_output_warns_past_half_identical_and_not_at_half():
     assert "6 identical" in common.degenerate_output(over, refs, "test")["warning"]
     assert "(test)" in common.degenerate_output(over, refs, "test")["warning"]
     assert common.degenerate_output(["The lungs are clear."] * 4, refs[:4])["warning"] == ""  # under 5: no call
-    words = ["zzz"] * 6 + refs[6:]  # 6 of 10 with no word of the references, all distinct otherwise
-    assert (
-        "6 of 10 without a word" in common.degenerate_output([w + str(k) for k, w in enumerate(words)], refs)["warning"]
-    )
+    for contentless, warned in [(5, False), (6, True)]:  # of 10 with no word of the references, all distinct
+        hyps = [f"zzz{k}" for k in range(contentless)] + refs[contentless:]
+        warning = common.degenerate_output(hyps, refs)["warning"]
+        assert (f"{contentless} of 10 without a word" in warning) == warned and (warning != "") == warned
