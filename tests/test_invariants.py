@@ -393,7 +393,9 @@ def test_a_recheck_refuses_the_sweeps_own_folder(tmp_path, monkeypatch):
     results.write_text(json.dumps(data))
     (tmp_path / "orapo").mkdir()
     reproduce.records_path(job, tmp_path / "orapo").parent.mkdir(parents=True, exist_ok=True)
-    reproduce.records_path(job, tmp_path / "orapo").write_text(json.dumps(record) + "\n")
+    later = {**record, "started": "a launch of its own"}  # beside the sweep's record: the folder still holds that
+    reproduce.records_path(job, tmp_path / "orapo").write_text(json.dumps(record) + "\n" + json.dumps(later) + "\n")
+    monkeypatch.setattr(reproduce, "run_all", lambda *a, **k: pytest.fail("the recheck ran in the sweep's folder"))
     with pytest.raises(SystemExit, match="holds the sweep's own runs of seed 400: give --out a fresh folder"):
         reproduce.main(["orapo", "--recheck", "400", "--out", str(tmp_path), "--results", str(tmp_path)])
 
