@@ -761,11 +761,12 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, difficulty_
 
 
 def test_after_the_schedule_training_goes_on_until_validation_stops_improving(
-    tmp_path, small_synthetic, difficulty_file, monkeypatch
+    tmp_path, small_synthetic, difficulty_file, monkeypatch, crash_after_checkpoint
 ):
     """--converge yes (the sandbox's rule for every table's model): validation every `every` steps from the start;
     after t = T every study until `patience` validations bring no gain, stopping no earlier than the schedule's end;
-    the best validated weights are the ones tested."""
+    the best validated weights are the ones tested. The rule's state travels in the checkpoint: stopped after step 4
+    and resumed, the run stops where, and keeps what, the run never stopped does."""
     monkeypatch.setattr(rrgcl, "CONVERGE", dict(every=2, patience=2, min_gain=10.0, max_steps=40))  # never a gain
     monkeypatch.setattr(rrgcl, "N_VAL", 4)
     kept = {}
@@ -791,6 +792,17 @@ def test_after_the_schedule_training_goes_on_until_validation_stops_improving(
     assert results["steps"] == 6 and results["converge"]["best_step"] == 2
     tested = common.load_policy(out / "final").model.state_dict()
     assert all(torch.equal(tested[k], kept[2][k]) for k in tested)  # the best validation's weights, not the last
+    monkeypatch.setattr(common, "CHECKPOINT_EVERY", 4)
+    crash_after_checkpoint(4)  # after the first validation past the schedule: best step 2, one validation waited
+    stopped = tmp_path / "stopped"
+    with pytest.raises(Crash):
+        rrgcl.main(flags + ["--out", str(stopped), "--difficulty", str(difficulty_file), "--converge", "yes"])
+    crash_after_checkpoint(None)
+    rrgcl.main(flags + ["--out", str(stopped), "--difficulty", str(difficulty_file), "--converge", "yes", "--resume"])
+    resumed = json.loads((stopped / "eval.json").read_text())
+    assert (resumed["steps"], resumed["converge"]) == (results["steps"], results["converge"])
+    again = common.load_policy(stopped / "final").model.state_dict()
+    assert all(torch.equal(again[k], tested[k]) for k in tested)
     plain = tmp_path / "plain"
     rrgcl.main(
         flags + ["--out", str(plain), "--difficulty", str(difficulty_file)]
