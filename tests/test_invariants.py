@@ -199,6 +199,8 @@ def test_dcrrg_resumes_a_step_with_another_steps_budget_refused_and_other_steps_
     dcrrg.main([*flags, "--step1-steps", "1"])
     with pytest.raises(SystemExit, match=r"--step1-steps 1 in the run, 2 now"):
         dcrrg.main([*flags, "--step1-steps", "2", "--resume"])
+    with pytest.raises(SystemExit, match=r"--seed 0 in the run, 1 now"):  # a step's own flags, the shared ones too
+        dcrrg.main([*flags, "--step1-steps", "1", "--seed", "1", "--resume"])
     dcrrg.main([*flags, "--step1-steps", "1", "--step2-steps", "7", "--resume"])  # finished: read back
 
 
