@@ -779,8 +779,10 @@ def test_after_the_schedule_training_goes_on_until_validation_stops_improving(
 
     monkeypatch.setattr(common.Convergence, "update", update)
     flags = ["--data", str(small_synthetic), "--epochs", "2", "--batch-size", "8", "--steps", "3"]
+    flags += ["--difficulty", str(difficulty_file)]
+    converging = [*flags, "--converge", "yes"]
     out = tmp_path / "run"
-    rrgcl.main(flags + ["--out", str(out), "--difficulty", str(difficulty_file), "--converge", "yes"])
+    rrgcl.main([*converging, "--out", str(out)])
     rows = read_jsonl(out / "metrics.jsonl")
     validated = [x["step"] for x in rows if "validation" in x]
     # the schedule's 3 steps; the rule: best at step 2 (the first), 2 validations without a gain: steps 4 and 6
@@ -796,17 +798,15 @@ def test_after_the_schedule_training_goes_on_until_validation_stops_improving(
     crash_after_checkpoint(4)  # after the first validation past the schedule: best step 2, one validation waited
     stopped = tmp_path / "stopped"
     with pytest.raises(Crash):
-        rrgcl.main(flags + ["--out", str(stopped), "--difficulty", str(difficulty_file), "--converge", "yes"])
+        rrgcl.main([*converging, "--out", str(stopped)])
     crash_after_checkpoint(None)
-    rrgcl.main(flags + ["--out", str(stopped), "--difficulty", str(difficulty_file), "--converge", "yes", "--resume"])
+    rrgcl.main([*converging, "--out", str(stopped), "--resume"])
     resumed = json.loads((stopped / "eval.json").read_text())
     assert (resumed["steps"], resumed["converge"]) == (results["steps"], results["converge"])
     again = common.load_policy(stopped / "final").model.state_dict()
     assert all(torch.equal(again[k], tested[k]) for k in tested)
     plain = tmp_path / "plain"
-    rrgcl.main(
-        flags + ["--out", str(plain), "--difficulty", str(difficulty_file)]
-    )  # random start: --converge auto = no
+    rrgcl.main([*flags, "--out", str(plain)])  # random start: --converge auto = no
     assert read_jsonl(plain / "metrics.jsonl")[-1]["step"] == 3 and "converge" not in json.loads(
         (plain / "eval.json").read_text()
     )
