@@ -1,20 +1,21 @@
-"""common.py: the shared part of rrg-from-scratch. Part I is what a paper computes, in the order of one training step;
-Part II, the machine room, changes nothing a paper computes.
+"""common.py: what a real run of rrg-from-scratch shares, in the order of one training step: a reader follows one
+step of any script from top to bottom.
 
-Part I, read beside the papers (one RL step: I.2's rollout through I.3's policy, scored through I.1's labels, then
-I.2's losses; evaluation: I.4)
-  I.1 Labels    the 14 CheXpert observations (CheXbert order), label arrays (N, 14): 1, 0, -1 uncertain, NaN blank;
-                binarize, CheXpert's No Finding, LabelCache (each text labelled once a step), make_labeler
-  I.2 RL core   group_advantages, grpo_loss (grpo / bnpo / dr_grpo, k3 KL), dpo_loss (LN-DPO), rollout (sample, score)
-  I.3 Policy    one interface (prompt_batch, repeat, generate, completion_logprobs, sft_loss) for TinyPolicy and
-                HFPolicy (Qwen2.5-VL and kin); LoRA written out
-  I.4 Metrics   BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its jar), CE P/R/F1, evaluate_generations
-  I.5 Data      R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, views, batches; image and text encoders
-Part II, the machine room
-  II.1 Labelers RuleLabeler (CheXpert's rules), CheXbertLabeler (f1chexbert's model, real or sandbox weights)
-  II.2 Sandbox  the synthetic set and its captions; the sandbox's CheXbert and foundation, each trained once, cached
-  II.3 Running  torchrun, Run (folder, steps, metrics.jsonl, checkpoints, resume, evaluation), warm starts, AdamW
-  II.4 Commands flags from an Args dataclass; python common.py evaluate | chexbert | foundation | synthetic | plot
+  1 Data       R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, views, batches; image and text encoders
+  2 Policy     the rollout; one interface (Policy) for TinyPolicy (`--model tiny`) and HFPolicy (Qwen2.5-VL and its
+               fine-tunes); the tiny VLM and its tokenizer; LoRA written out
+  3 Labels     the 14 CheXpert observations (CheXbert order), label arrays (N, 14): 1, 0, -1 uncertain, NaN blank;
+               LabelCache; the labelers a reward calls: CheXbert (f1chexbert's model) and the CheXpert rules (part 9)
+  4 RL core    group_advantages, grpo_loss (grpo / bnpo / dr_grpo, k3 KL), dpo_loss (LN-DPO)
+  5 A step's end  Run: the steps, log(), the optimizer step, the step's line (metrics.jsonl), the checkpoint (last.pt);
+               then Run's set-up (folder, stages, resume) and its end (evaluation, final/, eval.json)
+  6 Set-up     RunArgs (the shared flags), start_run (torchrun, data, labeler, folder), warm starts and their stopping
+               rule, build_policy and the frozen reference, AdamW and its schedule, loading a checkpoint
+  7 Metrics    BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its jar), CE P/R/F1, evaluate_generations
+  8 Commands   flags from an Args dataclass; python common.py evaluate | plot; a run's figures
+  9 Insides    the rule labeler's phrase lists (CheXpert's rules); the collectives (torch.distributed)
+The synthetic sandbox (`--data synthetic`, its CheXbert, its foundation) lives in tests/sandbox.py: sandbox() imports
+it only where a run asks for it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,7 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -59,7 +58,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from tqdm.auto import tqdm, trange
+from tqdm.auto import tqdm
 
 log = logging.getLogger("rrg")
 try:  # a torchvision built for another torch fails in its C++ operators, then transformers in each model it imports
@@ -77,174 +76,300 @@ except (ImportError, RuntimeError, AttributeError) as e:  # one line, not 60 of 
     ) from None
 
 
-# ==================================================================================================================
-# PART I: what a paper computes, in the order of one training step (read it beside the papers)
-# ==================================================================================================================
-# ==== I.1 Labels and the label cache: what a reward and a CE number read ===========================
-# CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
-CHEXPERT_LABELS = [
-    "Enlarged Cardiomediastinum",
-    "Cardiomegaly",
-    "Lung Opacity",
-    "Lung Lesion",
-    "Edema",
-    "Consolidation",
-    "Pneumonia",
-    "Atelectasis",
-    "Pneumothorax",
-    "Pleural Effusion",
-    "Pleural Other",
-    "Fracture",
-    "Support Devices",
-    "No Finding",
-]
-FINDINGS = CHEXPERT_LABELS[:13]  # the 13 observations other than No Finding
-LABEL_INDEX = {name: i for i, name in enumerate(CHEXPERT_LABELS)}
-POSITIVE, NEGATIVE, UNCERTAIN, BLANK = 1.0, 0.0, -1.0, float("nan")
+# ==== 1. Data: annotation files, views, cleaning, batches; the image and text encoders DCRRG and RRGCL use ============
 
 
-def binarize(labels, uncertain_as: int = 1) -> np.ndarray:
-    """(N, 14) labels 1/0/-1/NaN -> int {0, 1}: positive, and uncertain when uncertain_as == 1."""
-    x = np.asarray(labels, dtype=float)
-    return ((x == 1) | ((x == -1) & (uncertain_as == 1))).astype(np.int64)
+@dataclass
+class Record:
+    """One study: id, image paths (IU X-Ray: 1-5 views, MIMIC-CXR in R2Gen's file: one), report, labels if given."""
+
+    id: str
+    image_paths: list[str]
+    report: str
+    split: str
+    labels: np.ndarray | None = None
+    meta: dict = field(default_factory=dict)  # any other fields of the record, kept as is
 
 
-def apply_no_finding_rule(labels: np.ndarray) -> np.ndarray:
-    """CheXpert's No Finding, in place: 1 when nothing but Support Devices is positive or uncertain, else blank."""
-    others = [LABEL_INDEX[n] for n in FINDINGS if n != "Support Devices"]
-    labels[..., LABEL_INDEX["No Finding"]] = np.where(np.isin(labels[..., others], (1, -1)).any(-1), np.nan, 1.0)
-    return labels
+# Report cleaning as R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py), as in the papers' NLG numbers, quirks
+# and all: it deletes every "1. " (list markers, but also in "11. " and "1.5"), its punctuation class holds the range
+# ":-\[" (0x3A-0x5B), which also deletes ";<=>?@" while "-" stays, and empty sentences stay (". .").
+R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: see above
 
 
-class LabelCache:
-    """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
+def clean_report(report: str, style: str = "mimic_cxr") -> str:
+    """R2Gen's clean_report_mimic_cxr (style "mimic_cxr") or clean_report_iu_xray ("iu_xray")."""
 
-    def __init__(self, labeler):
-        self.labeler = labeler
-        self.labels = {}  # text -> (14,) labels
+    def collapse(t, old, new, times):
+        """R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes."""
+        for _ in range(times):
+            t = t.replace(old, new)
+        return t
 
-    def __call__(self, texts: list[str]) -> np.ndarray:
-        new = [t for t in dict.fromkeys(texts) if t not in self.labels]
-        if new:
-            self.labels.update(zip(new, self.labeler(new)))
-        return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
+    def sent_cleaner(s):
+        """R2Gen's, per sentence: quotes and slashes out, then R2GEN_PUNCT."""
+        s = s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
+        return R2GEN_PUNCT.sub("", s.strip().lower())
 
-
-def make_labeler(name: str, chexbert_weights=None, device=None):
-    """--labeler rule|chexbert; CheXbert on `device`, by default the GPU where there is one."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
-
-
-# ==== I.2 RL core: group advantages, the GRPO clipped loss (three normalisations), DPO, rollouts ====
-# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N, T as in section 5; tensors in, (loss, stats) out.
-def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
-    """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
-    std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
-    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(f"the reward function returned NaN or inf at completions {bad}")
-    if group_size < 2:  # one completion per prompt: every advantage is 0 and nothing would be learned
-        raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
-    r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
-    A = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    if scale == "std":
-        A = A / (r.std(dim=1, keepdim=True) + eps)  # (B, G), Bessel's std (N - 1)
-    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) every reward of the group equal
-    return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
+    if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
+        report = collapse(collapse(report.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
+    t = collapse(report, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
+    for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
+        t = t.replace(marker, ". ")
+    return " . ".join(sent_cleaner(s) for s in t.strip().lower().split(". ")) + " ."
 
 
-def grpo_loss(
-    logp,
-    old_logp,
-    ref_logp,
-    advantages,
-    mask,
-    clip_eps_low=0.2,
-    clip_eps_high=0.2,
-    beta=0.0,
-    loss_type="grpo",
-    max_completion_length=None,
-):
-    """Clipped GRPO surrogate plus the k3 KL -> (loss, stats). Equals TRL's GRPOTrainer loss with
-    use_bias_correction_kl=False (TRL's default since 1.10, True, multiplies the KL term by the differentiable ratio).
-    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp may be None when beta == 0.
-    old_logp=None means one update per rollout: old = logp.detach(), the ratio is exactly 1, clipping never acts
-    (the loss is ~ -mean A, its gradient is not 0). Normalisation of the masked per-token loss L_it, where they differ:
-      "grpo":    mean over each sequence's tokens, then over the N sequences
-      "bnpo":    sum over all tokens / number of completion tokens in the batch
-      "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
-    A sequence with an empty mask contributes 0 and still counts among the N."""
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("dr_grpo needs max_completion_length (its constant normaliser)")
-    mask = mask.to(logp.dtype)  # (N, T)
-    old_logp = logp.detach() if old_logp is None else old_logp  # (N, T)
-    A = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (N, 1) or (N, T)
-    # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old per token, L = -min(ratio A, clip(ratio) A)
-    ratio = torch.exp(logp - old_logp)  # (N, T)
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
-    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
-    kl = None  # (N, T) with a reference
-    if ref_logp is not None:
-        # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
-        log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
-        kl = torch.exp(log_r) - log_r - 1  # (N, T)
-        if beta:
-            per_token = per_token + beta * kl  # (N, T)
-    n_tokens = mask.sum().clamp(min=1)  # ()
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # ()
-    elif loss_type == "bnpo":
-        loss = (per_token * mask).sum() / n_tokens  # ()
-    else:
-        loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
-    with torch.no_grad():  # as TRL counts them: a token is clipped when the min took the clipped branch
-        A_t = A.expand_as(ratio)  # (N, T)
-        low, high = (ratio < 1 - clip_eps_low) & (A_t < 0), (ratio > 1 + clip_eps_high) & (A_t > 0)  # (N, T) each
-        is_clipped = (low | high).to(mask.dtype)  # (N, T)
-        stats = {
-            "clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
-            "kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0,
-            "ratio_mean": ((ratio * mask).sum() / n_tokens).item(),
-        }
-    return loss, stats
+def clean_style(records: list[Record]) -> str:
+    """Open-i image names (CXR<n>_IM-...) give "iu_xray", others "mimic_cxr"."""
+    iu = re.compile(r"(?:^|/)CXR\d+_IM-\d+")
+    return "iu_xray" if any(iu.search(p) for r in records for p in r.image_paths) else "mimic_cxr"
 
 
-def dpo_loss(
-    policy_chosen,
-    policy_rejected,
-    ref_chosen,
-    ref_rejected,
-    beta=0.1,
-    length_normalize=False,
-    chosen_mask=None,
-    rejected_mask=None,
-):
-    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
-    with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
-    length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
+def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Record]]:
+    """R2Gen's image input: n views per study (IU X-Ray: 2), the first n of the record; a study with fewer repeats
+    its last (R2Gen's own IU file keeps 2-view studies only); n = 1 when no study has more (MIMIC-CXR's file)."""
+    n = min(n, max(len(r.image_paths) for records in data.values() for r in records))
 
-    def seq_logp(lp, m):
-        """(N, T) with a mask -> (N,); (N,) as it is."""
-        if m is None:
-            return lp
-        total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
-        return total / m.sum(-1).clamp(min=1) if length_normalize else total
+    def views(paths):
+        return (paths + [paths[-1]] * n)[:n]
 
-    c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
-    r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
-    # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
-    chosen_reward, rejected_reward = beta * (c - ref_c), beta * (r - ref_r)  # (N,) implicit rewards, Sec. 5
-    margin = chosen_reward - rejected_reward  # (N,)
-    loss = -torch.nn.functional.logsigmoid(margin).mean()  # ()
-    with torch.no_grad():
-        stats = {
-            "reward_margin": margin.mean().item(),
-            "chosen_reward": chosen_reward.mean().item(),
-            "rejected_reward": rejected_reward.mean().item(),
-            "accuracy": (margin > 0).float().mean().item(),
-        }
-    return loss, stats
+    return {
+        split: [dataclasses.replace(r, image_paths=views(r.image_paths)) for r in records]
+        for split, records in data.items()
+    }
+
+
+def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
+    """R2Gen's annotation.json, {split: [{"id", "report", "image_path": [...], "labels" (optional: 14 of 1/0/-1/null)}]}
+    -> {split: [Record]}, images under its 'images' folder if any. Bad records: one error listing them, or dropped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"annotation file not found: {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(raw, dict) or any(not isinstance(raw.get(s), list) for s in splits):
+        raise ValueError(
+            f"{path}: expected {{'train': [records], 'val': [...], 'test': [...]}} (R2Gen's layout), "
+            f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}"
+        )
+    root = path.parent / "images" if (path.parent / "images").is_dir() else path.parent
+    out = {split: [] for split in splits}
+    problems = []
+
+    def image_problem(name: str) -> str | None:
+        """Reads the header only: a 0-byte or foreign file fails at load, not mid-run."""
+        try:
+            with Image.open(root / name) as im:
+                return None if min(im.size) > 0 else f"empty image {name}"
+        except FileNotFoundError:
+            return f"image not found: {name}"
+        except (UnidentifiedImageError, OSError) as e:
+            return f"cannot read image {name} ({type(e).__name__})"
+
+    names = {
+        p
+        for split in splits
+        for row in raw[split]
+        if isinstance(row, dict)
+        for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
+        if isinstance(p, str)
+    }
+    with ThreadPoolExecutor(8) as pool:  # every image's header, in threads
+        unreadable = dict(zip(names, pool.map(image_problem, names)))
+    for split in splits:
+        for n, row in enumerate(raw[split]):
+            where = f"{path} [{split}][{n}]" + (f" id={row.get('id')!r}" if isinstance(row, dict) else "")
+            if not isinstance(row, dict) or any(k not in row for k in ("id", "report", "image_path")):
+                problems.append(f"{where}: a record needs 'id', 'report' and 'image_path'")
+                continue
+            paths = [row["image_path"]] if isinstance(row["image_path"], str) else row["image_path"]
+            labels = row.get("labels")
+            if not isinstance(row["report"], str) or not row["report"].strip():
+                problems.append(f"{where}: empty report")
+            elif not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+                problems.append(f"{where}: 'image_path' must be a file name or a list of them, got {paths!r:.200}")
+            elif bad := [unreadable[p] for p in paths if unreadable[p]]:
+                problems.append(f"{where}: {bad[0]} (under {root})")
+            elif labels is not None and (
+                not isinstance(labels, list)
+                or len(labels) != len(CHEXPERT_LABELS)
+                or any(v not in (1, 0, -1, None) or isinstance(v, bool) for v in labels)
+            ):
+                problems.append(
+                    f"{where}: 'labels' must be 14 values (1, 0, -1 or null) in the order {CHEXPERT_LABELS}"
+                )
+            else:
+                if labels is not None:
+                    labels = np.array([np.nan if v is None else float(v) for v in labels])
+                meta = {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")}
+                record = Record(str(row["id"]), [str(root / p) for p in paths], row["report"], split, labels, meta)
+                out[split].append(record)
+    if problems and not drop_invalid:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise ValueError(f"{path}: {len(problems)} bad record(s):\n  {shown}\n(--drop-invalid skips them)")
+    for p in problems:
+        log.warning("dropped: %s", p)
+    return out
+
+
+def load_image(path: str, record_id: str = "?"):
+    """An 8-bit grey-scale PIL image; a clear error names the file and the record."""
+    try:
+        with Image.open(path) as im:
+            return im.convert("L")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"record {record_id}: image not found: {path}") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"record {record_id}: cannot read image {path} ({e})") from None
+
+
+def default_transform(size: int = 224, channels: int = 3):
+    """R2Gen's test transform, grey over `channels` (its training flip would swap the sides the reports name)."""
+    import torchvision.transforms as T
+
+    mean, std = [0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]  # ImageNet's
+    return T.Compose([T.Grayscale(channels), T.Resize((size, size)), T.ToTensor(), T.Normalize(mean, std)])
+
+
+class ReportDataset(torch.utils.data.Dataset):
+    """{"id", "images": (V, C, H, W) (PIL views with transform="pil"), "report", "labels": (14,), NaN blank}."""
+
+    def __init__(self, records: list[Record], transform="pil"):
+        self.records, self.transform = records, transform
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        r = self.records[i]
+        images = [load_image(p, r.id) for p in r.image_paths]
+        if self.transform != "pil":
+            images = torch.stack([self.transform(im) for im in images])  # (V, C, H, W)
+        labels = r.labels if r.labels is not None else np.full(len(CHEXPERT_LABELS), np.nan)
+        labels = torch.as_tensor(labels, dtype=torch.float32)
+        return {"id": r.id, "images": images, "report": r.report, "labels": labels}
+
+
+def pad_views(studies: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """B studies' views (V_i, C, H, W) -> (B, V, C, H, W) zero-padded to the most views, view_mask (B, V): 1 if real."""
+    images = torch.nn.utils.rnn.pad_sequence(studies, batch_first=True)
+    view_mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in studies], batch_first=True)
+    return images, view_mask
+
+
+def collate(batch: list[dict]) -> dict:
+    """ReportDataset items -> a batch; tensor images as pad_views() gives them, with "view_mask"."""
+    out = {k: [b[k] for b in batch] for k in ("id", "report", "images")}
+    out["labels"] = torch.stack([b["labels"] for b in batch])
+    if isinstance(out["images"][0], torch.Tensor):
+        out["images"], out["view_mask"] = pad_views(out["images"])
+    return out
+
+
+def split_batch(batch: dict, n: int) -> list[dict]:
+    """B studies -> n micro-batches of B / n (gradient accumulation)."""
+    size = exact_div(len(batch["id"]), n, "studies per process / --grad-accum")
+    return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(n)]
+
+
+def study_batches(records: list[Record], batch_size: int, seed=0, rank=0, world_size=1, start_step=0, transform="pil"):
+    """Endless (epoch, batch) of shuffled studies, each rank its shard: resumed at `start_step`, the same batches."""
+    if len(records) < batch_size * world_size:
+        raise ValueError(f"{len(records)} studies cannot fill one batch of {batch_size} on each of {world_size} ranks")
+    dataset = ReportDataset(records, transform)
+    sampler = torch.utils.data.DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
+    per_epoch = len(sampler) // batch_size
+    epoch, skip = divmod(start_step, per_epoch)
+    while True:
+        sampler.set_epoch(epoch)
+        order = list(sampler)  # this rank's shuffled indices for the epoch
+        for b in range(skip, per_epoch):
+            yield epoch, collate([dataset[i] for i in order[b * batch_size : (b + 1) * batch_size]])
+        epoch, skip = epoch + 1, 0
+
+
+def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
+    """--data: "synthetic", an annotation.json or its folder."""
+    if data == "synthetic":
+        return load_annotation(sandbox().synthetic_data(), **kwargs)
+    return load_annotation(Path(data) / "annotation.json" if Path(data).is_dir() else data, **kwargs)
+
+
+# Image and text encoders of DCRRG and RRGCL (neither uses the policy interface for them) ----------
+class ViewMean(torch.nn.Module):
+    """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d)."""
+
+    def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None, dim: int | None = None):
+        super().__init__()
+        self.body, self.head, self.dim = body, head, dim or getattr(body, "dim", None)
+
+    def forward(self, x):
+        return self.body(x.flatten(0, 1)).view(x.shape[0], x.shape[1], -1).mean(1)  # (B, d)
+
+
+class SmallCNN(torch.nn.Module):
+    """Offline image encoder (B, 1, S, S) -> (B, dim): 3 x 3 conv blocks (GroupNorm: no batch statistics),
+    average-pooled to grid x grid (where a sign lies stays visible), flattened, then Linear + ReLU to `dim`."""
+
+    def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
+        super().__init__()
+        c = [1, *widths]
+        blocks = []
+        for i, o, s in zip(c, c[1:], strides):
+            blocks += [torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+        blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
+        if dim is not None:
+            blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*blocks)
+        self.dim = dim or c[-1] * grid * grid
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--pretrained") -> ViewMean:
+    """torchvision ResNet-`depth` without its classifier, as a ViewMean -> (B, 2048). weights: None, "imagenet"
+    (downloaded once when asked) or a state-dict file (a checkpoint's "module."/"model." prefixes are dropped)."""
+    name = f"resnet{depth}"
+    imagenet = torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
+    net = torchvision.models.get_model(name, weights=imagenet)
+    dim, net.fc = net.fc.in_features, torch.nn.Identity()
+    if weights not in (None, "imagenet"):
+        if not Path(weights).is_file():
+            raise FileNotFoundError(f"{flag} {weights}: no such file (a torchvision ResNet-{depth} state dict)")
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("module.").removeprefix("model."): v for k, v in state.get("state_dict", state).items()}
+        try:
+            net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
+        except RuntimeError as e:
+            raise ValueError(f"{flag} {weights}: not a torchvision ResNet-{depth} state dict ({e!s:.300})") from None
+    return ViewMean(net, dim=dim)
+
+
+def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_length: int = 512) -> torch.Tensor:
+    """Mean of a BERT-like model's last hidden states over each text's word pieces -> (B, H)."""
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    h = model(**enc).last_hidden_state  # (B, L, H)
+    m = enc["attention_mask"][..., None].to(h.dtype)  # (B, L, 1)
+    return (h * m).sum(1) / m.sum(1)
+
+
+def sandbox():
+    """tests/sandbox.py, the synthetic set and its trained models, imported on first use: a run on real data never
+    reads it."""
+    if "sandbox" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "sandbox", Path(__file__).resolve().parent / "tests" / "sandbox.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sandbox"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sandbox"]
+
+
+# ==== 2. The policy: the rollout, one interface for the tiny VLM and Hugging Face VLMs, LoRA ==========================
 
 
 @dataclass
@@ -277,17 +402,28 @@ def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0,
     return Rollout(prompts, ids, mask, texts, rewards, ref_logp)
 
 
-# ==== I.3 The policy: one interface for the tiny built-in VLM and Hugging Face VLMs; LoRA ===========
-# Every script talks to a policy through the same methods (N = B prompts x G samples, groups contiguous; T tokens):
-#   prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
-#   repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
-#   generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
-#   completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
-#   encode_targets(texts) -> ids, mask; decode(ids, mask) -> texts; sft_loss(prompts, texts); save(dir); load_policy
+class Policy:
+    """What every script calls on a policy (N = B prompts x G samples, groups contiguous; T tokens). TinyPolicy and
+    HFPolicy each implement
+      prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
+      repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
+      generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
+      decode(ids, mask) -> N texts
+      completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
+      encode_targets(texts) -> ids, mask: right-padded, EOS last
+      save(dir), read back by load_policy(dir); vision_and_language() -> (vision modules, language modules)
+    and both compute the SFT loss below from them."""
+
+    def sft_loss(self, prompts: dict, texts: list[str]):
+        """Teacher-forced NLL of the texts: token sum / token count."""
+        ids, mask = self.encode_targets(texts)
+        return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
+
+
 _WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
 
 
-class TinyPolicy:
+class TinyPolicy(Policy):
     """The tiny built-in policy (`--model tiny`): its prompt is the image prefix + BOS (`text` is ignored)."""
 
     def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
@@ -310,12 +446,6 @@ class TinyPolicy:
         prompts = {"pixel_values": pixel_values, "view_mask": view_mask, "start_ids": start_ids}
         return {k: v.to(self.device) for k, v in prompts.items()}
 
-    def caption_prompts(self, images) -> dict:
-        """The sandbox foundation's other task: prompt_batch with <caption> as the start token."""
-        prompts = self.prompt_batch(images)
-        prompts["start_ids"] = torch.full_like(prompts["start_ids"], self.tokenizer.index[CAPTION_TOKEN])
-        return prompts
-
     def vision_and_language(self):
         """(the CNN and its projection, the GPT-2 decoder) as modules, as HFPolicy's."""
         return torch.nn.ModuleList([self.model.encoder, self.model.project]), self.model.decoder
@@ -332,6 +462,9 @@ class TinyPolicy:
             self, self.model.decoder, inputs, 0, max_new_tokens, temperature, do_sample, return_logprobs, top_p
         )
 
+    def decode(self, completion_ids, completion_mask) -> list[str]:
+        return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
+
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
         prefix = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
@@ -344,14 +477,6 @@ class TinyPolicy:
         targets = [self.tokenizer.encode(t)[: self.model.hparams["max_len"] - 1] + [self.eos_token_id] for t in texts]
         return pad_completions(targets, self.pad_token_id, self.device)
 
-    def decode(self, completion_ids, completion_mask) -> list[str]:
-        return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
-
-    def sft_loss(self, prompts: dict, texts: list[str]):
-        """Teacher-forced NLL of the texts: token sum / token count."""
-        ids, mask = self.encode_targets(texts)
-        return -(self.completion_logprobs(prompts, ids, mask) * mask).sum() / mask.sum()
-
     def save(self, path, state_dict: dict | None = None):
         """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's."""
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -361,7 +486,7 @@ class TinyPolicy:
         torch.save(checkpoint, Path(path) / "tiny_policy.pt")
 
 
-class HFPolicy:
+class HFPolicy(Policy):
     """A Qwen2-VL-family model (Qwen2.5-VL, HuatuoGPT-Vision-7B-Qwen2.5VL): the chat template with one image per view,
     left-padded; completions right-padded. The hub's top_k / top_p / repetition penalty give way to plain temperature
     sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
@@ -443,6 +568,10 @@ class HFPolicy:
                 self, self.model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p
             )
 
+    def decode(self, completion_ids, completion_mask) -> list[str]:
+        rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
+        return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
+
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T)."""
         T = completion_ids.shape[1]
@@ -462,12 +591,6 @@ class HFPolicy:
         targets = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         targets = [ids[: self.MAX_TARGET_TOKENS - 1] + [self.eos_token_id] for ids in targets]
         return pad_completions(targets, self.pad_token_id, self.device)
-
-    def decode(self, completion_ids, completion_mask) -> list[str]:
-        rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
-        return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
-
-    sft_loss = TinyPolicy.sft_loss
 
     def save(self, path, state_dict: dict | None = None):
         """save_pretrained with LoRA folded into the weights (the live model untouched), and the processor: the folder
@@ -702,7 +825,926 @@ def lora_disabled(model: torch.nn.Module):
             m.enabled = True
 
 
-# ==== I.4 Metrics and evaluation: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D), CE (P/R/F1), degenerate output ====
+# ==== 3. Labels: the 14 observations, the label cache, the labelers a reward calls (CheXbert; the rules: part 9) ======
+
+
+# CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
+CHEXPERT_LABELS = [
+    "Enlarged Cardiomediastinum",
+    "Cardiomegaly",
+    "Lung Opacity",
+    "Lung Lesion",
+    "Edema",
+    "Consolidation",
+    "Pneumonia",
+    "Atelectasis",
+    "Pneumothorax",
+    "Pleural Effusion",
+    "Pleural Other",
+    "Fracture",
+    "Support Devices",
+    "No Finding",
+]
+FINDINGS = CHEXPERT_LABELS[:13]  # the 13 observations other than No Finding
+LABEL_INDEX = {name: i for i, name in enumerate(CHEXPERT_LABELS)}
+POSITIVE, NEGATIVE, UNCERTAIN, BLANK = 1.0, 0.0, -1.0, float("nan")
+
+
+def binarize(labels, uncertain_as: int = 1) -> np.ndarray:
+    """(N, 14) labels 1/0/-1/NaN -> int {0, 1}: positive, and uncertain when uncertain_as == 1."""
+    x = np.asarray(labels, dtype=float)
+    return ((x == 1) | ((x == -1) & (uncertain_as == 1))).astype(np.int64)
+
+
+def apply_no_finding_rule(labels: np.ndarray) -> np.ndarray:
+    """CheXpert's No Finding, in place: 1 when nothing but Support Devices is positive or uncertain, else blank."""
+    others = [LABEL_INDEX[n] for n in FINDINGS if n != "Support Devices"]
+    labels[..., LABEL_INDEX["No Finding"]] = np.where(np.isin(labels[..., others], (1, -1)).any(-1), np.nan, 1.0)
+    return labels
+
+
+class LabelCache:
+    """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
+
+    def __init__(self, labeler):
+        self.labeler = labeler
+        self.labels = {}  # text -> (14,) labels
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        new = [t for t in dict.fromkeys(texts) if t not in self.labels]
+        if new:
+            self.labels.update(zip(new, self.labeler(new)))
+        return np.array([self.labels[t] for t in texts]).reshape(len(texts), len(CHEXPERT_LABELS))  # (N, 14)
+
+
+def make_labeler(name: str, chexbert_weights=None, device=None):
+    """--labeler rule|chexbert; CheXbert on `device`, by default the GPU where there is one."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return RuleLabeler() if name == "rule" else CheXbertLabeler(weights=chexbert_weights, device=device)
+
+
+# CheXbert (Smit et al. 2020, arXiv:2004.09167): BERT-base, one linear head per observation over [CLS]; 13 heads of
+# 4 classes (0 blank, 1 positive, 2 negative, 3 uncertain), No Finding's of 2 (0 blank, 1 positive). As label.py:
+CHEXBERT_CLASS_VALUES = (np.nan, POSITIVE, NEGATIVE, UNCERTAIN)
+CHEXBERT_MAX_PIECES = 512  # including [CLS] and [SEP]: longer reports keep their first 510 pieces
+CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
+
+
+def chexbert_model(config=None, path=None):
+    """f1chexbert's bert_labeler, its BERT built from a config (its own __init__ downloads bert-base-uncased); `path`:
+    chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) loaded strictly (f1chexbert: strict=False)."""
+    with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
+        from f1chexbert.f1chexbert import bert_labeler
+    from transformers import BertConfig, BertModel
+
+    sandbox = path is not None and Path(path).with_name("vocab.txt").is_file()  # the sandbox's layout
+    if config is None and sandbox and Path(path).with_name("config.json").is_file():  # its small BERT's config
+        config = BertConfig.from_json_file(Path(path).with_name("config.json"))
+    config = config or BertConfig()  # bert-base-uncased: 30522 word pieces, 768 hidden, 12 layers
+
+    class CheXbertModel(bert_labeler):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.bert, self.dropout = BertModel(config), torch.nn.Dropout(0.1)
+            heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
+            self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
+
+    model = CheXbertModel()
+    if path is None:
+        return model
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
+            f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})"
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
+    except (RuntimeError, OSError, EOFError, AttributeError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path}: not a CheXbert checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
+    if "bert.embeddings.position_ids" not in model.state_dict():  # older transformers saved this buffer
+        state.pop("bert.embeddings.position_ids", None)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: does not match CheXbert's model ({str(e)[:300]})") from None
+    return model
+
+
+def from_hub(load):
+    """load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)."""
+    try:
+        return load(True)
+    except OSError:  # not cached (transformers and huggingface_hub raise OSError subclasses)
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=5).close()
+        except OSError as e:
+            raise ValueError(
+                f"--labeler chexbert needs {CHEXBERT_FILE} (Hub repo {CHEXBERT_REPO}) and bert-base-uncased's "
+                f"tokenizer, and huggingface.co cannot be reached ({e}): give --chexbert-weights FILE (with the "
+                "tokenizer in the Hugging Face cache), or --labeler rule (offline rules)"
+            ) from None
+    return load(False)
+
+
+class CheXbertLabeler:
+    """CheXbert's labels (N, 14) as RuleLabeler's, in batches sorted by length (f1chexbert labels one at a time)."""
+
+    def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
+        from transformers import BertTokenizerFast
+
+        if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
+            from huggingface_hub import hf_hub_download
+
+            def download(offline):
+                return hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)
+
+            model = chexbert_model(path=from_hub(download) if weights is None else weights)
+        vocab = Path(weights).with_name("vocab.txt") if weights is not None else None
+        if tokenizer is None and vocab is not None and vocab.is_file():  # the sandbox's word pieces, beside the weights
+            tokenizer = BertTokenizerFast.from_pretrained(str(vocab.parent))
+        self.tokenizer = tokenizer or from_hub(
+            lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased", local_files_only=offline)
+        )
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.device, self.batch_size = torch.device(device), batch_size
+
+    def encode(self, report: str) -> list[int] | None:
+        """[CLS] pieces [SEP], cut to 512 as CheXbert; None for an empty report."""
+        if not report.strip():
+            return None
+        ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
+        if len(ids) > CHEXBERT_MAX_PIECES:
+            ids = ids[: CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
+        return ids
+
+    @torch.inference_mode()
+    def __call__(self, reports: list[str]) -> np.ndarray:
+        out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)  # empty reports stay blank
+        encoded = [(i, s) for i, s in enumerate(map(self.encode, reports)) if s is not None]
+        encoded.sort(key=lambda x: len(x[1]))  # similar lengths share a batch: little padding
+        for b in range(0, len(encoded), self.batch_size):
+            chunk = encoded[b : b + self.batch_size]
+            ids, mask = pad_completions([s for _, s in chunk], self.tokenizer.pad_token_id, self.device)  # (B, L) each
+            # the reward runs inside the policy's bf16 autocast: labels must not depend on it
+            with torch.autocast(ids.device.type, enabled=False):
+                logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
+            classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14) 0 blank, 1 pos, 2 neg, 3 unc
+            out[[i for i, _ in chunk]] = np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]
+        return out
+
+
+# ==== 4. The RL core: group advantages, the GRPO clipped loss (three normalisations), DPO =============================
+
+
+# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N, T as in section 5; tensors in, (loss, stats) out.
+def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
+    """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
+    std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"the reward function returned NaN or inf at completions {bad}")
+    if group_size < 2:  # one completion per prompt: every advantage is 0 and nothing would be learned
+        raise ValueError(f"--group-size {group_size}: group-relative advantages need at least 2 completions per prompt")
+    r = rewards.view(-1, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # (B, G)
+    A = r - r.mean(dim=1, keepdim=True)  # (B, G)
+    if scale == "std":
+        A = A / (r.std(dim=1, keepdim=True) + eps)  # (B, G), Bessel's std (N - 1)
+    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) every reward of the group equal
+    return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
+
+
+def grpo_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    beta=0.0,
+    loss_type="grpo",
+    max_completion_length=None,
+):
+    """Clipped GRPO surrogate plus the k3 KL -> (loss, stats). Equals TRL's GRPOTrainer loss with
+    use_bias_correction_kl=False (TRL's default since 1.10, True, multiplies the KL term by the differentiable ratio).
+    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp may be None when beta == 0.
+    old_logp=None means one update per rollout: old = logp.detach(), the ratio is exactly 1, clipping never acts
+    (the loss is ~ -mean A, its gradient is not 0). Normalisation of the masked per-token loss L_it, where they differ:
+      "grpo":    mean over each sequence's tokens, then over the N sequences
+      "bnpo":    sum over all tokens / number of completion tokens in the batch
+      "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
+    A sequence with an empty mask contributes 0 and still counts among the N."""
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("dr_grpo needs max_completion_length (its constant normaliser)")
+    mask = mask.to(logp.dtype)  # (N, T)
+    old_logp = logp.detach() if old_logp is None else old_logp  # (N, T)
+    A = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (N, 1) or (N, T)
+    # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old per token, L = -min(ratio A, clip(ratio) A)
+    ratio = torch.exp(logp - old_logp)  # (N, T)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
+    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
+    kl = None  # (N, T) with a reference
+    if ref_logp is not None:
+        # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
+        log_r = ref_logp - logp  # (N, T) r = log pi_ref - log pi_theta
+        kl = torch.exp(log_r) - log_r - 1  # (N, T)
+        if beta:
+            per_token = per_token + beta * kl  # (N, T)
+    n_tokens = mask.sum().clamp(min=1)  # ()
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # ()
+    elif loss_type == "bnpo":
+        loss = (per_token * mask).sum() / n_tokens  # ()
+    else:
+        loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
+    with torch.no_grad():  # as TRL counts them: a token is clipped when the min took the clipped branch
+        A_t = A.expand_as(ratio)  # (N, T)
+        low, high = (ratio < 1 - clip_eps_low) & (A_t < 0), (ratio > 1 + clip_eps_high) & (A_t > 0)  # (N, T) each
+        is_clipped = (low | high).to(mask.dtype)  # (N, T)
+        stats = {
+            "clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
+            "kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0,
+            "ratio_mean": ((ratio * mask).sum() / n_tokens).item(),
+        }
+    return loss, stats
+
+
+def dpo_loss(
+    policy_chosen,
+    policy_rejected,
+    ref_chosen,
+    ref_rejected,
+    beta=0.1,
+    length_normalize=False,
+    chosen_mask=None,
+    rejected_mask=None,
+):
+    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
+    with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
+    length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
+
+    def seq_logp(lp, m):
+        """(N, T) with a mask -> (N,); (N,) as it is."""
+        if m is None:
+            return lp
+        total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
+        return total / m.sum(-1).clamp(min=1) if length_normalize else total
+
+    c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
+    r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
+    # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
+    chosen_reward, rejected_reward = beta * (c - ref_c), beta * (r - ref_r)  # (N,) implicit rewards, Sec. 5
+    margin = chosen_reward - rejected_reward  # (N,)
+    loss = -torch.nn.functional.logsigmoid(margin).mean()  # ()
+    with torch.no_grad():
+        stats = {
+            "reward_margin": margin.mean().item(),
+            "chosen_reward": chosen_reward.mean().item(),
+            "rejected_reward": rejected_reward.mean().item(),
+            "accuracy": (margin > 0).float().mean().item(),
+        }
+    return loss, stats
+
+
+# ==== 5. What one step writes and when: Run's steps, log line, optimizer step, checkpoint; its set-up and end =========
+
+
+CHECKPOINT_EVERY = 50  # steps between checkpoints (also at the end, and when stopped by Ctrl-C)
+
+
+class Run:
+    """One run: processes (rank, world size, device, dtype), inputs (data, labeler), folder (README, "Run folders")."""
+
+    def __init__(
+        self, args, rank, world_size, device, data, labeler, resume_flags=None, check=True, notes=(), foundation=None
+    ):
+        self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
+        self.foundation = foundation  # the sandbox's foundation folder (--tiny-start foundation), else None
+        self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
+        self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
+        self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
+        self.start, self._saved = 0, None  # the first step and what checkpoints hold: restore() sets both
+        self.done = None  # a finished run's results (eval.json)
+        self._stats = defaultdict(list)  # log()'s numbers of this step
+        problem = self._check_folder() if check and self.is_main else None
+        problem, self.done = broadcast_object((problem, self.done))
+        if problem:
+            raise ValueError(problem)
+        self.resuming = bool(args.resume and (self.out / "config.json").is_file())
+        self.resolved = {}  # what the flags' None and "auto" came to (record())
+        if check:  # the flags, beside the run's files (a folder holding nothing else is a run that failed its checks)
+            self.record()
+
+    def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
+        """(step, batch), step = start (default: restore()'s) .. total - 1, with a progress bar of 4 of `bar`. The loop
+        writes each step itself: log_step(step) (its line in metrics.jsonl), then checkpoint(step). Ctrl-C or SIGTERM
+        is noted, and the run saves and stops at that step's checkpoint()."""
+        if start is None:
+            start = self.start
+        self._progress = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
+        self._clock, self._total, self._bar, self._stop = time.time(), total, bar, []
+        data = batches(start)
+        optimizer = self._saved[1] if self._saved else None
+        old_handlers = {}
+        if threading.current_thread() is threading.main_thread():  # Python sets handlers in the main thread only
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                old_handlers[signum] = signal.signal(signum, lambda *_: self._stop.append(1))
+        try:
+            for step in range(start, total):
+                self._lr = {"lr": optimizer.param_groups[0]["lr"]} if optimizer is not None else {}  # before the update
+                yield step, next(data)
+        finally:
+            self._progress.close()
+            for signum, handler in old_handlers.items():
+                signal.signal(signum, handler)
+
+    def log(self, **stats):
+        """Numbers for this step's line in metrics.jsonl (several calls in a step are averaged)."""
+        for k, v in stats.items():
+            self._stats[k].append(float(v))
+
+    def optimizer_step(self, params, optimizer, scheduler=None, max_grad_norm: float | None = None) -> float:
+        """Average the gradients over ranks, clip, step, clear; logs and returns the norm before clipping."""
+        params = list(params)
+        all_reduce_gradients(params, self.world_size)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.log(grad_norm=norm)
+        return norm
+
+    def log_step(self, step: int):
+        """metrics.jsonl's line of `step` (written as step + 1): the time so far, the lr the step used and the means of
+        what log() was given, averaged over ranks; the progress bar moves. Every rank calls it."""
+        stats = all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())})
+        row = {"step": step + 1, "time": round(time.time() - self._clock, 2), **self._lr, **stats}
+        self._stats.clear()
+        if self.is_main:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            self._progress.update(1)
+            self._progress.set_postfix({k: f"{row[k]:.3g}" for k in self._bar[:4] if k in row}, refresh=False)
+
+    def checkpoint(self, step: int):
+        """out/last.pt after `step`, atomically, when due: every CHECKPOINT_EVERY steps, at the last step, and after
+        Ctrl-C (then the run stops). Every rank calls it: its RNG state goes in, a resume draws as if never stopped."""
+        interrupted = all_reduce_mean(float(bool(self._stop))) > 0  # every rank stops at the same step
+        if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == self._total or interrupted):
+            self.save_checkpoint(step + 1)
+        if interrupted:
+            raise KeyboardInterrupt(
+                f"stopped after step {step + 1}, with {self.out / 'last.pt'} saved: the same command with --resume "
+                "continues"
+            )
+
+    def save_checkpoint(self, step: int):
+        """out/last.pt with the step count `step`: what restore() named, and every rank's RNG states."""
+        model, optimizer, scheduler, state = self._saved
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as tensors and lists: loadable with weights_only
+        rng = {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        states = all_gather_objects(rng)
+        params = dict(model.named_parameters())
+        partial = not all(p.requires_grad for p in params.values())
+        weights, optim = full_state_dicts(model, optimizer) if isinstance(model, FSDPModule) else (None, None)
+        if self.is_main:
+            weights = weights or {
+                k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad
+            }
+            if optim is None and optimizer is not None:  # not sharded
+                optim = optimizer.state_dict()
+            checkpoint = {"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {}}
+            checkpoint["optimizer"] = optim
+            checkpoint["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+            checkpoint["config"] = asdict(self.args)
+            atomic_save(checkpoint, self.out / "last.pt")
+        barrier()
+
+    def autocast(self):
+        return autocast(self.device, self.dtype)
+
+    def write(self, name: str, text: str):
+        """Rank 0 writes out/<name> ("a/x.json" too) atomically: no half-written file."""
+        if self.is_main:
+            atomic_save(text, self.out / name)
+
+    # Set-up: the folder and its flags, stages, resume, batches -------------------------------------------
+    def record(self, **resolved):
+        """config.json: the flags, the notes, and what a script resolved its defaults to (`resolved`: "lr": 1e-4)."""
+        self.resolved |= resolved
+        config = asdict(self.args) | {"notes": self.notes, "resolved": self.resolved}
+        self.write("config.json", json.dumps(config, indent=2, default=str))
+
+    def _check_folder(self) -> str | None:
+        """A fresh run needs an empty folder, a resumed one the run's flags; a finished one sets .done (eval.json)."""
+        config = self.out / "config.json"
+        if not self.args.resume:
+            if self.out.is_dir() and any(p.is_file() and p.name != "config.json" for p in self.out.rglob("*")):
+                return f"{self.out} already holds a run: pass --resume to continue it, or give another --out"
+        elif config.is_file():
+            saved, now = json.loads(config.read_text()), json.loads(json.dumps(asdict(self.args), default=str))
+            keep = self.resume_flags or [k for k in now if k not in MAY_CHANGE_ON_RESUME]
+            diff = [k for k in keep if saved.get(k) != now[k]]
+            if diff:
+                shown = "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} in the run, {now[k]!r} now" for k in diff)
+                return f"--resume with flags that differ from {config}: {shown}"
+            if (self.out / "eval.json").is_file():
+                self.done = json.loads((self.out / "eval.json").read_text())
+        elif self.resume_flags is None:
+            return f"--resume: {config} not found; is --out the folder of the run to resume?"
+
+    def stage(self, name: str, flags) -> Run:
+        """A run in out/<name> (config, log, checkpoint) sharing processes, data, labeler; --resume checks `flags`."""
+        args = dataclasses.replace(self.args, out=str(self.out / name))
+        processes = (self.rank, self.world_size, self.device)
+        inputs = (self.data, self.labeler)
+        return Run(args, *processes, *inputs, resume_flags=tuple(flags), notes=self.notes, foundation=self.foundation)
+
+    def per_rank(self, batch_size: int, flag: str) -> int:
+        """A global batch (as the papers count) -> this rank's share."""
+        return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
+
+    def restore(self, model, optimizer=None, scheduler=None, state: dict | None = None) -> int:
+        """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's
+        `state`); ranks sample apart from here (seed + rank). --resume loads out/last.pt, RNG too. -> the start step."""
+        self._saved = (model, optimizer, scheduler, state)
+        seed_everything(self.args.seed, self.rank)
+        if self.resuming and (self.out / "last.pt").is_file():
+            self.start, extra = load_checkpoint(self.out / "last.pt", model, optimizer, scheduler)
+            if state is not None:
+                state.update(extra)
+        if self.resuming and self.is_main and (self.out / "metrics.jsonl").is_file():  # drop lines after the checkpoint
+            rows = (self.out / "metrics.jsonl").read_text().splitlines(keepends=True)
+            self.write("metrics.jsonl", "".join(r for r in rows if json.loads(r)["step"] <= self.start))
+        return self.start
+
+    def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size", transform="pil"):
+        """batches(start) for steps(): this rank's share of shuffled global batches of studies (images: `transform`)."""
+        n = self.per_rank(batch_size, flag)
+
+        def batches(start: int):
+            epochs_and_batches = study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform)
+            return (batch for _, batch in epochs_and_batches)
+
+        return batches
+
+    # The end: evaluation, the trained model, the results -------------------------------------------------
+    def evaluate(
+        self,
+        policy,
+        records,
+        name,
+        prompt,
+        max_new_tokens,
+        report=None,
+        score=None,
+        meteor=False,
+        ce=None,
+        radgraph=None,
+    ) -> dict:
+        """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
+        NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
+        to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
+        path = self.out / f"eval_{name}.json"
+        if self.resuming and path.is_file():
+            return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
+        mine = records[self.rank :: self.world_size]  # each rank a strided share, greedy
+        # padded as long as rank 0's share: every rank makes as many generate() calls (FSDP)
+        padded = mine + records[: len(records[:: self.world_size]) - len(mine)]
+        completions = []
+        for b in tqdm(range(0, len(padded), 32), desc=name, disable=not self.is_main):
+            images = [[load_image(p, r.id) for p in r.image_paths] for r in padded[b : b + 32]]
+            prompts = policy.prompt_batch(images, prompt)
+            with torch.no_grad(), self.autocast():
+                completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
+        completions = gather_strided(completions[: len(mine)], self.world_size)
+        results = None
+        if self.is_main:
+            rows = [
+                {"id": r.id, "reference": r.report, "generated": report(c) if report else c}
+                | ({"completion": c} if report else {})
+                for r, c in zip(records, completions)
+            ]
+            labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
+            gold = np.stack([r.labels for r in records]) if all(r.labels is not None for r in records) else None
+            ce = dict(ce or {}, gold=gold, name=name, radgraph=radgraph)
+            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **ce)
+            if score:
+                results |= score(rows, labeler)
+            self.write(f"generations_{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+            self.write(path.name, json.dumps(results, indent=2))
+        return broadcast_object(results)
+
+    def finish(self, results: dict, policy=None) -> dict:
+        """The trained policy to out/final/, the results to out/eval.json (--resume's sign that the run is done)."""
+        weights = full_state_dicts(policy.model)[0] if isinstance(getattr(policy, "model", None), FSDPModule) else None
+        if self.is_main and policy is not None:
+            policy.save(self.out / "final", weights)
+        self.write("eval.json", json.dumps(results, indent=2))
+        if self.is_main and (self.out / "metrics.jsonl").is_file() and os.environ.get("RRG_FIGURES") != "0":
+            plot_run(self.out)  # figures/training.png (RRG_FIGURES=0: none, as in the tests)
+        barrier()
+        return results
+
+
+def atomic_save(obj, path: Path):
+    """torch.save (a str: its text) beside `path`, then renamed: a crash keeps the old file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(obj, str):
+        tmp.write_text(obj)
+    else:
+        torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# ==== 6. Set-up: the shared flags, start_run, warm starts, the policy and its reference, AdamW, resume ================
+
+
+@dataclass
+class RunArgs:
+    """The flags every script shares; a script's Args adds its paper's hyper-parameters."""
+
+    data: str = "synthetic"
+    """"synthetic", or an R2Gen-layout annotation.json (IU X-Ray, MIMIC-CXR) or its folder"""
+    model: str = "tiny"
+    """"tiny" (built in, offline) or a Hugging Face vision-language model id or folder"""
+    labeler: Literal["auto", "rule", "chexbert"] = "auto"
+    """chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert, but rule for --model tiny on
+    real data without --chexbert-weights"""
+    chexbert_weights: str | None = None
+    """a local chexbert.pth (else downloaded once from the Hub; on --data synthetic the sandbox's, trained once)"""
+    out: str | None = None
+    """the run's folder, empty or absent for a fresh run; None: runs/<script>-<data name> ("synthetic", the folder's)"""
+    seed: Annotated[int, "[0, 2e9]"] = 0
+    """data order, initial weights and samples (rank r samples with seed + r)"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 (the papers') on a GPU that has it, else fp32; what trains keeps fp32 master weights"""
+    clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"
+    """R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's"""
+    tiny_start: Literal["auto", "foundation", "random"] = "auto"
+    """--model tiny's weights at the start: foundation (the sandbox's pre-trained tiny VLM, trained once beside the
+    synthetic set: README) or random; auto: foundation on --data synthetic, else random"""
+    resume: bool = False
+    """continue the run in --out from its last checkpoint, with the flags in its config.json"""
+    drop_invalid: bool = False
+    """skip annotation records with a missing image or an empty report (each is logged)"""
+
+
+MAY_CHANGE_ON_RESUME = ("resume", "out")  # another --steps would move the lr schedule (and DEER's phases): another run
+
+
+def resolve_defaults(args):
+    """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
+    if args.labeler == "auto":  # the papers' CheXbert (the sandbox's own on --data synthetic), else rules offline
+        offline = args.model == "tiny" and args.data != "synthetic" and not args.chexbert_weights
+        args.labeler = "rule" if offline else "chexbert"
+    if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
+        args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    if args.model == "tiny" and args.tiny_start == "auto":  # as the papers, a pre-trained start (the sandbox's)
+        args.tiny_start = "foundation" if args.data == "synthetic" else "random"
+    if args.model == "tiny" and args.tiny_start == "foundation" and args.data != "synthetic":
+        raise ValueError("--tiny-start foundation needs --data synthetic: the foundation knows its images and words")
+    return args
+
+
+def start_run(args, stages: bool = False, notes=()) -> Run:
+    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
+    --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
+    `notes`: what this run cannot do as the paper does, one line each at start and in config.json."""
+    rank, world_size, device = setup_distributed()
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
+        torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
+    if rank != 0:
+        barrier()  # rank 0 first: it builds the synthetic set and trains the sandbox's CheXbert, once
+    resolve_defaults(args)
+    data = load_data(args.data, drop_invalid=args.drop_invalid)
+    if args.labeler == "chexbert" and args.data == "synthetic" and not args.chexbert_weights:
+        args.chexbert_weights = str(sandbox().synthetic_chexbert())  # the sandbox's, trained once beside the set
+    foundation = sandbox().synthetic_foundation() if args.model == "tiny" and args.tiny_start == "foundation" else None
+    if rank == 0:
+        barrier()
+    empty = [split for split in ("train", "test") if not data[split]]
+    if empty:  # before anything is written: a start that fails leaves nothing behind
+        dropped = " left by --drop-invalid" if args.drop_invalid else ""
+        raise ValueError(f"--data {args.data}: no {' or '.join(empty)} studies{dropped}")
+    if args.clean == "auto":
+        args.clean = clean_style([r for records in data.values() for r in records])
+    labeler = make_labeler(args.labeler, args.chexbert_weights, device)
+    rule = (
+        "labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
+        "CE numbers do not compare with published ones (--labeler chexbert)"
+    )
+    notes = [rule, *notes] if args.labeler == "rule" else list(notes)
+    seed_everything(args.seed)
+    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes, foundation=foundation)
+    if rank == 0:
+        log.info(start_block(run))
+        for note in notes:
+            log.warning("note: %s", note)
+    return run
+
+
+def start_block(run: Run) -> str:
+    """What a run reads and where it writes, a line each."""
+    args, views = run.args, Counter(len(r.image_paths) for records in run.data.values() for r in records)
+    data = sandbox().synthetic_data() if args.data == "synthetic" else args.data
+    weights = args.chexbert_weights or "StanfordAIMI/RRG_scorers' chexbert.pth (the papers')"
+    if args.data == "synthetic" and Path(weights).parent.name == f"chexbert-v{sandbox().SANDBOX_CHEXBERT_VERSION}":
+        weights = f"the sandbox's, trained on the synthetic reports: {weights}"
+    lines = {
+        "run folder": f"{run.out} ({'a new run' if not args.resume else '--resume: continued'})",
+        "data": f"{data}: {', '.join(f'{k} {len(v)}' for k, v in run.data.items())} studies; views per study: "
+        f"{', '.join(f'{v} in {n}' for v, n in views.most_common())} studies; cleaning {args.clean}",
+        "model": f"{args.model}; {args.dtype} on {run.device}; {run.world_size} process(es)"
+        + (f"; starts from the sandbox's foundation, {run.foundation}" if run.foundation else ""),
+        "labeler": f"chexbert, {weights}" if args.labeler == "chexbert" else "rule (offline CheXpert-style rules)",
+    }
+    if args.resume and run.done:  # a finished run: --resume reads its results back, trains nothing
+        lines["run folder"] = f"{run.out} (finished: --resume has nothing to train; its eval.json is read back)"
+    return "\n".join(f"{k:<12}{v}" for k, v in lines.items())
+
+
+def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
+    """A script's main(): flags (a first word picks one of `commands`), train; bad input or Ctrl-C: one line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = None
+    if commands:  # the first word, else the first command
+        command = argv.pop(0) if argv and not argv[0].startswith("-") else commands[0]
+        if command not in commands:
+            raise SystemExit(f"error: unknown command {command!r}; use one of {', '.join(commands)}")
+    args = parse_args(args_class, argv, doc)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:  # any other exception is a bug: its traceback propagates
+        results = train(command, args) if commands else train(args)
+    except (OSError, ValueError) as e:  # bad input (a file, a record, a flag): one line, no traceback
+        end_process(f"error: {e}", at_once=True)
+    except KeyboardInterrupt as e:  # Ctrl-C: the shell's code for SIGINT, 128 + 2
+        end_process(f"interrupted{': ' + str(e) if str(e) else ''}", code=130)
+    if os.environ.get("RANK", "0") == "0":
+        print(end_block(args.out))
+    end_process()
+    return results
+
+
+def end_block(out) -> str:
+    """Where a run wrote, a line each: its folder, results, test generations and figures (its stages' too)."""
+    out, lines = Path(out), [f"{'run folder':<12}{out}"]
+    main_files = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/*.png"}
+    for kind, glob in main_files.items():
+        found = sorted([*out.glob(glob), *out.glob(f"*/{glob}")], key=os.path.getmtime)
+        if found:
+            lines.append(f"{kind:<12}{', '.join(str(f.relative_to(out)) for f in found)}")
+    return "\n".join(lines)
+
+
+@dataclass
+class Convergence:
+    """A stopping rule for SFT, declared before any run: every `every` steps a validation score (higher is better);
+    the best weights are kept; training stops after `patience` validations without a gain of at least `min_gain` over
+    the best, or at `max_steps`. The fields after max_steps are its state, which checkpoints hold."""
+
+    every: int
+    patience: int
+    min_gain: float
+    max_steps: int
+    best: float = -math.inf
+    best_step: int = 0
+    waited: int = 0  # validations since the best
+    best_weights: dict = field(default_factory=dict)  # the trainable parameters at the best validation
+
+    def update(self, score: float, step: int, model: torch.nn.Module) -> dict:
+        """One validation's score -> the numbers a progress bar shows (this score, the best, validations left)."""
+        if score >= self.best + self.min_gain:
+            self.best, self.best_step, self.waited = score, step, 0
+            self.best_weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        else:
+            self.waited += 1
+        return {"validation": score, "best": self.best, "patience_left": self.patience - self.waited}
+
+    @property
+    def converged(self) -> bool:
+        return self.waited >= self.patience
+
+    def why(self, steps: int) -> str:
+        """The line that ends a run of the rule: where it stopped, why, and which weights it kept."""
+        reason = f"{self.waited} validations without a gain of {self.min_gain:g}" if self.converged else "max_steps"
+        return (
+            f"stopped after {steps} steps ({reason}); kept step {self.best_step}'s weights (validation {self.best:.4f})"
+        )
+
+
+def warm_start_stage(
+    run,
+    policy,
+    records,
+    steps,
+    lr,
+    batch_size,
+    prompt,
+    targets=None,
+    blind=False,
+    converge=None,
+    validate=None,
+    max_pixels=None,
+):
+    """SFT before RL, a stage of its own in out/warm_start: the teacher-forced likelihood of targets(batch) (default:
+    the reports), AdamW at a constant lr; `blind`: each view a blank image (the report text alone: a fluent, task-naive
+    start). `steps` steps, or with `converge` until validate(stage, policy, step) stops improving, the best weights
+    kept. Stopped, --resume continues it; finished, it is read back. -> final/'s policy (LoRA folded in)."""
+    stage = run.stage("warm_start", run.resume_flags or ())
+    if stage.done is None:
+        fp32_trainable(policy.model)
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr)
+        trained = stage.restore(policy.model, optimizer, state=vars(converge) if converge else None)
+        total = converge.max_steps if converge else steps
+        batches = stage.study_batches(records, batch_size, "the warm start's batch")
+        shown = ("sft_loss", "validation", "best", "patience_left")
+        for step, batch in stage.steps(total, batches, "warm start", bar=shown):
+            if converge and converge.converged:
+                break  # decided at the last validation (its metrics line is written)
+            images = batch["images"]
+            if blind:
+                images = [[Image.new("L", view.size) for view in views] for views in images]
+            texts = targets(batch) if targets else batch["report"]
+            loss = policy.sft_loss(policy.prompt_batch(images, prompt), texts)
+            loss.backward()
+            stage.optimizer_step(params, optimizer)
+            stage.log(sft_loss=loss.item())
+            trained = step + 1
+            if converge and trained % converge.every == 0:
+                stage.log(**converge.update(validate(stage, policy, trained), trained, policy.model))
+            stage.log_step(step)  # warm_start/metrics.jsonl: this step's line
+            stage.checkpoint(step)  # warm_start/last.pt every 50 steps, at the last step and on Ctrl-C
+        results = {"steps": trained}
+        if converge:
+            policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
+            results["converge"] = asdict(dataclasses.replace(converge, best_weights={}))
+            if stage.is_main:
+                log.info("warm start: %s", converge.why(trained))
+        stage.finish(results, policy)
+    return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)
+
+
+# The RL scripts' policy, optimiser and schedule --------------------------------------------------
+def initial_policy(run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512):
+    """--model's policy before the paper trains it, equal on every rank: the sandbox's foundation (--tiny-start
+    foundation), a random tiny model on the reports' words, or the Hugging Face model's own weights."""
+    if run.foundation is not None:
+        policy = load_policy(run.foundation / "vlm", run.device, run.dtype)
+    else:
+        policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
+    broadcast_parameters(policy.model)
+    return policy
+
+
+def build_policy(
+    run: Run,
+    records: list,
+    max_new_tokens: int,
+    *,
+    lora: dict | None = None,
+    reference: bool = True,
+    warm_start: dict | None = None,
+    init=None,
+    extra_tokens=(),
+    max_pixels: int | None = 512 * 512,
+    fsdp: bool = False,
+):
+    """(policy, reference): `init` (a saved policy) or initial_policy(), equal on every rank. `lora` ({r, alpha,
+    dropout, targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none":
+    reference=False). `warm_start` (warm_start_stage's settings) first fine-tunes on the reports."""
+    if init is not None:
+        policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
+        broadcast_parameters(policy.model)
+    else:
+        policy = initial_policy(run, [r.report for r in records], max_new_tokens, extra_tokens, max_pixels)
+
+    def add_lora():
+        vision = policy.vision_and_language()[0]  # its MLP shares the LM's names
+        apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"], exclude=vision)
+
+    if lora:
+        add_lora()
+    if warm_start and (warm_start["steps"] > 0 or warm_start.get("converge")):
+        policy = warm_start_stage(run, policy, records, **warm_start, max_pixels=max_pixels)  # LoRA folded in
+        if lora:  # fresh adapters on the warm-started weights: RL's base, and its LoRA-off reference
+            add_lora()
+    ref = "lora" if lora else (frozen_reference(policy) if reference else "none")  # LoRA off, a frozen copy, none
+    fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
+    if fsdp:  # after the warm start, which saved the model whole
+        shard(policy.model, run.dtype)
+        if not isinstance(ref, str):
+            shard(ref.model, run.dtype)
+    return policy, ref
+
+
+def frozen_reference(policy):
+    """A frozen copy computing as the policy at its start: linear and conv weights in --dtype (autocast's anyway), the
+    rest (embeddings, norms) fp32 where fp32_trainable makes the policy's (bf16: KL and DPO margins not 0 at step 0)."""
+    ref = copy.deepcopy(policy)
+    for m, m_ref in zip(policy.model.modules(), ref.model.modules()):
+        pairs = zip(m.parameters(recurse=False), m_ref.parameters(recurse=False))
+        linear = isinstance(m, torch.nn.Linear | torch.nn.Conv2d | torch.nn.Conv3d)
+        for p_ref in [q for p, q in pairs if p.requires_grad and not linear]:
+            p_ref.data = p_ref.data.float()
+    ref.model.eval().requires_grad_(False)
+    return ref
+
+
+def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
+    """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
+    optimizer = torch.optim.AdamW(list(params), lr=lr, **kwargs)
+    w = int(warmup * total)  # warm-up steps
+
+    def factor(step):
+        """The lr's multiplier at `step`."""
+        decay = {
+            "linear": (total - step) / max(1, total - w),
+            "constant": 1.0,
+            "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w))),
+        }
+        return (step + 1) / w if step < w else decay[schedule]
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def seed_everything(seed: int, rank: int = 0):
+    """Seeds python, numpy and torch (all CUDA devices too) with seed + rank (nanoGPT)."""
+    for seed_rng in (random.seed, np.random.seed, torch.manual_seed):
+        seed_rng(seed + rank)
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b for batch sizes that must be whole (lm-human-preference-details)."""
+    if b <= 0 or a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+def load_checkpoint(path, model, optimizer=None, scheduler=None):
+    """Restore the model, optimiser, schedule and this rank's RNG states -> (step, extra)."""
+    sharded = isinstance(model, FSDPModule)  # shard()'s: rank 0 alone reads (weights, AdamW: 36 GB for 3B) and sends
+    ckpt, problem = {}, None
+    if not sharded or torch.distributed.get_rank() == 0:
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+            problem = f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})"
+    if sharded:  # the small parts to every rank
+        problem, small = broadcast_object((problem, {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}))
+        ckpt = ckpt or small
+    if problem:
+        raise ValueError(problem)
+    if sharded:  # full state dicts (Run.checkpoint) from rank 0, each rank keeping its shards
+        from torch.distributed.checkpoint import state_dict as dcp
+
+        options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        dcp.set_model_state_dict(model, ckpt.get("model", {}), options=options)  # (set_state_dict skips the model
+        dcp.set_optimizer_state_dict(model, optimizer, ckpt.get("optimizer", {}), options=options)  # on empty ranks)
+    else:
+        try:
+            missing, unexpected = model.load_state_dict(ckpt["model"], strict=not ckpt["partial"])
+        except RuntimeError:  # names or shapes that do not fit
+            missing, unexpected = ["?"], ["?"]
+        if unexpected or {k for k, p in model.named_parameters() if p.requires_grad} & set(missing):
+            raise ValueError(f"{path} holds the trainable weights of another set-up: resume with the run's flags")
+        if optimizer is not None:
+            optimizer.load_state_dict(ckpt["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(ckpt["scheduler"])
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _distributed() else (0, 1)
+    if len(ckpt["rng"]) == world:
+        state = ckpt["rng"][rank]
+
+        def as_tuples(x):
+            """Python's RNG state is nested tuples; the checkpoint holds lists."""
+            return tuple(map(as_tuples, x)) if isinstance(x, (list, tuple)) else x
+
+        random.setstate(as_tuples(state["python"]))
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+    elif rank == 0:
+        log.warning("%s: saved by %d processes, not %d: RNG states not restored", path, len(ckpt["rng"]), world)
+    return ckpt["step"], ckpt["extra"]
+
+
+# ==== 7. Metrics and evaluation: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D), CE (P/R/F1), degenerate output =================
+
+
 # BLEU, ROUGE-L and CIDEr-D equal pycocoevalcap 1.2 (tests/test_metrics.py), written here because rewards score
 # thousands of pairs a step; one reference per report. METEOR is pycocoevalcap's Java jar: no port matches it.
 NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
@@ -986,304 +2028,191 @@ def read_generations(path) -> list[dict]:
     return rows
 
 
-# ==== I.5 The data core (annotation files, views, cleaning, batches) and the encoders ==============
-@dataclass
-class Record:
-    """One study: id, image paths (IU X-Ray: 1-5 views, MIMIC-CXR in R2Gen's file: one), report, labels if given."""
-
-    id: str
-    image_paths: list[str]
-    report: str
-    split: str
-    labels: np.ndarray | None = None
-    meta: dict = field(default_factory=dict)  # any other fields of the record, kept as is
+# ==== 8. The command line: flags from an Args dataclass; python common.py evaluate | plot =============================
 
 
-# Report cleaning as R2Gen (github.com/zhjohnchan/R2Gen, modules/tokenizers.py), as in the papers' NLG numbers, quirks
-# and all: it deletes every "1. " (list markers, but also in "11. " and "1.5"), its punctuation class holds the range
-# ":-\[" (0x3A-0x5B), which also deletes ";<=>?@" while "-" stays, and empty sentences stay (". .").
-R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: see above
+def field_helps(args_class) -> dict[str, str]:
+    """{field: help} from each class of args_class: the string under a field (CleanRL's attribute doc strings), so a
+    knob is written once, with its help and its source beside it. A subclass's help wins."""
+    helps = {}
+    for cls in reversed(args_class.__mro__[:-1]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        for node, after in itertools.pairwise(body):
+            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            if isinstance(node, ast.AnnAssign) and is_doc and isinstance(after.value.value, str):
+                helps[node.target.id] = " ".join(after.value.value.split())
+    return helps
 
 
-def clean_report(report: str, style: str = "mimic_cxr") -> str:
-    """R2Gen's clean_report_mimic_cxr (style "mimic_cxr") or clean_report_iu_xray ("iu_xray")."""
-
-    def collapse(t, old, new, times):
-        """R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes."""
-        for _ in range(times):
-            t = t.replace(old, new)
-        return t
-
-    def sent_cleaner(s):
-        """R2Gen's, per sentence: quotes and slashes out, then R2GEN_PUNCT."""
-        s = s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
-        return R2GEN_PUNCT.sub("", s.strip().lower())
-
-    if style == "mimic_cxr":  # IU X-Ray's cleaner skips these three steps
-        report = collapse(collapse(report.replace("\n", " "), "__", "_", 7), "  ", " ", 6)
-    t = collapse(report, "..", ".", 5 if style == "mimic_cxr" else 3).replace("1. ", "")
-    for marker in [f". {k}. " for k in "2345"] + [f" {k}. " for k in "2345"]:  # list markers 2.-5., in R2Gen's order
-        t = t.replace(marker, ". ")
-    return " . ".join(sent_cleaner(s) for s in t.strip().lower().split(". ")) + " ."
+def flag_type(f) -> tuple[str, str | None]:
+    """A field's type and the range beside it: Annotated[int | None, "[0, inf)"] -> ("int | None", "[0, inf)")."""
+    annotated = re.fullmatch(r"Annotated\[(.+), ['\"](.+)['\"]\]", f.type)
+    return annotated.groups() if annotated else (f.type, None)
 
 
-def clean_style(records: list[Record]) -> str:
-    """Open-i image names (CXR<n>_IM-...) give "iu_xray", others "mimic_cxr"."""
-    iu = re.compile(r"(?:^|/)CXR\d+_IM-\d+")
-    return "iu_xray" if any(iu.search(p) for r in records for p in r.image_paths) else "mimic_cxr"
+def default_out(args_class, data: str) -> Path:
+    """runs/<script>-<data name>: "synthetic", the folder of an annotation.json (or given), another file's name."""
+    path = Path(data).parent if Path(data).name == "annotation.json" else Path(data)
+    name = path.stem if path.suffix == ".json" else path.resolve().name
+    script = Path(getattr(sys.modules[args_class.__module__], "__file__", "run")).stem
+    return Path(f"runs/{script}-{name}")
 
 
-def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Record]]:
-    """R2Gen's image input: n views per study (IU X-Ray: 2), the first n of the record; a study with fewer repeats
-    its last (R2Gen's own IU file keeps 2-view studies only); n = 1 when no study has more (MIMIC-CXR's file)."""
-    n = min(n, max(len(r.image_paths) for records in data.values() for r in records))
+class FlagParser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): an unknown flag gets the closest known one."""
 
-    def views(paths):
-        return (paths + [paths[-1]] * n)[:n]
+    def error(self, message):
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        flags = [o for action in self._actions for o in action.option_strings]
+        close = difflib.get_close_matches(unknown.group(1).split("=")[0], flags, n=1) if unknown else []
+        hint = f" (did you mean {close[0]}?)" if close else " (--help lists every flag)"
+        self.exit(2, f"error: {message}{hint}\n")
 
-    return {
-        split: [dataclasses.replace(r, image_paths=views(r.image_paths)) for r in records]
-        for split, records in data.items()
+
+def parse_args(args_class, argv=None, description: str | None = None):
+    """Flags from an Args dataclass: `--flag-name` per field, typed by its (string) annotation: a bool as --flag /
+    --no-flag, Literal[...] as choices, a number checked against the range Annotated beside it; its help the doc
+    string under the field. --out defaults to default_out(); --resume: the flags not given are the run's."""
+    helps = field_helps(args_class)
+    p = FlagParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = {
+        "paper": p.add_argument_group("the paper's settings (and ours where it gives none)"),
+        "run": p.add_argument_group("the run, its data and model (every script's)"),
     }
+    casts = {"int": int, "float": float, "str": str}
+    fields = dataclasses.fields(args_class)
+    shared = {f.name for f in dataclasses.fields(RunArgs)}
+    for f in fields:
+        group = groups["run" if f.name in shared else "paper"]
+        kind, interval = flag_type(f)
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f"{helps.get(f.name, '')} (default: {f.default}{'; in ' + interval if interval else ''})"
+        help_ = help_.replace("%", "%%")
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        elif kind.startswith("Literal["):
+            choices = ast.literal_eval("(" + kind[len("Literal[") : kind.rindex("]")] + ",)")  # Literal[a, b] -> (a, b)
+            group.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
+        else:
+            group.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
+    unset = object()  # argparse keeps what the namespace holds: a flag still unset was not given
+    parsed = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
+    given = {k: v for k, v in parsed.items() if v is not unset}
+    flags = {f.name: f.default for f in fields} | given
+    out = Path(flags["out"] or default_out(args_class, flags["data"]))
+    configs = [out / "config.json"] if (out / "config.json").is_file() else list(out.glob("*/config.json"))
+    if flags["resume"] and configs:  # the flags not given: the run's (of stages: the newest stage's)
+        saved = json.loads(max(configs, key=os.path.getmtime).read_text())
+        flags |= {k: saved[k] for k in flags.keys() & saved.keys() - given.keys() - set(MAY_CHANGE_ON_RESUME)}
+    for f in fields:  # each number in the range beside it: [ ] take their end, ( ) do not
+        interval, value = flag_type(f)[1], flags[f.name]
+        if interval is None or value is None:
+            continue
+        lo, hi = map(float, interval[1:-1].split(","))
+        if not (lo < value < hi or value == lo and interval[0] == "[" or value == hi and interval[-1] == "]"):
+            raise SystemExit(f"error: --{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
+    return args_class(**flags | {"out": str(out)})
 
 
-def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
-    """R2Gen's annotation.json, {split: [{"id", "report", "image_path": [...], "labels" (optional: 14 of 1/0/-1/null)}]}
-    -> {split: [Record]}, images under its 'images' folder if any. Bad records: one error listing them, or dropped."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"annotation file not found: {path}")
+def plot_run(out) -> list[Path]:
+    """<folder>/figures/training.png for out and every stage folder below it, from its metrics.jsonl: a panel per
+    logged number against the step (keys "a/b" share panel a), with a running mean. Needs matplotlib."""
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON file ({e})") from None
-    if not isinstance(raw, dict) or any(not isinstance(raw.get(s), list) for s in splits):
-        raise ValueError(
-            f"{path}: expected {{'train': [records], 'val': [...], 'test': [...]}} (R2Gen's layout), "
-            f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}"
+        from matplotlib import figure  # not pyplot: no global backend to set, no figure to close
+    except ImportError:
+        log.warning("figures skipped: they need `pip install matplotlib` (then: python common.py plot %s)", out)
+        return []
+    drawn = []
+    for metrics in sorted(Path(out).glob("**/metrics.jsonl")):
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        panels = defaultdict(dict)  # panel -> {line: (n, 2) steps and values}
+        for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
+            panel, _, line = key.partition("/")
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            panels[panel][line or panel] = np.array(points)
+        cols, n_rows = max(1, min(4, len(panels))), max(1, math.ceil(len(panels) / 4))  # 4 a row at most; none: blank
+        fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
+        axes = fig.subplots(n_rows, cols, squeeze=False)
+        for ax, (panel, lines) in zip(axes.flat, panels.items()):
+            for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
+                w = max(1, len(x) // 15)  # running mean over w steps
+                alpha = 0.35 if w > 1 else 1
+                marker = "." if len(x) <= 30 else None
+                (raw,) = ax.plot(x, y, lw=0.6, alpha=alpha, marker=marker, label=label)  # a legend with two or more
+                if w > 1:
+                    ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color())
+            ax.set_title(panel, fontsize=8)
+            ax.tick_params(labelsize=6)
+            if len(lines) > 1:
+                ax.legend(fontsize=5)
+        for ax in axes.flat[len(panels) :]:
+            ax.axis("off")
+        fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
+        fig.tight_layout()
+        png = metrics.parent / "figures" / "training.png"
+        png.parent.mkdir(exist_ok=True)
+        fig.savefig(png, dpi=80)
+        drawn.append(png)
+    return drawn
+
+
+def main(argv=None):
+    """`python common.py evaluate --generations FILE.jsonl`: score a generations file (as its run did, if beside it);
+    `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
+    e.add_argument("--generations", required=True, help="JSONL with 'reference' and 'generated' per line")
+    e.add_argument("--labeler", choices=["rule", "chexbert"], help="without these four: the run's, else rule")
+    e.add_argument("--chexbert-weights", help="a local chexbert.pth (else downloaded once from the Hub)")
+    e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning, else MIMIC-CXR's")
+    e.add_argument("--uncertain-as", type=int, choices=[0, 1], help="CE: uncertain as positive, or the papers' 0")
+    e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
+    e.add_argument(
+        "--radgraph", action="store_true", help="F1 RadGraph too (pip install radgraph; its model downloads)"
+    )
+    e.add_argument("--out", help="JSON output (default: <generations file>.scores.json beside it)")
+    plot = sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl")
+    plot.add_argument("run", help="a run's --out folder")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "plot":
+        if not (Path(args.run).is_dir() and any(Path(args.run).glob("**/metrics.jsonl"))):
+            raise SystemExit(f"error: {args.run}: no metrics.jsonl in it or below (the --out folder of a run)")
+        print("\n".join(f"wrote {png}" for png in plot_run(args.run)))
+        return
+    rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
+    path = Path(args.generations)  # the run that wrote it: its config.json (or its stage's), its eval JSON
+    found = [p for p in (path.with_name("config.json"), path.parent.with_name("config.json")) if p.is_file()][:1]
+    evals = [path.with_name(f"eval_{path.stem.removeprefix('generations_')}.json"), path.with_name("eval.json")]
+    found += [p for p in evals if p.is_file() and "headline" in json.loads(p.read_text())][:1]
+    for source in found:  # the config's labeler, weights and cleaning; the eval JSON's cleaning and CE convention
+        skip = "" if source.name == "config.json" else "labeler"  # an eval JSON names the labeler's class
+        rules |= {k: v for k, v in json.loads(source.read_text()).items() if k in rules and k != skip}
+    given = {k: v for k, v in vars(args).items() if k in rules and v is not None}  # flags given win
+    rules |= given
+    print(f"rules {rules}: from {', '.join(map(str, found)) or 'the defaults'}; given: {', '.join(given) or 'none'}")
+    try:
+        rows = read_generations(args.generations)
+        labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
+        clean = None if rules["clean"] == "none" else rules["clean"]
+        meteor = not args.no_meteor
+        radgraph = radgraph_annotator() if args.radgraph else None
+        name = path.stem.removeprefix("generations_")  # the evaluation (test_after, ...), as its warnings name it
+        results = evaluate_generations(
+            rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"], name=name, radgraph=radgraph
         )
-    root = path.parent / "images" if (path.parent / "images").is_dir() else path.parent
-    out = {split: [] for split in splits}
-    problems = []
-
-    def image_problem(name: str) -> str | None:
-        """Reads the header only: a 0-byte or foreign file fails at load, not mid-run."""
-        try:
-            with Image.open(root / name) as im:
-                return None if min(im.size) > 0 else f"empty image {name}"
-        except FileNotFoundError:
-            return f"image not found: {name}"
-        except (UnidentifiedImageError, OSError) as e:
-            return f"cannot read image {name} ({type(e).__name__})"
-
-    names = {
-        p
-        for split in splits
-        for row in raw[split]
-        if isinstance(row, dict)
-        for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
-        if isinstance(p, str)
-    }
-    with ThreadPoolExecutor(8) as pool:  # every image's header, in threads
-        unreadable = dict(zip(names, pool.map(image_problem, names)))
-    for split in splits:
-        for n, row in enumerate(raw[split]):
-            where = f"{path} [{split}][{n}]" + (f" id={row.get('id')!r}" if isinstance(row, dict) else "")
-            if not isinstance(row, dict) or any(k not in row for k in ("id", "report", "image_path")):
-                problems.append(f"{where}: a record needs 'id', 'report' and 'image_path'")
-                continue
-            paths = [row["image_path"]] if isinstance(row["image_path"], str) else row["image_path"]
-            labels = row.get("labels")
-            if not isinstance(row["report"], str) or not row["report"].strip():
-                problems.append(f"{where}: empty report")
-            elif not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
-                problems.append(f"{where}: 'image_path' must be a file name or a list of them, got {paths!r:.200}")
-            elif bad := [unreadable[p] for p in paths if unreadable[p]]:
-                problems.append(f"{where}: {bad[0]} (under {root})")
-            elif labels is not None and (
-                not isinstance(labels, list)
-                or len(labels) != len(CHEXPERT_LABELS)
-                or any(v not in (1, 0, -1, None) or isinstance(v, bool) for v in labels)
-            ):
-                problems.append(
-                    f"{where}: 'labels' must be 14 values (1, 0, -1 or null) in the order {CHEXPERT_LABELS}"
-                )
-            else:
-                if labels is not None:
-                    labels = np.array([np.nan if v is None else float(v) for v in labels])
-                meta = {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")}
-                record = Record(str(row["id"]), [str(root / p) for p in paths], row["report"], split, labels, meta)
-                out[split].append(record)
-    if problems and not drop_invalid:
-        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise ValueError(f"{path}: {len(problems)} bad record(s):\n  {shown}\n(--drop-invalid skips them)")
-    for p in problems:
-        log.warning("dropped: %s", p)
-    return out
+    except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
+        raise SystemExit(f"error: {e}") from None
+    out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
+    out.write_text(json.dumps(results, indent=2))
+    scores = {**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}
+    print(json.dumps(scores, indent=1), f"\n{summary(results)}\nwrote {out}")
 
 
-def load_image(path: str, record_id: str = "?"):
-    """An 8-bit grey-scale PIL image; a clear error names the file and the record."""
-    try:
-        with Image.open(path) as im:
-            return im.convert("L")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"record {record_id}: image not found: {path}") from None
-    except (UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"record {record_id}: cannot read image {path} ({e})") from None
+# ==== 9. The insides a reader skips: the rule labeler's phrase lists, the collectives =================================
 
 
-def default_transform(size: int = 224, channels: int = 3):
-    """R2Gen's test transform, grey over `channels` (its training flip would swap the sides the reports name)."""
-    import torchvision.transforms as T
-
-    mean, std = [0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]  # ImageNet's
-    return T.Compose([T.Grayscale(channels), T.Resize((size, size)), T.ToTensor(), T.Normalize(mean, std)])
-
-
-class ReportDataset(torch.utils.data.Dataset):
-    """{"id", "images": (V, C, H, W) (PIL views with transform="pil"), "report", "labels": (14,), NaN blank}."""
-
-    def __init__(self, records: list[Record], transform="pil"):
-        self.records, self.transform = records, transform
-
-    def __len__(self):
-        return len(self.records)
-
-    def __getitem__(self, i):
-        r = self.records[i]
-        images = [load_image(p, r.id) for p in r.image_paths]
-        if self.transform != "pil":
-            images = torch.stack([self.transform(im) for im in images])  # (V, C, H, W)
-        labels = r.labels if r.labels is not None else np.full(len(CHEXPERT_LABELS), np.nan)
-        labels = torch.as_tensor(labels, dtype=torch.float32)
-        return {"id": r.id, "images": images, "report": r.report, "labels": labels}
-
-
-def pad_views(studies: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """B studies' views (V_i, C, H, W) -> (B, V, C, H, W) zero-padded to the most views, view_mask (B, V): 1 if real."""
-    images = torch.nn.utils.rnn.pad_sequence(studies, batch_first=True)
-    view_mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in studies], batch_first=True)
-    return images, view_mask
-
-
-def collate(batch: list[dict]) -> dict:
-    """ReportDataset items -> a batch; tensor images as pad_views() gives them, with "view_mask"."""
-    out = {k: [b[k] for b in batch] for k in ("id", "report", "images")}
-    out["labels"] = torch.stack([b["labels"] for b in batch])
-    if isinstance(out["images"][0], torch.Tensor):
-        out["images"], out["view_mask"] = pad_views(out["images"])
-    return out
-
-
-def split_batch(batch: dict, n: int) -> list[dict]:
-    """B studies -> n micro-batches of B / n (gradient accumulation)."""
-    size = exact_div(len(batch["id"]), n, "studies per process / --grad-accum")
-    return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(n)]
-
-
-def study_batches(records: list[Record], batch_size: int, seed=0, rank=0, world_size=1, start_step=0, transform="pil"):
-    """Endless (epoch, batch) of shuffled studies, each rank its shard: resumed at `start_step`, the same batches."""
-    if len(records) < batch_size * world_size:
-        raise ValueError(f"{len(records)} studies cannot fill one batch of {batch_size} on each of {world_size} ranks")
-    dataset = ReportDataset(records, transform)
-    sampler = torch.utils.data.DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
-    per_epoch = len(sampler) // batch_size
-    epoch, skip = divmod(start_step, per_epoch)
-    while True:
-        sampler.set_epoch(epoch)
-        order = list(sampler)  # this rank's shuffled indices for the epoch
-        for b in range(skip, per_epoch):
-            yield epoch, collate([dataset[i] for i in order[b * batch_size : (b + 1) * batch_size]])
-        epoch, skip = epoch + 1, 0
-
-
-def load_data(data: str, **kwargs) -> dict[str, list[Record]]:
-    """--data: "synthetic", an annotation.json or its folder."""
-    if data == "synthetic":
-        return load_annotation(synthetic_data(), **kwargs)
-    return load_annotation(Path(data) / "annotation.json" if Path(data).is_dir() else data, **kwargs)
-
-
-# Image and text encoders of DCRRG and RRGCL (neither uses the policy interface for them) ----------
-class ViewMean(torch.nn.Module):
-    """Encodes every view of a study and averages them: (B, V, C, H, W) -> (B, d)."""
-
-    def __init__(self, body: torch.nn.Module, head: torch.nn.Module | None = None, dim: int | None = None):
-        super().__init__()
-        self.body, self.head, self.dim = body, head, dim or getattr(body, "dim", None)
-
-    def forward(self, x):
-        return self.body(x.flatten(0, 1)).view(x.shape[0], x.shape[1], -1).mean(1)  # (B, d)
-
-
-class SmallCNN(torch.nn.Module):
-    """Offline image encoder (B, 1, S, S) -> (B, dim): 3 x 3 conv blocks (GroupNorm: no batch statistics),
-    average-pooled to grid x grid (where a sign lies stays visible), flattened, then Linear + ReLU to `dim`."""
-
-    def __init__(self, widths=(16, 32, 64, 64), strides=(2, 2, 2, 1), grid: int = 8, dim: int | None = 256):
-        super().__init__()
-        c = [1, *widths]
-        blocks = []
-        for i, o, s in zip(c, c[1:], strides):
-            blocks += [torch.nn.Conv2d(i, o, 3, s, 1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
-        blocks += [torch.nn.AdaptiveAvgPool2d(grid), torch.nn.Flatten()]
-        if dim is not None:
-            blocks += [torch.nn.Linear(c[-1] * grid * grid, dim), torch.nn.ReLU()]
-        self.net = torch.nn.Sequential(*blocks)
-        self.dim = dim or c[-1] * grid * grid
-
-    def forward(self, x):
-        return self.net(x)
-
-
-class FoundationImageEncoder(torch.nn.Module):
-    """The sandbox foundation's image side (a TinyVLM's CNN and projection) as an encoder of images normalised as
-    default_transform(S, 1) gives them: (B, 1, S, S) -> (B, g*g*D), its g x g prefix features flattened (where a sign
-    lies stays visible), as ImageNet's ResNet-50 stands for a pre-trained image encoder (DCRRG, App. A)."""
-
-    def __init__(self, vlm: TinyVLM):
-        super().__init__()
-        self.encoder, self.project = vlm.encoder, vlm.project
-        self.dim = vlm.hparams["grid"] ** 2 * vlm.hparams["n_embd"]
-
-    def forward(self, x):
-        x = (x * 0.229 + 0.485) * 2 - 1  # default_transform's ImageNet normalisation -> TinyPolicy's [-1, 1]
-        return self.project(self.encoder(x).flatten(2).transpose(1, 2)).flatten(1)  # (B, g*g, D) -> (B, g*g*D)
-
-
-def resnet_encoder(depth: int = 50, weights: str | None = None, flag: str = "--pretrained") -> ViewMean:
-    """torchvision ResNet-`depth` without its classifier, as a ViewMean -> (B, 2048). weights: None, "imagenet"
-    (downloaded once when asked) or a state-dict file (a checkpoint's "module."/"model." prefixes are dropped)."""
-    name = f"resnet{depth}"
-    imagenet = torchvision.models.get_model_weights(name).DEFAULT if weights == "imagenet" else None
-    net = torchvision.models.get_model(name, weights=imagenet)
-    dim, net.fc = net.fc.in_features, torch.nn.Identity()
-    if weights not in (None, "imagenet"):
-        if not Path(weights).is_file():
-            raise FileNotFoundError(f"{flag} {weights}: no such file (a torchvision ResNet-{depth} state dict)")
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        state = {k.removeprefix("module.").removeprefix("model."): v for k, v in state.get("state_dict", state).items()}
-        try:
-            net.load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
-        except RuntimeError as e:
-            raise ValueError(f"{flag} {weights}: not a torchvision ResNet-{depth} state dict ({e!s:.300})") from None
-    return ViewMean(net, dim=dim)
-
-
-def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_length: int = 512) -> torch.Tensor:
-    """Mean of a BERT-like model's last hidden states over each text's word pieces -> (B, H)."""
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
-    h = model(**enc).last_hidden_state  # (B, L, H)
-    m = enc["attention_mask"][..., None].to(h.dtype)  # (B, L, 1)
-    return (h * m).sum(1) / m.sum(1)
-
-
-# ==================================================================================================================
-# PART II: the machine room. Nothing below changes what a paper computes: the labelers' insides, the synthetic set
-# and the sandbox's trained models, the run scaffold (torchrun, folders, checkpoints, resume), the command line.
-# ==================================================================================================================
-# ==== II.1 The labelers' insides: CheXpert's rules, CheXbert's model and weights ===================
 def _words(*phrases: str) -> str:
     """The phrases as one group that ends a word (RuleLabeler puts one word start before all of a label's phrases)."""
     return r"(?:" + "|".join(phrases) + r")\b"
@@ -1498,869 +2427,6 @@ class RuleLabeler:
         return labels
 
 
-# CheXbert (Smit et al. 2020, arXiv:2004.09167): BERT-base, one linear head per observation over [CLS]; 13 heads of
-# 4 classes (0 blank, 1 positive, 2 negative, 3 uncertain), No Finding's of 2 (0 blank, 1 positive). As label.py:
-CHEXBERT_CLASS_VALUES = (np.nan, POSITIVE, NEGATIVE, UNCERTAIN)
-CHEXBERT_MAX_PIECES = 512  # including [CLS] and [SEP]: longer reports keep their first 510 pieces
-CHEXBERT_REPO, CHEXBERT_FILE = "StanfordAIMI/RRG_scorers", "chexbert.pth"
-
-
-def chexbert_model(config=None, path=None):
-    """f1chexbert's bert_labeler, its BERT built from a config (its own __init__ downloads bert-base-uncased); `path`:
-    chexbert.pth ({"model_state_dict": {"module.<name>": ...}}) loaded strictly (f1chexbert: strict=False)."""
-    with warnings.catch_warnings():  # importing f1chexbert calls warnings.filterwarnings("ignore")
-        from f1chexbert.f1chexbert import bert_labeler
-    from transformers import BertConfig, BertModel
-
-    sandbox = path is not None and Path(path).with_name("vocab.txt").is_file()  # the sandbox's layout
-    if config is None and sandbox and Path(path).with_name("config.json").is_file():  # its small BERT's config
-        config = BertConfig.from_json_file(Path(path).with_name("config.json"))
-    config = config or BertConfig()  # bert-base-uncased: 30522 word pieces, 768 hidden, 12 layers
-
-    class CheXbertModel(bert_labeler):
-        def __init__(self):
-            torch.nn.Module.__init__(self)
-            self.bert, self.dropout = BertModel(config), torch.nn.Dropout(0.1)
-            heads = [torch.nn.Linear(config.hidden_size, 4) for _ in range(13)]
-            self.linear_heads = torch.nn.ModuleList(heads + [torch.nn.Linear(config.hidden_size, 2)])
-
-    model = CheXbertModel()
-    if path is None:
-        return model
-    if not Path(path).is_file():
-        raise FileNotFoundError(
-            f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
-            f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})"
-        )
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
-    except (RuntimeError, OSError, EOFError, AttributeError, pickle.UnpicklingError) as e:
-        raise ValueError(f"{path}: not a CheXbert checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-    if "bert.embeddings.position_ids" not in model.state_dict():  # older transformers saved this buffer
-        state.pop("bert.embeddings.position_ids", None)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: does not match CheXbert's model ({str(e)[:300]})") from None
-    return model
-
-
-def from_hub(load):
-    """load(True) from the HF cache, else load(False) if the Hub answers, else an error now (no retries)."""
-    try:
-        return load(True)
-    except OSError:  # not cached (transformers and huggingface_hub raise OSError subclasses)
-        try:
-            socket.create_connection(("huggingface.co", 443), timeout=5).close()
-        except OSError as e:
-            raise ValueError(
-                f"--labeler chexbert needs {CHEXBERT_FILE} (Hub repo {CHEXBERT_REPO}) and bert-base-uncased's "
-                f"tokenizer, and huggingface.co cannot be reached ({e}): give --chexbert-weights FILE (with the "
-                "tokenizer in the Hugging Face cache), or --labeler rule (offline rules)"
-            ) from None
-    return load(False)
-
-
-class CheXbertLabeler:
-    """CheXbert's labels (N, 14) as RuleLabeler's, in batches sorted by length (f1chexbert labels one at a time)."""
-
-    def __init__(self, weights=None, device="cpu", batch_size: int = 32, tokenizer=None, model=None):
-        from transformers import BertTokenizerFast
-
-        if model is None:  # the Hub's file: f1chexbert 0.0.2's own download passes the removed `force_filename`
-            from huggingface_hub import hf_hub_download
-
-            def download(offline):
-                return hf_hub_download(CHEXBERT_REPO, CHEXBERT_FILE, local_files_only=offline)
-
-            model = chexbert_model(path=from_hub(download) if weights is None else weights)
-        vocab = Path(weights).with_name("vocab.txt") if weights is not None else None
-        if tokenizer is None and vocab is not None and vocab.is_file():  # the sandbox's word pieces, beside the weights
-            tokenizer = BertTokenizerFast.from_pretrained(str(vocab.parent))
-        self.tokenizer = tokenizer or from_hub(
-            lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased", local_files_only=offline)
-        )
-        self.model = model.to(device).eval().requires_grad_(False)
-        self.device, self.batch_size = torch.device(device), batch_size
-
-    def encode(self, report: str) -> list[int] | None:
-        """[CLS] pieces [SEP], cut to 512 as CheXbert; None for an empty report."""
-        if not report.strip():
-            return None
-        ids = self.tokenizer(report, add_special_tokens=True)["input_ids"]
-        if len(ids) > CHEXBERT_MAX_PIECES:
-            ids = ids[: CHEXBERT_MAX_PIECES - 1] + [self.tokenizer.sep_token_id]
-        return ids
-
-    @torch.inference_mode()
-    def __call__(self, reports: list[str]) -> np.ndarray:
-        out = np.full((len(reports), len(CHEXPERT_LABELS)), np.nan)  # empty reports stay blank
-        encoded = [(i, s) for i, s in enumerate(map(self.encode, reports)) if s is not None]
-        encoded.sort(key=lambda x: len(x[1]))  # similar lengths share a batch: little padding
-        for b in range(0, len(encoded), self.batch_size):
-            chunk = encoded[b : b + self.batch_size]
-            ids, mask = pad_completions([s for _, s in chunk], self.tokenizer.pad_token_id, self.device)  # (B, L) each
-            # the reward runs inside the policy's bf16 autocast: labels must not depend on it
-            with torch.autocast(ids.device.type, enabled=False):
-                logits = self.model(ids, mask.long())  # f1chexbert's forward: 14 tensors (B, C)
-            classes = torch.stack([lg.argmax(dim=1) for lg in logits], dim=1)  # (B, 14) 0 blank, 1 pos, 2 neg, 3 unc
-            out[[i for i, _ in chunk]] = np.asarray(CHEXBERT_CLASS_VALUES)[classes.cpu().numpy()]
-        return out
-
-
-# ==== II.2 The synthetic set, and the sandbox's trained models: its CheXbert, its foundation ========
-# Synthetic chest X-ray set (README, "The sandbox"): a visible sign and templated sentences per finding.
-# finding: (prevalence, chance that it is mentioned as negative when absent, else it goes unmentioned)
-SYNTHETIC_RATES = {
-    "Support Devices": (0.29, 0.0),
-    "Pleural Effusion": (0.23, 0.7),
-    "Lung Opacity": (0.22, 0.2),
-    "Atelectasis": (0.20, 0.1),
-    "Cardiomegaly": (0.19, 0.6),
-    "Edema": (0.12, 0.4),
-    "Pneumonia": (0.07, 0.25),
-    "Consolidation": (0.05, 0.6),
-    "Pneumothorax": (0.045, 0.7),
-    "Enlarged Cardiomediastinum": (0.035, 0.4),
-    "Lung Lesion": (0.03, 0.15),
-    "Fracture": (0.02, 0.25),
-    "Pleural Other": (0.015, 0.05),
-}
-SYNTHETIC_P_UNCERTAIN = 0.15  # of present findings, reported with a hedge (drawn fainter)
-SIDED = set(FINDINGS) - {"Enlarged Cardiomediastinum", "Cardiomegaly", "Edema", "Support Devices"}  # in a lung, a side
-BILATERAL_OK = {"Lung Opacity", "Atelectasis", "Pleural Effusion"}
-GRADED = {"Pleural Effusion", "Pneumothorax", "Cardiomegaly"}
-DEGREES = {"small": ("mild", "mildly"), "moderate": ("moderate", "moderately"), "large": ("severe", "severely")}
-DEVICE_KINDS = ["endotracheal tube", "central venous catheter", "nasogastric tube", "pacemaker"]
-# Sentence templates, variants separated by " | ". Fields: {side} left/right/bilateral, {sev} small/moderate/large,
-# {deg} mild/..., {degly} mildly/...; {Side} at a sentence start. One finding per sentence: labels follow from them.
-POSITIVE_TEMPLATES = {
-    "Enlarged Cardiomediastinum": "The mediastinum is widened. | There is widening of the mediastinum. | "
-    "The cardiomediastinal silhouette is enlarged. | Mediastinal widening is present.",
-    "Cardiomegaly": "The heart is {degly} enlarged. | There is {deg} cardiomegaly. | {Deg} cardiomegaly. | "
-    "The cardiac silhouette is {degly} enlarged.",
-    "Lung Opacity": "There is a hazy opacity in the {side} lung. | Hazy {side} lung opacity. | "
-    "An ill-defined opacity projects over the {side} lung.",
-    "Lung Lesion": "There is a nodule in the {side} lung. | A rounded {side} lung nodule is seen. | "
-    "A {side} lung mass is present.",
-    "Edema": "There is mild pulmonary edema. | Mild pulmonary edema. | The lungs show interstitial edema.",
-    "Consolidation": "There is dense consolidation in the {side} lower lobe. | "
-    "Dense {side} lower lobe consolidation. | Consolidation is present in the {side} lung.",
-    "Pneumonia": "Patchy {side} lower lobe pneumonia. | There is patchy pneumonia in the {side} lung. | "
-    "Patchy airspace findings represent {side} pneumonia.",
-    "Atelectasis": "There is plate-like atelectasis at the {side} base. | {Side} basilar atelectasis. | "
-    "Linear atelectasis is seen at the {side} base.",
-    "Pneumothorax": "There is a {sev} {side} pneumothorax. | {Sev} {side} apical pneumothorax. | "
-    "A {sev} {side} pneumothorax is present.",
-    "Pleural Effusion": "There is a {sev} {side} pleural effusion. | {Sev} {side} pleural effusion. | "
-    "A {sev} {side} pleural effusion is present.",
-    "Pleural Other": "There is {side} pleural thickening. | {Side} pleural thickening is noted.",
-    "Fracture": "There is a displaced {side} rib fracture. | A {side} rib fracture is seen.",
-    "endotracheal tube": "An endotracheal tube is in standard position. | "
-    "The endotracheal tube terminates above the carina.",
-    "central venous catheter": "A right internal jugular central venous catheter ends in the lower SVC. | "
-    "A central venous catheter is in place.",
-    "nasogastric tube": "A nasogastric tube courses below the diaphragm. | The nasogastric tube ends in the stomach.",
-    "pacemaker": "A left chest wall pacemaker is in place with leads in the right heart. | "
-    "A dual-lead pacemaker is present.",
-}
-UNCERTAIN_TEMPLATES = {
-    "Enlarged Cardiomediastinum": "Possible mediastinal widening. | The mediastinum may be widened.",
-    "Cardiomegaly": "Possible {deg} cardiomegaly. | The heart is likely {degly} enlarged. | "
-    "Probable {deg} cardiomegaly.",
-    "Lung Opacity": "Possible faint opacity in the {side} lung. | Questionable {side} lung opacity.",
-    "Lung Lesion": "Possible small nodule in the {side} lung. | Questionable {side} lung nodule.",
-    "Edema": "Possible mild pulmonary edema. | Mild pulmonary edema cannot be excluded.",
-    "Consolidation": "Possible {side} lower lobe consolidation. | "
-    "Subtle consolidation in the {side} lung cannot be excluded.",
-    "Pneumonia": "Findings are concerning for early {side} pneumonia. | Possible {side} pneumonia. | "
-    "Cannot exclude pneumonia in the {side} lung.",
-    "Atelectasis": "Probable {side} basilar atelectasis. | Possible minimal atelectasis at the {side} base.",
-    "Pneumothorax": "Possible tiny {side} apical pneumothorax. | A tiny {side} pneumothorax cannot be excluded.",
-    "Pleural Effusion": "Possible {sev} {side} pleural effusion. | A trace {side} pleural effusion is not excluded.",
-    "Pleural Other": "Possible {side} pleural thickening.",
-}
-NEGATED_PHRASES = {  # the noun phrase of a finding listed as absent
-    "Enlarged Cardiomediastinum": "mediastinal widening",
-    "Lung Opacity": "focal opacity",
-    "Lung Lesion": "suspicious pulmonary nodule",
-    "Edema": "pulmonary edema",
-    "Consolidation": "focal consolidation",
-    "Pneumonia": "pneumonia",
-    "Atelectasis": "atelectasis",
-    "Pneumothorax": "pneumothorax",
-    "Pleural Effusion": "pleural effusion",
-    "Pleural Other": "pleural thickening",
-    "Fracture": "acute rib fracture",
-}
-NEGATED_SINGLE = {  # findings that also have a negative sentence of their own
-    "Cardiomegaly": "Heart size is normal. | The heart is not enlarged. | Normal heart size. | "
-    "The cardiac silhouette is within normal limits.",
-    "Enlarged Cardiomediastinum": "The mediastinal contours are normal. | "
-    "The cardiomediastinal silhouette is within normal limits.",
-    "Pneumothorax": "Pneumothorax is not seen. | No pneumothorax is identified.",
-    "Fracture": "No displaced fracture is seen.",
-}
-NEGATED_LIST_TEMPLATES = "No {list}. | There is no {list}. | No evidence of {list}."
-NORMAL_EXTRAS = "No acute cardiopulmonary process. | The lungs are clear. | The osseous structures are unremarkable."
-
-
-def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
-    """One study's findings, {label: attrs} (side, severity, device kind, uncertain), and its (14,) labels."""
-    labels = np.full(len(CHEXPERT_LABELS), np.nan)
-    findings = {}
-    for name in FINDINGS:
-        prevalence, p_negated = SYNTHETIC_RATES[name]
-        if rng.random() < prevalence:
-            uncertain = name not in ("Support Devices", "Fracture") and rng.random() < SYNTHETIC_P_UNCERTAIN
-            a = findings[name] = {"uncertain": bool(uncertain)}
-            if name in SIDED:
-                a["side"] = str(rng.choice(["left", "right"] + (["bilateral"] if name in BILATERAL_OK else [])))
-            if name in GRADED:
-                a["severity"] = str(rng.choice(["small", "moderate", "large"]))
-            if name == "Support Devices":
-                a["kind"] = str(rng.choice(DEVICE_KINDS))
-            labels[LABEL_INDEX[name]] = UNCERTAIN if a["uncertain"] else POSITIVE
-        elif rng.random() < p_negated:
-            labels[LABEL_INDEX[name]] = NEGATIVE
-    return findings, apply_no_finding_rule(labels)
-
-
-def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
-    """A study's report: a sentence per finding in FINDINGS order, then the negated in "No A, B, or C." sentences."""
-
-    def pick(variants: str) -> str:
-        return str(rng.choice(variants.split(" | ")))
-
-    sentences, negated = [], []
-    for name in FINDINGS:
-        a = findings.get(name)
-        if name == "Support Devices" and a:
-            sentences.append(pick(POSITIVE_TEMPLATES[a["kind"]]))
-        elif a:
-            deg, degly = DEGREES[a.get("severity", "small")]
-            fields = {"side": a.get("side", ""), "sev": a.get("severity", ""), "deg": deg, "degly": degly}
-            fields |= {k.capitalize(): v.capitalize() for k, v in fields.items()}
-            text = pick((UNCERTAIN_TEMPLATES if a["uncertain"] else POSITIVE_TEMPLATES)[name]).format(**fields)
-            text = text.replace("the bilateral lung", "both lungs").replace("the bilateral base", "both bases")
-            sentences.append(text)
-        elif labels[LABEL_INDEX[name]] == NEGATIVE:
-            if name in NEGATED_SINGLE and (name not in NEGATED_PHRASES or rng.random() < 0.5):
-                sentences.append(pick(NEGATED_SINGLE[name]))
-            else:
-                negated.append(name)
-    rng.shuffle(negated)
-    while negated:
-        k = int(rng.integers(1, 5))
-        phrases, negated = [NEGATED_PHRASES[n] for n in negated[:k]], negated[k:]
-        if len(phrases) == 1:
-            items = phrases[0]
-        else:
-            items = ", ".join(phrases[:-1]) + (", or " if len(phrases) > 2 else " or ") + phrases[-1]
-        sentences.append(pick(NEGATED_LIST_TEMPLATES).format(list=items))
-    if labels[LABEL_INDEX["No Finding"]] == 1 and (not sentences or rng.random() < 0.5):
-        sentences.append(pick(NORMAL_EXTRAS))
-    return " ".join(s[0].upper() + s[1:] for s in sentences)
-
-
-# Drawing the synthetic radiograph, numpy only. Coordinates 0..1: x the column, y the row; patient's right on the left.
-def draw_synthetic_cxr(findings: dict, rng: np.random.Generator, size: int = 128) -> np.ndarray:
-    """A (size, size) uint8 frontal radiograph with one visible sign per finding ({label: attrs}), hedged ones
-    fainter. The per-image variation is drawn from `rng` first: adding a finding changes only its region."""
-
-    def U(a, b):
-        return float(rng.uniform(a, b))
-
-    def sides(name):
-        """The finding's sides: -1 the patient's right, 1 the left."""
-        return {"right": (-1,), "left": (1,), "bilateral": (-1, 1)}[findings[name].get("side", "bilateral")]
-
-    def ramp(d, edge):
-        """0 below d = 0, 1 above, linear across a band `edge` wide."""
-        return np.clip(d / edge + 0.5, 0.0, 1.0)
-
-    def gauss(cx, cy, sx, sy):
-        return np.exp(-0.5 * ((x - cx) / sx) ** 2 - 0.5 * ((y - cy) / sy) ** 2)
-
-    def radius(cx, cy, a, b):
-        return np.sqrt(((x - cx) / a) ** 2 + ((y - cy) / b) ** 2)
-
-    def line(d, sigma):
-        return np.exp(-0.5 * (d / sigma) ** 2)
-
-    def rib_coordinate(cx, cy):
-        """Ribs descend laterally; an integer value is the centre of a rib."""
-        return (cy - 0.14 * (abs(cx - 0.5) / 0.35) ** 2) / rib_sp + rib_ph
-
-    soft = {n: 0.6 if a.get("uncertain") else 1.0 for n, a in findings.items()}
-    grade = {n: ("small", "moderate", "large").index(a["severity"]) for n, a in findings.items() if "severity" in a}
-    dx, dy, zoom = U(-0.03, 0.03), U(-0.03, 0.03), U(0.92, 1.04)  # position and zoom
-    t = np.arange(size, dtype=np.float32) / (size - 1) - 0.5
-    x, y = ((t - dx) / zoom + 0.5)[None, :], ((t - dy) / zoom + 0.5)[:, None]  # anatomical coordinates
-    px = 1.0 / (zoom * (size - 1))  # one pixel
-    lw = max(0.006, 0.8 * px)  # sigma of thin lines, at least about a pixel
-    lx, ly, ax, ay = U(0.19, 0.21), U(0.43, 0.45), U(0.145, 0.165), U(0.28, 0.32)  # lung centres and half-axes
-    heart_w, medi_w, rib_sp, rib_ph = U(0.14, 0.155), U(0.05, 0.06), U(0.07, 0.08), U(0.0, 1.0)
-    contrast, bright = U(0.85, 1.15), U(-0.06, 0.06)
-    noise = U(0.01, 0.03) * rng.standard_normal((size, size), dtype=np.float32)
-    # Normal anatomy: the body, two dark lung fields with diaphragm domes (the right one higher)
-    img = 0.03 + 0.47 * ramp((1 - radius(0.5, 0.62, 0.47, 0.6)) * 0.47, 0.02)
-    L = {}
-    for s in (-1, 1):
-        cx = 0.5 + s * lx
-        r = radius(cx, ly, ax, ay)
-        dome = ly + 0.8 * ay - 0.07 * (1 - np.clip((x - cx) / ax, -1, 1) ** 2) - (0.02 if s < 0 else 0.0)
-        thorax = ramp((1 - r) * ax, 0.012)  # the lung with its costophrenic recess
-        L[s] = dict(cx=cx, r=r, dome=dome, thorax=thorax, lung=thorax * ramp(dome - y, 0.012))
-        img += (0.16 - img) * L[s]["lung"]
-    lungs = L[-1]["lung"] + L[1]["lung"]
-    if "Lung Opacity" in findings:  # a large faint hazy patch
-        a = soft["Lung Opacity"]
-        for s in sides("Lung Opacity"):
-            sd = U(0.07, 0.1) * (0.85 + 0.15 * a)
-            patch = gauss(L[s]["cx"] + s * U(-0.3, 0.3) * ax, ly + U(-0.3, 0.3) * ay, sd, 1.3 * sd)
-            img += 0.22 * a * patch * L[s]["lung"]
-    if "Edema" in findings:  # bilateral perihilar haze
-        img += 0.2 * soft["Edema"] * sum(gauss(0.5 + s * 0.12, ly + 0.05, 0.09, 0.13) * L[s]["lung"] for s in (-1, 1))
-    if "Consolidation" in findings:  # a dense, homogeneous lower-zone area
-        s, a = sides("Consolidation")[0], soft["Consolidation"]
-        r = radius(L[s]["cx"] + s * U(0, 0.2) * ax, ly + U(0.3, 0.4) * ay, 0.8 * ax, 0.27 * ay)
-        img += (0.68 - img) * ramp((1 - r) * 0.08, 0.006) * L[s]["lung"] * 0.9 * a
-    if "Pneumonia" in findings:  # patchy blotches, mid and lower zone
-        s, a = sides("Pneumonia")[0], soft["Pneumonia"]
-        for _ in range(10):
-            sd = U(0.016, 0.028) * (0.7 + 0.3 * a)
-            strength = a * U(0.15, 0.3)
-            blotch = gauss(L[s]["cx"] + s * U(-0.6, 0.7) * ax, ly + U(-0.2, 0.6) * ay, sd, sd)
-            img += strength * blotch * L[s]["lung"]
-    if "Lung Lesion" in findings:  # a small, round, sharp-edged bright nodule
-        s, a = sides("Lung Lesion")[0], soft["Lung Lesion"]
-        cx, cy = L[s]["cx"] + s * U(-0.4, 0.6) * ax, ly + U(-0.6, 0.4) * ay
-        img += 0.35 * (0.5 + 0.5 * a) * ramp(0.04 * (0.75 + 0.25 * a) - np.sqrt((x - cx) ** 2 + (y - cy) ** 2), 0.01)
-    if "Atelectasis" in findings:  # a thin horizontal plate-like line above the dome
-        for s in sides("Atelectasis"):
-            a = soft["Atelectasis"]
-            xc, half = L[s]["cx"] + s * U(-0.2, 0.3) * ax, U(0.07, 0.1) * (0.7 + 0.3 * a)
-            d = y - (ly + 0.8 * ay - 0.07 - U(0.05, 0.09) + U(-0.15, 0.15) * (x - xc))
-            img += 0.35 * a * line(d, 1.3 * lw) * ramp(half - np.abs(x - xc), 0.02) * L[s]["lung"]
-    if "Pneumothorax" in findings:  # a dark rim at the apex and the side: the lung collapsed towards the hilum
-        s, a = sides("Pneumothorax")[0], soft["Pneumothorax"]
-        c = 0.15 if a < 1 else (0.2, 0.32, 0.45)[grade["Pneumothorax"]]
-        ri = radius(L[s]["cx"] - s * 0.5 * c * ax, ly + 0.7 * c * ay, ax * (1 - 0.5 * c), ay * (1 - 0.7 * c))
-        img += (0.05 - img) * ramp((ri - 1) * ax * (1 - 0.5 * c), 0.006) * L[s]["lung"] * (0.5 + 0.5 * a)
-    # Ribs: faint lines; a fracture breaks one, with a displaced bright fragment
-    u = rib_coordinate(x, y)
-    rib_w = max(0.011, lw)
-    ribs = line((u - np.rint(u)) * rib_sp, rib_w)
-    if "Fracture" in findings:
-        s = sides("Fracture")[0]
-        xf, yf = L[s]["cx"] + s * U(0.25, 0.55) * ax, ly + U(-0.4, 0.3) * ay
-        k = float(np.rint(rib_coordinate(xf, yf)))  # the broken rib
-        rib_k = line((u - k) * rib_sp, rib_w)
-        lateral = ramp(s * (x - xf), 2 * px) * ramp(0.1 - s * (x - xf), 0.02)
-        ribs += lateral * (2.5 * line((u - k - 0.4) * rib_sp, rib_w) - rib_k)  # shifted fragment
-        ribs = np.maximum(ribs - rib_k * line(x - xf, 2 * lw), 0)  # the gap
-    chest = np.maximum(L[-1]["thorax"], L[1]["thorax"])
-    img += 0.1 * ribs * (0.4 + 0.6 * np.minimum(lungs, 1)) * chest * ramp(y - 0.08, 0.03)
-    # Mediastinum (its upper part wider with Enlarged Cardiomediastinum), trachea, heart (wider with Cardiomegaly)
-    wide = 0.05 * soft.get("Enlarged Cardiomediastinum", 0) * line(y - 0.3, 0.1)
-    img += (0.72 - img) * ramp(medi_w + wide - np.abs(x - 0.5), 0.01) * ramp(y - 0.08, 0.03) * ramp(0.62 - y, 0.04)
-    img += (0.35 - img) * ramp(0.014 - np.abs(x - 0.5), 0.008) * ramp(0.36 - y, 0.02) * 0.7
-    if "Cardiomegaly" in findings:
-        heart_w *= 1 + (0.25, 0.38, 0.52)[grade["Cardiomegaly"]] * (0.55 + 0.45 * soft["Cardiomegaly"])
-    img += (0.72 - img) * ramp((1 - radius(0.5 + 0.3 * heart_w, 0.6, heart_w, 0.12)) * heart_w, 0.01)
-    if "Pleural Effusion" in findings:  # fluid at the base, its meniscus rising laterally
-        for s in sides("Pleural Effusion"):
-            h = (0.08, 0.15, 0.25)[grade["Pleural Effusion"]] * (0.7 + 0.3 * soft["Pleural Effusion"])
-            top = ly + 0.8 * ay - h - 0.07 * np.clip(s * (x - L[s]["cx"]) / ax, 0, 1) ** 2
-            fluid = ramp(y - top, 0.025) * ramp(L[s]["dome"] + 0.03 - y, 0.03) * L[s]["thorax"]
-            img = np.maximum(img, img + (0.66 - img) * fluid)
-    if "Pleural Other" in findings:  # a lobulated band along the lateral chest wall, mid zones
-        s, a = sides("Pleural Other")[0], soft["Pleural Other"]
-        th = (0.03 + 0.012 * a) * (1 + 0.35 * np.sin(y * 45 + U(0, 6.3))) / ax
-        band = ramp(L[s]["r"] - 1 + th, 0.05) * L[s]["thorax"] * ramp(s * (x - L[s]["cx"]) - 0.3 * ax, 0.03)
-        img += (0.68 - img) * band * ramp(y - ly + 0.55 * ay, 0.05) * ramp(ly + 0.45 * ay - y, 0.05) * (0.6 + 0.4 * a)
-    if "Support Devices" in findings:  # thin, very bright tubes along a few segments
-        kind = findings["Support Devices"]["kind"]
-
-        def j():
-            return U(-0.015, 0.015)
-
-        curves = {  # every kind's points are drawn (rng), one kind's are used
-            "endotracheal tube": [[(0.5 + j(), -0.02), (0.5 + j(), 0.12), (0.5, 0.27 + j())]],  # above the carina
-            "central venous catheter": [
-                [(0.35 + j(), -0.02), (0.42 + j(), 0.14), (0.47, 0.2 + j()), (0.47 + j(), 0.42)]
-            ],
-            "nasogastric tube": [[(0.49 + j(), -0.02), (0.49, 0.5), (0.5 + j(), 0.85), (0.66 + j(), 0.8 + j())]],
-            "pacemaker": [
-                [(0.7, 0.21), (0.6 + j(), 0.2), (0.42 + j(), 0.4), (0.45 + j(), 0.52)],
-                [(0.7, 0.21), (0.58 + j(), 0.25), (0.44 + j(), 0.5), (0.54 + j(), 0.7 + j())],
-            ],
-        }[kind]
-        tube = np.zeros((size, size), np.float32)
-        for points in curves:
-            for (x0, y0), (x1, y1) in itertools.pairwise(points):
-                t = np.clip(((x - x0) * (x1 - x0) + (y - y0) * (y1 - y0)) / ((x1 - x0) ** 2 + (y1 - y0) ** 2), 0, 1)
-                d = np.sqrt((x - x0 - t * (x1 - x0)) ** 2 + (y - y0 - t * (y1 - y0)) ** 2)  # to the segment
-                tube = np.maximum(tube, line(d, max(0.008, 0.6 * px)))
-        img += (0.97 - img) * tube
-        if kind == "pacemaker":  # the generator box on the left upper chest
-            bx, by = 0.72 + j(), 0.2 + j()
-            img += (1.0 - img) * ramp(0.045 - np.abs(x - bx), 0.01) * ramp(0.03 - np.abs(y - by), 0.01)
-    img = (np.clip(img, 0, 1) - 0.5) * contrast + 0.5 + bright + noise  # exposure, then quantum noise
-    return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
-
-
-# Neutral captions of what draw_synthetic_cxr drew, read by the sandbox's foundation model (README): where, how large,
-# how bright, what shape, in the image's own left and right (the patient's right is the image's left); never a report's
-# word for a finding, nor a finding's name (tests/test_foundation.py checks the vocabulary against the templates').
-IMAGE_SIDES = {"right": "on the left of the image", "left": "on the right of the image", "bilateral": "on both sides"}
-CAPTIONS = {  # {pale} / {slightly}: a hedged finding, drawn fainter; {size}: its grade in CAPTION_SIZES
-    "Enlarged Cardiomediastinum": "the middle column is {slightly}broad at the top",
-    "Cardiomegaly": "the white shape at the bottom of the middle is {slightly}{size}",
-    "Lung Opacity": "a {pale}fuzzy cloud {where}",
-    "Lung Lesion": "a {pale}little round bright dot {where}",
-    "Edema": "a {pale}soft glow around the middle on both sides",
-    "Consolidation": "a {pale}solid white area low {where}",
-    "Pneumonia": "{pale}scattered blotches {where}",
-    "Atelectasis": "a {pale}thin flat stroke low {where}",
-    "Pneumothorax": "a {pale}{size} dark rim along the top and outer edge {where}",
-    "Pleural Effusion": "a {pale}{size} white pool at the bottom {where}, its edge rising outward",
-    "Pleural Other": "a {pale}wavy band along the outer edge {where}",
-    "Fracture": "a broken curved stroke with a shifted piece at the outer edge {where}",
-    "endotracheal tube": "a thin bright stroke from the top edge down to the middle",
-    "central venous catheter": "a thin bright stroke from the top curving in to the middle",
-    "nasogastric tube": "a thin bright stroke down the whole middle, turning at the bottom",
-    "pacemaker": "a bright box high on the right of the image with two thin bright strokes",
-}
-CAPTION_SIZES = {
-    "Cardiomegaly": ("broad", "very broad", "huge"),
-    "Pneumothorax": ("narrow", "broad", "very broad"),
-    "Pleural Effusion": ("shallow", "deep", "very deep"),
-}
-CAPTION_SIGNS = {  # the words that name each finding's sign in a caption: what a generated caption is scored by
-    "Enlarged Cardiomediastinum": "middle column",
-    "Cardiomegaly": "white shape",
-    "Lung Opacity": "fuzzy cloud",
-    "Lung Lesion": "round bright dot",
-    "Edema": "soft glow",
-    "Consolidation": "solid white area",
-    "Pneumonia": "scattered blotches",
-    "Atelectasis": "flat stroke",
-    "Pneumothorax": "dark rim",
-    "Pleural Effusion": "white pool",
-    "Pleural Other": "wavy band",
-    "Fracture": "broken curved stroke",
-    "Support Devices": "thin bright stroke|bright box",
-}
-
-
-def describe_synthetic_image(findings: dict) -> str:
-    """A caption of the image draw_synthetic_cxr draws for `findings` ({label: attrs}), a sentence per sign."""
-    sentences = []
-    for name in FINDINGS:
-        a = findings.get(name)
-        if not a:
-            continue
-        hedged = a.get("uncertain", False)
-        template = CAPTIONS[a["kind"] if name == "Support Devices" else name]
-        fields = {"pale": "pale " if hedged else "", "slightly": "slightly " if hedged else ""}
-        fields["where"] = IMAGE_SIDES[a.get("side", "bilateral")]
-        if name in CAPTION_SIZES:
-            fields["size"] = CAPTION_SIZES[name][("small", "moderate", "large").index(a.get("severity", "small"))]
-        sentences.append(template.format(**fields))
-    sentences = sentences or ["nothing stands out"]
-    return " ".join(s[0].upper() + s[1:] + "." for s in sentences)
-
-
-def caption_signs(captions: list[str]) -> np.ndarray:
-    """(N, 13) bool: which findings' signs each caption names (CAPTION_SIGNS)."""
-    return np.array([[bool(re.search(CAPTION_SIGNS[n], c.lower())) for n in FINDINGS] for c in captions])
-
-
-def make_synthetic(out_dir, n_train=2000, n_val=200, n_test=500, size=128, seed=0) -> Path:
-    """The synthetic set in R2Gen's layout (out_dir/images/<id>.png, annotation.json), deterministic from `seed`."""
-    (Path(out_dir) / "images").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    annotation = {"train": [], "val": [], "test": []}
-    for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
-        for k in range(n):
-            name = f"{split}_{k:05d}"
-            findings, labels = sample_synthetic_study(rng)
-            report = write_synthetic_report(findings, labels, rng)
-            Image.fromarray(draw_synthetic_cxr(findings, rng, size)).save(Path(out_dir) / "images" / f"{name}.png")
-            record = {"id": name, "report": report, "image_path": [f"{name}.png"], "split": split}
-            record["labels"] = [None if np.isnan(v) else v for v in labels.tolist()]
-            record["findings"] = findings
-            annotation[split].append(record)
-    (Path(out_dir) / "annotation.json").write_text(json.dumps(annotation, indent=1))
-    return Path(out_dir)
-
-
-def synthetic_data(n_train: int = 2000, n_val: int = 200, n_test: int = 500, size: int = 128, seed: int = 0) -> Path:
-    """The synthetic set, made once in $RRG_CACHE (~/.cache/rrg-from-scratch): built aside, renamed into place."""
-    cache = Path(os.environ.get("RRG_CACHE", Path.home() / ".cache" / "rrg-from-scratch"))
-    final = cache / f"synthetic-v4-{n_train}-{n_val}-{n_test}-{size}px-seed{seed}"
-    if not (final / "annotation.json").is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = make_synthetic(tempfile.mkdtemp(dir=cache, prefix=".tmp-"), n_train, n_val, n_test, size, seed)
-        try:
-            tmp.rename(final)
-        except OSError:  # another process finished first: its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final / "annotation.json"
-
-
-# The sandbox's CheXbert (README): the papers' labeler on --data synthetic, nothing downloaded. Saved as chexbert.pth
-# is, with its BERT's config.json and vocab.txt beside it: the same loading code serves it and the real weights.
-SPECIAL_PIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # BERT's, first, in its order
-SANDBOX_CHEXBERT_VERSION = 2  # of the recipe below: a new one trains into a new folder
-SANDBOX_CHEXBERT = dict(hidden=128, layers=4, heads=4, epochs=40, lr=2e-3, batch_size=32)
-# What makes a CPU run repeat to the bit, on one machine kind and (as measured) across kinds with AVX2: one thread,
-# ATen's, MKL's and oneDNN's AVX2 code paths. The sandbox's CheXbert trains under them; so do tests/reproduce.py's runs.
-NUMERIC_PINS = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "MKL_CBWR": "AVX2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-}
-
-
-def word_piece_tokenizer(texts: list[str], out_dir: Path):
-    """A BERT tokenizer whose word pieces are every word of the texts as BERT splits them, and every character alone
-    and as a word's continuation ("##x"), so that an unseen word still gets pieces (a trainer's merges break ties by
-    chance); its vocab.txt is written to out_dir."""
-    from tokenizers.normalizers import BertNormalizer
-    from tokenizers.pre_tokenizers import BertPreTokenizer
-    from transformers import BertTokenizerFast
-
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    normalize, split = BertNormalizer(lowercase=True), BertPreTokenizer()
-    words = {w for t in texts for w, _ in split.pre_tokenize_str(normalize.normalize_str(t))}
-    characters = {c for w in words for c in w}
-    pieces = SPECIAL_PIECES + sorted(words | characters | {"##" + c for c in characters})
-    (Path(out_dir) / "vocab.txt").write_text("\n".join(pieces) + "\n")
-    return BertTokenizerFast.from_pretrained(str(out_dir))
-
-
-def train_chexbert(records, out_dir, hidden, layers, heads, epochs, lr, batch_size, seed=0) -> Path:
-    """CheXbert (f1chexbert's model) trained on the records' reports against their labels: cross-entropy summed over
-    the 14 heads, AdamW with a 5 % warm-up then a linear decay. Writes chexbert.pth, config.json, vocab.txt."""
-    from transformers import BertConfig
-
-    out_dir = Path(out_dir)
-    reports = [r.report for r in records]
-    tokenizer = word_piece_tokenizer(reports, out_dir)
-    size = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, **size)
-    config.to_json_file(out_dir / "config.json")
-    labels = np.stack([r.labels for r in records])  # (N, 14): 1, 0, -1, NaN
-    classes = np.select([labels == 1, labels == 0, labels == -1], [1, 2, 3], 0)  # (N, 14): CheXbert's classes
-    classes[:, LABEL_INDEX["No Finding"]] = labels[:, LABEL_INDEX["No Finding"]] == 1  # its head: blank or positive
-    classes = torch.as_tensor(classes)
-    ids = [tokenizer(t)["input_ids"][:CHEXBERT_MAX_PIECES] for t in reports]
-    torch.manual_seed(seed)
-    model = chexbert_model(config).train()
-    total = epochs * math.ceil(len(ids) / batch_size)
-    optimizer, scheduler = adamw(model.parameters(), lr, total, "linear", warmup=0.05)
-    order = torch.Generator().manual_seed(seed)
-    for _ in trange(epochs, desc="sandbox CheXbert (epochs)"):
-        shuffled = torch.randperm(len(ids), generator=order)
-        for b in range(0, len(ids), batch_size):
-            batch = shuffled[b : b + batch_size]
-            x, mask = pad_completions([ids[i] for i in batch], tokenizer.pad_token_id)  # (B, L) each
-            logits = model(x, mask.long())  # 14 tensors (B, C)
-            loss = sum(torch.nn.functional.cross_entropy(z, classes[batch, k]) for k, z in enumerate(logits))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-    state = {"module." + k: v for k, v in model.state_dict().items()}  # chexbert.pth's keys (saved from DataParallel)
-    torch.save({"model_state_dict": state}, out_dir / CHEXBERT_FILE)
-    return out_dir / CHEXBERT_FILE
-
-
-def synthetic_chexbert(annotation=None, settings=None) -> Path:
-    """The sandbox's CheXbert beside the synthetic set (or `annotation`'s), trained once on its training split (about 6
-    CPU-minutes)."""
-    annotation = Path(annotation or synthetic_data())
-    final = annotation.parent / f"chexbert-v{SANDBOX_CHEXBERT_VERSION}"
-    return build_once(final, CHEXBERT_FILE, "chexbert", annotation, settings or SANDBOX_CHEXBERT) / CHEXBERT_FILE
-
-
-def build_once(final: Path, marker: str, command: str, annotation: Path, settings: dict) -> Path:
-    """`python common.py COMMAND --data ANNOTATION --out FINAL` (with `settings` as flags) unless FINAL/MARKER exists:
-    in a process of its own under NUMERIC_PINS, so that every machine gets the same weights. One process builds it,
-    others wait for it; stopped (Ctrl-C) or failed, no half-built folder is left."""
-    with cache_lock(final.parent / f".{command}.lock"):
-        if not (final / marker).is_file():
-            log.info("training the sandbox's %s beside %s, once: %s", command, annotation, final)
-            tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{command}-"))
-            argv = [sys.executable, str(Path(__file__).resolve()), command, "--data", str(annotation)]
-            argv += ["--out", str(tmp)]
-            for name, value in settings.items():
-                argv += [f"--{name.replace('_', '-')}", str(value)]
-            try:
-                subprocess.run(argv, env=dict(os.environ, **NUMERIC_PINS), check=True)
-                tmp.rename(final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-@contextlib.contextmanager
-def cache_lock(path: Path):
-    """An exclusive lock on `path` (a file beside a cached model): one process trains it, the others wait for it."""
-    import fcntl
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-# The sandbox's foundation (README): what the papers start from, a general pre-trained vision-language model, for
-# --model tiny on --data synthetic. The tiny VLM learns two tasks that never meet: captions of images drawn apart from
-# the synthetic set (another seed), started by <caption>; and report text with each view blank, started by BOS, as a
-# language model reads text. It sees, and it writes report language, but it was never shown which report an image has.
-# Beside it, DCRRG's ClinicalBERT stand-in: a small BERT that learned the same report text as a masked language model,
-# no labels. Both train once, in a process of their own under NUMERIC_PINS, until the likelihood of held-out data
-# stops improving (the best weights kept); foundation.json records the curves, the probe and the CPU seconds.
-FOUNDATION_VERSION = 1  # of the recipe below: a new one trains into a new folder
-CAPTION_TOKEN = "<caption>"
-REASONING_TAGS = ("<think>", "</think>", "<report>", "</report>")  # MRG-R1's answer format, in the tokenizer as in a
-# general VLM's, first trained by MRG-R1's SFT
-FOUNDATION = dict(images=4000, reports=4000, held_out=400, batch_size=32, lr=1e-3, every=250, patience=3)
-FOUNDATION |= dict(min_gain=0.005, max_steps=20000, seed=1)  # min_gain in nats per token; seed 1: not the set's 0
-SIZES_TEXT_ENCODER = dict(hidden=128, layers=2, heads=2)  # DCRRG --model tiny's BERT (BERT-Tiny's shape)
-
-
-def foundation_data(n_images: int, n_reports: int, seed: int) -> tuple[list, list[str], list[str]]:
-    """What the foundation reads, drawn apart from the synthetic set: images with their captions, and report texts."""
-    rng = np.random.default_rng(seed)
-    images, captions, reports = [], [], []
-    for _ in range(n_images):
-        findings, _ = sample_synthetic_study(rng)
-        images.append(Image.fromarray(draw_synthetic_cxr(findings, rng)))
-        captions.append(describe_synthetic_image(findings))
-    for _ in range(n_reports):
-        findings, labels = sample_synthetic_study(rng)
-        reports.append(write_synthetic_report(findings, labels, rng))
-    return images, captions, reports
-
-
-def held_out_convergence(loss_fn, held_out_fn, model, desc, every, patience, min_gain, max_steps, lr) -> dict:
-    """AdamW on loss_fn(step) until held_out_fn() (a loss, no gradient) stops falling by min_gain for `patience`
-    validations, every `every` steps; the best weights loaded. -> {"steps", "best_step", "curve": [[step, loss]]}."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr)
-    rule, curve, step = Convergence(every, patience, min_gain, max_steps), [], 0
-    for step in trange(1, max_steps + 1, desc=desc):
-        loss = loss_fn(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step % every == 0:
-            with torch.no_grad():
-                held = float(held_out_fn())
-            rule.update(-held, step, model)
-            curve.append([step, held])
-            if rule.converged:
-                break
-    model.load_state_dict(rule.best_weights, strict=False)
-    return {"steps": step, "best_step": rule.best_step, "curve": curve}
-
-
-def train_foundation_vlm(train_records, images, captions, reports, held_out, out_dir, batch_size, seed, **rule):
-    """The tiny VLM on captions (<caption> first) and blank-view reports (BOS first), half a batch each: the mean of
-    the two teacher-forced NLLs. Saved as a policy (load_policy) in out_dir. -> its training record."""
-    # the tokenizer covers the captions, the reports, the synthetic set's words and the labels' names (MRG-R1's SFT)
-    words = [r.report for r in train_records] + [n.lower() for n in CHEXPERT_LABELS]
-    tokenizer = WordTokenizer.build(captions + reports + words, (CAPTION_TOKEN, *REASONING_TAGS))
-    torch.manual_seed(seed)
-    policy = TinyPolicy(TinyVLM(len(tokenizer.vocab), max_len=128), tokenizer)
-    pixels = policy.caption_prompts([[im] for im in images])  # every image once: (N, 1, 1, S, S), <caption>
-    blank = policy.prompt_batch([[Image.new("L", images[0].size)]])  # a blank view, BOS
-    n_images, n_reports = len(images) - held_out, len(reports) - held_out
-
-    def nll(c, r):
-        """The mean of the captions' NLL (images c) and the reports' (texts r), each a token mean."""
-        caption_prompts = {k: v[c] for k, v in pixels.items()}
-        report_prompts = {k: v.expand(len(r), *v.shape[1:]) for k, v in blank.items()}
-        loss_c = policy.sft_loss(caption_prompts, [captions[i] for i in c])
-        return (loss_c + policy.sft_loss(report_prompts, [reports[i] for i in r])) / 2
-
-    g = torch.Generator().manual_seed(seed)
-
-    def batch_loss(step):
-        half = batch_size // 2
-        return nll(torch.randint(n_images, (half,), generator=g), torch.randint(n_reports, (half,), generator=g))
-
-    def held_out_loss():
-        c, r = torch.arange(n_images, len(images)), torch.arange(n_reports, len(reports))
-        return np.mean([nll(c[k : k + 100], r[k : k + 100]).item() for k in range(0, held_out, 100)])
-
-    record = held_out_convergence(batch_loss, held_out_loss, policy.model, "sandbox foundation VLM (steps)", **rule)
-    policy.save(out_dir)
-    return record | {"vocabulary": len(tokenizer.vocab)}
-
-
-def train_text_encoder(reports, held_out, out_dir, hidden, layers, heads, batch_size, seed, words=(), **rule):
-    """DCRRG's ClinicalBERT stand-in: a BERT (BertForMaskedLM) that learns report text as BERT did, 15 % of the word
-    pieces masked (80 % [MASK], 10 % a random piece, 10 % kept), until the held-out MLM loss stops falling. Saved with
-    its tokenizer (AutoModel and AutoTokenizer load it); `words`: texts whose words the word pieces also cover. -> its
-    training record."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    tokenizer = word_piece_tokenizer(reports + list(words), out_dir)
-    size = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden)
-    torch.manual_seed(seed)
-    model = BertForMaskedLM(BertConfig(vocab_size=tokenizer.vocab_size, **size)).train()
-    special = torch.tensor(tokenizer.all_special_ids)
-    fit, held = reports[:-held_out], reports[-held_out:]
-
-    def mlm_loss(texts, g):
-        enc = tokenizer(texts, padding=True, return_tensors="pt")
-        ids = enc["input_ids"]  # (B, L)
-        u = torch.rand(ids.shape, generator=g)
-        chosen = (torch.rand(ids.shape, generator=g) < 0.15) & ~torch.isin(ids, special)  # (B, L)
-        masked = torch.where(chosen & (u < 0.8), tokenizer.mask_token_id, ids)
-        noise = torch.randint(len(SPECIAL_PIECES), tokenizer.vocab_size, ids.shape, generator=g)
-        masked = torch.where(chosen & (u >= 0.8) & (u < 0.9), noise, masked)
-        labels = torch.where(chosen, ids, -100)
-        return model(input_ids=masked, attention_mask=enc["attention_mask"], labels=labels).loss
-
-    g = torch.Generator().manual_seed(seed)
-
-    def batch_loss(step):
-        return mlm_loss([fit[i] for i in torch.randint(len(fit), (batch_size,), generator=g)], g)
-
-    def held_out_loss():
-        fixed = torch.Generator().manual_seed(seed)  # the same masks at every validation
-        return np.mean([mlm_loss(held[k : k + 100], fixed).item() for k in range(0, len(held), 100)])
-
-    record = held_out_convergence(batch_loss, held_out_loss, model, "sandbox text encoder (steps)", **rule)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return record | {"vocabulary": tokenizer.vocab_size}
-
-
-@torch.no_grad()
-def foundation_probe(policy, data: dict, write: bool = True) -> dict:
-    """Does the foundation see? A linear probe (logistic regression) on its frozen image features (the prefix grid,
-    flattened) fit on the training split's images, its AUROC per label on the test split; and (write) its greedy
-    captions of the test images against what was drawn (the signs each names, micro F1 over the 13 findings), and
-    what it writes for them started as a report (BOS)."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import roc_auc_score
-
-    def features(records):
-        images = [[load_image(r.image_paths[0], r.id)] for r in records]
-        chunks = [policy.prompt_batch(images[k : k + 256]) for k in range(0, len(images), 256)]
-        return torch.cat([policy.model.prefix(**p)[:, :-1].flatten(1) for p in chunks]).numpy()  # (N, g*g*D)
-
-    x_train, x_test = features(data["train"]), features(data["test"])
-    y_train, y_test = (binarize(np.stack([r.labels for r in data[s]])) for s in ("train", "test"))  # (N, 14)
-    auroc = {}
-    for k, name in enumerate(CHEXPERT_LABELS):
-        if 0 < y_train[:, k].sum() < len(y_train) and 0 < y_test[:, k].sum() < len(y_test):
-            probe = LogisticRegression(max_iter=2000).fit(x_train, y_train[:, k])
-            auroc[name] = float(roc_auc_score(y_test[:, k], probe.decision_function(x_test)))
-    out = {"probe_auroc": auroc, "probe_auroc_mean": float(np.mean(list(auroc.values())))}
-    if not write:
-        return out
-    records = data["test"]
-    written, reports = [], []
-    for k in range(0, len(records), 64):
-        images = [[load_image(r.image_paths[0], r.id)] for r in records[k : k + 64]]
-        written += policy.decode(*policy.generate(policy.caption_prompts(images), 96, do_sample=False))
-        reports += policy.decode(*policy.generate(policy.prompt_batch(images), 96, do_sample=False))
-    drawn = [describe_synthetic_image(r.meta["findings"]) for r in records]
-    said, truth = caption_signs(written), caption_signs(drawn)  # (N, 13) each
-    tp, fp, fn = (said & truth).sum(), (said & ~truth).sum(), (~said & truth).sum()
-    return (
-        out
-        | {
-            "caption_signs_f1": float(2 * tp / max(1, 2 * tp + fp + fn)),
-            "captions_exact": float(np.mean([w == d.lower() for w, d in zip(written, drawn)])),  # decode lower-cases
-            "captions": [{"drawn": d, "written": w} for d, w in list(zip(drawn, written))[:5]],
-            "reports_distinct": len(set(reports)),  # of the test images, started as a report: never trained with images
-            "reports": Counter(reports).most_common(3),
-        }
-    )
-
-
-def train_foundation(annotation, out_dir, settings: dict) -> Path:
-    """The sandbox's foundation for the synthetic set at `annotation` (its training words, its images for the probe):
-    out_dir/vlm (the tiny VLM), out_dir/text_encoder (the BERT), out_dir/foundation.json."""
-    out_dir, clock = Path(out_dir), time.process_time()
-    s = dict(settings)
-    data = load_annotation(annotation)
-    n, held_out, seed = s.pop("images"), s["held_out"], s.pop("seed")
-    images, captions, reports = foundation_data(n + held_out, s.pop("reports") + held_out, seed)
-    rule = {k: s[k] for k in ("every", "patience", "min_gain", "max_steps", "lr", "batch_size")} | {"seed": seed}
-    vlm = train_foundation_vlm(data["train"], images, captions, reports, held_out, out_dir / "vlm", **rule)
-    words = [r.report for r in data["train"]]  # the set's words are whole word pieces (DCRRG's decoder writes them)
-    text = train_text_encoder(reports, held_out, out_dir / "text_encoder", **SIZES_TEXT_ENCODER, words=words, **rule)
-    probe = foundation_probe(load_policy(out_dir / "vlm"), data)
-    torch.manual_seed(seed)  # the same model untrained: what a probe reads from random features
-    untrained = TinyPolicy(TinyVLM(vlm["vocabulary"], max_len=128), WordTokenizer.build([]))
-    probe["probe_auroc_mean_untrained"] = foundation_probe(untrained, data, write=False)["probe_auroc_mean"]
-    record = {"version": FOUNDATION_VERSION, "settings": settings, "vlm": vlm, "text_encoder": text, "probe": probe}
-    record["cpu_seconds"] = round(time.process_time() - clock, 1)
-    (out_dir / "foundation.json").write_text(json.dumps(record, indent=1))
-    return out_dir
-
-
-def synthetic_foundation(annotation=None, settings=None) -> Path:
-    """The sandbox's foundation beside the synthetic set (or `annotation`'s), trained once (about 15 CPU-minutes)."""
-    annotation = Path(annotation or synthetic_data())
-    final = annotation.parent / f"foundation-v{FOUNDATION_VERSION}"
-    return build_once(final, "foundation.json", "foundation", annotation, settings or FOUNDATION)
-
-
-# ==== II.3 The run scaffold every script's train() stands on ======================================
-# Set-up, torchrun, resume and logging live here once, so that a script's train() reads as its paper (README: "The run
-# scaffold"). A script runs under `python` or `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK); rank 0 alone writes files.
-@dataclass
-class RunArgs:
-    """The flags every script shares; a script's Args adds its paper's hyper-parameters."""
-
-    data: str = "synthetic"
-    """"synthetic", or an R2Gen-layout annotation.json (IU X-Ray, MIMIC-CXR) or its folder"""
-    model: str = "tiny"
-    """"tiny" (built in, offline) or a Hugging Face vision-language model id or folder"""
-    labeler: Literal["auto", "rule", "chexbert"] = "auto"
-    """chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert, but rule for --model tiny on
-    real data without --chexbert-weights"""
-    chexbert_weights: str | None = None
-    """a local chexbert.pth (else downloaded once from the Hub; on --data synthetic the sandbox's, trained once)"""
-    out: str | None = None
-    """the run's folder, empty or absent for a fresh run; None: runs/<script>-<data name> ("synthetic", the folder's)"""
-    seed: Annotated[int, "[0, 2e9]"] = 0
-    """data order, initial weights and samples (rank r samples with seed + r)"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """auto: bf16 (the papers') on a GPU that has it, else fp32; what trains keeps fp32 master weights"""
-    clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"
-    """R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's"""
-    tiny_start: Literal["auto", "foundation", "random"] = "auto"
-    """--model tiny's weights at the start: foundation (the sandbox's pre-trained tiny VLM, trained once beside the
-    synthetic set: README) or random; auto: foundation on --data synthetic, else random"""
-    resume: bool = False
-    """continue the run in --out from its last checkpoint, with the flags in its config.json"""
-    drop_invalid: bool = False
-    """skip annotation records with a missing image or an empty report (each is logged)"""
-
-
-CHECKPOINT_EVERY = 50  # steps between checkpoints (also at the end, and when stopped by Ctrl-C)
-MAY_CHANGE_ON_RESUME = ("resume", "out")  # another --steps would move the lr schedule (and DEER's phases): another run
-
-
 def setup_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device): one process without RANK, else join the group, on the GPU of LOCAL_RANK."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -2476,816 +2542,6 @@ def gather_strided(mine: list, world_size: int) -> list:
     """Each rank's x[rank::world_size] -> all of x on every rank."""
     shards = all_gather_objects(mine)
     return [shards[k % world_size][k // world_size] for k in range(sum(map(len, shards)))]
-
-
-def seed_everything(seed: int, rank: int = 0):
-    """Seeds python, numpy and torch (all CUDA devices too) with seed + rank (nanoGPT)."""
-    for seed_rng in (random.seed, np.random.seed, torch.manual_seed):
-        seed_rng(seed + rank)
-
-
-def exact_div(a: int, b: int, what: str) -> int:
-    """a / b for batch sizes that must be whole (lm-human-preference-details)."""
-    if b <= 0 or a % b:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
-    return a // b
-
-
-class Run:
-    """One run: processes (rank, world size, device, dtype), inputs (data, labeler), folder (README, "Run folders")."""
-
-    def __init__(
-        self, args, rank, world_size, device, data, labeler, resume_flags=None, check=True, notes=(), foundation=None
-    ):
-        self.args, self.out, self.data, self.labeler, self.notes = args, Path(args.out), data, labeler, list(notes)
-        self.foundation = foundation  # the sandbox's foundation folder (--tiny-start foundation), else None
-        self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, rank == 0
-        self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
-        self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
-        self.start, self._saved = 0, None  # the first step and what checkpoints hold: restore() sets both
-        self.done = None  # a finished run's results (eval.json)
-        self._stats = defaultdict(list)  # log()'s numbers of this step
-        problem = self._check_folder() if check and self.is_main else None
-        problem, self.done = broadcast_object((problem, self.done))
-        if problem:
-            raise ValueError(problem)
-        self.resuming = bool(args.resume and (self.out / "config.json").is_file())
-        self.resolved = {}  # what the flags' None and "auto" came to (record())
-        if check:  # the flags, beside the run's files (a folder holding nothing else is a run that failed its checks)
-            self.record()
-
-    def record(self, **resolved):
-        """config.json: the flags, the notes, and what a script resolved its defaults to (`resolved`: "lr": 1e-4)."""
-        self.resolved |= resolved
-        config = asdict(self.args) | {"notes": self.notes, "resolved": self.resolved}
-        self.write("config.json", json.dumps(config, indent=2, default=str))
-
-    def _check_folder(self) -> str | None:
-        """A fresh run needs an empty folder, a resumed one the run's flags; a finished one sets .done (eval.json)."""
-        config = self.out / "config.json"
-        if not self.args.resume:
-            if self.out.is_dir() and any(p.is_file() and p.name != "config.json" for p in self.out.rglob("*")):
-                return f"{self.out} already holds a run: pass --resume to continue it, or give another --out"
-        elif config.is_file():
-            saved, now = json.loads(config.read_text()), json.loads(json.dumps(asdict(self.args), default=str))
-            keep = self.resume_flags or [k for k in now if k not in MAY_CHANGE_ON_RESUME]
-            diff = [k for k in keep if saved.get(k) != now[k]]
-            if diff:
-                shown = "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} in the run, {now[k]!r} now" for k in diff)
-                return f"--resume with flags that differ from {config}: {shown}"
-            if (self.out / "eval.json").is_file():
-                self.done = json.loads((self.out / "eval.json").read_text())
-        elif self.resume_flags is None:
-            return f"--resume: {config} not found; is --out the folder of the run to resume?"
-
-    def write(self, name: str, text: str):
-        """Rank 0 writes out/<name> ("a/x.json" too) atomically: no half-written file."""
-        if self.is_main:
-            atomic_save(text, self.out / name)
-
-    def stage(self, name: str, flags) -> Run:
-        """A run in out/<name> (config, log, checkpoint) sharing processes, data, labeler; --resume checks `flags`."""
-        args = dataclasses.replace(self.args, out=str(self.out / name))
-        processes = (self.rank, self.world_size, self.device)
-        inputs = (self.data, self.labeler)
-        return Run(args, *processes, *inputs, resume_flags=tuple(flags), notes=self.notes, foundation=self.foundation)
-
-    def per_rank(self, batch_size: int, flag: str) -> int:
-        """A global batch (as the papers count) -> this rank's share."""
-        return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
-
-    def autocast(self):
-        return autocast(self.device, self.dtype)
-
-    # Steps and checkpoints ---------------------------------------------------------------------
-    def restore(self, model, optimizer=None, scheduler=None, state: dict | None = None) -> int:
-        """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's
-        `state`); ranks sample apart from here (seed + rank). --resume loads out/last.pt, RNG too. -> the start step."""
-        self._saved = (model, optimizer, scheduler, state)
-        seed_everything(self.args.seed, self.rank)
-        if self.resuming and (self.out / "last.pt").is_file():
-            self.start, extra = load_checkpoint(self.out / "last.pt", model, optimizer, scheduler)
-            if state is not None:
-                state.update(extra)
-        if self.resuming and self.is_main and (self.out / "metrics.jsonl").is_file():  # drop lines after the checkpoint
-            rows = (self.out / "metrics.jsonl").read_text().splitlines(keepends=True)
-            self.write("metrics.jsonl", "".join(r for r in rows if json.loads(r)["step"] <= self.start))
-        return self.start
-
-    def study_batches(self, records: list, batch_size: int, flag: str = "--batch-size", transform="pil"):
-        """batches(start) for steps(): this rank's share of shuffled global batches of studies (images: `transform`)."""
-        n = self.per_rank(batch_size, flag)
-
-        def batches(start: int):
-            epochs_and_batches = study_batches(records, n, self.args.seed, self.rank, self.world_size, start, transform)
-            return (batch for _, batch in epochs_and_batches)
-
-        return batches
-
-    def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
-        """(step, batch), step = start (default: restore()'s) .. total - 1, a bar of 4 of `bar`; after each, all log()'s
-        means over ranks in metrics.jsonl, last.pt every CHECKPOINT_EVERY steps and at the end. Ctrl-C: save, stop."""
-        if start is None:
-            start = self.start
-        progress = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
-        clock = time.time()
-        data = batches(start)
-        optimizer = self._saved[1] if self._saved else None
-        stop = []  # Ctrl-C or SIGTERM appends: the ranks save and stop after the step
-        old_handlers = {}
-        if threading.current_thread() is threading.main_thread():  # Python sets handlers in the main thread only
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                old_handlers[signum] = signal.signal(signum, lambda *_: stop.append(1))
-        try:
-            for step in range(start, total):
-                lr = {"lr": optimizer.param_groups[0]["lr"]} if optimizer is not None else {}  # before the update
-                yield step, next(data)
-                elapsed = round(time.time() - clock, 2)
-                stats = all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())})
-                row = {"step": step + 1, "time": elapsed, **lr, **stats}
-                self._stats.clear()
-                if self.is_main:
-                    with open(self.out / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    progress.update(1)
-                    progress.set_postfix({k: f"{row[k]:.3g}" for k in bar[:4] if k in row}, refresh=False)
-                interrupted = all_reduce_mean(float(bool(stop))) > 0  # every rank stops at the same step
-                if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == total or interrupted):
-                    self.checkpoint(step + 1)
-                if interrupted:
-                    raise KeyboardInterrupt(
-                        f"stopped after step {step + 1}, with {self.out / 'last.pt'} saved: "
-                        "the same command with --resume continues"
-                    )
-        finally:
-            progress.close()
-            for signum, handler in old_handlers.items():
-                signal.signal(signum, handler)
-
-    def log(self, **stats):
-        """Numbers for this step's line in metrics.jsonl (several calls in a step are averaged)."""
-        for k, v in stats.items():
-            self._stats[k].append(float(v))
-
-    def optimizer_step(self, params, optimizer, scheduler=None, max_grad_norm: float | None = None) -> float:
-        """Average the gradients over ranks, clip, step, clear; logs and returns the norm before clipping."""
-        params = list(params)
-        all_reduce_gradients(params, self.world_size)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
-        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.log(grad_norm=norm)
-        return norm
-
-    def checkpoint(self, step: int):
-        """out/last.pt, atomically. Every rank calls it: its RNG state goes in, a resume draws as if never stopped."""
-        model, optimizer, scheduler, state = self._saved
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as tensors and lists: loadable with weights_only
-        rng = {
-            "python": random.getstate(),
-            "torch": torch.get_rng_state(),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        }
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        states = all_gather_objects(rng)
-        params = dict(model.named_parameters())
-        partial = not all(p.requires_grad for p in params.values())
-        weights, optim = full_state_dicts(model, optimizer) if isinstance(model, FSDPModule) else (None, None)
-        if self.is_main:
-            weights = weights or {
-                k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad
-            }
-            if optim is None and optimizer is not None:  # not sharded
-                optim = optimizer.state_dict()
-            checkpoint = {"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {}}
-            checkpoint["optimizer"] = optim
-            checkpoint["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-            checkpoint["config"] = asdict(self.args)
-            atomic_save(checkpoint, self.out / "last.pt")
-        barrier()
-
-    # Evaluation and the end --------------------------------------------------------------------
-    def evaluate(
-        self,
-        policy,
-        records,
-        name,
-        prompt,
-        max_new_tokens,
-        report=None,
-        score=None,
-        meteor=False,
-        ce=None,
-        radgraph=None,
-    ) -> dict:
-        """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
-        NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
-        to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
-        path = self.out / f"eval_{name}.json"
-        if self.resuming and path.is_file():
-            return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
-        mine = records[self.rank :: self.world_size]  # each rank a strided share, greedy
-        # padded as long as rank 0's share: every rank makes as many generate() calls (FSDP)
-        padded = mine + records[: len(records[:: self.world_size]) - len(mine)]
-        completions = []
-        for b in tqdm(range(0, len(padded), 32), desc=name, disable=not self.is_main):
-            images = [[load_image(p, r.id) for p in r.image_paths] for r in padded[b : b + 32]]
-            prompts = policy.prompt_batch(images, prompt)
-            with torch.no_grad(), self.autocast():
-                completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
-        completions = gather_strided(completions[: len(mine)], self.world_size)
-        results = None
-        if self.is_main:
-            rows = [
-                {"id": r.id, "reference": r.report, "generated": report(c) if report else c}
-                | ({"completion": c} if report else {})
-                for r, c in zip(records, completions)
-            ]
-            labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
-            gold = np.stack([r.labels for r in records]) if all(r.labels is not None for r in records) else None
-            ce = dict(ce or {}, gold=gold, name=name, radgraph=radgraph)
-            results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **ce)
-            if score:
-                results |= score(rows, labeler)
-            self.write(f"generations_{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-            self.write(path.name, json.dumps(results, indent=2))
-        return broadcast_object(results)
-
-    def finish(self, results: dict, policy=None) -> dict:
-        """The trained policy to out/final/, the results to out/eval.json (--resume's sign that the run is done)."""
-        weights = full_state_dicts(policy.model)[0] if isinstance(getattr(policy, "model", None), FSDPModule) else None
-        if self.is_main and policy is not None:
-            policy.save(self.out / "final", weights)
-        self.write("eval.json", json.dumps(results, indent=2))
-        if self.is_main and (self.out / "metrics.jsonl").is_file() and os.environ.get("RRG_FIGURES") != "0":
-            plot_run(self.out)  # figures/training.png (RRG_FIGURES=0: none, as in the tests)
-        barrier()
-        return results
-
-
-def resolve_defaults(args):
-    """The "auto" flags made concrete, as config.json records them: labeler, dtype (clean needs the data)."""
-    if args.labeler == "auto":  # the papers' CheXbert (the sandbox's own on --data synthetic), else rules offline
-        offline = args.model == "tiny" and args.data != "synthetic" and not args.chexbert_weights
-        args.labeler = "rule" if offline else "chexbert"
-    if args.dtype == "auto":  # no fp16: its gradients need loss scaling, which no script does
-        args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
-    if args.model == "tiny" and args.tiny_start == "auto":  # as the papers, a pre-trained start (the sandbox's)
-        args.tiny_start = "foundation" if args.data == "synthetic" else "random"
-    if args.model == "tiny" and args.tiny_start == "foundation" and args.data != "synthetic":
-        raise ValueError("--tiny-start foundation needs --data synthetic: the foundation knows its images and words")
-    return args
-
-
-def start_run(args, stages: bool = False, notes=()) -> Run:
-    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
-    --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
-    `notes`: what this run cannot do as the paper does, one line each at start and in config.json."""
-    rank, world_size, device = setup_distributed()
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
-        torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
-    if rank != 0:
-        barrier()  # rank 0 first: it builds the synthetic set and trains the sandbox's CheXbert, once
-    resolve_defaults(args)
-    data = load_data(args.data, drop_invalid=args.drop_invalid)
-    if args.labeler == "chexbert" and args.data == "synthetic" and not args.chexbert_weights:
-        args.chexbert_weights = str(synthetic_chexbert())  # the sandbox's, trained once beside the synthetic set
-    foundation = synthetic_foundation() if args.model == "tiny" and args.tiny_start == "foundation" else None
-    if rank == 0:
-        barrier()
-    empty = [split for split in ("train", "test") if not data[split]]
-    if empty:  # before anything is written: a start that fails leaves nothing behind
-        dropped = " left by --drop-invalid" if args.drop_invalid else ""
-        raise ValueError(f"--data {args.data}: no {' or '.join(empty)} studies{dropped}")
-    if args.clean == "auto":
-        args.clean = clean_style([r for records in data.values() for r in records])
-    labeler = make_labeler(args.labeler, args.chexbert_weights, device)
-    rule = (
-        "labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
-        "CE numbers do not compare with published ones (--labeler chexbert)"
-    )
-    notes = [rule, *notes] if args.labeler == "rule" else list(notes)
-    seed_everything(args.seed)
-    run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes, foundation=foundation)
-    if rank == 0:
-        log.info(start_block(run))
-        for note in notes:
-            log.warning("note: %s", note)
-    return run
-
-
-def start_block(run: Run) -> str:
-    """What a run reads and where it writes, a line each."""
-    args, views = run.args, Counter(len(r.image_paths) for records in run.data.values() for r in records)
-    data = synthetic_data() if args.data == "synthetic" else args.data
-    weights = args.chexbert_weights or "StanfordAIMI/RRG_scorers' chexbert.pth (the papers')"
-    if args.data == "synthetic" and Path(weights).parent.name == f"chexbert-v{SANDBOX_CHEXBERT_VERSION}":
-        weights = f"the sandbox's, trained on the synthetic reports: {weights}"
-    lines = {
-        "run folder": f"{run.out} ({'a new run' if not args.resume else '--resume: continued'})",
-        "data": f"{data}: {', '.join(f'{k} {len(v)}' for k, v in run.data.items())} studies; views per study: "
-        f"{', '.join(f'{v} in {n}' for v, n in views.most_common())} studies; cleaning {args.clean}",
-        "model": f"{args.model}; {args.dtype} on {run.device}; {run.world_size} process(es)"
-        + (f"; starts from the sandbox's foundation, {run.foundation}" if run.foundation else ""),
-        "labeler": f"chexbert, {weights}" if args.labeler == "chexbert" else "rule (offline CheXpert-style rules)",
-    }
-    if args.resume and run.done:  # a finished run: --resume reads its results back, trains nothing
-        lines["run folder"] = f"{run.out} (finished: --resume has nothing to train; its eval.json is read back)"
-    return "\n".join(f"{k:<12}{v}" for k, v in lines.items())
-
-
-def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
-    """A script's main(): flags (a first word picks one of `commands`), train; bad input or Ctrl-C: one line."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = None
-    if commands:  # the first word, else the first command
-        command = argv.pop(0) if argv and not argv[0].startswith("-") else commands[0]
-        if command not in commands:
-            raise SystemExit(f"error: unknown command {command!r}; use one of {', '.join(commands)}")
-    args = parse_args(args_class, argv, doc)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:  # any other exception is a bug: its traceback propagates
-        results = train(command, args) if commands else train(args)
-    except (OSError, ValueError) as e:  # bad input (a file, a record, a flag): one line, no traceback
-        end_process(f"error: {e}", at_once=True)
-    except KeyboardInterrupt as e:  # Ctrl-C: the shell's code for SIGINT, 128 + 2
-        end_process(f"interrupted{': ' + str(e) if str(e) else ''}", code=130)
-    if os.environ.get("RANK", "0") == "0":
-        print(end_block(args.out))
-    end_process()
-    return results
-
-
-def end_block(out) -> str:
-    """Where a run wrote, a line each: its folder, results, test generations and figures (its stages' too)."""
-    out, lines = Path(out), [f"{'run folder':<12}{out}"]
-    main_files = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/*.png"}
-    for kind, glob in main_files.items():
-        found = sorted([*out.glob(glob), *out.glob(f"*/{glob}")], key=os.path.getmtime)
-        if found:
-            lines.append(f"{kind:<12}{', '.join(str(f.relative_to(out)) for f in found)}")
-    return "\n".join(lines)
-
-
-@dataclass
-class Convergence:
-    """A stopping rule for SFT, declared before any run: every `every` steps a validation score (higher is better);
-    the best weights are kept; training stops after `patience` validations without a gain of at least `min_gain` over
-    the best, or at `max_steps`. The fields after max_steps are its state, which checkpoints hold."""
-
-    every: int
-    patience: int
-    min_gain: float
-    max_steps: int
-    best: float = -math.inf
-    best_step: int = 0
-    waited: int = 0  # validations since the best
-    best_weights: dict = field(default_factory=dict)  # the trainable parameters at the best validation
-
-    def update(self, score: float, step: int, model: torch.nn.Module) -> dict:
-        """One validation's score -> the numbers a progress bar shows (this score, the best, validations left)."""
-        if score >= self.best + self.min_gain:
-            self.best, self.best_step, self.waited = score, step, 0
-            self.best_weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        else:
-            self.waited += 1
-        return {"validation": score, "best": self.best, "patience_left": self.patience - self.waited}
-
-    @property
-    def converged(self) -> bool:
-        return self.waited >= self.patience
-
-    def why(self, steps: int) -> str:
-        """The line that ends a run of the rule: where it stopped, why, and which weights it kept."""
-        reason = f"{self.waited} validations without a gain of {self.min_gain:g}" if self.converged else "max_steps"
-        return (
-            f"stopped after {steps} steps ({reason}); kept step {self.best_step}'s weights (validation {self.best:.4f})"
-        )
-
-
-def warm_start_stage(
-    run,
-    policy,
-    records,
-    steps,
-    lr,
-    batch_size,
-    prompt,
-    targets=None,
-    blind=False,
-    converge=None,
-    validate=None,
-    max_pixels=None,
-):
-    """SFT before RL, a stage of its own in out/warm_start: the teacher-forced likelihood of targets(batch) (default:
-    the reports), AdamW at a constant lr; `blind`: each view a blank image (the report text alone: a fluent, task-naive
-    start). `steps` steps, or with `converge` until validate(stage, policy, step) stops improving, the best weights
-    kept. Stopped, --resume continues it; finished, it is read back. -> final/'s policy (LoRA folded in)."""
-    stage = run.stage("warm_start", run.resume_flags or ())
-    if stage.done is None:
-        fp32_trainable(policy.model)
-        params = [p for p in policy.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=lr)
-        trained = stage.restore(policy.model, optimizer, state=vars(converge) if converge else None)
-        total = converge.max_steps if converge else steps
-        batches = stage.study_batches(records, batch_size, "the warm start's batch")
-        shown = ("sft_loss", "validation", "best", "patience_left")
-        # stage.steps writes each step's line to warm_start/metrics.jsonl, warm_start/last.pt every 50 steps
-        for step, batch in stage.steps(total, batches, "warm start", bar=shown):
-            if converge and converge.converged:
-                break  # decided at the last validation (its metrics line is written)
-            images = batch["images"]
-            if blind:
-                images = [[Image.new("L", view.size) for view in views] for views in images]
-            texts = targets(batch) if targets else batch["report"]
-            loss = policy.sft_loss(policy.prompt_batch(images, prompt), texts)
-            loss.backward()
-            stage.optimizer_step(params, optimizer)
-            stage.log(sft_loss=loss.item())
-            trained = step + 1
-            if converge and trained % converge.every == 0:
-                stage.log(**converge.update(validate(stage, policy, trained), trained, policy.model))
-        results = {"steps": trained}
-        if converge:
-            policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
-            results["converge"] = asdict(dataclasses.replace(converge, best_weights={}))
-            if stage.is_main:
-                log.info("warm start: %s", converge.why(trained))
-        stage.finish(results, policy)
-    return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)
-
-
-# The RL scripts' policy, optimiser and schedule --------------------------------------------------
-def initial_policy(run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512):
-    """--model's policy before the paper trains it, equal on every rank: the sandbox's foundation (--tiny-start
-    foundation), a random tiny model on the reports' words, or the Hugging Face model's own weights."""
-    if run.foundation is not None:
-        policy = load_policy(run.foundation / "vlm", run.device, run.dtype)
-    else:
-        policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
-    broadcast_parameters(policy.model)
-    return policy
-
-
-def build_policy(
-    run: Run,
-    records: list,
-    max_new_tokens: int,
-    *,
-    lora: dict | None = None,
-    reference: bool = True,
-    warm_start: dict | None = None,
-    init=None,
-    extra_tokens=(),
-    max_pixels: int | None = 512 * 512,
-    fsdp: bool = False,
-):
-    """(policy, reference): `init` (a saved policy) or initial_policy(), equal on every rank. `lora` ({r, alpha,
-    dropout, targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none":
-    reference=False). `warm_start` (warm_start_stage's settings) first fine-tunes on the reports."""
-    if init is not None:
-        policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
-        broadcast_parameters(policy.model)
-    else:
-        policy = initial_policy(run, [r.report for r in records], max_new_tokens, extra_tokens, max_pixels)
-
-    def add_lora():
-        vision = policy.vision_and_language()[0]  # its MLP shares the LM's names
-        apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"], exclude=vision)
-
-    if lora:
-        add_lora()
-    if warm_start and (warm_start["steps"] > 0 or warm_start.get("converge")):
-        policy = warm_start_stage(run, policy, records, **warm_start, max_pixels=max_pixels)  # LoRA folded in
-        if lora:  # fresh adapters on the warm-started weights: RL's base, and its LoRA-off reference
-            add_lora()
-    ref = "lora" if lora else (frozen_reference(policy) if reference else "none")  # LoRA off, a frozen copy, none
-    fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
-    if fsdp:  # after the warm start, which saved the model whole
-        shard(policy.model, run.dtype)
-        if not isinstance(ref, str):
-            shard(ref.model, run.dtype)
-    return policy, ref
-
-
-def frozen_reference(policy):
-    """A frozen copy computing as the policy at its start: linear and conv weights in --dtype (autocast's anyway), the
-    rest (embeddings, norms) fp32 where fp32_trainable makes the policy's (bf16: KL and DPO margins not 0 at step 0)."""
-    ref = copy.deepcopy(policy)
-    for m, m_ref in zip(policy.model.modules(), ref.model.modules()):
-        pairs = zip(m.parameters(recurse=False), m_ref.parameters(recurse=False))
-        linear = isinstance(m, torch.nn.Linear | torch.nn.Conv2d | torch.nn.Conv3d)
-        for p_ref in [q for p, q in pairs if p.requires_grad and not linear]:
-            p_ref.data = p_ref.data.float()
-    ref.model.eval().requires_grad_(False)
-    return ref
-
-
-def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
-    """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
-    optimizer = torch.optim.AdamW(list(params), lr=lr, **kwargs)
-    w = int(warmup * total)  # warm-up steps
-
-    def factor(step):
-        """The lr's multiplier at `step`."""
-        decay = {
-            "linear": (total - step) / max(1, total - w),
-            "constant": 1.0,
-            "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w))),
-        }
-        return (step + 1) / w if step < w else decay[schedule]
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def atomic_save(obj, path: Path):
-    """torch.save (a str: its text) beside `path`, then renamed: a crash keeps the old file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(obj, str):
-        tmp.write_text(obj)
-    else:
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, model, optimizer=None, scheduler=None):
-    """Restore the model, optimiser, schedule and this rank's RNG states -> (step, extra)."""
-    sharded = isinstance(model, FSDPModule)  # shard()'s: rank 0 alone reads (weights, AdamW: 36 GB for 3B) and sends
-    ckpt, problem = {}, None
-    if not sharded or torch.distributed.get_rank() == 0:
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
-            problem = f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})"
-    if sharded:  # the small parts to every rank
-        problem, small = broadcast_object((problem, {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}))
-        ckpt = ckpt or small
-    if problem:
-        raise ValueError(problem)
-    if sharded:  # full state dicts (Run.checkpoint) from rank 0, each rank keeping its shards
-        from torch.distributed.checkpoint import state_dict as dcp
-
-        options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        dcp.set_model_state_dict(model, ckpt.get("model", {}), options=options)  # (set_state_dict skips the model
-        dcp.set_optimizer_state_dict(model, optimizer, ckpt.get("optimizer", {}), options=options)  # on empty ranks)
-    else:
-        try:
-            missing, unexpected = model.load_state_dict(ckpt["model"], strict=not ckpt["partial"])
-        except RuntimeError:  # names or shapes that do not fit
-            missing, unexpected = ["?"], ["?"]
-        if unexpected or {k for k, p in model.named_parameters() if p.requires_grad} & set(missing):
-            raise ValueError(f"{path} holds the trainable weights of another set-up: resume with the run's flags")
-        if optimizer is not None:
-            optimizer.load_state_dict(ckpt["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(ckpt["scheduler"])
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _distributed() else (0, 1)
-    if len(ckpt["rng"]) == world:
-        state = ckpt["rng"][rank]
-
-        def as_tuples(x):
-            """Python's RNG state is nested tuples; the checkpoint holds lists."""
-            return tuple(map(as_tuples, x)) if isinstance(x, (list, tuple)) else x
-
-        random.setstate(as_tuples(state["python"]))
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
-    elif rank == 0:
-        log.warning("%s: saved by %d processes, not %d: RNG states not restored", path, len(ckpt["rng"]), world)
-    return ckpt["step"], ckpt["extra"]
-
-
-# ==== II.4 The command line: flags from an Args dataclass; python common.py evaluate | chexbert | ... =========
-def field_helps(args_class) -> dict[str, str]:
-    """{field: help} from each class of args_class: the string under a field (CleanRL's attribute doc strings), so a
-    knob is written once, with its help and its source beside it. A subclass's help wins."""
-    helps = {}
-    for cls in reversed(args_class.__mro__[:-1]):
-        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-        for node, after in itertools.pairwise(body):
-            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-            if isinstance(node, ast.AnnAssign) and is_doc and isinstance(after.value.value, str):
-                helps[node.target.id] = " ".join(after.value.value.split())
-    return helps
-
-
-def flag_type(f) -> tuple[str, str | None]:
-    """A field's type and the range beside it: Annotated[int | None, "[0, inf)"] -> ("int | None", "[0, inf)")."""
-    annotated = re.fullmatch(r"Annotated\[(.+), ['\"](.+)['\"]\]", f.type)
-    return annotated.groups() if annotated else (f.type, None)
-
-
-def default_out(args_class, data: str) -> Path:
-    """runs/<script>-<data name>: "synthetic", the folder of an annotation.json (or given), another file's name."""
-    path = Path(data).parent if Path(data).name == "annotation.json" else Path(data)
-    name = path.stem if path.suffix == ".json" else path.resolve().name
-    script = Path(getattr(sys.modules[args_class.__module__], "__file__", "run")).stem
-    return Path(f"runs/{script}-{name}")
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block): an unknown flag gets the closest known one."""
-
-    def error(self, message):
-        unknown = re.match(r"unrecognized arguments: (\S+)", message)
-        flags = [o for action in self._actions for o in action.option_strings]
-        close = difflib.get_close_matches(unknown.group(1).split("=")[0], flags, n=1) if unknown else []
-        hint = f" (did you mean {close[0]}?)" if close else " (--help lists every flag)"
-        self.exit(2, f"error: {message}{hint}\n")
-
-
-def parse_args(args_class, argv=None, description: str | None = None):
-    """Flags from an Args dataclass: `--flag-name` per field, typed by its (string) annotation: a bool as --flag /
-    --no-flag, Literal[...] as choices, a number checked against the range Annotated beside it; its help the doc
-    string under the field. --out defaults to default_out(); --resume: the flags not given are the run's."""
-    helps = field_helps(args_class)
-    p = FlagParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = {
-        "paper": p.add_argument_group("the paper's settings (and ours where it gives none)"),
-        "run": p.add_argument_group("the run, its data and model (every script's)"),
-    }
-    casts = {"int": int, "float": float, "str": str}
-    fields = dataclasses.fields(args_class)
-    shared = {f.name for f in dataclasses.fields(RunArgs)}
-    for f in fields:
-        group = groups["run" if f.name in shared else "paper"]
-        kind, interval = flag_type(f)
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f"{helps.get(f.name, '')} (default: {f.default}{'; in ' + interval if interval else ''})"
-        help_ = help_.replace("%", "%%")
-        if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        elif kind.startswith("Literal["):
-            choices = ast.literal_eval("(" + kind[len("Literal[") : kind.rindex("]")] + ",)")  # Literal[a, b] -> (a, b)
-            group.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
-        else:
-            group.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
-    unset = object()  # argparse keeps what the namespace holds: a flag still unset was not given
-    parsed = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
-    given = {k: v for k, v in parsed.items() if v is not unset}
-    flags = {f.name: f.default for f in fields} | given
-    out = Path(flags["out"] or default_out(args_class, flags["data"]))
-    configs = [out / "config.json"] if (out / "config.json").is_file() else list(out.glob("*/config.json"))
-    if flags["resume"] and configs:  # the flags not given: the run's (of stages: the newest stage's)
-        saved = json.loads(max(configs, key=os.path.getmtime).read_text())
-        flags |= {k: saved[k] for k in flags.keys() & saved.keys() - given.keys() - set(MAY_CHANGE_ON_RESUME)}
-    for f in fields:  # each number in the range beside it: [ ] take their end, ( ) do not
-        interval, value = flag_type(f)[1], flags[f.name]
-        if interval is None or value is None:
-            continue
-        lo, hi = map(float, interval[1:-1].split(","))
-        if not (lo < value < hi or value == lo and interval[0] == "[" or value == hi and interval[-1] == "]"):
-            raise SystemExit(f"error: --{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
-    return args_class(**flags | {"out": str(out)})
-
-
-def plot_run(out) -> list[Path]:
-    """<folder>/figures/training.png for out and every stage folder below it, from its metrics.jsonl: a panel per
-    logged number against the step (keys "a/b" share panel a), with a running mean. Needs matplotlib."""
-    try:
-        from matplotlib import figure  # not pyplot: no global backend to set, no figure to close
-    except ImportError:
-        log.warning("figures skipped: they need `pip install matplotlib` (then: python common.py plot %s)", out)
-        return []
-    drawn = []
-    for metrics in sorted(Path(out).glob("**/metrics.jsonl")):
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        panels = defaultdict(dict)  # panel -> {line: (n, 2) steps and values}
-        for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
-            panel, _, line = key.partition("/")
-            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            panels[panel][line or panel] = np.array(points)
-        cols, n_rows = max(1, min(4, len(panels))), max(1, math.ceil(len(panels) / 4))  # 4 a row at most; none: blank
-        fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
-        axes = fig.subplots(n_rows, cols, squeeze=False)
-        for ax, (panel, lines) in zip(axes.flat, panels.items()):
-            for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
-                w = max(1, len(x) // 15)  # running mean over w steps
-                alpha = 0.35 if w > 1 else 1
-                marker = "." if len(x) <= 30 else None
-                (raw,) = ax.plot(x, y, lw=0.6, alpha=alpha, marker=marker, label=label)  # a legend with two or more
-                if w > 1:
-                    ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color())
-            ax.set_title(panel, fontsize=8)
-            ax.tick_params(labelsize=6)
-            if len(lines) > 1:
-                ax.legend(fontsize=5)
-        for ax in axes.flat[len(panels) :]:
-            ax.axis("off")
-        fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
-        fig.tight_layout()
-        png = metrics.parent / "figures" / "training.png"
-        png.parent.mkdir(exist_ok=True)
-        fig.savefig(png, dpi=80)
-        drawn.append(png)
-    return drawn
-
-
-def main(argv=None):
-    """`python common.py evaluate --generations FILE.jsonl`: score a generations file (as its run did, if beside it);
-    `python common.py synthetic --out DIR`: write the synthetic set to a folder;
-    `python common.py chexbert --out DIR`: train a CheXbert of the sandbox's kind on --data's labelled reports;
-    `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
-    p = argparse.ArgumentParser(description=main.__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
-    e.add_argument("--generations", required=True, help="JSONL with 'reference' and 'generated' per line")
-    e.add_argument("--labeler", choices=["rule", "chexbert"], help="without these four: the run's, else rule")
-    e.add_argument("--chexbert-weights", help="a local chexbert.pth (else downloaded once from the Hub)")
-    e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning, else MIMIC-CXR's")
-    e.add_argument("--uncertain-as", type=int, choices=[0, 1], help="CE: uncertain as positive, or the papers' 0")
-    e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
-    e.add_argument(
-        "--radgraph", action="store_true", help="F1 RadGraph too (pip install radgraph; its model downloads)"
-    )
-    e.add_argument("--out", help="JSON output (default: <generations file>.scores.json beside it)")
-    c = sub.add_parser("chexbert", help="train a CheXbert of the sandbox's kind on an annotation file's labels")
-    c.add_argument("--data", default="synthetic", help='"synthetic" or an annotation.json whose records have labels')
-    c.add_argument("--out", required=True, help="a folder for chexbert.pth, config.json and vocab.txt")
-    for name, default in SANDBOX_CHEXBERT.items():
-        c.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    c.add_argument("--seed", type=int, default=0)
-    f = sub.add_parser("foundation", help="train the sandbox's foundation once (the tiny VLM, DCRRG's text encoder)")
-    f.add_argument("--data", default="synthetic", help='"synthetic" or a synthetic set\'s annotation.json')
-    f.add_argument("--out", help="a fresh folder (default: beside the set, where every run finds it)")
-    for name, default in FOUNDATION.items():
-        f.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    plot = sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl")
-    plot.add_argument("run", help="a run's --out folder")
-    s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout) to a folder")
-    s.add_argument("--out", required=True)
-    for name, default in (("n_train", 2000), ("n_val", 200), ("n_test", 500), ("size", 128), ("seed", 0)):
-        s.add_argument("--" + name.replace("_", "-"), type=int, default=default)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.command == "plot":
-        if not (Path(args.run).is_dir() and any(Path(args.run).glob("**/metrics.jsonl"))):
-            raise SystemExit(f"error: {args.run}: no metrics.jsonl in it or below (the --out folder of a run)")
-        print("\n".join(f"wrote {png}" for png in plot_run(args.run)))
-        return
-    if args.command == "chexbert":
-        records = load_data(args.data)["train"]
-        if any(r.labels is None for r in records):
-            raise SystemExit(f"error: {args.data}: every training record needs 'labels' to train CheXbert on")
-        settings = {k: getattr(args, k) for k in SANDBOX_CHEXBERT}
-        print(f"wrote {train_chexbert(records, args.out, **settings, seed=args.seed)}")
-        return
-    if args.command == "foundation":
-        annotation = synthetic_data() if args.data == "synthetic" else args.data
-        settings = {k: getattr(args, k) for k in FOUNDATION}
-        if not args.out and settings != FOUNDATION:
-            raise SystemExit(
-                "error: other settings than FOUNDATION's need --out (the cached foundation is the recipe's)"
-            )
-        out = (
-            train_foundation(annotation, args.out, settings) if args.out else synthetic_foundation(annotation, settings)
-        )
-        record = json.loads((out / "foundation.json").read_text())
-        probe = record["probe"]
-        print(
-            f"wrote {out}: linear probe AUROC {probe['probe_auroc_mean']:.3f} (mean over the labels), caption signs F1 "
-            f"{probe['caption_signs_f1']:.3f}, {record['cpu_seconds']:.0f} CPU-seconds"
-        )
-        return
-    if args.command == "synthetic":
-        path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
-        print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
-        return
-    rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
-    path = Path(args.generations)  # the run that wrote it: its config.json (or its stage's), its eval JSON
-    found = [p for p in (path.with_name("config.json"), path.parent.with_name("config.json")) if p.is_file()][:1]
-    evals = [path.with_name(f"eval_{path.stem.removeprefix('generations_')}.json"), path.with_name("eval.json")]
-    found += [p for p in evals if p.is_file() and "headline" in json.loads(p.read_text())][:1]
-    for source in found:  # the config's labeler, weights and cleaning; the eval JSON's cleaning and CE convention
-        skip = "" if source.name == "config.json" else "labeler"  # an eval JSON names the labeler's class
-        rules |= {k: v for k, v in json.loads(source.read_text()).items() if k in rules and k != skip}
-    given = {k: v for k, v in vars(args).items() if k in rules and v is not None}  # flags given win
-    rules |= given
-    print(f"rules {rules}: from {', '.join(map(str, found)) or 'the defaults'}; given: {', '.join(given) or 'none'}")
-    try:
-        rows = read_generations(args.generations)
-        labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
-        clean = None if rules["clean"] == "none" else rules["clean"]
-        meteor = not args.no_meteor
-        radgraph = radgraph_annotator() if args.radgraph else None
-        name = path.stem.removeprefix("generations_")  # the evaluation (test_after, ...), as its warnings name it
-        results = evaluate_generations(
-            rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"], name=name, radgraph=radgraph
-        )
-    except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
-        raise SystemExit(f"error: {e}") from None
-    out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
-    out.write_text(json.dumps(results, indent=2))
-    scores = {**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}
-    print(json.dumps(scores, indent=1), f"\n{summary(results)}\nwrote {out}")
 
 
 if __name__ == "__main__":

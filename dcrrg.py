@@ -190,7 +190,7 @@ class DCRRG(nn.Module):
         # sandbox foundation's image side (ImageNet's stand-in, `foundation`), or a random small CNN
         if args.model == "tiny" and foundation is not None:
             vlm = common.load_policy(foundation / "vlm").model
-            self.image_encoder = common.ViewMean(common.FoundationImageEncoder(vlm))
+            self.image_encoder = common.ViewMean(common.sandbox().FoundationImageEncoder(vlm))
         elif args.model == "tiny":
             self.image_encoder = common.ViewMean(common.SmallCNN())
         else:
@@ -710,13 +710,14 @@ def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, b
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
     st.record(lr=lr, steps=total, parts=parts)
     st.restore(model, optimizer)
-    # st.steps writes each step's line to <step>/metrics.jsonl, <step>/last.pt every 50 steps and at the end
-    for _, batch in st.steps(total, batches, f"DCRRG {name}"):
+    for step, batch in st.steps(total, batches, f"DCRRG {name}"):
         with st.autocast():
             loss, stats = loss_fn(model, batch)
         loss.backward()
         st.optimizer_step(params, optimizer)
         st.log(loss=loss.item(), **stats)
+        st.log_step(step)  # <step>/metrics.jsonl: this step's line
+        st.checkpoint(step)  # <step>/last.pt every 50 steps, at the last step and on Ctrl-C
     common.broadcast_parameters(model)  # rank 0's BatchNorm statistics (a ResNet-50 that trained) on every rank
     model.eval()
     with torch.no_grad(), st.autocast():

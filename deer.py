@@ -376,7 +376,6 @@ def sft(run: common.Run, args: Args, s: Settings) -> dict:
     optimizer, _ = common.adamw(params, s.sft_lr, total)  # constant lr: the paper names no schedule
     trained = run.restore(policy.model, optimizer, state=vars(converge) if converge else None)
     batches = run.study_batches(studies, s.sft_batch, "the SFT batch")
-    # run.steps writes each step's line to sft/metrics.jsonl and sft/last.pt every 50 steps (README, "Run folders")
     for step, batch in run.steps(total, batches, "DEER SFT", bar=("sft_loss", "validation", "best", "patience_left")):
         if converge and converge.converged:
             break  # decided at the last validation (its metrics line is written)
@@ -390,6 +389,8 @@ def sft(run: common.Run, args: Args, s: Settings) -> dict:
         if converge and trained % converge.every == 0:
             r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{trained}", PROMPT, s.max_new, ce=CE)
             run.log(**converge.update(r["ce"][r["headline"]], trained, policy.model))
+        run.log_step(step)  # sft/metrics.jsonl: this step's line
+        run.checkpoint(step)  # sft/last.pt every 50 steps, at the last step and on Ctrl-C
     results = {"steps": trained}
     if converge:
         policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
@@ -437,6 +438,8 @@ def ddsampling(run: common.Run, args: Args, s: Settings) -> dict:
         shards = common.all_gather_objects(mine)
         scores.update({k: v for shard in shards for k, v in shard.items()})
         run.log(D=np.mean([d for shard in shards for d in shard.values()]))
+        run.log_step(step)  # metrics.jsonl: this step's line
+        run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
     D = np.array([scores[r.id] for r in pool])
     selection = select_subset([r.id for r in pool], D, args.fraction, args.seed)
     run.write("selection.json", json.dumps(selection, indent=1))
@@ -485,7 +488,6 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
     run.record(lr=s.lr, prompts_per_step=s.prompts, steps=total, max_new_tokens=s.max_new, studies=len(records))
     run.restore(policy.model, optimizer)
     batches = run.study_batches(records, s.prompts, "--prompts-per-step")
-    # run.steps writes each step's logged numbers to metrics.jsonl and last.pt every 50 steps and at the end
     for step, batch in run.steps(
         total, batches, "GRPO" if args.weighting == "none" else f"DiTPO ({args.weighting})", bar=BAR
     ):
@@ -509,6 +511,8 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
             (loss / args.grad_accum).backward()
             run.log(loss=loss.item(), gamma=gamma, **stats)
         run.optimizer_step(params, optimizer, max_grad_norm=MAX_GRAD_NORM)
+        run.log_step(step)  # metrics.jsonl: this step's line
+        run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
     return run.finish({"test": evaluate(run, policy, s)}, policy)
 
 

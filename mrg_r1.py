@@ -309,8 +309,7 @@ def train(args: Args) -> dict:
     results = {"test_before": evaluate(test_set, "test_before")}
     batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
     ref_logp_from = ref if args.beta > 0 else "none"  # no KL, no reference pass (with LoRA, ref is "lora" even so)
-    # run.steps writes each step's logged numbers to metrics.jsonl and last.pt every 50 steps and at the end
-    for _, batch in run.steps(total, batches, "MRG-R1", bar=("reward", "reward_mccs", "reward_format", "loss")):
+    for step, batch in run.steps(total, batches, "MRG-R1", bar=("reward", "reward_mccs", "reward_format", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct text labelled once this step
         for micro in common.split_batch(batch, args.grad_accum):
 
@@ -331,6 +330,8 @@ def train(args: Args) -> dict:
             (loss / args.grad_accum).backward()
             run.log(loss=loss.item(), **stats)
         run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
+        run.log_step(step)  # metrics.jsonl: this step's line
+        run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
     if total > 0:  # with --steps 0 the "before" evaluation is the result
         results["test_after"] = evaluate(test_set, "test_after")
     if run.is_main:

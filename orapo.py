@@ -478,7 +478,6 @@ def train(args: Args) -> dict:
 
     results = {"test_before": evaluate(run.data["test"], "test_before")}
     batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
-    # run.steps writes each step's logged numbers to metrics.jsonl and last.pt every 50 steps and at the end
     for step, batch in run.steps(total, batches, "OraPO", bar=("reward", "zero_group_ratio", "lambda", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct fact labelled once this step
         y_batch = np.stack([gt[i] for i in batch["id"]])  # (B, 14)
@@ -503,6 +502,8 @@ def train(args: Args) -> dict:
                 val_macro_f1=ce["macro_f1"],
                 **{f"val_f1_{k.lower()}": ce["per_label"][k]["f1"] for k in ("Pneumonia", "Fracture")},
             )
+        run.log_step(step)  # metrics.jsonl: this step's line
+        run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
     if total > 0:  # with --steps 0 the "before" evaluation is the result
         results["test_after"] = evaluate(run.data["test"], "test_after")
     if run.is_main:

@@ -354,7 +354,6 @@ def train(args: Args) -> dict:
             continue  # trained before --resume, or no step of --steps falls in this epoch
         batches = epoch_batches(run, d_sub, first, end, e)
         # line 11: train G on D_sub(t)
-        # run.steps writes each step's logged numbers to metrics.jsonl and last.pt every 50 steps and at the end
         shown = ("loss", "validation", "best", "patience_left")
         for step, batch in run.steps(end, batches, f"RRGCL t = {t}", start=max(start, first), bar=shown):
             if rule and rule.converged and t > T:
@@ -373,6 +372,8 @@ def train(args: Args) -> dict:
             if rule and trained % rule.every == 0:  # the sandbox's convergence rule
                 r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{trained}", PROMPT, max_new, ce=CE)
                 run.log(**rule.update(r["ce"][r["headline"]], trained, policy.model))
+            run.log_step(step)  # metrics.jsonl: this step's line
+            run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
     if rule:
         policy.model.load_state_dict(rule.best_weights, strict=False)  # the best validation's weights
         if run.is_main:

@@ -6,6 +6,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import sandbox
 
 
 def pytest_configure(config):
@@ -70,20 +71,19 @@ def _no_full_sandbox_models(monkeypatch):
     """A test that would train the sandbox's CheXbert or foundation at full size (a run on --data synthetic with
     --labeler auto, or the tiny model there), or draw the full synthetic set, fails at once instead; tests of them pass
     small settings."""
-    import common
 
-    chexbert = _small_only(common.synthetic_chexbert, "CheXbert", "--labeler rule")
-    monkeypatch.setattr(common, "synthetic_chexbert", chexbert)
-    foundation = _small_only(common.synthetic_foundation, "foundation", "--tiny-start random")
-    monkeypatch.setattr(common, "synthetic_foundation", foundation)
-    draw = common.synthetic_data
+    chexbert = _small_only(sandbox.synthetic_chexbert, "CheXbert", "--labeler rule")
+    monkeypatch.setattr(sandbox, "synthetic_chexbert", chexbert)
+    foundation = _small_only(sandbox.synthetic_foundation, "foundation", "--tiny-start random")
+    monkeypatch.setattr(sandbox, "synthetic_foundation", foundation)
+    draw = sandbox.synthetic_data
 
     def small_set(*args, **kwargs):  # the full set draws 2,700 images (seconds): tests use small_synthetic
         if not (args or kwargs):
-            raise AssertionError("this test draws the full synthetic set: monkeypatch common.synthetic_data")
+            raise AssertionError("this test draws the full synthetic set: monkeypatch sandbox.synthetic_data")
         return draw(*args, **kwargs)
 
-    monkeypatch.setattr(common, "synthetic_data", small_set)
+    monkeypatch.setattr(sandbox, "synthetic_data", small_set)
 
 
 # The sandbox's foundation at a size a test can afford: seconds on a CPU (tests/test_foundation.py)
@@ -94,39 +94,35 @@ SMALL_FOUNDATION |= dict(min_gain=0.01, max_steps=20, seed=1)
 @pytest.fixture(scope="session")
 def small_foundation(small_synthetic):
     """A foundation for the small synthetic set, built once for the session (beside it, as runs find it)."""
-    import common
 
-    return common.synthetic_foundation(small_synthetic, SMALL_FOUNDATION)
+    return sandbox.synthetic_foundation(small_synthetic, SMALL_FOUNDATION)
 
 
 @pytest.fixture
 def synthetic_set_is_small(monkeypatch, small_synthetic):
     """`--data synthetic` reads the small set (as the full one is found)."""
-    import common
 
-    monkeypatch.setattr(common, "synthetic_data", lambda *a, **k: small_synthetic)
+    monkeypatch.setattr(sandbox, "synthetic_data", lambda *a, **k: small_synthetic)
 
 
 @pytest.fixture
 def synthetic_is_small(monkeypatch, synthetic_set_is_small, small_foundation):
     """`--data synthetic` reads the small set, and its foundation is the small one (as the full ones are found)."""
-    import common
 
-    monkeypatch.setattr(common, "synthetic_foundation", lambda *a, **k: small_foundation)
+    monkeypatch.setattr(sandbox, "synthetic_foundation", lambda *a, **k: small_foundation)
 
 
 @pytest.fixture(scope="session")
 def small_synthetic(tmp_path_factory, request):
     """A small synthetic set (R2Gen layout) shared by the tests, and by pytest-xdist's workers: one writes it (and the
     small foundation beside it, through the cache's own lock), the other waits and reads it."""
-    import common
 
     session = tmp_path_factory.getbasetemp()
     worker = hasattr(request.config, "workerinput")  # a pytest-xdist worker: its folder is under the session's
     out = (session.parent if worker else session) / "synthetic"
-    with common.cache_lock(out.parent / ".synthetic.lock"):
+    with sandbox.cache_lock(out.parent / ".synthetic.lock"):
         if not (out / "annotation.json").is_file():
-            common.make_synthetic(out, n_train=40, n_val=8, n_test=12, size=64, seed=0)
+            sandbox.make_synthetic(out, n_train=40, n_val=8, n_test=12, size=64, seed=0)
     return out / "annotation.json"
 
 
@@ -268,18 +264,18 @@ class Crash(Exception):
 
 @pytest.fixture
 def crash_after_checkpoint(monkeypatch):
-    """arm(k): from now on Run.checkpoint writes its checkpoint and then raises Crash when it saved
+    """arm(k): from now on Run.save_checkpoint writes its checkpoint and then raises Crash when it saved
     step k; arm(None) puts the real one back. The resume tests compare a resumed run with one never stopped bit for
     bit, with no tolerance, and that holds on any CPU: both run in this process, on the same kernels, and the resumed
     one repeats the same float operations in the same order and shapes, from weights, optimiser state and RNG states
     that the checkpoint gives back exactly (checked under ATEN_CPU_CAPABILITY=default and avx2)."""
     import common
 
-    real = common.Run.checkpoint
+    real = common.Run.save_checkpoint
 
     def arm(crash_step):
         if crash_step is None:
-            monkeypatch.setattr(common.Run, "checkpoint", real)
+            monkeypatch.setattr(common.Run, "save_checkpoint", real)
             return
 
         def save_then_crash(self, step):
@@ -287,7 +283,7 @@ def crash_after_checkpoint(monkeypatch):
             if step == crash_step:
                 raise Crash(f"stopped after the step-{step} checkpoint")
 
-        monkeypatch.setattr(common.Run, "checkpoint", save_then_crash)
+        monkeypatch.setattr(common.Run, "save_checkpoint", save_then_crash)
 
     return arm
 

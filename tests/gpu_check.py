@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 import common
+import sandbox
 
 BUDGET_S = 480  # the whole check
 LIMITS_S = {  # each part's own limit, in the order they run; the scripts run side by side at the end
@@ -83,8 +84,8 @@ def prepare(work: Path):
     from test_real_arch import qwen_config
 
     if not (work / "data" / "annotation.json").is_file():
-        common.make_synthetic(work / "data", n_train=40, n_val=8, n_test=48, size=64, seed=0)
-        common.make_synthetic(work / "data512", n_train=8, n_val=2, n_test=2, size=512, seed=0)
+        sandbox.make_synthetic(work / "data", n_train=40, n_val=8, n_test=48, size=64, seed=0)
+        sandbox.make_synthetic(work / "data512", n_train=8, n_val=2, n_test=2, size=512, seed=0)
     reports = [r.report for r in common.load_annotation(work / "data" / "annotation.json")["train"]]
     prompts = ["You are a radiologist. Describe the chest X-ray.", "<think> </think> <report> </report>"]
     if not (work / "qwen_tiny" / "config.json").is_file():
@@ -101,7 +102,7 @@ def prepare(work: Path):
         config.save_pretrained(work / "qwen3b")
     words = sorted({w for r in reports for w in r.lower().replace(".", " . ").replace(",", " , ").split()})
     letters = sorted({c for r in reports for c in r.lower() if not c.isspace()})
-    (work / "bert_vocab.txt").write_text("\n".join(common.SPECIAL_PIECES + words + letters) + "\n")
+    (work / "bert_vocab.txt").write_text("\n".join(sandbox.SPECIAL_PIECES + words + letters) + "\n")
 
 
 # The parts (each runs in its own process: python tests/gpu_check.py --run-part NAME --work DIR) ----------

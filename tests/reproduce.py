@@ -46,9 +46,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common
+import sandbox
 
 RESULTS = ROOT / "tests" / "results"
-PINS = common.NUMERIC_PINS  # one thread, AVX2 kernels in ATen, MKL and oneDNN: a run repeats to the bit
+PINS = sandbox.NUMERIC_PINS  # one thread, AVX2 kernels in ATen, MKL and oneDNN: a run repeats to the bit
 QUIET = {"RRG_METEOR": "0", "RRG_FIGURES": "0"}  # no JVM per run, no figure per run
 
 
@@ -501,9 +502,9 @@ def templated_report(findings: dict, rng) -> str:
     for name in common.FINDINGS:
         if name in findings:
             labels[common.LABEL_INDEX[name]] = common.UNCERTAIN if findings[name]["uncertain"] else common.POSITIVE
-        elif rng.random() < common.SYNTHETIC_RATES[name][1]:
+        elif rng.random() < sandbox.SYNTHETIC_RATES[name][1]:
             labels[common.LABEL_INDEX[name]] = common.NEGATIVE
-    return common.write_synthetic_report(findings, common.apply_no_finding_rule(labels), rng)
+    return sandbox.write_synthetic_report(findings, common.apply_no_finding_rule(labels), rng)
 
 
 def best_constant(train, labeler, headline: str, uncertain_as: int) -> str:
@@ -523,7 +524,7 @@ def reference_writers(data: dict, labeler, seed: int = 0) -> tuple[dict, dict]:
     findings, classifier = image_ceiling_findings(data)
     rng = np.random.default_rng(seed)
     ceiling = [templated_report(f, rng) for f in findings]
-    rewritten = [common.write_synthetic_report(r.meta["findings"], r.labels.copy(), rng) for r in data["test"]]
+    rewritten = [sandbox.write_synthetic_report(r.meta["findings"], r.labels.copy(), rng) for r in data["test"]]
     commonest = Counter(r.report for r in data["train"]).most_common(1)[0][0]
     writers = {}
     for name, exp in EXPERIMENTS.items():
@@ -540,7 +541,7 @@ def reference_writers(data: dict, labeler, seed: int = 0) -> tuple[dict, dict]:
 def compute_references() -> dict:
     """Every table's reference rows, scored as its arms are (its test studies, CE convention, METEOR if a column)."""
     data = common.load_data("synthetic")
-    labeler = common.LabelCache(common.make_labeler("chexbert", common.synthetic_chexbert(), "cpu"))
+    labeler = common.LabelCache(common.make_labeler("chexbert", sandbox.synthetic_chexbert(), "cpu"))
     writers, classifier = reference_writers(data, labeler)
     out = {"image ceiling classifier": classifier | {"settings": CEILING | CEILING_CONVERGE}}
     for name, exp in EXPERIMENTS.items():
@@ -1755,7 +1756,7 @@ def main(argv=None):
     if args.name == "labels":
         weights = args.chexbert_weights
         if args.labeler == "chexbert" and args.gold == "synthetic" and not weights:
-            weights = common.synthetic_chexbert()  # the sandbox's
+            weights = sandbox.synthetic_chexbert()  # the sandbox's
         try:
             labeler = common.make_labeler(args.labeler, weights)
             if args.gold == "synthetic":

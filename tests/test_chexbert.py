@@ -11,6 +11,7 @@ import torch
 from transformers import BertConfig, BertTokenizerFast
 
 import common
+import sandbox
 from common import CheXbertLabeler, chexbert_model
 
 SENTENCES = [
@@ -225,11 +226,11 @@ def test_the_sandbox_chexbert_trains_and_loads_as_chexbert_pth(small_synthetic, 
     """Trained on the training reports against their own labels, saved in chexbert.pth's layout with its small BERT's
     config.json and word pieces beside it, loaded offline by the same code as the real weights; seeded: repeatable."""
     records = common.load_annotation(small_synthetic)["train"]
-    path = common.train_chexbert(records, tmp_path / "a", **TINY_SANDBOX)
+    path = sandbox.train_chexbert(records, tmp_path / "a", **TINY_SANDBOX)
     assert sorted(p.name for p in path.parent.iterdir()) == ["chexbert.pth", "config.json", "vocab.txt"]
     state = torch.load(path, weights_only=True)["model_state_dict"]
     assert state and all(k.startswith("module.") for k in state)  # as the real file (saved from DataParallel)
-    again = torch.load(common.train_chexbert(records, tmp_path / "b", **TINY_SANDBOX), weights_only=True)
+    again = torch.load(sandbox.train_chexbert(records, tmp_path / "b", **TINY_SANDBOX), weights_only=True)
     assert all(torch.equal(v, again["model_state_dict"][k]) for k, v in state.items())
     labeler = common.make_labeler("chexbert", path)
     assert labeler.model.bert.config.hidden_size == 32 and labeler.tokenizer.tokenize("no pneumothorax") == [
@@ -246,15 +247,15 @@ def test_the_sandbox_chexbert_trains_and_loads_as_chexbert_pth(small_synthetic, 
 
 def test_the_sandbox_chexbert_is_trained_once_beside_its_data(small_synthetic, monkeypatch):
     """In a process of its own under the numeric pins, into <data folder>/chexbert; then read from there."""
-    path = common.synthetic_chexbert(small_synthetic, TINY_SANDBOX)
+    path = sandbox.synthetic_chexbert(small_synthetic, TINY_SANDBOX)
     assert path == small_synthetic.parent / "chexbert-v2" / "chexbert.pth" and path.is_file()
     stamp = path.stat().st_mtime_ns
 
     def no_training(*a, **k):
         raise AssertionError("trained again")
 
-    monkeypatch.setattr(common.subprocess, "run", no_training)
-    assert common.synthetic_chexbert(small_synthetic, TINY_SANDBOX) == path and path.stat().st_mtime_ns == stamp
+    monkeypatch.setattr(sandbox.subprocess, "run", no_training)
+    assert sandbox.synthetic_chexbert(small_synthetic, TINY_SANDBOX) == path and path.stat().st_mtime_ns == stamp
 
 
 def test_evaluation_scores_against_the_references_own_labels_and_checks_the_labeler(labeler):

@@ -1,5 +1,5 @@
-"""`python common.py evaluate` and `python common.py synthetic`, run as a user would; what a default run prints; a
-broken install."""
+"""`python common.py evaluate` and `python tests/sandbox.py synthetic`, run as a user would; what a default run
+prints; a broken install."""
 
 import importlib.metadata
 import json
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import common
+import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +88,7 @@ def test_evaluate_bad_file_names_the_line(tmp_path):
 
 
 def test_synthetic_command_writes_a_loadable_set(tmp_path):
-    common.main(
+    sandbox.main(
         ["synthetic", "--out", str(tmp_path / "syn"), "--n-train", "6", "--n-val", "2", "--n-test", "3"]
         + ["--size", "32", "--seed", "3"]
     )
@@ -135,7 +136,7 @@ def test_a_run_says_what_it_read_and_wrote_and_rescoring_gives_its_numbers(tmp_p
     `common.py evaluate` on its test generations scores by the run's rules (its CheXbert, IU X-Ray's cleaning, OraPO's
     macro F1 with uncertain negative) and gives the run's own CE and NLG numbers; flags given win; a stage's file
     finds the run's config.json above it; the eval JSON's convention is the one taken."""
-    weights = common.train_chexbert(common.load_annotation(small_synthetic)["train"], tmp_path / "cb", **TINY_CHEXBERT)
+    weights = sandbox.train_chexbert(common.load_annotation(small_synthetic)["train"], tmp_path / "cb", **TINY_CHEXBERT)
     out = tmp_path / "run"
     flags = ["--data", str(iu_xray), "--out", str(out), "--labeler", "chexbert", "--chexbert-weights", str(weights)]
     flags += ["--steps", "2", "--sft-steps", "2", "--train-size", "32", "--prompts-per-step", "2", "--group-size", "2"]

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 import common
+import sandbox
 from common import (
     CHEXPERT_LABELS,
     ReportDataset,
@@ -17,8 +18,8 @@ from common import (
     collate,
     load_annotation,
     load_data,
-    make_synthetic,
 )
+from sandbox import make_synthetic
 
 
 # --- cleaning: expected strings worked out by hand from R2Gen's steps -------------------------
@@ -237,9 +238,9 @@ def test_synthetic_is_deterministic(tmp_path):
 
 def test_synthetic_label_statistics():
     rng = np.random.default_rng(0)
-    samples = [common.sample_synthetic_study(rng) for _ in range(4000)]
+    samples = [sandbox.sample_synthetic_study(rng) for _ in range(4000)]
     labels = np.stack([l for _, l in samples])
-    reports = [common.write_synthetic_report(f, l, rng) for f, l in samples]
+    reports = [sandbox.write_synthetic_report(f, l, rng) for f, l in samples]
     present = (labels == 1) | (labels == -1)
     prevalence = dict(zip(CHEXPERT_LABELS, present.mean(0)))
     assert prevalence["Support Devices"] > 0.25 and prevalence["Fracture"] < 0.04  # skewed as MIMIC-CXR
@@ -253,9 +254,9 @@ def test_synthetic_label_statistics():
 
 def test_synthetic_data_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("RRG_CACHE", str(tmp_path))
-    first = common.synthetic_data(n_train=4, n_val=2, n_test=2, size=32)
+    first = sandbox.synthetic_data(n_train=4, n_val=2, n_test=2, size=32)
     stamp = first.stat().st_mtime_ns
-    second = common.synthetic_data(n_train=4, n_val=2, n_test=2, size=32)
+    second = sandbox.synthetic_data(n_train=4, n_val=2, n_test=2, size=32)
     assert first == second and second.stat().st_mtime_ns == stamp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 

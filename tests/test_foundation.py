@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import sandbox
 from conftest import SMALL_FOUNDATION
 
 # words a caption shares with the report templates: articles, prepositions and the sides (the image's, not the
@@ -19,12 +20,12 @@ SHARED = {"a", "at", "both", "in", "is", "left", "of", "on", "right", "the", "wi
 def report_words() -> set[str]:
     """Every word the synthetic report templates can write (their fields filled every way)."""
     texts = [
-        *common.POSITIVE_TEMPLATES.values(),
-        *common.UNCERTAIN_TEMPLATES.values(),
-        *common.NEGATED_PHRASES.values(),
+        *sandbox.POSITIVE_TEMPLATES.values(),
+        *sandbox.UNCERTAIN_TEMPLATES.values(),
+        *sandbox.NEGATED_PHRASES.values(),
     ]
-    texts += [*common.NEGATED_SINGLE.values(), common.NEGATED_LIST_TEMPLATES, common.NORMAL_EXTRAS]
-    fields = " ".join(" ".join(v) for v in common.DEGREES.values()) + " small moderate large left right bilateral"
+    texts += [*sandbox.NEGATED_SINGLE.values(), sandbox.NEGATED_LIST_TEMPLATES, sandbox.NORMAL_EXTRAS]
+    fields = " ".join(" ".join(v) for v in sandbox.DEGREES.values()) + " small moderate large left right bilateral"
     return set(re.findall(r"[a-z]+", (" ".join(texts) + " " + fields).lower())) - {
         "deg",
         "degly",
@@ -36,14 +37,14 @@ def report_words() -> set[str]:
 
 def random_studies(n: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [common.sample_synthetic_study(rng)[0] for _ in range(n)]
+    return [sandbox.sample_synthetic_study(rng)[0] for _ in range(n)]
 
 
 def test_captions_never_use_a_report_word_for_a_finding():
     """A caption says where, how large, how bright, what shape: no finding's name, no report word but the shared
     function words and sides, and the sides are the image's (the patient's right is the image's left)."""
     studies = random_studies(3000)
-    captions = [common.describe_synthetic_image(f) for f in studies]
+    captions = [sandbox.describe_synthetic_image(f) for f in studies]
     words = {w for c in captions for w in re.findall(r"[a-z]+", c.lower())}
     assert words & report_words() <= SHARED
     names = {w for n in common.CHEXPERT_LABELS for w in n.lower().split()}
@@ -52,16 +53,16 @@ def test_captions_never_use_a_report_word_for_a_finding():
         c for f, c in zip(studies, captions) if list(f) == ["Lung Lesion"] and f["Lung Lesion"]["side"] == "right"
     )
     assert right == "A little round bright dot on the left of the image."
-    hedged = common.describe_synthetic_image(
+    hedged = sandbox.describe_synthetic_image(
         {"Pleural Effusion": {"uncertain": True, "side": "left", "severity": "large"}}
     )
     assert hedged == "A pale very deep white pool at the bottom on the right of the image, its edge rising outward."
-    assert common.describe_synthetic_image({}) == "Nothing stands out."
+    assert sandbox.describe_synthetic_image({}) == "Nothing stands out."
 
 
 def test_caption_signs_read_back_what_was_drawn():
     studies = random_studies(500, seed=1)
-    signs = common.caption_signs([common.describe_synthetic_image(f) for f in studies])  # (N, 13)
+    signs = sandbox.caption_signs([sandbox.describe_synthetic_image(f) for f in studies])  # (N, 13)
     drawn = np.array([[n in f for n in common.FINDINGS] for f in studies])
     assert (signs == drawn).all() and drawn.any(0).all()
 
@@ -72,7 +73,7 @@ def test_the_foundation_is_built_once_from_data_apart_from_the_set(small_foundat
     from transformers import AutoModel, AutoTokenizer
 
     record = json.loads((small_foundation / "foundation.json").read_text())
-    assert record["settings"] == SMALL_FOUNDATION and record["version"] == common.FOUNDATION_VERSION
+    assert record["settings"] == SMALL_FOUNDATION and record["version"] == sandbox.FOUNDATION_VERSION
     for part in ("vlm", "text_encoder"):
         curve = [loss for _, loss in record[part]["curve"]]
         assert curve[-1] < curve[0], (part, curve)
@@ -80,18 +81,18 @@ def test_the_foundation_is_built_once_from_data_apart_from_the_set(small_foundat
     train = common.load_annotation(small_synthetic)["train"]
     words = {w for r in train for w in policy.tokenizer.encode(r.report)}
     assert policy.tokenizer.unk_id not in words
-    assert {common.CAPTION_TOKEN, *common.REASONING_TAGS, "cardiomediastinum"} <= set(policy.tokenizer.vocab)
-    _images, _captions, reports = common.foundation_data(5, 5, SMALL_FOUNDATION["seed"])
+    assert {sandbox.CAPTION_TOKEN, *sandbox.REASONING_TAGS, "cardiomediastinum"} <= set(policy.tokenizer.vocab)
+    _images, _captions, reports = sandbox.foundation_data(5, 5, SMALL_FOUNDATION["seed"])
     assert not {r.report for r in train} & set(reports)  # another seed: not the set's studies
     probe = record["probe"]
     assert 0.5 <= probe["probe_auroc_mean"] <= 1 and 0 <= probe["caption_signs_f1"] <= 1
     stamp = (small_foundation / "foundation.json").stat().st_mtime
-    assert common.synthetic_foundation(small_synthetic, SMALL_FOUNDATION) == small_foundation
+    assert sandbox.synthetic_foundation(small_synthetic, SMALL_FOUNDATION) == small_foundation
     assert (small_foundation / "foundation.json").stat().st_mtime == stamp
     bert = AutoModel.from_pretrained(small_foundation / "text_encoder")
     tok = AutoTokenizer.from_pretrained(small_foundation / "text_encoder")
     assert (
-        bert.config.hidden_size == common.SIZES_TEXT_ENCODER["hidden"]
+        bert.config.hidden_size == sandbox.SIZES_TEXT_ENCODER["hidden"]
         and tok.unk_token_id not in tok(train[0].report)["input_ids"]
     )
 
@@ -102,9 +103,9 @@ def test_a_caption_prompt_starts_with_its_own_token(small_foundation):
 
     policy = common.load_policy(small_foundation / "vlm")
     image = [[Image.new("L", (64, 64), 128)]]
-    report, caption = policy.prompt_batch(image), policy.caption_prompts(image)
+    report, caption = policy.prompt_batch(image), sandbox.caption_prompts(policy, image)
     assert report["start_ids"].tolist() == [policy.tokenizer.bos_id]
-    assert caption["start_ids"].tolist() == [policy.tokenizer.index[common.CAPTION_TOKEN]]
+    assert caption["start_ids"].tolist() == [policy.tokenizer.index[sandbox.CAPTION_TOKEN]]
     assert torch.equal(report["pixel_values"], caption["pixel_values"])
     prefix = policy.model.prefix(**report), policy.model.prefix(**caption)
     assert torch.equal(prefix[0][:, :-1], prefix[1][:, :-1]) and not torch.equal(prefix[0][:, -1], prefix[1][:, -1])
@@ -181,7 +182,7 @@ def test_foundation_image_encoder_reads_dcrrgs_transform_as_the_policy_reads_pix
     policy = common.load_policy(small_foundation / "vlm")
     record = common.load_annotation(small_synthetic)["test"][0]
     image = common.load_image(record.image_paths[0])
-    encoder = common.FoundationImageEncoder(policy.model)
+    encoder = sandbox.FoundationImageEncoder(policy.model)
     x = common.default_transform(64, 1)(image)[None]  # (1, 1, 64, 64)
     with torch.no_grad():
         ours = encoder(x)

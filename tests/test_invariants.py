@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import common
+import sandbox
 from conftest import Crash, labels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def test_the_foundation_trainer_keeps_its_best_held_out_weights(scripted):
     scores, weights = scripted
     scores([-3.0, -2.0, -2.5, -2.6])  # held-out losses 3, 2, 2.5, 2.6: the second is the best
     model = torch.nn.Linear(3, 1)
-    record = common.held_out_convergence(
+    record = sandbox.held_out_convergence(
         lambda step: model(torch.ones(1, 3)).sum(), lambda: 0.0, model, "t", 2, 2, 0.1, 40, 0.1
     )
     assert record["best_step"] == 4 and record["steps"] == 8
@@ -288,7 +289,7 @@ def test_mccs_at_the_edge_of_its_margin_range_and_dpo_beta_0_would_learn_nothing
 @pytest.mark.usefixtures("synthetic_set_is_small")  # not the full set, drawn
 def test_the_labeler_a_run_uses(tmp_path, small_synthetic, monkeypatch, data, model, labeler, weights, expected):
     made = []
-    monkeypatch.setattr(common, "synthetic_chexbert", lambda *a, **k: "sandbox")
+    monkeypatch.setattr(sandbox, "synthetic_chexbert", lambda *a, **k: "sandbox")
     monkeypatch.setattr(common, "load_data", lambda *a, **k: common.load_annotation(small_synthetic))
     monkeypatch.setattr(common, "make_labeler", lambda name, w=None, device=None: made.append((name, w)) or None)
     args = common.RunArgs(
@@ -316,11 +317,11 @@ def test_sandbox_training_runs_under_the_pins_whatever_the_caller_set(tmp_path, 
 
     for k, v in OTHERS.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(common.subprocess, "run", capture)
-    for build in (common.synthetic_chexbert, common.synthetic_foundation):
+    monkeypatch.setattr(sandbox.subprocess, "run", capture)
+    for build in (sandbox.synthetic_chexbert, sandbox.synthetic_foundation):
         with pytest.raises(KeyboardInterrupt):
             build(tmp_path / "x" / "annotation.json", {"epochs": 1})
-    assert len(seen) == 2 and all({k: env[k] for k in common.NUMERIC_PINS} == common.NUMERIC_PINS for env in seen)
+    assert len(seen) == 2 and all({k: env[k] for k in sandbox.NUMERIC_PINS} == sandbox.NUMERIC_PINS for env in seen)
 
 
 def test_a_sweeps_run_reads_the_pins_in_its_own_process(tmp_path, monkeypatch):
@@ -336,7 +337,7 @@ def test_a_sweeps_run_reads_the_pins_in_its_own_process(tmp_path, monkeypatch):
     job = reproduce.Job("r", ["dump.py"], done="env.json")
     reproduce.run_all([job], tmp_path, 1, dry_run=False)
     env = json.loads((tmp_path / "r" / "env.json").read_text())
-    assert {k: env[k] for k in common.NUMERIC_PINS} == common.NUMERIC_PINS and env["RRG_FIGURES"] == "0"
+    assert {k: env[k] for k in sandbox.NUMERIC_PINS} == sandbox.NUMERIC_PINS and env["RRG_FIGURES"] == "0"
     assert reproduce.records(job, tmp_path)[0]["machine"]["cpu_capability"] == "AVX2"  # not the caller's "default"
 
 

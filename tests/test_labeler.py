@@ -12,9 +12,8 @@ from common import (
     LABEL_INDEX,
     RuleLabeler,
     apply_no_finding_rule,
-    sample_synthetic_study,
-    write_synthetic_report,
 )
+from sandbox import sample_synthetic_study, write_synthetic_report
 
 # Real-style report text with labels we are sure of. Labels not listed are blank; No Finding, unless listed,
 # follows CheXpert's rule over the 13 (1 when nothing but Support Devices is positive or uncertain).

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import common
+import sandbox
 from common import CHEXPERT_LABELS, ce_metrics, nlg_metrics
 
 TOL = 1e-9
@@ -422,7 +423,7 @@ def test_radgraph_needs_its_package_and_says_so(monkeypatch, tmp_path):
         common.main(["evaluate", "--generations", str(rows), "--no-meteor", "--radgraph"])
     import deer
 
-    common.make_synthetic(tmp_path / "set", n_train=8, n_val=2, n_test=2, size=32)
+    sandbox.make_synthetic(tmp_path / "set", n_train=8, n_val=2, n_test=2, size=32)
     flags = ["sft", "--data", str(tmp_path / "set"), "--labeler", "rule", "--out", str(tmp_path / "d")]
     with pytest.raises(SystemExit, match="--radgraph needs the radgraph package"):  # before anything trains
         deer.main([*flags, "--radgraph"])

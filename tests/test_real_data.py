@@ -15,6 +15,7 @@ import deer
 import mrg_r1
 import orapo
 import rrgcl
+import sandbox
 
 
 # --- views and cleaning -----------------------------------------------------------------------
@@ -125,7 +126,7 @@ def test_a_synthetic_run_labels_with_the_sandbox_chexbert(tmp_path, small_synthe
         return common.RuleLabeler()
 
     monkeypatch.setattr(common, "load_data", lambda data, **kwargs: common.load_annotation(small_synthetic))
-    monkeypatch.setattr(common, "synthetic_chexbert", lambda: "cache/chexbert-v2/chexbert.pth")
+    monkeypatch.setattr(sandbox, "synthetic_chexbert", lambda: "cache/chexbert-v2/chexbert.pth")
     monkeypatch.setattr(common, "make_labeler", make_labeler)
     run = common.start_run(common.RunArgs(out=str(tmp_path / "r"), tiny_start="random"))
     assert made == [("chexbert", "cache/chexbert-v2/chexbert.pth")]

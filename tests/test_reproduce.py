@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import reproduce
+import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -582,7 +583,7 @@ def test_templated_reports_say_the_findings_they_are_given():
     import common
 
     rng = np.random.default_rng(3)
-    studies = [common.sample_synthetic_study(rng)[0] for _ in range(300)]
+    studies = [sandbox.sample_synthetic_study(rng)[0] for _ in range(300)]
     reports = [reproduce.templated_report(f, rng) for f in studies]
     labels = common.RuleLabeler()(reports)[:, :13]  # (N, 13)
     for f, row in zip(studies, labels):

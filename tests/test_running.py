@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import common
+import sandbox
 from common import LoRALinear, apply_lora, group_advantages, grpo_loss, lora_disabled, seed_everything
 from conftest import Crash
 
@@ -152,7 +153,7 @@ grads = {{n: p.grad.clone() for n, p in model.named_parameters()}}
 # each rank's RNG stream survives a checkpoint round trip
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 run.restore(model, opt, state={{"rank0_only": rank}})
-run.checkpoint(1)
+run.save_checkpoint(1)
 draws = torch.rand(3)
 step, extra = common.load_checkpoint(run.out / "last.pt", model, opt)
 redraws = torch.rand(3)
@@ -287,6 +288,8 @@ def toy_train(args, interrupt_at=None):
         state["seen"] += 8
         if step + 1 == interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the step ends, is saved, and the run stops
+        run.log_step(step)
+        run.checkpoint(step)
     return run.finish({"seen": state["seen"]}), model
 
 
@@ -361,7 +364,7 @@ def test_checkpoint_of_the_trainable_part_and_clear_errors(tmp_path):
     model.transformer.h[0].requires_grad_(False)  # a frozen part: only what trains is saved
     run = common.Run(common.RunArgs(out=str(tmp_path / "run")), 0, 1, torch.device("cpu"), None, None)
     run.restore(model)
-    run.checkpoint(5)
+    run.save_checkpoint(5)
     saved = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["model"]
     assert saved and not any(k.startswith("transformer.h.0.") for k in saved)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "last.pt"]  # no temporary file left
@@ -483,8 +486,9 @@ def test_the_bar_shows_four_numbers_and_the_file_keeps_all(tmp_path, capsys):
     metrics.jsonl."""
     run = _run(tmp_path)
     names = [f"stat_{k}" for k in range(18)]
-    for _ in run.steps(2, lambda start: iter(range(start, 2)), "toy", start=0, bar=names[::-1]):
+    for step, _ in run.steps(2, lambda start: iter(range(start, 2)), "toy", start=0, bar=names[::-1]):
         run.log(**{name: k for k, name in enumerate(names)})
+        run.log_step(step)
     bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert bar.endswith("stat_17=17, stat_16=16, stat_15=15, stat_14=14]")
     assert bar.count("=") == 4
@@ -750,8 +754,8 @@ def test_ctrl_c_exits_130_and_a_stopped_sandbox_training_leaves_no_folder(tmp_pa
     assert stop.value.code == 130
     data = tmp_path / "set"
     shutil.copytree(small_synthetic.parent, data, ignore=shutil.ignore_patterns("chexbert-*", "foundation-*", ".*"))
-    monkeypatch.setattr(common.subprocess, "run", stopped)  # Ctrl-C while the subprocess trains it
-    for build in (common.synthetic_chexbert, common.synthetic_foundation):
+    monkeypatch.setattr(sandbox.subprocess, "run", stopped)  # Ctrl-C while the subprocess trains it
+    for build in (sandbox.synthetic_chexbert, sandbox.synthetic_foundation):
         with pytest.raises(KeyboardInterrupt):
             build(data / "annotation.json", {"epochs": 1})
     assert not list(data.glob(".tmp-*"))
@@ -771,17 +775,17 @@ def test_one_process_trains_a_sandbox_model_while_another_waits(tmp_path, small_
         (out / "foundation.json").write_text("{}")
         trained.append(out)
 
-    monkeypatch.setattr(common.subprocess, "run", fake_training)
+    monkeypatch.setattr(sandbox.subprocess, "run", fake_training)
     found = []
     threads = [
-        threading.Thread(target=lambda: found.append(common.synthetic_foundation(data / "annotation.json", {"x": 1})))
+        threading.Thread(target=lambda: found.append(sandbox.synthetic_foundation(data / "annotation.json", {"x": 1})))
         for _ in range(2)
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(trained) == 1 and found[0] == found[1] == data / f"foundation-v{common.FOUNDATION_VERSION}"
+    assert len(trained) == 1 and found[0] == found[1] == data / f"foundation-v{sandbox.FOUNDATION_VERSION}"
 
 
 def test_resume_of_a_finished_run_says_it_is_finished(toy_args, caplog):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import common
-from common import draw_synthetic_cxr
+import sandbox
+from sandbox import draw_synthetic_cxr
 
 ALL = {
     "Enlarged Cardiomediastinum": {},
@@ -68,7 +69,7 @@ def test_shape_dtype_and_range(size):
 @pytest.mark.slow  # a timing: flaky on a loaded machine, so a benchmark, not a default test
 def test_speed():
     rng = np.random.default_rng(0)
-    studies = [common.sample_synthetic_study(rng)[0] for _ in range(200)]
+    studies = [sandbox.sample_synthetic_study(rng)[0] for _ in range(200)]
     start, cpu = time.perf_counter(), time.process_time()  # CPU time: robust to other processes' load
     for findings in studies:
         draw_synthetic_cxr(findings, rng, 128)
@@ -97,7 +98,7 @@ def test_side_convention_patient_right_is_image_left(name):
     half = right.shape[-1] // 2
     assert np.abs(right[..., :half]).mean() > 0.3 and np.abs(right[..., half:]).max() == 0
     assert np.abs(left[..., half:]).mean() > 0.3 and np.abs(left[..., :half]).max() == 0
-    if name in common.BILATERAL_OK:
+    if name in sandbox.BILATERAL_OK:
         both = np.abs(_effect(name, {**attrs, "side": "bilateral"}))
         assert both[..., :half].mean() > 0.3 and both[..., half:].mean() > 0.3
 
@@ -161,7 +162,7 @@ def test_severity_grades(name, rows, cols, sign):
 def test_make_synthetic_writes_the_drawn_images(tmp_path):
     from PIL import Image
 
-    out = common.make_synthetic(tmp_path, n_train=3, n_val=1, n_test=1, size=48, seed=0)
+    out = sandbox.make_synthetic(tmp_path, n_train=3, n_val=1, n_test=1, size=48, seed=0)
     img = np.asarray(Image.open(out / "images" / "train_00000.png"))
     assert img.shape == (48, 48) and img.dtype == np.uint8 and img.std() > 20
 
@@ -180,7 +181,7 @@ def test_a_small_cnn_learns_every_finding():
         rng = np.random.default_rng(seed)
         x, y = np.empty((n, 1, size, size), np.uint8), np.zeros((n, len(common.FINDINGS)), np.float32)
         for i in range(n):
-            findings, _ = common.sample_synthetic_study(rng)  # hedged findings count as present
+            findings, _ = sandbox.sample_synthetic_study(rng)  # hedged findings count as present
             x[i, 0] = draw_synthetic_cxr(findings, rng, size)
             y[i] = [name in findings for name in common.FINDINGS]
         return torch.from_numpy(x), torch.from_numpy(y)
