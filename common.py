@@ -1,21 +1,11 @@
-"""common.py: what a real run of rrg-from-scratch shares, in the order of one training step: a reader follows one
-step of any script from top to bottom.
-
-  1 Data       R2Gen's annotation.json (IU X-Ray, MIMIC-CXR), report cleaning, views, batches; image and text encoders
-  2 Policy     the rollout; one interface (Policy) for TinyPolicy (`--model tiny`) and HFPolicy (Qwen2.5-VL and its
-               fine-tunes); the tiny VLM and its tokenizer; LoRA written out
-  3 Labels     the 14 CheXpert observations (CheXbert order), label arrays (N, 14): 1, 0, -1 uncertain, NaN blank;
-               LabelCache; the labelers a reward calls: CheXbert (f1chexbert's model) and the CheXpert rules (part 9)
-  4 RL core    group_advantages, grpo_loss (grpo / bnpo / dr_grpo, k3 KL), dpo_loss (LN-DPO)
-  5 A step's end  Run: the steps, log(), the optimizer step, the step's line (metrics.jsonl), the checkpoint (last.pt);
-               then Run's set-up (folder, stages, resume) and its end (evaluation, final/, eval.json)
-  6 Set-up     RunArgs (the shared flags), start_run (torchrun, data, labeler, folder), warm starts and their stopping
-               rule, build_policy and the frozen reference, AdamW and its schedule, loading a checkpoint
-  7 Metrics    BLEU-1..4, ROUGE-L, CIDEr-D (as pycocoevalcap), METEOR (its jar), CE P/R/F1, evaluate_generations
-  8 Commands   flags from an Args dataclass; python common.py evaluate | plot; a run's figures
-  9 Insides    the rule labeler's phrase lists (CheXpert's rules); the collectives (torch.distributed)
-The synthetic sandbox (`--data synthetic`, its CheXbert, its foundation) lives in tests/sandbox.py: sandbox() imports
-it only where a run asks for it.
+"""common.py: what a real run shares, in the order of one training step (a reader follows one step of any script
+from top to bottom): 1 data (annotation files, cleaning, batches; DCRRG's and RRGCL's encoders); 2 the policy (the
+rollout; one interface for the tiny VLM and Qwen2.5-VL-family models; LoRA); 3 labels (the 14 CheXpert observations,
+CheXbert); 4 the RL core (group advantages, GRPO, DPO); 5 what a step writes (Run: the log line, the optimizer step,
+the checkpoint; its set-up and its end); 6 set-up (the shared flags, start_run, warm starts, the policy and its
+reference, AdamW, resume); 7 metrics (BLEU, ROUGE-L, CIDEr-D as pycocoevalcap, METEOR, CE P/R/F1); 8 the commands
+(`python common.py evaluate | generate`); 9 the insides a reader skips (the CheXpert rules, the collectives). The
+synthetic sandbox (`--data synthetic`, its CheXbert, its foundation) is tests/sandbox.py, imported only when asked for.
 """
 
 from __future__ import annotations
@@ -155,8 +145,10 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
             f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}"
         )
     root = path.parent / "images" if (path.parent / "images").is_dir() else path.parent
-    out = {split: [] for split in splits}
-    problems = []
+    rows = [(split, n, row) for split in splits for n, row in enumerate(raw[split])]
+    for _, _, row in rows:  # one image name: a list of one
+        if isinstance(row, dict) and isinstance(row.get("image_path"), str):
+            row["image_path"] = [row["image_path"]]
 
     def image_problem(name: str) -> str | None:
         """Reads the header only: a 0-byte or foreign file fails at load, not mid-run."""
@@ -169,43 +161,34 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
             return f"cannot read image {name} ({type(e).__name__})"
 
     names = {
-        p
-        for split in splits
-        for row in raw[split]
-        if isinstance(row, dict)
-        for p in ([row.get("image_path")] if isinstance(row.get("image_path"), str) else row.get("image_path") or [])
-        if isinstance(p, str)
+        p for _, _, row in rows if isinstance(row, dict) for p in row.get("image_path") or [] if isinstance(p, str)
     }
     with ThreadPoolExecutor(8) as pool:  # every image's header, in threads
         unreadable = dict(zip(names, pool.map(image_problem, names)))
-    for split in splits:
-        for n, row in enumerate(raw[split]):
-            where = f"{path} [{split}][{n}]" + (f" id={row.get('id')!r}" if isinstance(row, dict) else "")
-            if not isinstance(row, dict) or any(k not in row for k in ("id", "report", "image_path")):
-                problems.append(f"{where}: a record needs 'id', 'report' and 'image_path'")
-                continue
-            paths = [row["image_path"]] if isinstance(row["image_path"], str) else row["image_path"]
-            labels = row.get("labels")
-            if not isinstance(row["report"], str) or not row["report"].strip():
-                problems.append(f"{where}: empty report")
-            elif not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
-                problems.append(f"{where}: 'image_path' must be a file name or a list of them, got {paths!r:.200}")
-            elif bad := [unreadable[p] for p in paths if unreadable[p]]:
-                problems.append(f"{where}: {bad[0]} (under {root})")
-            elif labels is not None and (
-                not isinstance(labels, list)
-                or len(labels) != len(CHEXPERT_LABELS)
-                or any(v not in (1, 0, -1, None) or isinstance(v, bool) for v in labels)
-            ):
-                problems.append(
-                    f"{where}: 'labels' must be 14 values (1, 0, -1 or null) in the order {CHEXPERT_LABELS}"
-                )
-            else:
-                if labels is not None:
-                    labels = np.array([np.nan if v is None else float(v) for v in labels])
-                meta = {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")}
-                record = Record(str(row["id"]), [str(root / p) for p in paths], row["report"], split, labels, meta)
-                out[split].append(record)
+    out, problems = {split: [] for split in splits}, []
+    for split, n, row in rows:
+        where = f"{path} [{split}][{n}]" + (f" id={row.get('id')!r}" if isinstance(row, dict) else "")
+        paths, labels = row.get("image_path") if isinstance(row, dict) else None, None
+        if not isinstance(row, dict) or any(k not in row for k in ("id", "report", "image_path")):
+            problems.append(f"{where}: a record needs 'id', 'report' and 'image_path'")
+        elif not isinstance(row["report"], str) or not row["report"].strip():
+            problems.append(f"{where}: empty report")
+        elif not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+            problems.append(f"{where}: 'image_path' must be a file name or a list of them, got {paths!r:.200}")
+        elif bad := [unreadable[p] for p in paths if unreadable[p]]:
+            problems.append(f"{where}: {bad[0]} (under {root})")
+        elif (labels := row.get("labels")) is not None and (
+            not isinstance(labels, list)
+            or len(labels) != len(CHEXPERT_LABELS)
+            or any(v not in (1, 0, -1, None) or isinstance(v, bool) for v in labels)
+        ):
+            problems.append(f"{where}: 'labels' must be 14 values (1, 0, -1 or null) in the order {CHEXPERT_LABELS}")
+        else:
+            labels = None if labels is None else np.array([np.nan if v is None else float(v) for v in labels])
+            meta = {k: v for k, v in row.items() if k not in ("id", "report", "image_path", "split", "labels")}
+            out[split].append(
+                Record(str(row["id"]), [str(root / p) for p in paths], row["report"], split, labels, meta)
+            )
     if problems and not drop_invalid:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"{path}: {len(problems)} bad record(s):\n  {shown}\n(--drop-invalid skips them)")
@@ -357,16 +340,11 @@ def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_le
 
 
 def sandbox():
-    """tests/sandbox.py, the synthetic set and its trained models, imported on first use: a run on real data never
-    reads it."""
-    if "sandbox" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "sandbox", Path(__file__).resolve().parent / "tests" / "sandbox.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["sandbox"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["sandbox"]
+    """tests/sandbox.py (the synthetic set and its trained models), imported on first use: real data never reads it."""
+    tests = str(Path(__file__).resolve().parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    return importlib.import_module("sandbox")
 
 
 # ==== 2. The policy: the rollout, one interface for the tiny VLM and Hugging Face VLMs, LoRA ==========================
@@ -1299,33 +1277,22 @@ class Run:
 
     # The end: evaluation, the trained model, the results -------------------------------------------------
     def evaluate(
-        self,
-        policy,
-        records,
-        name,
-        prompt,
-        max_new_tokens,
-        report=None,
-        score=None,
-        meteor=False,
-        ce=None,
-        radgraph=None,
+        self, policy, records, name, prompt, max_new_tokens, report=None, score=None, meteor=False, ce=None
     ) -> dict:
         """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
         NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
         to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
+        report_fn = None if report is None else [getattr(report, "__module__", "builtins"), report.__qualname__]
+        self.generation = {"prompt": prompt, "max_new_tokens": max_new_tokens, "report": report_fn}  # final/'s
         path = self.out / f"eval_{name}.json"
         if self.resuming and path.is_file():
             return broadcast_object(json.loads(path.read_text()) if self.is_main else None)
         mine = records[self.rank :: self.world_size]  # each rank a strided share, greedy
         # padded as long as rank 0's share: every rank makes as many generate() calls (FSDP)
         padded = mine + records[: len(records[:: self.world_size]) - len(mine)]
-        completions = []
-        for b in tqdm(range(0, len(padded), 32), desc=name, disable=not self.is_main):
-            images = [[load_image(p, r.id) for p in r.image_paths] for r in padded[b : b + 32]]
-            prompts = policy.prompt_batch(images, prompt)
-            with torch.no_grad(), self.autocast():
-                completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
+        completions = greedy_reports(
+            policy, padded, prompt, max_new_tokens, self.device, self.dtype, name if self.is_main else None
+        )
         completions = gather_strided(completions[: len(mine)], self.world_size)
         results = None
         if self.is_main:
@@ -1336,7 +1303,7 @@ class Run:
             ]
             labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
             gold = np.stack([r.labels for r in records]) if all(r.labels is not None for r in records) else None
-            ce = dict(ce or {}, gold=gold, name=name, radgraph=radgraph)
+            ce = dict(ce or {}, gold=gold, name=name)
             results = evaluate_generations(rows, labeler, self.args.clean, meteor=meteor, **ce)
             if score:
                 results |= score(rows, labeler)
@@ -1349,11 +1316,23 @@ class Run:
         weights = full_state_dicts(policy.model)[0] if isinstance(getattr(policy, "model", None), FSDPModule) else None
         if self.is_main and policy is not None:
             policy.save(self.out / "final", weights)
+            if getattr(self, "generation", None):  # how it writes a report: `python common.py generate RUN IMAGE`
+                atomic_save(json.dumps(self.generation, indent=1), self.out / "final" / "generation.json")
         self.write("eval.json", json.dumps(results, indent=2))
-        if self.is_main and (self.out / "metrics.jsonl").is_file() and os.environ.get("RRG_FIGURES") != "0":
-            plot_run(self.out)  # figures/training.png (RRG_FIGURES=0: none, as in the tests)
         barrier()
         return results
+
+
+def greedy_reports(policy, records, prompt, max_new_tokens: int, device, dtype, bar: str | None = None) -> list[str]:
+    """Greedy completions for the records' views, 32 studies at a time (`bar`: a progress bar's name)."""
+    completions = []
+    for b in tqdm(range(0, len(records), 32), desc=bar, disable=bar is None):
+        images = [[load_image(p, r.id) for p in r.image_paths] for r in records[b : b + 32]]
+        with torch.no_grad(), autocast(torch.device(device), dtype):
+            completions += policy.decode(
+                *policy.generate(policy.prompt_batch(images, prompt), max_new_tokens, do_sample=False)
+            )
+    return completions
 
 
 def atomic_save(obj, path: Path):
@@ -1497,9 +1476,9 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
 
 
 def end_block(out) -> str:
-    """Where a run wrote, a line each: its folder, results, test generations and figures (its stages' too)."""
+    """Where a run wrote, a line each: its folder, results and test generations (its stages' too)."""
     out, lines = Path(out), [f"{'run folder':<12}{out}"]
-    main_files = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/*.png"}
+    main_files = {"results": "eval.json", "generations": "generations_test*.jsonl"}
     for kind, glob in main_files.items():
         found = sorted([*out.glob(glob), *out.glob(f"*/{glob}")], key=os.path.getmtime)
         if found:
@@ -1882,15 +1861,7 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 
 
 def evaluate_generations(
-    rows,
-    labeler,
-    clean="mimic_cxr",
-    uncertain_as=1,
-    meteor=True,
-    headline="micro_f1",
-    gold=None,
-    name="",
-    radgraph=None,
+    rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None, name=""
 ) -> dict:
     """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
     (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
@@ -1898,8 +1869,7 @@ def evaluate_generations(
     warning names the evaluation, `name`).
     `gold` (N, 14): the references' own labels (the annotation's): "ce_gold" scores against them in place of the
     labeler's reading of the references. With CheXbert, "labelers_agree": how often the rules read the generated
-    reports as it does (each report's 14 labels, binarised as CE counts them). `radgraph` (radgraph_annotator()):
-    F1 RadGraph of the raw reports."""
+    reports as it does (each report's 14 labels, binarised as CE counts them)."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
     n_empty = sum(not h.strip() for h in hyps)
     if n_empty:
@@ -1922,52 +1892,7 @@ def evaluate_generations(
     if isinstance(inner, CheXbertLabeler):
         same = binarize(hyp_labels, uncertain_as) == binarize(RuleLabeler()(hyps), uncertain_as)  # (N, 14)
         out["labelers_agree"] = {"reports": float(same.all(1).mean()), "labels": float(same.mean())}
-    if radgraph is not None:
-        out["radgraph"] = radgraph_f1(radgraph(hyps), radgraph(refs))
     return out
-
-
-def radgraph_f1(hyp_graphs: list[dict], ref_graphs: list[dict]) -> dict:
-    """F1 RadGraph (Delbrouck et al. 2022, arXiv:2210.12186; the radgraph package's rewards) of each generated report's
-    RadGraph annotation ({"entities": {id: {"tokens", "label", "relations"}}}) against its reference's, averaged:
-    RG_E, an entity is its (tokens, label); RG_ER, the one RRG papers report ("F1 RadGraph"), an entity with a
-    relation is (tokens, label, True). An F1 with no entity on one side is 0."""
-
-    def f1(h: set, r: set) -> float:
-        tp = len(h & r)
-        precision, recall = (tp / len(h) if h else 0.0), (tp / len(r) if r else 0.0)
-        return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-
-    def entities(graph: dict, relations: bool) -> set:
-        return {
-            (e["tokens"], e["label"]) + ((True,) if relations and e["relations"] else ())
-            for e in graph["entities"].values()
-        }
-
-    return {
-        name: float(np.mean([f1(entities(h, rel), entities(r, rel)) for h, r in zip(hyp_graphs, ref_graphs)]))
-        for name, rel in (("RG_E", False), ("RG_ER", True))
-    }
-
-
-def radgraph_annotator(model_type: str = "radgraph"):
-    """The radgraph package's RadGraph (optional, like CheXbert's real weights: its model downloads once) as texts ->
-    annotations in order; an empty report has no entity. Without the package or its model: an error now."""
-    if importlib.util.find_spec("radgraph") is None:
-        raise ValueError("--radgraph needs the radgraph package: pip install radgraph (its model downloads once)")
-    from radgraph import RadGraph
-
-    try:
-        model = RadGraph(model_type=model_type)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--radgraph: the RadGraph model {model_type!r} could not be loaded ({e})") from None
-
-    def annotate(texts: list[str]) -> list[dict]:
-        found = model([t for t in texts if t.strip()]) if any(t.strip() for t in texts) else {}
-        graphs = iter(found[str(k)] for k in range(len(found)))
-        return [next(graphs) if t.strip() else {"entities": {}} for t in texts]
-
-    return annotate
 
 
 STOP_WORDS = {"a", "an", "the", "and", "or", "this", "that", "it", "its", "there"}
@@ -2114,51 +2039,38 @@ def parse_args(args_class, argv=None, description: str | None = None):
     return args_class(**flags | {"out": str(out)})
 
 
-def plot_run(out) -> list[Path]:
-    """<folder>/figures/training.png for out and every stage folder below it, from its metrics.jsonl: a panel per
-    logged number against the step (keys "a/b" share panel a), with a running mean. Needs matplotlib."""
+def generate_reports(run_dir, studies: list[tuple[str, list[str]]]) -> list[dict]:
+    """`python common.py generate`: RUN/final's policy (LoRA folded in) writes a greedy report for each study (id, its
+    view files) with the prompt, length and report extraction its run evaluated with -> [{"id", "views", "report"}]."""
+    final = Path(run_dir) / "final"
+    if not (final / "generation.json").is_file():
+        raise FileNotFoundError(
+            f"{run_dir}: no final/generation.json (the --out folder of a finished run, or a stage's)"
+        )
+    settings = json.loads((final / "generation.json").read_text())
+    config = json.loads((Path(run_dir) / "config.json").read_text())
+    tiny = (final / "tiny_policy.pt").is_file()
+    if (config["model"] == "tiny") != tiny:
+        raise ValueError(f"{final}: not a model of --model {config['model']} (its config.json)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if config["dtype"] == "bf16" and device == "cuda" else torch.float32
     try:
-        from matplotlib import figure  # not pyplot: no global backend to set, no figure to close
-    except ImportError:
-        log.warning("figures skipped: they need `pip install matplotlib` (then: python common.py plot %s)", out)
-        return []
-    drawn = []
-    for metrics in sorted(Path(out).glob("**/metrics.jsonl")):
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        panels = defaultdict(dict)  # panel -> {line: (n, 2) steps and values}
-        for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
-            panel, _, line = key.partition("/")
-            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            panels[panel][line or panel] = np.array(points)
-        cols, n_rows = max(1, min(4, len(panels))), max(1, math.ceil(len(panels) / 4))  # 4 a row at most; none: blank
-        fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
-        axes = fig.subplots(n_rows, cols, squeeze=False)
-        for ax, (panel, lines) in zip(axes.flat, panels.items()):
-            for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
-                w = max(1, len(x) // 15)  # running mean over w steps
-                alpha = 0.35 if w > 1 else 1
-                marker = "." if len(x) <= 30 else None
-                (raw,) = ax.plot(x, y, lw=0.6, alpha=alpha, marker=marker, label=label)  # a legend with two or more
-                if w > 1:
-                    ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color())
-            ax.set_title(panel, fontsize=8)
-            ax.tick_params(labelsize=6)
-            if len(lines) > 1:
-                ax.legend(fontsize=5)
-        for ax in axes.flat[len(panels) :]:
-            ax.axis("off")
-        fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
-        fig.tight_layout()
-        png = metrics.parent / "figures" / "training.png"
-        png.parent.mkdir(exist_ok=True)
-        fig.savefig(png, dpi=80)
-        drawn.append(png)
-    return drawn
+        policy = load_policy(final, device, dtype, **({} if tiny else {"max_pixels": config.get("max_pixels")}))
+    except (RuntimeError, KeyError) as e:  # weights of another shape or kind
+        raise ValueError(f"{final}: does not load as its config's model ({str(e).splitlines()[0][:200]})") from None
+    report = None
+    if settings["report"]:  # the run's report(completion), as module and name: mrg_r1.extract_report
+        report = importlib.import_module(settings["report"][0])
+        for name in settings["report"][1].split("."):
+            report = getattr(report, name)
+    records = [Record(i, views, "", "") for i, views in studies]
+    texts = greedy_reports(policy, records, settings["prompt"], settings["max_new_tokens"], device, dtype)
+    return [{"id": i, "views": views, "report": report(t) if report else t} for (i, views), t in zip(studies, texts)]
 
 
 def main(argv=None):
     """`python common.py evaluate --generations FILE.jsonl`: score a generations file (as its run did, if beside it);
-    `python common.py plot RUN`: redraw a run's figures (RUN/figures/training.png, each stage's too)."""
+    `python common.py generate RUN IMAGE [IMAGE ...]`: a trained run's report for a study's views."""
     p = argparse.ArgumentParser(description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("evaluate", help="NLG and CE metrics of a JSONL file with 'reference' and 'generated' per line")
@@ -2168,19 +2080,17 @@ def main(argv=None):
     e.add_argument("--clean", choices=["mimic_cxr", "iu_xray", "none"], help="R2Gen's cleaning, else MIMIC-CXR's")
     e.add_argument("--uncertain-as", type=int, choices=[0, 1], help="CE: uncertain as positive, or the papers' 0")
     e.add_argument("--no-meteor", action="store_true", help="skip METEOR (it needs java and pycocoevalcap)")
-    e.add_argument(
-        "--radgraph", action="store_true", help="F1 RadGraph too (pip install radgraph; its model downloads)"
-    )
     e.add_argument("--out", help="JSON output (default: <generations file>.scores.json beside it)")
-    plot = sub.add_parser("plot", help="redraw a run's figures from its metrics.jsonl")
-    plot.add_argument("run", help="a run's --out folder")
+    g = sub.add_parser("generate", help="a trained run's greedy report for new images (RUN/final, the run's prompt)")
+    g.add_argument("run", help="a finished run's --out folder, or a stage's (deer.py's rl_grad, ...)")
+    g.add_argument("images", nargs="*", help="the views of one study; or one folder, each image in it a study")
+    g.add_argument("--data", help="an annotation.json (R2Gen's layout): each study of its --split")
+    g.add_argument("--split", default="test", choices=["train", "val", "test"])
+    g.add_argument("--json", help="write {id, views, report} per line to this file (else print the reports)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.command == "plot":
-        if not (Path(args.run).is_dir() and any(Path(args.run).glob("**/metrics.jsonl"))):
-            raise SystemExit(f"error: {args.run}: no metrics.jsonl in it or below (the --out folder of a run)")
-        print("\n".join(f"wrote {png}" for png in plot_run(args.run)))
-        return
+    if args.command == "generate":
+        return generate_command(args)
     rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
     path = Path(args.generations)  # the run that wrote it: its config.json (or its stage's), its eval JSON
     found = [p for p in (path.with_name("config.json"), path.parent.with_name("config.json")) if p.is_file()][:1]
@@ -2197,10 +2107,9 @@ def main(argv=None):
         labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
         clean = None if rules["clean"] == "none" else rules["clean"]
         meteor = not args.no_meteor
-        radgraph = radgraph_annotator() if args.radgraph else None
         name = path.stem.removeprefix("generations_")  # the evaluation (test_after, ...), as its warnings name it
         results = evaluate_generations(
-            rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"], name=name, radgraph=radgraph
+            rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"], name=name
         )
     except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
@@ -2208,6 +2117,30 @@ def main(argv=None):
     out.write_text(json.dumps(results, indent=2))
     scores = {**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}
     print(json.dumps(scores, indent=1), f"\n{summary(results)}\nwrote {out}")
+
+
+def generate_command(args):
+    """The studies of `generate`'s arguments, their reports printed or written; bad input: one line."""
+    try:
+        if args.data:
+            studies = [(r.id, r.image_paths) for r in load_data(args.data, splits=(args.split,))[args.split]]
+        elif len(args.images) == 1 and Path(args.images[0]).is_dir():
+            files = sorted(p for p in Path(args.images[0]).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+            studies = [(p.stem, [str(p)]) for p in files]
+        else:
+            studies = [(Path(args.images[0]).stem if args.images else "", args.images)]
+        missing = [v for _, views in studies for v in views if not Path(v).is_file()]
+        if not studies or not studies[0][1] or missing:
+            raise FileNotFoundError(
+                f"image not found: {missing[0]}" if missing else "no image given (IMAGE, or --data)"
+            )
+        rows = generate_reports(args.run, studies)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.json:
+        Path(args.json).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return print(f"wrote {args.json}: {len(rows)} reports")
+    print("\n".join(row["report"] if len(rows) == 1 else f"{row['id']}: {row['report']}" for row in rows))
 
 
 # ==== 9. The insides a reader skips: the rule labeler's phrase lists, the collectives =================================

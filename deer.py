@@ -41,6 +41,7 @@ Equations, and where they are implemented:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -143,7 +144,7 @@ class Settings:
     sft_steps: int | None  # None: one epoch, or until CONVERGE stops it (sft_converge)
     sft_converge: bool
     pool: int | None  # DDSampling's and --subset random's studies: the first `pool`; None: all
-    radgraph: object = None  # --radgraph: common.radgraph_annotator()
+    radgraph: object = None  # --radgraph: radgraph_annotator()
 
     @classmethod
     def from_args(cls, args: Args) -> Settings:
@@ -166,7 +167,7 @@ class Settings:
             sft_steps=args.sft_steps,
             sft_converge=tiny and args.sft_steps is None,
             pool=1000 if tiny else None,  # DDSampling, the costliest stage, of 1000: a ~7-CPU-minute default run
-            radgraph=common.radgraph_annotator() if args.radgraph else None,  # loaded now: an error before training
+            radgraph=radgraph_annotator() if args.radgraph else None,  # loaded now: an error before training
         )
 
 
@@ -518,11 +519,61 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
 
 # Evaluation and Tables 6-7 ---------------------------------------------------------------------
 def evaluate(run: common.Run, policy, s: Settings) -> dict:
-    """Greedy reports on the test split: NLG and CE metrics (METEOR where Java is), into the stage's folder."""
-    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s.max_new, meteor=True, ce=CE, radgraph=s.radgraph)
+    """Greedy reports on the test split: NLG and CE metrics (METEOR where Java is), F1 RadGraph with --radgraph."""
+
+    def radgraph(rows, labeler):
+        """Table 1's RG column: F1 RadGraph of the raw generated reports against their references."""
+        hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
+        return {"radgraph": radgraph_f1(s.radgraph(hyps), s.radgraph(refs))}
+
+    score = radgraph if s.radgraph else None
+    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s.max_new, score=score, meteor=True, ce=CE)
     if run.is_main:
         print(f"{run.out}: {common.summary(results)}")
     return results
+
+
+def radgraph_f1(hyp_graphs: list[dict], ref_graphs: list[dict]) -> dict:
+    """F1 RadGraph (Delbrouck et al. 2022, arXiv:2210.12186; the radgraph package's rewards) of each generated report's
+    RadGraph annotation ({"entities": {id: {"tokens", "label", "relations"}}}) against its reference's, averaged:
+    RG_E, an entity is its (tokens, label); RG_ER, the one RRG papers report ("F1 RadGraph"), an entity with a
+    relation is (tokens, label, True). An F1 with no entity on one side is 0."""
+
+    def f1(h: set, r: set) -> float:
+        tp = len(h & r)
+        precision, recall = (tp / len(h) if h else 0.0), (tp / len(r) if r else 0.0)
+        return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+    def entities(graph: dict, relations: bool) -> set:
+        return {
+            (e["tokens"], e["label"]) + ((True,) if relations and e["relations"] else ())
+            for e in graph["entities"].values()
+        }
+
+    return {
+        name: float(np.mean([f1(entities(h, rel), entities(r, rel)) for h, r in zip(hyp_graphs, ref_graphs)]))
+        for name, rel in (("RG_E", False), ("RG_ER", True))
+    }
+
+
+def radgraph_annotator(model_type: str = "radgraph"):
+    """The radgraph package's RadGraph (optional, like CheXbert's real weights: its model downloads once) as texts ->
+    annotations in order; an empty report has no entity. Without the package or its model: an error now."""
+    if importlib.util.find_spec("radgraph") is None:
+        raise ValueError("--radgraph needs the radgraph package: pip install radgraph (its model downloads once)")
+    from radgraph import RadGraph
+
+    try:
+        model = RadGraph(model_type=model_type)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--radgraph: the RadGraph model {model_type!r} could not be loaded ({e})") from None
+
+    def annotate(texts: list[str]) -> list[dict]:
+        found = model([t for t in texts if t.strip()]) if any(t.strip() for t in texts) else {}
+        graphs = iter(found[str(k)] for k in range(len(found)))
+        return [next(graphs) if t.strip() else {"entities": {}} for t in texts]
+
+    return annotate
 
 
 def sft_policy(run: common.Run, args: Args):

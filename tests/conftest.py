@@ -52,14 +52,14 @@ def _private_cache(tmp_path_factory):
     # (seconds) in every process: off unless a test asks for it (tests/test_metrics.py); figures likewise (test_cli.py).
     os.environ["RRG_CACHE"] = str(tmp_path_factory.mktemp("rrg_cache"))
     os.environ["RRG_METEOR"] = "0"
-    os.environ["RRG_FIGURES"] = "0"
 
 
 def _small_only(real, what: str, instead: str):
-    """The sandbox's `what` built only with small settings: at full size it costs minutes, so a test fails at once."""
+    """The sandbox's `what`: the shipped one, or built with small settings; a test that would train it at full size
+    (minutes) fails at once."""
 
     def build(annotation=None, settings=None):
-        if settings is None:
+        if annotation is not None and settings is None:
             raise AssertionError(f"this test trains the sandbox's {what} at full size: give it {instead}")
         return real(annotation, settings)
 
@@ -68,9 +68,8 @@ def _small_only(real, what: str, instead: str):
 
 @pytest.fixture(autouse=True)
 def _no_full_sandbox_models(monkeypatch):
-    """A test that would train the sandbox's CheXbert or foundation at full size (a run on --data synthetic with
-    --labeler auto, or the tiny model there), or draw the full synthetic set, fails at once instead; tests of them pass
-    small settings."""
+    """A test that would train the sandbox's CheXbert or foundation at full size, or draw the full synthetic set,
+    fails at once instead; tests of them pass small settings (the shipped models load in a moment)."""
 
     chexbert = _small_only(sandbox.synthetic_chexbert, "CheXbert", "--labeler rule")
     monkeypatch.setattr(sandbox, "synthetic_chexbert", chexbert)

@@ -369,7 +369,7 @@ def part_torchrun(work: Path, figures: Figures):
 def run_part(name: str, work: Path):
     figures = Figures(work / "parts" / f"{name.replace(':', '_')}.json")
     kind, _, arg = name.partition(":")
-    os.environ.update(RRG_CACHE=str(work / "cache"), RRG_METEOR="0", RRG_FIGURES="0", TOKENIZERS_PARALLELISM="false")
+    os.environ.update(RRG_CACHE=str(work / "cache"), RRG_METEOR="0", TOKENIZERS_PARALLELISM="false")
     try:
         if kind == "scripts":
             part_script(arg, work, figures)

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -481,6 +483,67 @@ NUMERIC_PINS = {
 }
 
 
+# The sandbox's trained models ship beside this file, built by `python tests/sandbox.py ship --write` (under
+# NUMERIC_PINS, in build_once's processes): every run on the synthetic set loads these files, and no machine trains them
+SHIPPED = Path(__file__).resolve().parent / "sandbox_models"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def shipped(name: str) -> Path:
+    """tests/sandbox_models/<name>, each of its files checked against MANIFEST.json's digest."""
+    files = json.loads((SHIPPED / "MANIFEST.json").read_text())["files"]
+    changed = [f for f, digest in files.items() if f.startswith(name + "/") and sha256(SHIPPED / f) != digest]
+    if changed or not any(f.startswith(name + "/") for f in files):
+        raise ValueError(
+            f"{SHIPPED / name}: {changed or 'not'} as shipped (MANIFEST.json; python tests/sandbox.py ship)"
+        )
+    return SHIPPED / name
+
+
+def tensors(path: Path) -> dict:
+    """The weights in a shipped file (chexbert.pth, tiny_policy.pt, model.safetensors)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    return checkpoint.get("model_state_dict", checkpoint.get("state_dict"))
+
+
+def ship(write: bool = False) -> dict:
+    """Rebuild the shipped models from their recipes on this machine, beside the synthetic set; per file, whether it
+    is the shipped one to the byte and, for weights, the largest difference of any tensor; the foundation's probe.
+    `write`: the rebuild becomes what ships (its files and MANIFEST.json)."""
+    annotation, scratch = synthetic_data(), Path(tempfile.mkdtemp(dir=synthetic_data().parent, prefix=".ship-"))
+    recipes = {f"chexbert-v{SANDBOX_CHEXBERT_VERSION}": ("chexbert", CHEXBERT_FILE, SANDBOX_CHEXBERT)}
+    recipes[f"foundation-v{FOUNDATION_VERSION}"] = ("foundation", "foundation.json", FOUNDATION)
+    cpu = re.findall(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else []
+    report = {"machine": cpu[0] if cpu else platform.processor(), "torch": torch.__version__, "files": {}}
+    for name, (command, marker, settings) in recipes.items():
+        built = build_once(scratch / name, marker, command, annotation, settings)
+        for f in sorted(p for p in built.rglob("*") if p.is_file()):
+            rel, old = f"{name}/{f.relative_to(built)}", SHIPPED / name / f.relative_to(built)
+            row = {"same bytes": old.is_file() and sha256(f) == sha256(old)}
+            if f.suffix in (".pth", ".pt", ".safetensors") and old.is_file():
+                new_w, old_w = tensors(f), tensors(old)
+                row["largest tensor difference"] = max(float((new_w[k] - old_w[k]).abs().max()) for k in old_w)
+            report["files"][rel] = row
+    probe = json.loads((scratch / f"foundation-v{FOUNDATION_VERSION}" / "foundation.json").read_text())["probe"]
+    report["probe"] = {k: probe[k] for k in ("probe_auroc_mean", "caption_signs_f1", "reports_distinct")}
+    if write:
+        for name in recipes:
+            shutil.rmtree(SHIPPED / name, ignore_errors=True)
+            shutil.copytree(scratch / name, SHIPPED / name)
+        files = {str(f.relative_to(SHIPPED)): sha256(f) for f in sorted(SHIPPED.rglob("*/*")) if f.is_file()}
+        built = {k: report[k] for k in ("machine", "torch")} | {"pins": NUMERIC_PINS}
+        (SHIPPED / "MANIFEST.json").write_text(json.dumps({"files": files, "built": built}, indent=1) + "\n")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return report
+
+
 def word_piece_tokenizer(texts: list[str], out_dir: Path):
     """A BERT tokenizer whose word pieces are every word of the texts as BERT splits them, and every character alone
     and as a word's continuation ("##x"), so that an unseen word still gets pieces (a trainer's merges break ties by
@@ -536,8 +599,10 @@ def train_chexbert(records, out_dir, hidden, layers, heads, epochs, lr, batch_si
 
 
 def synthetic_chexbert(annotation=None, settings=None) -> Path:
-    """The sandbox's CheXbert beside the synthetic set (or `annotation`'s), trained once on its training split (about 6
-    CPU-minutes)."""
+    """The sandbox's CheXbert: the shipped one for the synthetic set; for another set (`annotation`) or other settings,
+    trained once beside it on its training split (9 CPU-minutes at full size)."""
+    if annotation is None and settings is None:
+        return shipped(f"chexbert-v{SANDBOX_CHEXBERT_VERSION}") / CHEXBERT_FILE
     annotation = Path(annotation or synthetic_data())
     final = annotation.parent / f"chexbert-v{SANDBOX_CHEXBERT_VERSION}"
     return build_once(final, CHEXBERT_FILE, "chexbert", annotation, settings or SANDBOX_CHEXBERT) / CHEXBERT_FILE
@@ -778,7 +843,10 @@ def train_foundation(annotation, out_dir, settings: dict) -> Path:
 
 
 def synthetic_foundation(annotation=None, settings=None) -> Path:
-    """The sandbox's foundation beside the synthetic set (or `annotation`'s), trained once (about 15 CPU-minutes)."""
+    """The sandbox's foundation: the shipped one for the synthetic set; for another set (`annotation`) or other
+    settings, trained once beside it (20 CPU-minutes at full size)."""
+    if annotation is None and settings is None:
+        return shipped(f"foundation-v{FOUNDATION_VERSION}")
     annotation = Path(annotation or synthetic_data())
     final = annotation.parent / f"foundation-v{FOUNDATION_VERSION}"
     return build_once(final, "foundation.json", "foundation", annotation, settings or FOUNDATION)
@@ -816,6 +884,8 @@ def main(argv=None):
     f.add_argument("--out", help="a fresh folder (default: beside the set, where every run finds it)")
     for name, default in FOUNDATION.items():
         f.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    w = sub.add_parser("ship", help="rebuild the shipped models here and say how far they land from the shipped ones")
+    w.add_argument("--write", action="store_true", help="replace the shipped models with the rebuild")
     s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout) to a folder")
     s.add_argument("--out", required=True)
     for name, default in (("n_train", 2000), ("n_val", 200), ("n_test", 500), ("size", 128), ("seed", 0)):
@@ -844,6 +914,8 @@ def main(argv=None):
             f"wrote {out}: linear probe AUROC {probe['probe_auroc_mean']:.3f} (mean over the labels), caption signs F1 "
             f"{probe['caption_signs_f1']:.3f}, {record['cpu_seconds']:.0f} CPU-seconds"
         )
+    elif args.command == "ship":
+        print(json.dumps(ship(args.write), indent=1))
     else:
         path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
         print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")

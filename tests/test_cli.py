@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import common
+import reproduce
 import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def test_synthetic_command_writes_a_loadable_set(tmp_path):
 
 
 def test_plot_draws_every_logged_number_of_a_run_and_its_stages(tmp_path, monkeypatch, capsys):
-    """`python common.py plot RUN`: RUN/figures/training.png and one per stage folder below, a panel per key of
+    """`python tests/reproduce.py plot RUN`: RUN/figures/training.png and one per stage folder below, a panel per key of
     metrics.jsonl ("lambda/a" and "lambda/b" share a panel); without matplotlib, one line and nothing drawn."""
     from PIL import Image
 
@@ -108,18 +109,18 @@ def test_plot_draws_every_logged_number_of_a_run_and_its_stages(tmp_path, monkey
     for folder in (tmp_path, tmp_path / "sft"):
         folder.mkdir(exist_ok=True)
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common.main(["plot", str(tmp_path)])
+    reproduce.main(["plot", str(tmp_path)])
     assert capsys.readouterr().out.count("wrote") == 2
     for folder in (tmp_path, tmp_path / "sft"):
         with Image.open(folder / "figures" / "training.png") as im:
             assert im.size[0] == 2 * 3.2 * 80 and im.size[1] == 2.3 * 80  # 2 panels: loss, lambda
     (tmp_path / "stopped").mkdir()  # a run stopped before its first number: step and time only, a blank figure
     (tmp_path / "stopped" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 0.1}) + "\n")
-    assert common.plot_run(tmp_path / "stopped") == [tmp_path / "stopped" / "figures" / "training.png"]
+    assert reproduce.run_figures(tmp_path / "stopped") == [tmp_path / "stopped" / "figures" / "training.png"]
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
-        common.main(["plot", str(tmp_path / "nothing")])
+        reproduce.main(["plot", str(tmp_path / "nothing")])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as when it is not installed
-    assert common.plot_run(tmp_path) == []
+    assert reproduce.run_figures(tmp_path) == []
 
 
 TINY_CHEXBERT = dict(hidden=32, layers=1, heads=2, epochs=1, lr=3e-3, batch_size=8)
@@ -157,7 +158,7 @@ def test_a_run_says_what_it_read_and_wrote_and_rescoring_gives_its_numbers(tmp_p
     assert proc.stdout.endswith(
         f"run folder  {out}\nresults     warm_start/eval.json, eval.json\n"
         "generations generations_test_before.jsonl, generations_test_after.jsonl\n"
-    )  # no figures: RRG_FIGURES=0 in the tests
+    )
     assert not re.search(r"Warning|\[transformers\]|attention_mask", printed), printed
     bars = [b for b in re.split(r"[\r\n]", proc.stderr) if b.startswith("OraPO:") and "=" in b]
     assert bars and all(b.count("=") <= 4 for b in bars)

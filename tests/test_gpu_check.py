@@ -56,7 +56,7 @@ def test_parts_run_on_the_cpu(tmp_path, monkeypatch):
     RL's step 1 and resumed to step 2."""
     monkeypatch.setattr(gpu_check, "DEVICE", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    for name in ("RRG_CACHE", "RRG_METEOR", "RRG_FIGURES", "TOKENIZERS_PARALLELISM"):  # run_part sets them
+    for name in ("RRG_CACHE", "RRG_METEOR", "TOKENIZERS_PARALLELISM"):  # run_part sets them
         monkeypatch.setenv(name, os.environ.get(name, ""))
     monkeypatch.setattr(common.Run, "checkpoint", common.Run.checkpoint)  # the part stops runs after step 1
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", common.CHECKPOINT_EVERY)

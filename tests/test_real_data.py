@@ -172,10 +172,9 @@ def check_eval(out, n: int, headline: str):
 
 def test_mrg_r1_orapo_deer_on_real_format_iu_xray(tmp_path, iu_xray, monkeypatch):
     """One short run of each RL script on 1-5-view studies: MRG-R1 splits the views into samples (Sec. IV-A), the
-    tiny model of OraPO and DEER reads all of a study's views. Figures are drawn where matplotlib is."""
+    tiny model of OraPO and DEER reads all of a study's views."""
     data = common.load_annotation(iu_xray)
     monkeypatch.setattr(mrg_r1, "WARM_START", dict(lr_tiny=3e-3, lr_hf=1e-2, batch_size=4))
-    monkeypatch.setenv("RRG_FIGURES", "1")
     rl = [
         "--data",
         str(iu_xray),
@@ -190,8 +189,6 @@ def test_mrg_r1_orapo_deer_on_real_format_iu_xray(tmp_path, iu_xray, monkeypatch
     ]
     mrg_r1.main(rl + ["--out", str(tmp_path / "m")])
     check_eval(tmp_path / "m", sum(len(r.image_paths) for r in data["test"]), "micro_f1")
-    monkeypatch.delenv("RRG_FIGURES")
-    assert (tmp_path / "m" / "figures" / "training.png").is_file() or common.plot_run(tmp_path) == []
     monkeypatch.setattr(orapo, "WARM_START", dict(lr=3e-3, batch_size=4))
     monkeypatch.setattr(orapo, "N_EVAL", 2)
     orapo.main(rl + ["--out", str(tmp_path / "o"), "--group-size", "2"])

@@ -528,7 +528,7 @@ def test_report_command_prints_from_the_results_file(tmp_path):
         text=True,
         check=False,
         cwd=tmp_path,
-        env={"RRG_FIGURES": "0", "PATH": ""},
+        env={"PATH": ""},
     )
     assert proc.returncode == 0, proc.stderr
     refs = reproduce.load_references().get("orapo", {})

@@ -497,8 +497,8 @@ def test_the_bar_shows_four_numbers_and_the_file_keeps_all(tmp_path, capsys):
 
 
 def test_the_end_names_the_run_folder_and_its_main_files(tmp_path):
-    """After a run: its folder, then a line each for results, test generations and figures, stages' too."""
-    names = ["eval.json", "generations_test_before.jsonl", "figures/training.png"]
+    """After a run: its folder, then a line each for results and test generations, stages' too."""
+    names = ["eval.json", "generations_test_before.jsonl"]
     others = ["generations_val_step100.jsonl", "generations_test_before.scores.json"]  # a validation's; evaluate's
     for name in names + others:
         (tmp_path / "sft" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -510,7 +510,6 @@ def test_the_end_names_the_run_folder_and_its_main_files(tmp_path):
         f"run folder  {tmp_path}",
         "results     sft/eval.json, rl/eval.json",
         "generations sft/generations_test_before.jsonl",
-        "figures     sft/figures/training.png",
     ]
 
 
