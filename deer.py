@@ -64,8 +64,9 @@ class Args(common.RunArgs):
     """none: GRPO; rule: Eq. 7-8; grad: Eq. 9-12; auto: grad with --labeler chexbert (DEER), else rule"""
     alpha: Annotated[float, "[0, inf)"] = 4.0
     """Eq. 8's alpha (Sec. 4.1)"""
-    beta: Annotated[float, "[0, inf)"] = 1.0
-    """Eq. 12's beta (Sec. 4.1)"""
+    beta: Annotated[float | None, "[0, inf)"] = None
+    """Eq. 12's beta; None: the one that meets Sec. 3.3's premise (w ~ 1 off the findings: BETA_RULE), computed and
+    recorded per run; 1: Sec. 4.1's value as printed (the premise need not hold for another CheXbert)"""
     gamma: Annotated[float, "[0, inf)"] = 0.25
     """Eq. 1's BLEU-2 weight in the second phase (Sec. 4.1)"""
     group_size: Annotated[int, "[2, inf)"] = 8
@@ -105,6 +106,11 @@ SFT = dict(lr_hf=1e-5, lr_tiny=1e-3, batch_hf=64, batch_tiny=32)  # Sec. 4.1 (HF
 # validations without a gain of 0.005, the best weights kept (declared before any sweep; README, DEER's premises)
 CONVERGE = dict(every=100, patience=4, min_gain=0.005, max_steps=5000)
 N_VAL = 200
+# Sec. 3.3: the weights give "w > 1 to diagnostically important tokens and w ~ 1 to others". beta = 1 (Sec. 4.1) is
+# tuned to the real CheXbert's saliency scale; for any labeler, beta is set so that the median weight of the tokens
+# outside the reference's findings (no rule-labeler mention of a target finding over them) is 1.1, on the SFT policy's
+# G samples of the first `studies` RL studies (declared before the sweep); --beta 1: the printed value
+BETA_RULE = dict(median=1.1, studies=64)
 K = 10  # Sec. 3.2: sampled reports per image
 TOP_P = 0.9  # "nucleus sampling" without a top-p: ours
 DD_CHUNK = 32  # DDSampling: studies per generation chunk
@@ -317,14 +323,45 @@ def gradient_weights(chexbert, texts: list[str], spans, mask: torch.Tensor, targ
     return w.to(mask.device)
 
 
-def token_weights(weighting: str, args: Args, policy, labeler, ids, mask, ref_labels) -> torch.Tensor:
-    """(N, T) token weights: none (all 1), rule (Eq. 7-8) or grad (Eq. 9-12)."""
+def token_weights(weighting: str, args: Args, policy, labeler, ids, mask, ref_labels, beta=1.0) -> torch.Tensor:
+    """(N, T) token weights: none (all 1), rule (Eq. 7-8) or grad (Eq. 9-12, with `beta`)."""
     if weighting == "none":
         return torch.ones(mask.shape, device=mask.device)
     if weighting == "rule":
         return tfidf_weights(ids, mask, args.group_size, args.alpha, special=set(policy.eos_token_ids))
     texts, spans = token_spans(policy, ids, mask)
-    return gradient_weights(labeler, texts, spans, mask, reference_targets(ref_labels), args.beta)
+    return gradient_weights(labeler, texts, spans, mask, reference_targets(ref_labels), beta)
+
+
+@torch.no_grad()
+def premise_beta(run: common.Run, args: Args, s: Settings, policy, records) -> dict:
+    """BETA_RULE: beta = (median - 1) / the median s~ of the tokens outside the reference's findings, on G samples of
+    the first studies (seeded by --seed) -> {"beta", the median s~ outside and inside them, the tokens counted}."""
+    torch.manual_seed(args.seed)
+    rules, outside, inside = common.RuleLabeler(), [], []
+    chunk = records[: BETA_RULE["studies"]]
+    for b in range(0, len(chunk), DD_CHUNK):
+        refs = [r.report for r in chunk[b : b + DD_CHUNK] for _ in range(args.group_size)]
+        with run.autocast():
+            ids, mask = policy.generate(repeated_prompts(policy, chunk[b : b + DD_CHUNK], args.group_size), s.max_new)
+        targets = reference_targets(run.labeler(refs))
+        texts, spans = token_spans(policy, ids, mask)
+        s_tilde = gradient_weights(run.labeler, texts, spans, mask, targets, 1.0) - 1  # (N, T) Eq. 11's s~
+        for i, (text, tg) in enumerate(zip(texts, targets)):
+            names = {common.LABEL_INDEX[t] for t in tg}
+            found = [m.span() for k, pattern, _ in rules.mentions if k in names for m in pattern.finditer(text.lower())]
+            for t, (a, e) in enumerate(spans[i] if tg else []):  # a reference without findings: w = 1 everywhere
+                named = any(c < e and a < d for c, d in found)
+                (inside if named else outside).append(float(s_tilde[i, t]))
+    median = float(np.median(outside)) if outside else 0.0
+    beta = (BETA_RULE["median"] - 1) / median if median > 0 else 1.0
+    return {
+        "beta": beta,
+        "median_s_outside": median,
+        "median_s_inside": float(np.median(inside or [0])),
+        "tokens_outside": len(outside),
+        "tokens_inside": len(inside),
+    }
 
 
 # Eq. 2 and 6: the DiTPO update ------------------------------------------------------------------
@@ -342,9 +379,10 @@ def ditpo_step(policy, roll: common.Rollout, w: torch.Tensor, G: int):
         **stats,
         "reward": roll.rewards.mean().item(),
         "length": m.sum(1).float().mean().item(),
-        "w_max": w[m].max().item(),
         "zero_var": (r == r[:, :1]).all(1).float().mean().item(),
         "w_mean": w[m].mean().item(),
+        "w_median": w[m].median().item(),
+        "w_max": w[m].max().item(),
     }
 
 
@@ -486,7 +524,11 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
     )
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer, _ = common.adamw(params, s.lr, total)  # constant lr: the paper names no schedule
+    premise = {"beta": args.beta}  # Eq. 12's beta: as given, or BETA_RULE's on the SFT policy's samples
+    if args.weighting == "grad" and args.beta is None:
+        premise = premise_beta(run, args, s, policy, records)
     run.record(lr=s.lr, prompts_per_step=s.prompts, steps=total, max_new_tokens=s.max_new, studies=len(records))
+    run.record(beta=premise)
     run.restore(policy.model, optimizer)
     batches = run.study_batches(records, s.prompts, "--prompts-per-step")
     for step, batch in run.steps(
@@ -506,7 +548,7 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
                 roll = common.rollout(policy, micro["images"], PROMPT, G, reward_fn, s.max_new, TEMPERATURE)
             ids, mask = roll.completion_ids, roll.completion_mask  # (N, T) each
             group_labels = np.repeat(ref_labels, G, axis=0)  # (N, 14) each reference's labels, G times
-            w = token_weights(args.weighting, args, policy, run.labeler, ids, mask, group_labels)  # (N, T)
+            w = token_weights(args.weighting, args, policy, run.labeler, ids, mask, group_labels, premise["beta"])
             with run.autocast():
                 loss, stats = ditpo_step(policy, roll, w, G)  # Eq. 2 -> 6 -> loss
             (loss / args.grad_accum).backward()
@@ -514,7 +556,7 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
         run.optimizer_step(params, optimizer, max_grad_norm=MAX_GRAD_NORM)
         run.log_step(step)  # metrics.jsonl: this step's line
         run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
-    return run.finish({"test": evaluate(run, policy, s)}, policy)
+    return run.finish({"test": evaluate(run, policy, s), "beta": premise}, policy)
 
 
 # Evaluation and Tables 6-7 ---------------------------------------------------------------------
