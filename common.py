@@ -67,8 +67,6 @@ except (ImportError, RuntimeError, AttributeError) as e:  # one line, not 60 of 
 
 
 # ==== 1. Data: annotation files, views, cleaning, batches; the image and text encoders DCRRG and RRGCL use ============
-
-
 @dataclass
 class Record:
     """One study: id, image paths (IU X-Ray: 1-5 views, MIMIC-CXR in R2Gen's file: one), report, labels if given."""
@@ -120,13 +118,10 @@ def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Rec
     its last (R2Gen's own IU file keeps 2-view studies only); n = 1 when no study has more (MIMIC-CXR's file)."""
     n = min(n, max(len(r.image_paths) for records in data.values() for r in records))
 
-    def views(paths):
-        return (paths + [paths[-1]] * n)[:n]
+    def views(r):
+        return dataclasses.replace(r, image_paths=(r.image_paths + [r.image_paths[-1]] * n)[:n])
 
-    return {
-        split: [dataclasses.replace(r, image_paths=views(r.image_paths)) for r in records]
-        for split, records in data.items()
-    }
+    return {split: [views(r) for r in records] for split, records in data.items()}
 
 
 def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
@@ -348,8 +343,6 @@ def sandbox():
 
 
 # ==== 2. The policy: the rollout, one interface for the tiny VLM and Hugging Face VLMs, LoRA ==========================
-
-
 @dataclass
 class Rollout:
     """G sampled completions for each of B prompts (N = B*G rows, groups contiguous)."""
@@ -459,8 +452,7 @@ class TinyPolicy(Policy):
         """path/tiny_policy.pt, LoRA folded in (it loads into a plain TinyVLM); `state_dict`: a sharded model's."""
         Path(path).mkdir(parents=True, exist_ok=True)
         checkpoint = {"hparams": self.model.hparams, "state_dict": state_dict or lora_merged_state_dict(self.model)}
-        checkpoint["vocab"] = self.tokenizer.vocab
-        checkpoint["image_size"] = self.image_size
+        checkpoint |= {"vocab": self.tokenizer.vocab, "image_size": self.image_size}
         torch.save(checkpoint, Path(path) / "tiny_policy.pt")
 
 
@@ -476,9 +468,9 @@ class HFPolicy(Policy):
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
         self.device, self.dtype = torch.device(device), dtype
-        options = {}
-        if max_pixels:
-            options["size"] = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
+        options = (
+            {"size": {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}} if max_pixels else {}
+        )
         try:
             self.processor = AutoProcessor.from_pretrained(name_or_path, **options)
         except OSError as e:  # no such folder, hub id or cached download
@@ -804,8 +796,6 @@ def lora_disabled(model: torch.nn.Module):
 
 
 # ==== 3. Labels: the 14 observations, the label cache, the labelers a reward calls (CheXbert; the rules: part 9) ======
-
-
 # CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
 CHEXPERT_LABELS = [
     "Enlarged Cardiomediastinum",
@@ -891,10 +881,7 @@ def chexbert_model(config=None, path=None):
     if path is None:
         return model
     if not Path(path).is_file():
-        raise FileNotFoundError(
-            f"CheXbert weights not found: {path} (--chexbert-weights PATH, or leave it out "
-            f"to download {CHEXBERT_FILE} from {CHEXBERT_REPO})"
-        )
+        raise FileNotFoundError(f"CheXbert weights not found: {path} (or no --chexbert-weights: {CHEXBERT_REPO}'s)")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         state = {k.removeprefix("module."): v for k, v in checkpoint.get("model_state_dict", checkpoint).items()}
@@ -941,8 +928,9 @@ class CheXbertLabeler:
         vocab = Path(weights).with_name("vocab.txt") if weights is not None else None
         if tokenizer is None and vocab is not None and vocab.is_file():  # the sandbox's word pieces, beside the weights
             tokenizer = BertTokenizerFast.from_pretrained(str(vocab.parent))
+        bert_base = "bert-base-uncased"  # CheXbert's word pieces
         self.tokenizer = tokenizer or from_hub(
-            lambda offline: BertTokenizerFast.from_pretrained("bert-base-uncased", local_files_only=offline)
+            lambda hub: BertTokenizerFast.from_pretrained(bert_base, local_files_only=hub)
         )
         self.model = model.to(device).eval().requires_grad_(False)
         self.device, self.batch_size = torch.device(device), batch_size
@@ -973,9 +961,7 @@ class CheXbertLabeler:
 
 
 # ==== 4. The RL core: group advantages, the GRPO clipped loss (three normalisations), DPO =============================
-
-
-# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N, T as in section 5; tensors in, (loss, stats) out.
+# Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N rows and T tokens as in Policy; (loss, stats) out.
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
     std (TRL); "none" r - mean_g (Dr. GRPO). Equal rewards give exactly 0 (r - mean(r) can be 1e-8 in float)."""
@@ -1086,8 +1072,6 @@ def dpo_loss(
 
 
 # ==== 5. What one step writes and when: Run's steps, log line, optimizer step, checkpoint; its set-up and end =========
-
-
 CHECKPOINT_EVERY = 50  # steps between checkpoints (also at the end, and when stopped by Ctrl-C)
 
 
@@ -1201,9 +1185,8 @@ class Run:
             if optim is None and optimizer is not None:  # not sharded
                 optim = optimizer.state_dict()
             checkpoint = {"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {}}
-            checkpoint["optimizer"] = optim
-            checkpoint["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-            checkpoint["config"] = asdict(self.args)
+            schedule = scheduler.state_dict() if scheduler is not None else None
+            checkpoint |= {"optimizer": optim, "scheduler": schedule, "config": asdict(self.args)}
             atomic_save(checkpoint, self.out / "last.pt")
         barrier()
 
@@ -1347,8 +1330,6 @@ def atomic_save(obj, path: Path):
 
 
 # ==== 6. Set-up: the shared flags, start_run, warm starts, the policy and its reference, AdamW, resume ================
-
-
 @dataclass
 class RunArgs:
     """The flags every script shares; a script's Args adds its paper's hyper-parameters."""
@@ -1358,10 +1339,9 @@ class RunArgs:
     model: str = "tiny"
     """"tiny" (built in, offline) or a Hugging Face vision-language model id or folder"""
     labeler: Literal["auto", "rule", "chexbert"] = "auto"
-    """chexbert: the papers' labeler; rule: offline CheXpert-style rules; auto: chexbert, but rule for --model tiny on
-    real data without --chexbert-weights"""
+    """chexbert (the papers'); rule (offline CheXpert rules); auto: chexbert, rule for tiny on real data unweighted"""
     chexbert_weights: str | None = None
-    """a local chexbert.pth (else downloaded once from the Hub; on --data synthetic the sandbox's, trained once)"""
+    """a local chexbert.pth (else downloaded once from the Hub; on --data synthetic the sandbox's, shipped)"""
     out: str | None = None
     """the run's folder, empty or absent for a fresh run; None: runs/<script>-<data name> ("synthetic", the folder's)"""
     seed: Annotated[int, "[0, 2e9]"] = 0
@@ -1371,8 +1351,7 @@ class RunArgs:
     clean: Literal["auto", "iu_xray", "mimic_cxr"] = "auto"
     """R2Gen's report cleaning (NLG metrics); auto: IU X-Ray's for Open-i image names, else MIMIC-CXR's"""
     tiny_start: Literal["auto", "foundation", "random"] = "auto"
-    """--model tiny's weights at the start: foundation (the sandbox's pre-trained tiny VLM, trained once beside the
-    synthetic set: README) or random; auto: foundation on --data synthetic, else random"""
+    """--model tiny's start: the sandbox's foundation (a pre-trained tiny VLM) or random; auto: foundation, synthetic"""
     resume: bool = False
     """continue the run in --out from its last checkpoint, with the flags in its config.json"""
     drop_invalid: bool = False
@@ -1522,8 +1501,8 @@ class Convergence:
         )
 
 
-def warm_start_stage(
-    run,
+def sft_stage(
+    stage,
     policy,
     records,
     steps,
@@ -1534,53 +1513,64 @@ def warm_start_stage(
     blind=False,
     converge=None,
     validate=None,
-    max_pixels=None,
+    grad_accum=1,
+    extra=None,
 ):
-    """SFT before RL, a stage of its own in out/warm_start: the teacher-forced likelihood of targets(batch) (default:
-    the reports), AdamW at a constant lr; `blind`: each view a blank image (the report text alone: a fluent, task-naive
-    start). `steps` steps, or with `converge` until validate(stage, policy, step) stops improving, the best weights
-    kept. Stopped, --resume continues it; finished, it is read back. -> final/'s policy (LoRA folded in)."""
-    stage = run.stage("warm_start", run.resume_flags or ())
-    if stage.done is None:
-        fp32_trainable(policy.model)
-        params = [p for p in policy.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=lr)
-        trained = stage.restore(policy.model, optimizer, state=vars(converge) if converge else None)
-        total = converge.max_steps if converge else steps
-        batches = stage.study_batches(records, batch_size, "the warm start's batch")
-        shown = ("sft_loss", "validation", "best", "patience_left")
-        for step, batch in stage.steps(total, batches, "warm start", bar=shown):
-            if converge and converge.converged:
-                break  # decided at the last validation (its metrics line is written)
-            images = batch["images"]
+    """SFT in a run (or stage) of its own: the teacher-forced likelihood of targets(batch) (default: the reports) on
+    what requires grad, AdamW at a constant lr, `grad_accum` micro-batches a step; `blind`: each view a blank image (the
+    report text alone: a fluent, task-naive start). `steps` steps, or with `converge` until validate(stage, policy,
+    step) stops improving, the best weights kept; extra(stage, policy) adds to its results (a test split's metrics).
+    Stopped, --resume continues it; finished, its results are read back. -> the results (final/: the policy)."""
+    if stage.done is not None:
+        return stage.done
+    fp32_trainable(policy.model)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    trained = stage.restore(policy.model, optimizer, state=vars(converge) if converge else None)
+    total = converge.max_steps if converge else steps
+    batches = stage.study_batches(records, batch_size, f"the {stage.out.name} batch")
+    shown = ("sft_loss", "validation", "best", "patience_left")
+    for step, batch in stage.steps(total, batches, stage.out.name, bar=shown):
+        if converge and converge.converged:
+            break  # decided at the last validation (its metrics line is written)
+        for micro in split_batch(batch, grad_accum):
+            images = micro["images"]
             if blind:
                 images = [[Image.new("L", view.size) for view in views] for views in images]
-            texts = targets(batch) if targets else batch["report"]
-            loss = policy.sft_loss(policy.prompt_batch(images, prompt), texts)
-            loss.backward()
-            stage.optimizer_step(params, optimizer)
+            with stage.autocast():
+                loss = policy.sft_loss(
+                    policy.prompt_batch(images, prompt), targets(micro) if targets else micro["report"]
+                )
+            (loss / grad_accum).backward()
             stage.log(sft_loss=loss.item())
-            trained = step + 1
-            if converge and trained % converge.every == 0:
-                stage.log(**converge.update(validate(stage, policy, trained), trained, policy.model))
-            stage.log_step(step)  # warm_start/metrics.jsonl: this step's line
-            stage.checkpoint(step)  # warm_start/last.pt every 50 steps, at the last step and on Ctrl-C
-        results = {"steps": trained}
-        if converge:
-            policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
-            results["converge"] = asdict(dataclasses.replace(converge, best_weights={}))
-            if stage.is_main:
-                log.info("warm start: %s", converge.why(trained))
-        stage.finish(results, policy)
+        stage.optimizer_step(params, optimizer)
+        trained = step + 1
+        if converge and trained % converge.every == 0:
+            stage.log(**converge.update(validate(stage, policy, trained), trained, policy.model))
+        stage.log_step(step)  # <stage>/metrics.jsonl: this step's line
+        stage.checkpoint(step)  # <stage>/last.pt every 50 steps, at the last step and on Ctrl-C
+    results = {"steps": trained}
+    if converge:
+        policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
+        results["converge"] = asdict(dataclasses.replace(converge, best_weights={}))
+        if stage.is_main:
+            log.info("%s: %s", stage.out.name, converge.why(trained))
+    return stage.finish(results | (extra(stage, policy) if extra else {}), policy)
+
+
+def warm_start_stage(run, policy, records, max_pixels=None, **sft) -> Policy:
+    """SFT before RL (sft_stage) in out/warm_start -> its final/ policy (LoRA folded in)."""
+    stage = run.stage("warm_start", run.resume_flags or ())
+    sft_stage(stage, policy, records, **sft)
     return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
-def initial_policy(run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512):
-    """--model's policy before the paper trains it, equal on every rank: the sandbox's foundation (--tiny-start
-    foundation), a random tiny model on the reports' words, or the Hugging Face model's own weights."""
-    if run.foundation is not None:
-        policy = load_policy(run.foundation / "vlm", run.device, run.dtype)
+def initial_policy(run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512, init=None):
+    """--model's policy before the paper trains it, equal on every rank: `init` (a saved policy), the sandbox's
+    foundation (--tiny-start foundation), a random tiny model on the reports' words, or the HF model's own weights."""
+    if init is not None or run.foundation is not None:
+        policy = load_policy(init or run.foundation / "vlm", run.device, run.dtype, max_pixels=max_pixels)
     else:
         policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
     broadcast_parameters(policy.model)
@@ -1603,11 +1593,7 @@ def build_policy(
     """(policy, reference): `init` (a saved policy) or initial_policy(), equal on every rank. `lora` ({r, alpha,
     dropout, targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none":
     reference=False). `warm_start` (warm_start_stage's settings) first fine-tunes on the reports."""
-    if init is not None:
-        policy = load_policy(init, run.device, run.dtype, max_pixels=max_pixels)
-        broadcast_parameters(policy.model)
-    else:
-        policy = initial_policy(run, [r.report for r in records], max_new_tokens, extra_tokens, max_pixels)
+    policy = initial_policy(run, [r.report for r in records], max_new_tokens, extra_tokens, max_pixels, init)
 
     def add_lora():
         vision = policy.vision_and_language()[0]  # its MLP shares the LM's names
@@ -1706,11 +1692,8 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
     if len(ckpt["rng"]) == world:
         state = ckpt["rng"][rank]
 
-        def as_tuples(x):
-            """Python's RNG state is nested tuples; the checkpoint holds lists."""
-            return tuple(map(as_tuples, x)) if isinstance(x, (list, tuple)) else x
-
-        random.setstate(as_tuples(state["python"]))
+        version, internal, gauss_next = state["python"]  # Python's RNG state is tuples; the checkpoint holds lists
+        random.setstate((version, tuple(internal), gauss_next))
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         torch.set_rng_state(state["torch"])
@@ -1722,8 +1705,6 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
 
 
 # ==== 7. Metrics and evaluation: NLG (BLEU, METEOR, ROUGE-L, CIDEr-D), CE (P/R/F1), degenerate output =================
-
-
 # BLEU, ROUGE-L and CIDEr-D equal pycocoevalcap 1.2 (tests/test_metrics.py), written here because rewards score
 # thousands of pairs a step; one reference per report. METEOR is pycocoevalcap's Java jar: no port matches it.
 NGRAM_N, ROUGE_BETA, CIDER_SIGMA = 4, 1.2, 6.0  # BLEU-4 / CIDEr 1..4-grams; rouge.py's beta; cider.py's sigma
@@ -1909,8 +1890,7 @@ def degenerate_output(hyps: list[str], refs: list[str], name: str = "") -> dict:
 
     vocab = set().union(*map(words, refs))
     top, count = Counter(hyps).most_common(1)[0]
-    n = len(hyps)
-    distinct = len(set(hyps))
+    n, distinct = len(hyps), len(set(hyps))
     contentless = sum(not words(h) & vocab for h in hyps)
     signs = []
     if n >= 5 and count > n / 2:
@@ -1938,13 +1918,11 @@ def read_generations(path) -> list[dict]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"generations file not found: {path}")
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in [(n, x) for n, x in enumerate(Path(path).read_text().splitlines(), 1) if x.strip()]:
         try:
-            row = json.loads(line) if line.strip() else None
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if row is None:  # a blank line
-            continue
         if not all(isinstance(row.get(k), str) for k in ("reference", "generated")):
             raise ValueError(f"{path}:{n}: 'reference' and 'generated' must be strings (the line has {sorted(row)})")
         rows.append(row)
@@ -1953,9 +1931,7 @@ def read_generations(path) -> list[dict]:
     return rows
 
 
-# ==== 8. The command line: flags from an Args dataclass; python common.py evaluate | plot =============================
-
-
+# ==== 8. The command line: flags from an Args dataclass; python common.py evaluate | generate=========================
 def field_helps(args_class) -> dict[str, str]:
     """{field: help} from each class of args_class: the string under a field (CleanRL's attribute doc strings), so a
     knob is written once, with its help and its source beside it. A subclass's help wins."""
@@ -2044,9 +2020,7 @@ def generate_reports(run_dir, studies: list[tuple[str, list[str]]]) -> list[dict
     view files) with the prompt, length and report extraction its run evaluated with -> [{"id", "views", "report"}]."""
     final = Path(run_dir) / "final"
     if not (final / "generation.json").is_file():
-        raise FileNotFoundError(
-            f"{run_dir}: no final/generation.json (the --out folder of a finished run, or a stage's)"
-        )
+        raise FileNotFoundError(f"{run_dir}: no final/generation.json (not a finished run's --out, or a stage's)")
     settings = json.loads((final / "generation.json").read_text())
     config = json.loads((Path(run_dir) / "config.json").read_text())
     tiny = (final / "tiny_policy.pt").is_file()
@@ -2106,8 +2080,8 @@ def main(argv=None):
         rows = read_generations(args.generations)
         labeler = make_labeler(rules["labeler"], rules["chexbert_weights"])
         clean = None if rules["clean"] == "none" else rules["clean"]
-        meteor = not args.no_meteor
         name = path.stem.removeprefix("generations_")  # the evaluation (test_after, ...), as its warnings name it
+        meteor = not args.no_meteor
         results = evaluate_generations(
             rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"], name=name
         )
@@ -2130,10 +2104,10 @@ def generate_command(args):
         else:
             studies = [(Path(args.images[0]).stem if args.images else "", args.images)]
         missing = [v for _, views in studies for v in views if not Path(v).is_file()]
-        if not studies or not studies[0][1] or missing:
-            raise FileNotFoundError(
-                f"image not found: {missing[0]}" if missing else "no image given (IMAGE, or --data)"
-            )
+        if missing:
+            raise FileNotFoundError(f"image not found: {missing[0]}")
+        if not studies or not studies[0][1]:
+            raise FileNotFoundError("no image given: IMAGE [IMAGE ...], a folder of images, or --data FILE")
         rows = generate_reports(args.run, studies)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -2144,8 +2118,6 @@ def generate_command(args):
 
 
 # ==== 9. The insides a reader skips: the rule labeler's phrase lists, the collectives =================================
-
-
 def _words(*phrases: str) -> str:
     """The phrases as one group that ends a word (RuleLabeler puts one word start before all of a label's phrases)."""
     return r"(?:" + "|".join(phrases) + r")\b"

@@ -13,12 +13,10 @@ compares the reward diversity of groups, random 100 % vs DDSampling 20 %.
     python deer.py                          # = deer.py all: synthetic set, tiny model, SFT -> DDSampling -> DiTPO
     python deer.py rl --weighting none      # GRPO from the same SFT model and subset (out/rl_none)
     python deer.py table7 && python deer.py table6
-    python deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --grad-accum 8
     torchrun --nproc_per_node=8 deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --fsdp
 
-Commands: all (= sft, sample, rl) | sft | sample | rl | table6 | table7; a stage runs in its folder of --out (sft/,
-ddsampling/, rl_<weighting>[_<subset>]/: rl_grad is DEER, rl_grad_all DiTPO on all the data); --resume continues a
-stage, skips finished ones.
+Commands: all (= sft, sample, rl) | sft | sample | rl | table6 | table7, each stage in its folder of --out (sft/,
+ddsampling/, rl_<weighting>[_<subset>]/: rl_grad is DEER, rl_grad_all DiTPO on 100 %); --resume skips finished ones.
 
 CE metric (Sec. 4.1, PromptMRG's): sample-wise (example) F1 over the 14 labels, positives only.
 
@@ -40,14 +38,13 @@ Equations, and where they are implemented:
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import json
 import math
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import numpy as np
@@ -95,8 +92,6 @@ class Args(common.RunArgs):
     """None: 256 for HF models, 96 tiny (ours)"""
     max_pixels: Annotated[int, "[784, inf)"] = 512 * 512
     """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
-    radgraph: bool = False
-    """Table 1's RG column too: F1 RadGraph of the test reports (pip install radgraph; its model downloads once)"""
 
 
 # Sec. 4.1's settings that are not worth a flag, and our choices where the paper is silent
@@ -109,7 +104,7 @@ N_VAL = 200
 # Sec. 3.3: the weights give "w > 1 to diagnostically important tokens and w ~ 1 to others". beta = 1 (Sec. 4.1) is
 # tuned to the real CheXbert's saliency scale; for any labeler, beta is set so that the median weight of the tokens
 # outside the reference's findings (no rule-labeler mention of a target finding over them) is 1.1, on the SFT policy's
-# G samples of the first `studies` RL studies (declared before the sweep); --beta 1: the printed value
+# G samples of `studies` RL studies drawn by --seed (declared before the sweep); --beta 1: the printed value
 BETA_RULE = dict(median=1.1, studies=64)
 K = 10  # Sec. 3.2: sampled reports per image
 TOP_P = 0.9  # "nucleus sampling" without a top-p: ours
@@ -121,9 +116,7 @@ LOSS_TYPE = "grpo"  # the paper's loss normalisation is unsaid: each report's to
 MASK_FRAC = 0.1  # Table 6's 10 %
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
 ANALYSIS_N = 200  # Tables 6-7: studies drawn from each set, G rollouts each (Table 6: 10,000 rollouts in the paper)
-RULE_NOTE = (
-    "DiTPO with the rule TF-IDF token weights (Eq. 7-8), not the CheXbert-gradient weights the paper adopts (Eq. 9-12)"
-)
+RULE_NOTE = "DiTPO with the rule TF-IDF token weights (Eq. 7-8), not the paper's CheXbert-gradient weights (Eq. 9-12)"
 CE = dict(headline="example_f1", uncertain_as=0)  # Sec. 4.1: PromptMRG's sample-wise F1 of CheXbert's positives
 BAR = ("reward", "f1", "bleu2", "loss")  # the RL progress bar (every number is in metrics.jsonl)
 SHARED = ("data", "model", "tiny_start", "seed", "dtype", "max_pixels", "max_new_tokens", "drop_invalid")
@@ -136,45 +129,26 @@ STAGE_FLAGS = {  # the flags a stage's output depends on
 }
 
 
-@dataclass(frozen=True)
-class Settings:
+def settings(args: Args) -> SimpleNamespace:
     """What Args leaves to the model, resolved once: the paper's values for HF models, ours for the tiny model."""
+    tiny = args.model == "tiny"
 
-    tiny: bool
-    max_new: int  # --max-new-tokens, every stage
-    lr: float  # RL
-    prompts: int  # RL studies per step
-    steps: int | None  # RL; None: one epoch of the RL data
-    sft_lr: float
-    sft_batch: int
-    sft_steps: int | None  # None: one epoch, or until CONVERGE stops it (sft_converge)
-    sft_converge: bool
-    pool: int | None  # DDSampling's and --subset random's studies: the first `pool`; None: all
-    radgraph: object = None  # --radgraph: radgraph_annotator()
+    def pick(value, tiny_default, hf_default):
+        """The flag's value if given, else the model's default."""
+        return value if value is not None else (tiny_default if tiny else hf_default)
 
-    @classmethod
-    def from_args(cls, args: Args) -> Settings:
-        tiny = args.model == "tiny"
-
-        def pick(value, tiny_default, hf_default):
-            """The flag's value if given, else the model's default."""
-            if value is not None:
-                return value
-            return tiny_default if tiny else hf_default
-
-        return cls(
-            tiny=tiny,
-            max_new=pick(args.max_new_tokens, 96, 256),
-            lr=pick(args.lr, 1e-4, 1e-6),
-            prompts=pick(args.prompts_per_step, 8, 64),
-            steps=pick(args.steps, 120, None),
-            sft_lr=SFT["lr_tiny" if tiny else "lr_hf"],
-            sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
-            sft_steps=args.sft_steps,
-            sft_converge=tiny and args.sft_steps is None,
-            pool=1000 if tiny else None,  # DDSampling, the costliest stage, of 1000: a ~7-CPU-minute default run
-            radgraph=radgraph_annotator() if args.radgraph else None,  # loaded now: an error before training
-        )
+    return SimpleNamespace(
+        tiny=tiny,
+        max_new=pick(args.max_new_tokens, 96, 256),  # every stage
+        lr=pick(args.lr, 1e-4, 1e-6),  # RL
+        prompts=pick(args.prompts_per_step, 8, 64),  # RL studies per step
+        steps=pick(args.steps, 120, None),  # RL; None: one epoch of the RL data
+        sft_lr=SFT["lr_tiny" if tiny else "lr_hf"],
+        sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
+        sft_steps=args.sft_steps,  # None: one epoch, or until CONVERGE stops it (sft_converge)
+        sft_converge=tiny and args.sft_steps is None,
+        pool=1000 if tiny else None,  # DDSampling's (the costliest stage) and --subset random's studies: the first
+    )
 
 
 # Eq. 1: the reward ------------------------------------------------------------------------------
@@ -334,19 +308,15 @@ def token_weights(weighting: str, args: Args, policy, labeler, ids, mask, ref_la
 
 
 @torch.no_grad()
-def premise_beta(run: common.Run, args: Args, s: Settings, policy, records) -> dict:
-    """BETA_RULE: beta = (median - 1) / the median s~ of the tokens outside the reference's findings, on G samples of
-    the first studies (seeded by --seed) -> {"beta", the median s~ outside and inside them, the tokens counted}."""
+def premise_beta(run: common.Run, args: Args, s, policy, records) -> dict:
+    """BETA_RULE: beta = (median - 1) / the median s~ of the tokens outside the reference's findings, on the policy's G
+    samples of BETA_RULE's studies drawn by --seed -> {"beta", the median s~ outside and inside them, the tokens}."""
     torch.manual_seed(args.seed)
-    rules, outside, inside = common.RuleLabeler(), [], []
-    chunk = records[: BETA_RULE["studies"]]
-    for b in range(0, len(chunk), DD_CHUNK):
-        refs = [r.report for r in chunk[b : b + DD_CHUNK] for _ in range(args.group_size)]
-        with run.autocast():
-            ids, mask = policy.generate(repeated_prompts(policy, chunk[b : b + DD_CHUNK], args.group_size), s.max_new)
-        targets = reference_targets(run.labeler(refs))
-        texts, spans = token_spans(policy, ids, mask)
-        s_tilde = gradient_weights(run.labeler, texts, spans, mask, targets, 1.0) - 1  # (N, T) Eq. 11's s~
+    rng, rules, outside, inside = np.random.default_rng(args.seed), common.RuleLabeler(), [], []
+    for _, g in sample_groups(run, args, s, records, rng, BETA_RULE["studies"], policy):
+        targets = reference_targets(g["ref_labels"])
+        texts, spans = token_spans(policy, g["ids"], g["mask"])
+        s_tilde = gradient_weights(run.labeler, texts, spans, g["mask"], targets, 1.0) - 1  # (N, T) Eq. 11's s~
         for i, (text, tg) in enumerate(zip(texts, targets)):
             names = {common.LABEL_INDEX[t] for t in tg}
             found = [m.span() for k, pattern, _ in rules.mentions if k in names for m in pattern.finditer(text.lower())]
@@ -355,13 +325,8 @@ def premise_beta(run: common.Run, args: Args, s: Settings, policy, records) -> d
                 (inside if named else outside).append(float(s_tilde[i, t]))
     median = float(np.median(outside)) if outside else 0.0
     beta = (BETA_RULE["median"] - 1) / median if median > 0 else 1.0
-    return {
-        "beta": beta,
-        "median_s_outside": median,
-        "median_s_inside": float(np.median(inside or [0])),
-        "tokens_outside": len(outside),
-        "tokens_inside": len(inside),
-    }
+    medians = {"median_s_outside": median, "median_s_inside": float(np.median(inside or [0]))}
+    return {"beta": beta, **medians, "tokens_outside": len(outside), "tokens_inside": len(inside)}
 
 
 # Eq. 2 and 6: the DiTPO update ------------------------------------------------------------------
@@ -396,47 +361,31 @@ def sft_trainable(policy, frozen_lm: bool) -> list:
     return [p for p in policy.model.parameters() if p.requires_grad]
 
 
-def sft(run: common.Run, args: Args, s: Settings) -> dict:
-    """Stage 1, SFT cold start: the reports teacher-forced, sft_trainable()'s parameters train; then the test split."""
+def sft(run: common.Run, args: Args, s) -> dict:
+    """Stage 1, SFT cold start (common.sft_stage): the reports teacher-forced, sft_trainable()'s parameters train, one
+    epoch or until validation stops improving; then the test split."""
     if run.done:
         return run.done
     studies = run.data["train"]
     policy = common.initial_policy(run, [r.report for r in studies], s.max_new, max_pixels=args.max_pixels)
     random_lm = s.tiny and run.foundation is None  # a random language model writes nothing: it trains
     frozen_lm = args.sft_lm == "frozen" or (args.sft_lm == "auto" and not random_lm)
-    params = sft_trainable(policy, frozen_lm)
-    steps = s.sft_steps if s.sft_steps is not None else "one epoch"
-    steps = f"until validation stops improving ({CONVERGE})" if s.sft_converge else steps
-    run.record(lr=s.sft_lr, batch=s.sft_batch, sft_steps=steps, lm="frozen" if frozen_lm else "trained")
+    sft_trainable(policy, frozen_lm)
     converge = common.Convergence(**CONVERGE) if s.sft_converge else None
-    total = s.sft_steps if s.sft_steps is not None else len(studies) // s.sft_batch  # one epoch
-    if converge:
-        total = converge.max_steps
-    optimizer, _ = common.adamw(params, s.sft_lr, total)  # constant lr: the paper names no schedule
-    trained = run.restore(policy.model, optimizer, state=vars(converge) if converge else None)
-    batches = run.study_batches(studies, s.sft_batch, "the SFT batch")
-    for step, batch in run.steps(total, batches, "DEER SFT", bar=("sft_loss", "validation", "best", "patience_left")):
-        if converge and converge.converged:
-            break  # decided at the last validation (its metrics line is written)
-        for micro in common.split_batch(batch, args.grad_accum):
-            with run.autocast():
-                loss = policy.sft_loss(policy.prompt_batch(micro["images"], PROMPT), micro["report"])
-            (loss / args.grad_accum).backward()
-            run.log(sft_loss=loss.item())
-        run.optimizer_step(params, optimizer)
-        trained = step + 1
-        if converge and trained % converge.every == 0:
-            r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{trained}", PROMPT, s.max_new, ce=CE)
-            run.log(**converge.update(r["ce"][r["headline"]], trained, policy.model))
-        run.log_step(step)  # sft/metrics.jsonl: this step's line
-        run.checkpoint(step)  # sft/last.pt every 50 steps, at the last step and on Ctrl-C
-    results = {"steps": trained}
-    if converge:
-        policy.model.load_state_dict(converge.best_weights, strict=False)  # the best validation's weights
-        results["converge"] = dataclasses.asdict(dataclasses.replace(converge, best_weights={}))
-        if run.is_main:
-            common.log.info("DEER SFT: %s", converge.why(trained))
-    return run.finish(results | {"test": evaluate(run, policy, s)}, policy)
+    steps = s.sft_steps if s.sft_steps is not None else len(studies) // s.sft_batch  # one epoch
+    until = f"until validation stops improving ({CONVERGE})" if converge else steps
+    run.record(lr=s.sft_lr, batch=s.sft_batch, sft_steps=until, lm="frozen" if frozen_lm else "trained")
+
+    def validate(stage, policy, step):
+        """The headline, CE example F1, of greedy reports on N_VAL validation studies."""
+        r = stage.evaluate(policy, stage.data["val"][:N_VAL], f"val_step{step}", PROMPT, s.max_new, ce=CE)
+        return r["ce"][r["headline"]]
+
+    def test(stage, policy):
+        return {"test": evaluate(stage, policy, s)}
+
+    sft_rule = dict(converge=converge, validate=validate, grad_accum=args.grad_accum, extra=test)
+    return common.sft_stage(run, policy, studies, steps, s.sft_lr, s.sft_batch, PROMPT, **sft_rule)
 
 
 # Stage 2: DDSampling -----------------------------------------------------------------------------
@@ -453,7 +402,7 @@ def score_chunk(policy, records, labeler, max_new: int) -> np.ndarray:
     return diagnostic_diversity(labeler(policy.decode(ids, mask)).reshape(len(records), K, -1))  # (B, K, 14) -> (B,)
 
 
-def ddsampling(run: common.Run, args: Args, s: Settings) -> dict:
+def ddsampling(run: common.Run, args: Args, s) -> dict:
     """Stage 2: D(I) of every study of the pool (the first s.pool), a chunk per rank and step, chunk c seeded by c (the
     same samples under any ranks or a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
     if run.done:
@@ -500,9 +449,7 @@ def rl_records(args: Args, train: list, subset: str, pool: int | None) -> list:
         return [train[i] for i in sorted(drawn)]
     path = Path(args.out) / "ddsampling" / "selection.json"
     if not path.is_file():
-        raise FileNotFoundError(
-            f"no DDSampling selection at {path}: run `deer.py sample` first, or pass --subset all|random"
-        )
+        raise FileNotFoundError(f"no DDSampling selection at {path}: run `deer.py sample` first, or --subset all")
     by_id = {r.id: r for r in train}
     ids = json.loads(path.read_text())["ids"]
     if any(i not in by_id for i in ids):
@@ -510,7 +457,7 @@ def rl_records(args: Args, train: list, subset: str, pool: int | None) -> list:
     return [by_id[i] for i in ids]
 
 
-def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
+def ditpo(run: common.Run, args: Args, s) -> dict:
     """Stage 3, from the SFT model on the RL data. Per step: G rollouts per study, Eq. 1 in its phase, token weights
     (Eq. 7-8 or 9-12), Eq. 2 -> 6, one update. The test split's metrics at the end."""
     if run.done:
@@ -560,62 +507,12 @@ def ditpo(run: common.Run, args: Args, s: Settings) -> dict:
 
 
 # Evaluation and Tables 6-7 ---------------------------------------------------------------------
-def evaluate(run: common.Run, policy, s: Settings) -> dict:
-    """Greedy reports on the test split: NLG and CE metrics (METEOR where Java is), F1 RadGraph with --radgraph."""
-
-    def radgraph(rows, labeler):
-        """Table 1's RG column: F1 RadGraph of the raw generated reports against their references."""
-        hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
-        return {"radgraph": radgraph_f1(s.radgraph(hyps), s.radgraph(refs))}
-
-    score = radgraph if s.radgraph else None
-    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s.max_new, score=score, meteor=True, ce=CE)
+def evaluate(run: common.Run, policy, s) -> dict:
+    """Greedy reports on the test split: NLG and CE metrics (METEOR where Java is), into the stage's folder."""
+    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s.max_new, meteor=True, ce=CE)
     if run.is_main:
         print(f"{run.out}: {common.summary(results)}")
     return results
-
-
-def radgraph_f1(hyp_graphs: list[dict], ref_graphs: list[dict]) -> dict:
-    """F1 RadGraph (Delbrouck et al. 2022, arXiv:2210.12186; the radgraph package's rewards) of each generated report's
-    RadGraph annotation ({"entities": {id: {"tokens", "label", "relations"}}}) against its reference's, averaged:
-    RG_E, an entity is its (tokens, label); RG_ER, the one RRG papers report ("F1 RadGraph"), an entity with a
-    relation is (tokens, label, True). An F1 with no entity on one side is 0."""
-
-    def f1(h: set, r: set) -> float:
-        tp = len(h & r)
-        precision, recall = (tp / len(h) if h else 0.0), (tp / len(r) if r else 0.0)
-        return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-
-    def entities(graph: dict, relations: bool) -> set:
-        return {
-            (e["tokens"], e["label"]) + ((True,) if relations and e["relations"] else ())
-            for e in graph["entities"].values()
-        }
-
-    return {
-        name: float(np.mean([f1(entities(h, rel), entities(r, rel)) for h, r in zip(hyp_graphs, ref_graphs)]))
-        for name, rel in (("RG_E", False), ("RG_ER", True))
-    }
-
-
-def radgraph_annotator(model_type: str = "radgraph"):
-    """The radgraph package's RadGraph (optional, like CheXbert's real weights: its model downloads once) as texts ->
-    annotations in order; an empty report has no entity. Without the package or its model: an error now."""
-    if importlib.util.find_spec("radgraph") is None:
-        raise ValueError("--radgraph needs the radgraph package: pip install radgraph (its model downloads once)")
-    from radgraph import RadGraph
-
-    try:
-        model = RadGraph(model_type=model_type)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--radgraph: the RadGraph model {model_type!r} could not be loaded ({e})") from None
-
-    def annotate(texts: list[str]) -> list[dict]:
-        found = model([t for t in texts if t.strip()]) if any(t.strip() for t in texts) else {}
-        graphs = iter(found[str(k)] for k in range(len(found)))
-        return [next(graphs) if t.strip() else {"entities": {}} for t in texts]
-
-    return annotate
 
 
 def sft_policy(run: common.Run, args: Args):
@@ -660,10 +557,10 @@ def masking_effect(policy, labeler, ids, mask, w, labels: np.ndarray, frac: floa
 
 
 @torch.no_grad()
-def sample_groups(run: common.Run, args: Args, s: Settings, records, rng):
-    """The SFT model's G rollouts (temperature sampling, as in RL) for ANALYSIS_N studies drawn from `records`."""
-    policy = sft_policy(run, args)
-    drawn = sorted(rng.choice(len(records), min(ANALYSIS_N, len(records)), replace=False))
+def sample_groups(run: common.Run, args: Args, s, records, rng, n: int | None = None, policy=None):
+    """The SFT model's (or `policy`'s) G rollouts (temperature sampling, as in RL) for n (ANALYSIS_N) drawn studies."""
+    policy = policy or sft_policy(run, args)
+    drawn = sorted(rng.choice(len(records), min(n or ANALYSIS_N, len(records)), replace=False))
     for b in range(0, len(drawn), DD_CHUNK):
         chunk = [records[i] for i in drawn[b : b + DD_CHUNK]]
         with run.autocast():
@@ -672,7 +569,7 @@ def sample_groups(run: common.Run, args: Args, s: Settings, records, rng):
         yield policy, dict(ids=ids, mask=mask, texts=policy.decode(ids, mask), refs=refs, ref_labels=run.labeler(refs))
 
 
-def tables(command: str, run: common.Run, args: Args, s: Settings) -> dict:
+def tables(command: str, run: common.Run, args: Args, s) -> dict:
     """Table 7: reward diversity (phase-1 reward) of the SFT model's groups on the training set vs the DDSampling
     subset. Table 6: mask the top 10 % of each SFT rollout's tokens by random, rule and (with CheXbert) grad weights."""
     rng = np.random.default_rng(args.seed)
@@ -713,7 +610,7 @@ def train(command: str, args: Args) -> dict:
     if args.weighting == "grad" and args.labeler != "chexbert":
         raise ValueError("--weighting grad needs --labeler chexbert (CheXbert's input-embedding saliency, Eq. 9-11)")
     run = common.start_run(args, stages=True, notes=[RULE_NOTE] if args.weighting == "rule" else [])
-    s = Settings.from_args(args)
+    s = settings(args)
     for stage, batch, flag in (("sft", s.sft_batch, "the SFT batch"), ("rl", s.prompts, "--prompts-per-step")):
         if command in (stage, "all"):  # fail now, not hours later
             common.exact_div(run.per_rank(batch, flag), args.grad_accum, f"{flag} per process / --grad-accum")

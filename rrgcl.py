@@ -9,9 +9,8 @@ every class, easy classes (by their studies' mean) faster, all at t = T; around 
     python rrgcl.py                                   # synthetic set, from the foundation: measure, schedule, converge
     python rrgcl.py --scheduler none --difficulty runs/rrgcl-synthetic/difficulty.json --out runs/none   # baseline
     python rrgcl.py q1 --out runs/rrgcl-synthetic     # Fig. 1 on the run's (or any model's) test reports
-    python rrgcl.py --data /data/mimic_cxr --labeler chexbert --measure-only --difficulty mimic_dif.json \\
-        --visual-encoder resnet101_chexpert.pth --itas-encoder resnet18_cxr.pth \\
-        --text-encoder emilyalsentzer/Bio_ClinicalBERT                                       # GPU
+    python rrgcl.py --data /data/mimic_cxr --measure-only --difficulty mimic_dif.json --visual-encoder resnet101.pth \\
+        --itas-encoder resnet18.pth --text-encoder emilyalsentzer/Bio_ClinicalBERT      # on a GPU, once
     torchrun --nproc_per_node=4 rrgcl.py --data /data/mimic_cxr --difficulty mimic_dif.json \\
         --model Qwen/Qwen2.5-VL-3B-Instruct
 
@@ -22,15 +21,13 @@ Equations, and where they are implemented:
     Eq. 5-9        MINE's DV bound maximised over T; dif2(i) = T*(I_i, R_i)     dv_bound(), train_mine(), itas()
     Eq. 7          T_theta(I, R): MINE's statistics network                     StatisticsNetwork
     Eq. 10         dif = alpha z(dif1) + beta z(dif2) (ITAS sign)               zscore(), sample_difficulty()
-    Alg. 1 l.1-3   classes D_n, class difficulty, easy-to-hard orders           class_members(), class_difficulty(),
-                                                                                curriculum_plan()
+    Alg. 1 l.1-3   classes D_n, class difficulty, easy-to-hard orders           class_members(), curriculum_plan()
     Eq. 11         lambda_n(t) = min(1, (l0^g + (1 - l0^g) t / T)^(1/g))        rrgcl_lambda()
     Eq. 12-13      gamma_n = 1 + (1 - diff_C) c, lambda_n(0) = gamma_n / sum    scheduling_exponents()
     Alg. 1 l.6-11  for t: each D_n's easiest lambda_n(t), united; train on it   rrgcl_subset(), the loop in train()
     Table 2        Baby Step, Linear, One Pass, Root, Geom                      pacing(), epoch_subset()
     Fig. 1         per-class BLEU-4 vs class size and difficulty                q1_analysis()
-    Fig. 3         lambda_n(t) curves                                           <out>/schedule.json; per epoch in
-                                                                                metrics.jsonl
+    Fig. 3         lambda_n(t) curves                                           <out>/schedule.json, metrics.jsonl
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ class Args(common.RunArgs):
     scheduler: Literal["rrgcl", "root", "linear", "baby_step", "one_pass", "geom", "none"] = "rrgcl"
     """Sec. 3.3, Table 2 (none: all, random)"""
     alpha: Annotated[float, "[0, 1]"] = 0.6
-    """Eq. 10's VNS-Gap weight, beta = 1 - alpha (Sec. 4.3: 0.6, 0.4; Table 3's pairs sum to 1); 1: Table 2 (a), 0:
-    (b)"""
+    """Eq. 10's VNS-Gap weight, beta = 1 - alpha (Sec. 4.3: 0.6, 0.4; Table 3: they sum to 1); 1, 0: Table 2 (a), (b)"""
     itas_sign: Literal[-1, 1] = -1
     """Eq. 10 adds ITAS, Sec. 3.2.1 calls aligned pairs easier: -1 subtracts it (ours), 1 as printed"""
     epochs: Annotated[int, "[1, inf)"] = 10
@@ -76,8 +72,7 @@ class Args(common.RunArgs):
     measure_only: bool = False
     """write the difficulty file and <out>/schedule.json, then stop"""
     visual_encoder: str = "small"
-    """phi, Eq. 1: "small" (a CNN fit to the labels), a ResNet-101 state dict (paper: tuned on CheXpert) or
-    "imagenet" """
+    """phi, Eq. 1: "small" (a CNN fit to the labels), a ResNet-101 state dict (paper: CheXpert-tuned) or "imagenet" """
     itas_encoder: str = "small"
     """ITAS's images: "small" (that CNN), a ResNet-18 state dict or "imagenet" (paper: a pre-trained 5-layer ResNet)"""
     text_encoder: str = "small"
@@ -85,10 +80,8 @@ class Args(common.RunArgs):
 
 
 PROMPT = "You are a radiologist. Write the findings section of the report for this chest X-ray."
-# Sec. 4.2's CE P/R/F1 on MIMIC-CXR, as R2Gen's protocol: micro over 14, positives
-CE = dict(headline="micro_f1", uncertain_as=0)
-# Sec. 4.1: "13 keywords excluding Support Devices" (12 findings and No Finding); a study is in every class it is
-# labelled 1 for
+CE = dict(headline="micro_f1", uncertain_as=0)  # Sec. 4.2's CE P/R/F1 on MIMIC-CXR (R2Gen's: micro, positives)
+# Sec. 4.1: "13 keywords excluding Support Devices" (12 findings, No Finding); a study is in every class it is 1 for
 CLASSES = [n for n in common.CHEXPERT_LABELS if n != "Support Devices"]
 # The measurer's encoders: the small ones ours (text 2 x epochs); ResNets at Sec. 4.1's 256 px
 ENCODER = dict(image_size=64, batch_size=64, lr=1e-3, resnet_size=256, seed=0, held_out=0.1)
@@ -209,8 +202,7 @@ def zscore(x) -> np.ndarray:
 
 
 def sample_difficulty(dif1, dif2, alpha: float = 0.6, itas_sign: int = -1) -> np.ndarray:
-    """Eq. 10 with beta = 1 - alpha, ITAS entering with itas_sign: -1 (ours) as Sec. 3.2.1 calls aligned
-    pairs easier."""
+    """Eq. 10, beta = 1 - alpha, ITAS entering with itas_sign: -1 (ours), as Sec. 3.2.1 calls aligned pairs easier."""
     return alpha * zscore(dif1) + itas_sign * (1 - alpha) * zscore(dif2)
 
 
@@ -227,8 +219,7 @@ def class_difficulty(dif: np.ndarray, members: list[np.ndarray]) -> tuple[np.nda
     """Algorithm 1 line 2: diff_C(n) = mean dif(i) over D_n -> (raw, min-max normalised: Eq. 12 needs [0, 1]; ours)."""
     raw = np.array([dif[m].mean() for m in members])
     span = raw.max() - raw.min()
-    normalised = (raw - raw.min()) / span if span > 0 else np.zeros_like(raw)
-    return raw, normalised
+    return raw, (raw - raw.min()) / span if span > 0 else np.zeros_like(raw)
 
 
 def rrgcl_lambda(t, T: int, gamma, lambda0):
@@ -252,14 +243,9 @@ def curriculum_plan(dif: np.ndarray, labels: np.ndarray) -> dict:
         {"name": n, "size": len(m), "difficulty": float(d), "gamma": float(g), "lambda0": float(l0)}
         for n, m, d, g, l0 in zip(names, members, raw, gamma, lambda0)
     ]  # what files show
-    return {
-        "classes": names,
-        "gamma": gamma,
-        "lambda0": lambda0,
-        "table": table,
-        "order": np.argsort(dif, kind="stable"),
-        "class_orders": [m[np.argsort(dif[m], kind="stable")] for m in members],
-    }
+    class_orders = [m[np.argsort(dif[m], kind="stable")] for m in members]  # each D_n easy to hard
+    plan = {"classes": names, "gamma": gamma, "lambda0": lambda0, "table": table, "class_orders": class_orders}
+    return plan | {"order": np.argsort(dif, kind="stable")}
 
 
 def rrgcl_subset(class_orders: list[np.ndarray], fractions) -> np.ndarray:
@@ -304,8 +290,7 @@ def train(args: Args) -> dict:
     m, path = difficulty_scores(run, args)  # labels, dif1 (Eq. 1-4), dif2 (Eq. 5-9): read, or measured on rank 0
     dif = sample_difficulty(m["dif1"], m["dif2"], args.alpha, args.itas_sign)  # Eq. 10
     plan = curriculum_plan(dif, m["labels"])  # D_n sorted easy to hard, diff_C(n), gamma_n, lambda_n(0)
-    T = args.epochs
-    ts = list(range(0 if args.t0 else 1, T + 1))  # the epochs t
+    T, ts = args.epochs, list(range(0 if args.t0 else 1, args.epochs + 1))  # T, the epochs t
     sizes = [len(epoch_subset(args.scheduler, t, T, plan)) for t in ts]  # |D_sub(t)|: the step budget needs them first
     curves = rrgcl_lambda(np.arange(T + 1)[:, None], T, plan["gamma"], plan["lambda0"])  # Fig. 3: (T + 1, c)
     class_curves = [{**c, "lambda": curves[:, k].tolist()} for k, c in enumerate(plan["table"])]
@@ -337,9 +322,7 @@ def train(args: Args) -> dict:
         ends = np.append(ends, ends[-1] + CONVERGE["max_steps"])
 
     trained = start  # steps trained so far
-
-    # Algorithm 1 lines 6-12
-    for e, t in epochs:  # line 6: for t = 0 to T
+    for e, t in epochs:  # Algorithm 1 lines 6-12; line 6: for t = 0 to T
         lam = rrgcl_lambda(min(t, T), T, plan["gamma"], plan["lambda0"])  # Eq. 11: lambda_n(t) of every class n, (c,)
         # lines 7-10: D_sub(t) = the easiest lambda_n(t) of each D_n, united (Table 2's schedulers: a global slice)
         if t > T:
@@ -396,8 +379,7 @@ def train(args: Args) -> dict:
 def epoch_batches(run: common.Run, d_sub: np.ndarray, first: int, end: int, epoch: int):
     """batches(start) for run.steps over steps first..end - 1: passes over D_sub(t), each shuffled from (seed, epoch)
     alone (a resumed run draws the same); each step's --batch-size studies shared over the ranks."""
-    B = run.args.batch_size
-    n = run.per_rank(B, "--batch-size")  # this rank's studies per step
+    B, n = run.args.batch_size, run.per_rank(run.args.batch_size, "--batch-size")  # a step's studies, this rank's
     dataset = common.ReportDataset(run.data["train"])
     rng = np.random.default_rng([run.args.seed, epoch])
     studies = np.concatenate([rng.permutation(d_sub) for _ in range(math.ceil((end - first) * B / len(d_sub)))])
@@ -412,9 +394,8 @@ def epoch_batches(run: common.Run, d_sub: np.ndarray, first: int, end: int, epoc
 
 
 def sft_step(policy, batch, run) -> torch.Tensor:
-    """The wrapped generator's loss: teacher-forced NLL, the token mean over the whole step: this rank's token mean
-    times n / mean n over ranks (its share of the step's tokens times the world size: optimizer_step averages over
-    ranks)."""
+    """The wrapped generator's loss, the token mean of the teacher-forced NLL over the step: this rank's token mean
+    times n / mean n over ranks (its share of the step's tokens times the world size: optimizer_step averages)."""
     n = float(policy.encode_targets(batch["report"])[1].sum())  # this rank's report tokens
     loss = policy.sft_loss(policy.prompt_batch(batch["images"], PROMPT), batch["report"])  # this rank's token mean
     return loss * (n / common.all_reduce_mean(n))
@@ -486,9 +467,8 @@ def extract(model, dataset, x: str, device) -> torch.Tensor:
 
 
 def features(args: Args, records, labels: np.ndarray, device) -> dict:
-    """Eq. 1-2's (N, d) features: "vns_image" (phi), "itas_image" (ITAS's image network), "text" (psi). Images:
-    "small" is 5 strided conv blocks (64 px) fit to the labels until converged; a ResNet (a state dict, or
-    "imagenet") is used as it is, at 256 px."""
+    """Eq. 1-2's (N, d) features: "vns_image" (phi), "itas_image" (ITAS's images), "text" (psi). Images: "small" is 5
+    strided conv blocks (64 px) fit to the labels until converged; a ResNet (state dict, "imagenet") as is, 256 px."""
     studies = [common.Record(r.id, r.image_paths, r.report, r.split, l) for r, l in zip(records, labels)]
 
     def image_features(choice: str, flag: str) -> torch.Tensor:
@@ -497,9 +477,8 @@ def features(args: Args, records, labels: np.ndarray, device) -> dict:
             dataset = common.ReportDataset(studies, common.default_transform(ENCODER["resnet_size"], 3))
             return extract(net, dataset, "images", device)
         torch.manual_seed(ENCODER["seed"])  # the stand-in's initial weights: the same for every measurement seed
-        net = common.ViewMean(
-            common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None), torch.nn.Linear(128, 14)
-        )
+        cnn = common.SmallCNN((32, 32, 64, 64, 128), (2,) * 5, grid=1, dim=None)  # then the labels' head
+        net = common.ViewMean(cnn, torch.nn.Linear(128, 14))
         dataset = common.ReportDataset(studies, common.default_transform(ENCODER["image_size"], 1))
         fit_encoder(net, dataset, "images", device)
         return extract(net, dataset, "images", device)
@@ -535,27 +514,19 @@ def measure(args: Args, records, labeler, device) -> dict:
     """{"ids", "labels" (N, 14), "dif1" (Eq. 1-4), "dif2" (Eq. 9), "mine", "encoders"} of the training studies."""
     labels = class_labels(records, labeler)
     feats = features(args, records, labels, device)
-    N = len(records)
-    d = feats["vns_image"].shape[1] + feats["text"].shape[1]  # MIMIC-CXR: 270,000^2 x (2048 + 768) = 2e14 FLOP
+    N, d = len(records), feats["vns_image"].shape[1] + feats["text"].shape[1]  # MIMIC-CXR: 270,000^2 x 2816: 2e14 FLOP
     if torch.device(device).type == "cpu" and N * N * d > 1e12:
-        common.log.warning(
-            "VNS-Gap: %d studies, about %.0e FLOP: hours on a CPU (measure on a GPU with --measure-only)", N, N * N * d
-        )
+        common.log.warning("VNS-Gap: %d studies, %.0e FLOP: hours on a CPU (--measure-only on a GPU)", N, N * N * d)
     dif1 = vns_gap(feats["vns_image"], feats["text"], VNS_BLOCK, device).numpy()
     dif2, mine = itas(feats["itas_image"], feats["text"], args.seed)
+    bounds = [", ".join(f"{x:.2f}" for x in mine[k]) for k in ("dv_train", "dv_held_out")]
     common.log.info(
         "MINE: Donsker-Varadhan lower bound on the image-report mutual information (>= 0; below 0, T found no link "
         "that holds on unseen pairs and ITAS is noise): %s nats on its training batches, %s on held-out pairs",
-        *(", ".join(f"{x:.2f}" for x in mine[k]) for k in ("dv_train", "dv_held_out")),
+        *bounds,
     )
-    return {
-        "ids": [r.id for r in records],
-        "labels": labels,
-        "dif1": dif1,
-        "dif2": dif2,
-        "mine": mine,
-        "encoders": {"visual": args.visual_encoder, "itas": args.itas_encoder, "text": args.text_encoder},
-    }
+    out = {"ids": [r.id for r in records], "labels": labels, "dif1": dif1, "dif2": dif2, "mine": mine}
+    return out | {"encoders": {"visual": args.visual_encoder, "itas": args.itas_encoder, "text": args.text_encoder}}
 
 
 def difficulty_scores(run: common.Run, args: Args) -> tuple[dict, Path]:
@@ -589,13 +560,10 @@ def measurer_notes(args: Args) -> list[str]:
     """What this run's measurer does not do as Sec. 4.3 does, one line each (none when it reads --difficulty)."""
     if args.difficulty and not args.measure_only:
         return []
-    notes = {
-        "visual": "VNS-Gap images (phi, Eq. 1): a small CNN fit to the labels, not a CheXpert-tuned ResNet-101 "
-        "(--visual-encoder FILE)",
-        "itas": "ITAS images: a small CNN fit to the labels, not a pre-trained 5-layer ResNet "
-        "(--itas-encoder FILE: a ResNet-18)",
-        "text": "reports (psi, Eq. 2): a word CNN fit to the labels, not Clinical BERT "
-        "(--text-encoder emilyalsentzer/Bio_ClinicalBERT)",
+    notes = {  # each a small stand-in fit to the labels
+        "visual": "VNS-Gap images (phi, Eq. 1): a small CNN, not a CheXpert-tuned ResNet-101 (--visual-encoder FILE)",
+        "itas": "ITAS images: a small CNN, not a pre-trained 5-layer ResNet (--itas-encoder FILE: a ResNet-18)",
+        "text": "reports (psi, Eq. 2): a word CNN, not Clinical BERT (--text-encoder emilyalsentzer/Bio_ClinicalBERT)",
     }
     return [note for k, note in notes.items() if getattr(args, f"{k}_encoder") == "small"]
 

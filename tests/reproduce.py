@@ -820,8 +820,11 @@ def fragile(exp: Experiment, results: dict, seeds: list, c: Claim, metric: str, 
 
 
 def fragility(changed: list[tuple]) -> str:
-    """'holds' or 'fragile: without 401 not reproduced'."""
-    return "holds" if not changed else "fragile: " + ", ".join(f"without {s} {w}" for s, w in changed)
+    """'holds', or 'fragile: without 401 or 403 not reproduced' (the seeds whose leaving out gives each word)."""
+    if not changed:
+        return "holds"
+    words = {w: [str(s) for s, x in changed if x == w] for w in dict.fromkeys(w for _, w in changed)}
+    return "fragile: " + "; ".join(f"without {' or '.join(seeds)} {w}" for w, seeds in words.items())
 
 
 def shown(c: Claim, word: str) -> str:
@@ -947,36 +950,6 @@ def report(name: str, data: dict, refs: dict) -> list[str]:
     lines += [""] + machines(data["runs"], declared + extension)
     if "recheck" in data:
         lines.append(recheck_line(data["recheck"]))
-    return lines
-
-
-def short_report(name: str, data: dict, refs: dict) -> list[str]:
-    """The README's block for one table: the claims on the headline metric, and the arms' headline beside the
-    reference rows; every seed, arm and column in tests/RESULTS.md."""
-    exp = EXPERIMENTS[name]
-    results = results_of(data)
-    lines = [
-        f"<!-- printed by `python tests/reproduce.py {name} --report`; every seed, arm and column: tests/RESULTS.md -->"
-    ]
-    if [s for s in exp.declared if s in results] != exp.declared:
-        return lines + [pending(name, exp, len(set(exp.declared) & set(results)))]
-    seeds, head = exp.declared, exp.headline
-    header = f"| the paper's claim, {head} | the paper's a - b | a - b (mean ± SE, seeds the claimed way) | detectable "
-    lines += [header + "| verdict | one seed left out |"]
-    lines.append("|---" * 6 + "|")
-    for c, metric, sign, p, word in claim_rows(exp, results, seeds, metrics={head}):
-        detect = (
-            f"{detectable(p):.3f}"
-            if sign != "="
-            else f"margin {MARGIN * abs(np.mean(values(results, seeds, c.b, metric))):.3f}"
-        )
-        loo = fragility(fragile(exp, results, seeds, c, metric, word)) if word != DEGENERATE else ""
-        claim = f"{c.label}: {c.a} {RELATION[sign]} {c.b}"
-        cells = [claim, paper_effect(c, metric), difference(p, sign), detect, shown(c, word), loo]
-        lines.append("| " + " | ".join(cells) + " |")
-    arms = [f"{a} {np.mean(values(results, seeds, a, head)):.3f}" for a in report_arms(exp, results, seeds)]
-    refs_line = [f"{row} {m[head]:.3f}" for row, m in refs.items()]
-    lines += ["", f"{head}, mean over seeds {span(seeds)}: {'; '.join(arms)}. Reference rows: {'; '.join(refs_line)}."]
     return lines
 
 
@@ -2048,13 +2021,29 @@ def draw(name: str, data: dict, folder: Path):
         print("figure skipped: it needs `pip install matplotlib`")
 
 
+def verdict_line(name: str, data: dict, refs: dict) -> list[str]:
+    """The README's line for one paper: its primary claim's verdict, with the paper's effect, the table's, what it
+    can detect and whether one seed decides it."""
+    exp, results = EXPERIMENTS[name], results_of(data)
+    if [s for s in exp.declared if s in results] != exp.declared:
+        return [f"Primary verdict: not yet measured on the declared seeds ({RESULTS_DOC.relative_to(ROOT)})."]
+    (c, metric, sign, p, word), *_ = claim_rows(exp, results, exp.declared)
+    paper = f"the paper {paper_effect(c, metric)}, " if metric in c.effects else ""
+    loo = fragility(fragile(exp, results, exp.declared, c, metric, word))
+    line = f"Primary verdict, {c.label}: {c.a} {RELATION[sign]} {c.b} ({metric}): {shown(c, word)}; {paper}here "
+    line += f"{difference(p, sign)}, detectable {detectable(p):.3f}; leaving one seed out: {loo}."
+    return [line + " Every claim, column and seed: [tests/RESULTS.md](tests/RESULTS.md)."]
+
+
 def write_documents(datas: dict, refs: dict, readme: Path = ROOT / "README.md", results_doc: Path = RESULTS_DOC):
-    """The README's summary and short blocks and tests/RESULTS.md's full sections, from the results files."""
+    """tests/RESULTS.md's sections and summary, and the README's summary and each paper's verdict line, from the
+    results files."""
     for name in EXPERIMENTS:
         data = datas.get(name, {"seeds": {}, "runs": {}})
         write_block(results_doc, name, report(name, data, refs.get(name, {})))
-        write_block(readme, name, short_report(name, data, refs.get(name, {})))
-    write_block(readme, "summary", summary(datas, refs))
+        write_block(readme, f"{name} verdict", verdict_line(name, data, refs.get(name, {})))
+    for doc in (readme, results_doc):
+        write_block(doc, "summary", summary(datas, refs))
 
 
 def results_files(folder: Path = RESULTS) -> dict:

@@ -1,17 +1,14 @@
-"""The synthetic sandbox: the set `--data synthetic` reads, the CheXbert that labels it, and the foundation its
-tiny model starts from. None of it is needed on real data: common.py imports this file (common.sandbox()) only when
-a run asks for `--data synthetic` or a sandbox model.
+"""The synthetic sandbox: the set `--data synthetic` reads, the CheXbert that labels it and the foundation its tiny
+model starts from; common.sandbox() imports this file only when a run asks for one of them, never on real data.
 
 The set: chest-radiograph-like images drawn by code (draw_synthetic_cxr), one visible sign per finding, and reports
-from templates (write_synthetic_report), deterministic from a seed. It is a sandbox, not a benchmark: small enough to
-learn from on a CPU in minutes, with ground-truth labels to test the labelers against. What the papers start from,
-each trained once beside the set: a CheXbert of f1chexbert's class trained on the synthetic reports (the papers'
-labeler), and a foundation (the tiny VLM trained on neutral captions of images and on report text that never meet,
-and a small BERT trained on report text: a pre-trained VLM's and ClinicalBERT's stand-ins).
+from templates (write_synthetic_report), deterministic from a seed: a sandbox, not a benchmark. What the papers start
+from, trained once and shipped in tests/sandbox_models/: a CheXbert of f1chexbert's class trained on the synthetic
+reports (the papers' labeler), and a foundation (the tiny VLM trained on captions of images and on report text that
+never meet; a small BERT on report text: a pre-trained VLM's and ClinicalBERT's stand-ins).
 
-    python tests/sandbox.py synthetic --out DIR     # write the synthetic set (R2Gen's layout) to a folder
-    python tests/sandbox.py chexbert --out DIR      # train a CheXbert of the sandbox's kind on --data's labels
-    python tests/sandbox.py foundation              # build the sandbox's foundation now (once), print its probe
+    python tests/sandbox.py synthetic --out DIR     # the synthetic set (R2Gen's layout) in a folder
+    python tests/sandbox.py ship                    # rebuild the shipped models here: how far from them? (--write)
 """
 
 from __future__ import annotations
@@ -497,9 +494,7 @@ def shipped(name: str) -> Path:
     files = json.loads((SHIPPED / "MANIFEST.json").read_text())["files"]
     changed = [f for f, digest in files.items() if f.startswith(name + "/") and sha256(SHIPPED / f) != digest]
     if changed or not any(f.startswith(name + "/") for f in files):
-        raise ValueError(
-            f"{SHIPPED / name}: {changed or 'not'} as shipped (MANIFEST.json; python tests/sandbox.py ship)"
-        )
+        raise ValueError(f"{SHIPPED / name}: {changed or 'not'} as shipped (MANIFEST.json; tests/sandbox.py ship)")
     return SHIPPED / name
 
 
@@ -520,8 +515,9 @@ def ship(write: bool = False) -> dict:
     annotation, scratch = synthetic_data(), Path(tempfile.mkdtemp(dir=synthetic_data().parent, prefix=".ship-"))
     recipes = {f"chexbert-v{SANDBOX_CHEXBERT_VERSION}": ("chexbert", CHEXBERT_FILE, SANDBOX_CHEXBERT)}
     recipes[f"foundation-v{FOUNDATION_VERSION}"] = ("foundation", "foundation.json", FOUNDATION)
-    cpu = re.findall(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else []
-    report = {"machine": cpu[0] if cpu else platform.processor(), "torch": torch.__version__, "files": {}}
+    info = Path("/proc/cpuinfo")
+    cpu = re.findall(r"model name\s*: (.*)", info.read_text()) if info.is_file() else [platform.processor()]
+    report = {"machine": cpu[0], "torch": torch.__version__, "files": {}}
     for name, (command, marker, settings) in recipes.items():
         built = build_once(scratch / name, marker, command, annotation, settings)
         for f in sorted(p for p in built.rglob("*") if p.is_file()):
@@ -651,8 +647,7 @@ def cache_lock(path: Path):
 # stops improving (the best weights kept); foundation.json records the curves, the probe and the CPU seconds.
 FOUNDATION_VERSION = 1  # of the recipe below: a new one trains into a new folder
 CAPTION_TOKEN = "<caption>"
-REASONING_TAGS = ("<think>", "</think>", "<report>", "</report>")  # MRG-R1's answer format, in the tokenizer as in a
-# general VLM's, first trained by MRG-R1's SFT
+REASONING_TAGS = ("<think>", "</think>", "<report>", "</report>")  # MRG-R1's answer tags, in the vocabulary
 FOUNDATION = dict(images=4000, reports=4000, held_out=400, batch_size=32, lr=1e-3, every=250, patience=3)
 FOUNDATION |= dict(min_gain=0.005, max_steps=20000, seed=1)  # min_gain in nats per token; seed 1: not the set's 0
 SIZES_TEXT_ENCODER = dict(hidden=128, layers=2, heads=2)  # DCRRG --model tiny's BERT (BERT-Tiny's shape)
@@ -868,57 +863,37 @@ class FoundationImageEncoder(torch.nn.Module):
 
 
 def main(argv=None):
-    """`python tests/sandbox.py synthetic --out DIR`: write the synthetic set to a folder;
-    `python tests/sandbox.py chexbert --out DIR`: train a CheXbert of the sandbox's kind on --data's labelled reports;
-    `python tests/sandbox.py foundation`: build the sandbox's foundation now (once), print its probe."""
+    """`python tests/sandbox.py synthetic --out DIR`: the synthetic set in a folder; `chexbert --out DIR`: a CheXbert of
+    the sandbox's kind trained on --data's labelled reports; `foundation --out DIR`: a foundation, and its probe;
+    `ship [--write]`: the shipped models rebuilt, and how far the rebuild lands from them."""
     p = argparse.ArgumentParser(description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("chexbert", help="train a CheXbert of the sandbox's kind on an annotation file's labels")
-    c.add_argument("--data", default="synthetic", help='"synthetic" or an annotation.json whose records have labels')
-    c.add_argument("--out", required=True, help="a folder for chexbert.pth, config.json and vocab.txt")
-    for name, default in SANDBOX_CHEXBERT.items():
-        c.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    c.add_argument("--seed", type=int, default=0)
-    f = sub.add_parser("foundation", help="train the sandbox's foundation once (the tiny VLM, DCRRG's text encoder)")
-    f.add_argument("--data", default="synthetic", help='"synthetic" or a synthetic set\'s annotation.json')
-    f.add_argument("--out", help="a fresh folder (default: beside the set, where every run finds it)")
-    for name, default in FOUNDATION.items():
-        f.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    w = sub.add_parser("ship", help="rebuild the shipped models here and say how far they land from the shipped ones")
-    w.add_argument("--write", action="store_true", help="replace the shipped models with the rebuild")
-    s = sub.add_parser("synthetic", help="write the synthetic chest X-ray set (R2Gen layout) to a folder")
-    s.add_argument("--out", required=True)
-    for name, default in (("n_train", 2000), ("n_val", 200), ("n_test", 500), ("size", 128), ("seed", 0)):
-        s.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    recipes = {"chexbert": SANDBOX_CHEXBERT | {"seed": 0}, "foundation": FOUNDATION}
+    recipes["synthetic"] = dict(n_train=2000, n_val=200, n_test=500, size=128, seed=0)
+    for command, recipe in recipes.items():
+        c = sub.add_parser(command, help=f"{command} (its recipe's settings below)")
+        c.add_argument("--data", default="synthetic", help='"synthetic" or an annotation.json (chexbert: with labels)')
+        c.add_argument("--out", required=True, help="a fresh folder")
+        for name, default in recipe.items():
+            c.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    sub.add_parser("ship").add_argument("--write", action="store_true", help="replace the shipped models")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "ship":
+        return print(json.dumps(ship(args.write), indent=1))
+    settings = {k: getattr(args, k) for k in recipes[args.command]}
+    if args.command == "synthetic":
+        path = make_synthetic(args.out, **settings)
+        return print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
     if args.command == "chexbert":
         records = load_data(args.data)["train"]
         if any(r.labels is None for r in records):
             raise SystemExit(f"error: {args.data}: every training record needs 'labels' to train CheXbert on")
-        settings = {k: getattr(args, k) for k in SANDBOX_CHEXBERT}
-        print(f"wrote {train_chexbert(records, args.out, **settings, seed=args.seed)}")
-    elif args.command == "foundation":
-        annotation = synthetic_data() if args.data == "synthetic" else args.data
-        settings = {k: getattr(args, k) for k in FOUNDATION}
-        if not args.out and settings != FOUNDATION:
-            raise SystemExit(
-                "error: other settings than FOUNDATION's need --out (the cached foundation is the recipe's)"
-            )
-        out = (
-            train_foundation(annotation, args.out, settings) if args.out else synthetic_foundation(annotation, settings)
-        )
-        record = json.loads((out / "foundation.json").read_text())
-        probe = record["probe"]
-        print(
-            f"wrote {out}: linear probe AUROC {probe['probe_auroc_mean']:.3f} (mean over the labels), caption signs F1 "
-            f"{probe['caption_signs_f1']:.3f}, {record['cpu_seconds']:.0f} CPU-seconds"
-        )
-    elif args.command == "ship":
-        print(json.dumps(ship(args.write), indent=1))
-    else:
-        path = make_synthetic(args.out, args.n_train, args.n_val, args.n_test, args.size, args.seed)
-        print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
+        return print(f"wrote {train_chexbert(records, args.out, **settings)}")
+    out = train_foundation(synthetic_data() if args.data == "synthetic" else args.data, args.out, settings)
+    record = json.loads((out / "foundation.json").read_text())
+    auroc, f1 = record["probe"]["probe_auroc_mean"], record["probe"]["caption_signs_f1"]
+    print(f"wrote {out}: probe AUROC {auroc:.3f}, caption signs F1 {f1:.3f}, {record['cpu_seconds']:.0f} CPU-seconds")
 
 
 if __name__ == "__main__":

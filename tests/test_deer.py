@@ -91,10 +91,10 @@ def test_rl_records_random_draws_fraction_of_pool_and_tiny_defaults():
     drawn = deer.rl_records(args, train, "random", 20)  # the tiny default's pool: the first `pool` studies
     assert len(drawn) == 4 == len(set(drawn)) and all(x < 20 for x in drawn)
     assert len(deer.rl_records(args, train, "random", None)) == 10 and deer.rl_records(args, train, "all", 20) == train
-    s = deer.Settings.from_args(deer.Args())
+    s = deer.settings(deer.Args())
     assert (s.sft_steps, s.sft_converge, s.steps, s.pool) == (None, True, 120, 1000)  # SFT until CONVERGE stops it
-    assert not deer.Settings.from_args(deer.Args(sft_steps=50)).sft_converge  # a number of steps: that many
-    assert deer.Settings.from_args(deer.Args(model="Qwen/Qwen2.5-VL-3B-Instruct")).pool is None  # HF: every study
+    assert not deer.settings(deer.Args(sft_steps=50)).sft_converge  # a number of steps: that many
+    assert deer.settings(deer.Args(model="Qwen/Qwen2.5-VL-3B-Instruct")).pool is None  # HF: every study
 
 
 # Eq. 7-8 -----------------------------------------------------------------------------------------
@@ -429,7 +429,7 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
     weighed, real_weights = [], deer.token_weights
 
     def recorded_weights(*a):
-        weighed.append(a[-1])  # the labels each completion's weights read (Eq. 9's targets): its own study's
+        weighed.append(a[6])  # the labels each completion's weights read (Eq. 9's targets): its own study's
         return real_weights(*a)
 
     monkeypatch.setattr(common, "grpo_loss", recorded_loss)

@@ -373,6 +373,7 @@ def test_each_tables_jobs_for_a_seed():
     assert runs("orapo") == [
         ("s401/orapo", ["orapo.py", *seed], "eval.json", ()),
         ("s401/grpo", ["orapo.py", *seed, "--lambda-min", "0", "--lambda-max", "0"], "eval.json", ()),
+        ("s401/orapo400", ["orapo.py", *seed, "--train-size", "100", "--steps", "100"], "eval.json", ()),  # row 4
     ]
     own = ["--difficulty", "{root}/s401/measure/difficulty.json"]
     assert runs("rrgcl") == [

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 
 import common
-import deer
-import sandbox
 from common import CHEXPERT_LABELS, ce_metrics, nlg_metrics
 
 TOL = 1e-9
@@ -386,40 +384,3 @@ def test_benchmark_vs_pycocoevalcap():
         assert ours[key] == pytest.approx(corpus[key], abs=TOL, rel=0), key
     # 3.3x on a quiet 2-core machine; a shared machine moves both timings, so only a generous bound
     assert t_coco / t_ours > 1.0
-
-
-def test_radgraph_f1_by_hand():
-    """F1 RadGraph on hand-made annotations: RG_E matches (tokens, label); RG_ER marks an entity that has a relation,
-    so a right entity whose relation is missing no longer matches. The mean over reports; no entity: 0."""
-
-    def graph(*entities):
-        return {"entities": {str(k): dict(zip(("tokens", "label", "relations"), e)) for k, e in enumerate(entities)}}
-
-    ref = graph(
-        ("effusion", "Observation::definitely present", [["located_at", "1"]]),
-        ("pleural", "Anatomy::definitely present", []),
-        ("pneumothorax", "Observation::definitely absent", []),
-    )
-    hyp = graph(
-        ("effusion", "Observation::definitely present", []),  # right entity, its relation missing
-        ("pleural", "Anatomy::definitely present", []),
-        ("edema", "Observation::definitely present", []),
-    )
-    # RG_E: hyp {effusion, pleural, edema}, ref {effusion, pleural, pneumothorax}: P = R = 2/3
-    # RG_ER: the reference's effusion is (effusion, label, True): P = R = 1/3
-    out = deer.radgraph_f1([hyp, ref, graph()], [ref, ref, ref])
-    assert out["RG_E"] == pytest.approx((2 / 3 + 1 + 0) / 3)
-    assert out["RG_ER"] == pytest.approx((1 / 3 + 1 + 0) / 3)
-
-
-def test_radgraph_needs_its_package_and_says_so(monkeypatch, tmp_path):
-    import importlib.util
-
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "radgraph" else object())
-    with pytest.raises(ValueError, match="--radgraph needs the radgraph package: pip install radgraph"):
-        deer.radgraph_annotator()
-    sandbox.make_synthetic(tmp_path / "set", n_train=8, n_val=2, n_test=2, size=32)
-    flags = ["sft", "--data", str(tmp_path / "set"), "--labeler", "rule", "--out", str(tmp_path / "d")]
-    with pytest.raises(SystemExit, match="--radgraph needs the radgraph package"):  # before anything trains
-        deer.main([*flags, "--radgraph"])
-    assert not list((tmp_path / "d").rglob("*.pt"))

@@ -718,8 +718,8 @@ def test_config_holds_the_resolved_values_and_the_warm_start_says_why_it_stopped
     assert resolved["lr"] == 1e-4 and resolved["steps"] == 1 and resolved["max_new_tokens"] == 128
     assert resolved["sft_steps"].startswith("until validation stops improving")
     assert json.loads((out / "config.json").read_text())["lr"] is None  # the flag as given: --resume compares these
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("warm start:"))
-    assert line == "warm start: stopped after 6 steps (2 validations without a gain of 10); kept step 2's weights " + (
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("warm_start:"))
+    assert line == "warm_start: stopped after 6 steps (2 validations without a gain of 10); kept step 2's weights " + (
         f"(validation {json.loads((out / 'warm_start' / 'eval_val_step2.json').read_text())['ce']['micro_f1']:.4f})"
     )
     rows = [json.loads(x) for x in (out / "warm_start" / "metrics.jsonl").read_text().splitlines()]

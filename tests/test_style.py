@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# formatted lines (ruff format, 120 columns). 2026-11-28: common.py 2,800 -> 3,300, rrgcl.py 620 -> 660, deer.py
-# 640 -> 650 with the sandbox's foundation (captions, the tiny VLM and text encoder trained once, its probe), RRGCL's
-# convergence rule, F1 RadGraph, and what a run shows (resolved values, one-line flag errors, why a warm start stopped)
-BUDGETS = {"common.py": 3300, "dcrrg.py": 850, "deer.py": 650, "rrgcl.py": 660, "orapo.py": 530, "mrg_r1.py": 350}
+# formatted lines (ruff format, 120 columns), as issue 50 set them: the sandbox in a file of its own under tests/, so
+# common.py holds what a real run shares; budgets are met, not raised
+BUDGETS = {"common.py": 2400, "tests/sandbox.py": 900, "dcrrg.py": 850, "deer.py": 640, "rrgcl.py": 620}
+BUDGETS |= {"orapo.py": 530, "mrg_r1.py": 350}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
