@@ -1,12 +1,8 @@
-"""common.py: what a real run shares, in the order of one training step (a reader follows one step of any script
-from top to bottom): 1 data (annotation files, cleaning, batches; DCRRG's and RRGCL's encoders); 2 the policy (the
-rollout; one interface for the tiny VLM and Qwen2.5-VL-family models; LoRA); 3 labels (the 14 CheXpert observations,
-CheXbert); 4 the RL core (group advantages, GRPO, DPO); 5 what a step writes (Run: the log line, the optimizer step,
-the checkpoint; its set-up and its end); 6 set-up (the shared flags, start_run, warm starts, the policy and its
-reference, AdamW, resume); 7 metrics (BLEU, ROUGE-L, CIDEr-D as pycocoevalcap, METEOR, CE P/R/F1); 8 the commands
-(`python common.py evaluate | generate`); 9 the insides a reader skips (the CheXpert rules, the collectives). The
-synthetic sandbox (`--data synthetic`, its CheXbert, its foundation) is tests/sandbox.py, imported only when asked for.
-"""
+"""common.py: what a real run shares, in the order of one training step: 1 data; 2 the policy, its rollout, LoRA;
+3 labels and CheXbert; 4 the RL core (advantages, GRPO, DPO); 5 what a step writes (Run); 6 set-up (flags, start_run,
+the policy and its reference, warm starts, AdamW, resume); 7 metrics; 8 the commands (`python common.py evaluate |
+generate`); 9 the insides a reader skips (the CheXpert rules, the collectives). The synthetic sandbox (`--data
+synthetic`, its CheXbert, its foundation) is tests/sandbox.py, imported only when asked for."""
 
 from __future__ import annotations
 
@@ -26,6 +22,7 @@ import logging
 import math
 import os
 import pickle
+import pkgutil
 import random
 import re
 import shutil
@@ -145,8 +142,7 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
         if isinstance(row, dict) and isinstance(row.get("image_path"), str):
             row["image_path"] = [row["image_path"]]
 
-    def image_problem(name: str) -> str | None:
-        """Reads the header only: a 0-byte or foreign file fails at load, not mid-run."""
+    def image_problem(name: str) -> str | None:  # the header only: a 0-byte or foreign file fails at load, not mid-run
         try:
             with Image.open(root / name) as im:
                 return None if min(im.size) > 0 else f"empty image {name}"
@@ -155,9 +151,7 @@ def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = 
         except (UnidentifiedImageError, OSError) as e:
             return f"cannot read image {name} ({type(e).__name__})"
 
-    names = {
-        p for _, _, row in rows if isinstance(row, dict) for p in row.get("image_path") or [] if isinstance(p, str)
-    }
+    names = {p for *_, row in rows if isinstance(row, dict) for p in row.get("image_path") or [] if isinstance(p, str)}
     with ThreadPoolExecutor(8) as pool:  # every image's header, in threads
         unreadable = dict(zip(names, pool.map(image_problem, names)))
     out, problems = {split: [] for split in splits}, []
@@ -379,9 +373,8 @@ class Policy:
       prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
       repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
       generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
-      decode(ids, mask) -> N texts
       completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
-      encode_targets(texts) -> ids, mask: right-padded, EOS last
+      decode(ids, mask) -> N texts; encode_targets(texts) -> ids, mask: right-padded, EOS last
       save(dir), read back by load_policy(dir); vision_and_language() -> (vision modules, language modules)
     and both compute the SFT loss below from them."""
 
@@ -468,20 +461,16 @@ class HFPolicy(Policy):
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
         self.device, self.dtype = torch.device(device), dtype
-        options = (
-            {"size": {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}} if max_pixels else {}
-        )
+        size = {"size": {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}} if max_pixels else {}
         try:
-            self.processor = AutoProcessor.from_pretrained(name_or_path, **options)
+            self.processor = AutoProcessor.from_pretrained(name_or_path, **size)
         except OSError as e:  # no such folder, hub id or cached download
             raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
         self.tokenizer = self.processor.tokenizer
         self.tokenizer.padding_side = "left"  # prompts end where generation starts
         self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype).to(self.device)
         if not hasattr(getattr(self.model, "model", None), "visual"):
-            raise ValueError(
-                f"--model {name_or_path}: a {type(self.model).__name__}; HFPolicy takes the Qwen2-VL family"
-            )
+            raise ValueError(f"--model {name_or_path}: a {type(self.model).__name__}, not of the Qwen2-VL family")
         gen, cfg = self.model.generation_config, self.model.config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_id = self.tokenizer.eos_token_id  # ends SFT / DPO targets (<|im_end|> for chat models)
@@ -553,8 +542,7 @@ class HFPolicy(Policy):
             inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
         # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
         with autocast(self.device, self.dtype):
-            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits
-        logits = logits[:, :-1]  # (N, T, V) predicts token t
+            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V): token t
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
@@ -577,12 +565,10 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype)
 
 
-def make_policy(
-    model, train_reports, device, dtype=torch.float32, max_new_tokens=128, extra_tokens=(), max_pixels=512 * 512
-):
+def make_policy(model, reports, device, dtype=torch.float32, max_new_tokens=128, extra_tokens=(), max_pixels=512 * 512):
     """`--model tiny`: TinyPolicy (the reports' words), else HFPolicy, checkpointed (512^2 px: <= 334 tokens a view)."""
     if model == "tiny":
-        tok = WordTokenizer.build(list(train_reports), extra_tokens)
+        tok = WordTokenizer.build(list(reports), extra_tokens)
         return TinyPolicy(TinyVLM(len(tok.vocab), max_len=max_new_tokens), tok, device=device)
     return HFPolicy(model, device, dtype, gradient_checkpointing=True, max_pixels=max_pixels)
 
@@ -606,24 +592,20 @@ def fp32_trainable(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def generate_completions(
-    policy, model, inputs, prompt_len, max_new_tokens, temperature, do_sample, return_logprobs, top_p
-):
-    """model.generate (KV cache, eval mode) -> ids (N, T) padded after the first EOS, mask (N, T) and the log-probs
-    under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses).
-    The policy gives the stop ids (eos_token_ids), padding and the ids never sampled (suppressed)."""
+def generate_completions(policy, model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p):
+    """model.generate (KV cache, eval mode) after P prompt tokens -> ids (N, T) padded after the first EOS, mask (N, T)
+    and the log-probs under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not
+    RL losses). The policy gives the stop ids (eos_token_ids), padding and the ids never sampled (suppressed)."""
     eos_ids = policy.eos_token_ids
     was_training = policy.model.training
     policy.model.eval()
-    sampling = dict(do_sample=False)
-    if do_sample:
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if do_sample else {}  # greedy: none
     stop = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id)
     output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
     fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
-    out = model.generate(**inputs, **stop, **output, **sampling, synced_gpus=fsdp)
+    out = model.generate(**inputs, **stop, **output, do_sample=do_sample, **sampling, synced_gpus=fsdp)
     policy.model.train(was_training)
-    ids = out.sequences[:, prompt_len:]  # (N, T) the completion only
+    ids = out.sequences[:, P:]  # (N, T) the completion only
     mask = completion_mask(ids, eos_ids)  # (N, T)
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, policy.pad_token_id))
     if not return_logprobs:
@@ -835,8 +817,7 @@ class LabelCache:
     """Labels each distinct text once (a reference's G copies, repeated completions, reward texts again for CE)."""
 
     def __init__(self, labeler):
-        self.labeler = labeler
-        self.labels = {}  # text -> (14,) labels
+        self.labeler, self.labels = labeler, {}  # labels: text -> (14,) labels
 
     def __call__(self, texts: list[str]) -> np.ndarray:
         new = [t for t in dict.fromkeys(texts) if t not in self.labels]
@@ -1099,11 +1080,9 @@ class Run:
             self.record()
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
-        """(step, batch), step = start (default: restore()'s) .. total - 1, with a progress bar of 4 of `bar`. The loop
-        writes each step itself: log_step(step) (its line in metrics.jsonl), then checkpoint(step). Ctrl-C or SIGTERM
-        is noted, and the run saves and stops at that step's checkpoint()."""
-        if start is None:
-            start = self.start
+        """(step, batch), step = start (default: restore()'s) .. total - 1, a progress bar showing 4 of `bar`; the loop
+        calls log_step(step), then checkpoint(step). Ctrl-C or SIGTERM is noted: that step's checkpoint() stops."""
+        start = self.start if start is None else start
         self._progress = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
         self._clock, self._total, self._bar, self._stop = time.time(), total, bar, []
         data = batches(start)
@@ -1158,20 +1137,15 @@ class Run:
         if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == self._total or interrupted):
             self.save_checkpoint(step + 1)
         if interrupted:
-            raise KeyboardInterrupt(
-                f"stopped after step {step + 1}, with {self.out / 'last.pt'} saved: the same command with --resume "
-                "continues"
-            )
+            saved = f"with {self.out / 'last.pt'} saved"
+            raise KeyboardInterrupt(f"stopped after step {step + 1}, {saved}: the same command with --resume continues")
 
     def save_checkpoint(self, step: int):
         """out/last.pt with the step count `step`: what restore() named, and every rank's RNG states."""
         model, optimizer, scheduler, state = self._saved
         kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as tensors and lists: loadable with weights_only
-        rng = {
-            "python": random.getstate(),
-            "torch": torch.get_rng_state(),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        }
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        rng["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         states = all_gather_objects(rng)
@@ -1225,9 +1199,8 @@ class Run:
 
     def stage(self, name: str, flags) -> Run:
         """A run in out/<name> (config, log, checkpoint) sharing processes, data, labeler; --resume checks `flags`."""
-        args = dataclasses.replace(self.args, out=str(self.out / name))
+        args, inputs = dataclasses.replace(self.args, out=str(self.out / name)), (self.data, self.labeler)
         processes = (self.rank, self.world_size, self.device)
-        inputs = (self.data, self.labeler)
         return Run(args, *processes, *inputs, resume_flags=tuple(flags), notes=self.notes, foundation=self.foundation)
 
     def per_rank(self, batch_size: int, flag: str) -> int:
@@ -1259,13 +1232,13 @@ class Run:
         return batches
 
     # The end: evaluation, the trained model, the results -------------------------------------------------
-    def evaluate(
-        self, policy, records, name, prompt, max_new_tokens, report=None, score=None, meteor=False, ce=None
-    ) -> dict:
+    def evaluate(self, policy, records, name, prompt, max_new_tokens, report=None, score=None, meteor=False, ce=None):
         """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
         NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
         to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
-        report_fn = None if report is None else [getattr(report, "__module__", "builtins"), report.__qualname__]
+        module = getattr(report, "__module__", "builtins")  # "module:name" of report(), for `common.py generate`
+        module = Path(sys.argv[0]).stem if module == "__main__" else module  # `python mrg_r1.py`: mrg_r1
+        report_fn = None if report is None else f"{module}:{report.__qualname__}"
         self.generation = {"prompt": prompt, "max_new_tokens": max_new_tokens, "report": report_fn}  # final/'s
         path = self.out / f"eval_{name}.json"
         if self.resuming and path.is_file():
@@ -1312,9 +1285,8 @@ def greedy_reports(policy, records, prompt, max_new_tokens: int, device, dtype, 
     for b in tqdm(range(0, len(records), 32), desc=bar, disable=bar is None):
         images = [[load_image(p, r.id) for p in r.image_paths] for r in records[b : b + 32]]
         with torch.no_grad(), autocast(torch.device(device), dtype):
-            completions += policy.decode(
-                *policy.generate(policy.prompt_batch(images, prompt), max_new_tokens, do_sample=False)
-            )
+            prompts = policy.prompt_batch(images, prompt)
+            completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
     return completions
 
 
@@ -1457,8 +1429,7 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
 def end_block(out) -> str:
     """Where a run wrote, a line each: its folder, results and test generations (its stages' too)."""
     out, lines = Path(out), [f"{'run folder':<12}{out}"]
-    main_files = {"results": "eval.json", "generations": "generations_test*.jsonl"}
-    for kind, glob in main_files.items():
+    for kind, glob in {"results": "eval.json", "generations": "generations_test*.jsonl"}.items():
         found = sorted([*out.glob(glob), *out.glob(f"*/{glob}")], key=os.path.getmtime)
         if found:
             lines.append(f"{kind:<12}{', '.join(str(f.relative_to(out)) for f in found)}")
@@ -1496,9 +1467,8 @@ class Convergence:
     def why(self, steps: int) -> str:
         """The line that ends a run of the rule: where it stopped, why, and which weights it kept."""
         reason = f"{self.waited} validations without a gain of {self.min_gain:g}" if self.converged else "max_steps"
-        return (
-            f"stopped after {steps} steps ({reason}); kept step {self.best_step}'s weights (validation {self.best:.4f})"
-        )
+        kept = f"kept step {self.best_step}'s weights (validation {self.best:.4f})"
+        return f"stopped after {steps} steps ({reason}); {kept}"
 
 
 def sft_stage(
@@ -1537,10 +1507,9 @@ def sft_stage(
             images = micro["images"]
             if blind:
                 images = [[Image.new("L", view.size) for view in views] for views in images]
+            texts = targets(micro) if targets else micro["report"]
             with stage.autocast():
-                loss = policy.sft_loss(
-                    policy.prompt_batch(images, prompt), targets(micro) if targets else micro["report"]
-                )
+                loss = policy.sft_loss(policy.prompt_batch(images, prompt), texts)
             (loss / grad_accum).backward()
             stage.log(sft_loss=loss.item())
         stage.optimizer_step(params, optimizer)
@@ -1556,13 +1525,6 @@ def sft_stage(
         if stage.is_main:
             log.info("%s: %s", stage.out.name, converge.why(trained))
     return stage.finish(results | (extra(stage, policy) if extra else {}), policy)
-
-
-def warm_start_stage(run, policy, records, max_pixels=None, **sft) -> Policy:
-    """SFT before RL (sft_stage) in out/warm_start -> its final/ policy (LoRA folded in)."""
-    stage = run.stage("warm_start", run.resume_flags or ())
-    sft_stage(stage, policy, records, **sft)
-    return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
@@ -1592,7 +1554,7 @@ def build_policy(
 ):
     """(policy, reference): `init` (a saved policy) or initial_policy(), equal on every rank. `lora` ({r, alpha,
     dropout, targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none":
-    reference=False). `warm_start` (warm_start_stage's settings) first fine-tunes on the reports."""
+    reference=False). `warm_start` (sft_stage's settings) first fine-tunes on the reports in out/warm_start."""
     policy = initial_policy(run, [r.report for r in records], max_new_tokens, extra_tokens, max_pixels, init)
 
     def add_lora():
@@ -1602,7 +1564,9 @@ def build_policy(
     if lora:
         add_lora()
     if warm_start and (warm_start["steps"] > 0 or warm_start.get("converge")):
-        policy = warm_start_stage(run, policy, records, **warm_start, max_pixels=max_pixels)  # LoRA folded in
+        stage = run.stage("warm_start", run.resume_flags or ())  # SFT before RL
+        sft_stage(stage, policy, records, **warm_start)
+        policy = load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)  # LoRA folded in
         if lora:  # fresh adapters on the warm-started weights: RL's base, and its LoRA-off reference
             add_lora()
     ref = "lora" if lora else (frozen_reference(policy) if reference else "none")  # LoRA off, a frozen copy, none
@@ -1633,7 +1597,6 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
     w = int(warmup * total)  # warm-up steps
 
     def factor(step):
-        """The lr's multiplier at `step`."""
         decay = {
             "linear": (total - step) / max(1, total - w),
             "constant": 1.0,
@@ -1691,7 +1654,6 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _distributed() else (0, 1)
     if len(ckpt["rng"]) == world:
         state = ckpt["rng"][rank]
-
         version, internal, gauss_next = state["python"]  # Python's RNG state is tuples; the checkpoint holds lists
         random.setstate((version, tuple(internal), gauss_next))
         kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -1796,9 +1758,8 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
             """A newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)."""
             return " ".join(t.replace("|||", " ").split())
 
-        score, scores = _METEOR_SCORER.compute_score(
-            {i: [one_line(r)] for i, r in enumerate(refs)}, {i: [one_line(h)] for i, h in enumerate(hyps)}
-        )
+        by_id = [{i: [one_line(t)] for i, t in enumerate(texts)} for texts in (refs, hyps)]  # references first
+        score, scores = _METEOR_SCORER.compute_score(*by_id)
         out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
     elif meteor:
         log.warning("METEOR skipped: it needs `pip install pycocoevalcap` and java on PATH")
@@ -1845,11 +1806,9 @@ def evaluate_generations(
     rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None, name=""
 ) -> dict:
     """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
-    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number). An empty generated report scores 0 on
-    every metric. Degenerate output (most reports alike, or none with a word of the references) is called out (its
-    warning names the evaluation, `name`).
-    `gold` (N, 14): the references' own labels (the annotation's): "ce_gold" scores against them in place of the
-    labeler's reading of the references. With CheXbert, "labelers_agree": how often the rules read the generated
+    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number); an empty report scores 0 on each.
+    Degenerate output is called out in a warning naming the evaluation, `name`. `gold` (N, 14), the annotation's own
+    labels: "ce_gold" scores against them. With CheXbert, "labelers_agree": how often the rules read the generated
     reports as it does (each report's 14 labels, binarised as CE counts them)."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
     n_empty = sum(not h.strip() for h in hyps)
@@ -1951,14 +1910,6 @@ def flag_type(f) -> tuple[str, str | None]:
     return annotated.groups() if annotated else (f.type, None)
 
 
-def default_out(args_class, data: str) -> Path:
-    """runs/<script>-<data name>: "synthetic", the folder of an annotation.json (or given), another file's name."""
-    path = Path(data).parent if Path(data).name == "annotation.json" else Path(data)
-    name = path.stem if path.suffix == ".json" else path.resolve().name
-    script = Path(getattr(sys.modules[args_class.__module__], "__file__", "run")).stem
-    return Path(f"runs/{script}-{name}")
-
-
 class FlagParser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block): an unknown flag gets the closest known one."""
 
@@ -1973,7 +1924,7 @@ class FlagParser(argparse.ArgumentParser):
 def parse_args(args_class, argv=None, description: str | None = None):
     """Flags from an Args dataclass: `--flag-name` per field, typed by its (string) annotation: a bool as --flag /
     --no-flag, Literal[...] as choices, a number checked against the range Annotated beside it; its help the doc
-    string under the field. --out defaults to default_out(); --resume: the flags not given are the run's."""
+    string under the field. --out defaults to runs/<script>-<data name>; --resume: the flags not given are the run's."""
     helps = field_helps(args_class)
     p = FlagParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = {
@@ -2000,7 +1951,11 @@ def parse_args(args_class, argv=None, description: str | None = None):
     parsed = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
     given = {k: v for k, v in parsed.items() if v is not unset}
     flags = {f.name: f.default for f in fields} | given
-    out = Path(flags["out"] or default_out(args_class, flags["data"]))
+    if flags["out"] is None:  # runs/<script>-<"synthetic", an annotation.json's folder (or given), another file's name>
+        data = Path(flags["data"]).parent if Path(flags["data"]).name == "annotation.json" else Path(flags["data"])
+        script = Path(getattr(sys.modules[args_class.__module__], "__file__", "run")).stem
+        flags["out"] = f"runs/{script}-{data.stem if data.suffix == '.json' else data.resolve().name}"
+    out = Path(flags["out"])
     configs = [out / "config.json"] if (out / "config.json").is_file() else list(out.glob("*/config.json"))
     if flags["resume"] and configs:  # the flags not given: the run's (of stages: the newest stage's)
         saved = json.loads(max(configs, key=os.path.getmtime).read_text())
@@ -2032,11 +1987,7 @@ def generate_reports(run_dir, studies: list[tuple[str, list[str]]]) -> list[dict
         policy = load_policy(final, device, dtype, **({} if tiny else {"max_pixels": config.get("max_pixels")}))
     except (RuntimeError, KeyError) as e:  # weights of another shape or kind
         raise ValueError(f"{final}: does not load as its config's model ({str(e).splitlines()[0][:200]})") from None
-    report = None
-    if settings["report"]:  # the run's report(completion), as module and name: mrg_r1.extract_report
-        report = importlib.import_module(settings["report"][0])
-        for name in settings["report"][1].split("."):
-            report = getattr(report, name)
+    report = pkgutil.resolve_name(settings["report"]) if settings["report"] else None  # mrg_r1:extract_report
     records = [Record(i, views, "", "") for i, views in studies]
     texts = greedy_reports(policy, records, settings["prompt"], settings["max_new_tokens"], device, dtype)
     return [{"id": i, "views": views, "report": report(t) if report else t} for (i, views), t in zip(studies, texts)]
@@ -2082,15 +2033,13 @@ def main(argv=None):
         clean = None if rules["clean"] == "none" else rules["clean"]
         name = path.stem.removeprefix("generations_")  # the evaluation (test_after, ...), as its warnings name it
         meteor = not args.no_meteor
-        results = evaluate_generations(
-            rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"], name=name
-        )
+        result = evaluate_generations(rows, labeler, clean, rules["uncertain_as"], meteor, rules["headline"], name=name)
     except (FileNotFoundError, ValueError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     out = Path(args.out) if args.out else Path(args.generations).with_suffix(".scores.json")  # never a run's eval.json
-    out.write_text(json.dumps(results, indent=2))
-    scores = {**results["nlg"], **{k: v for k, v in results["ce"].items() if k != "per_label"}}
-    print(json.dumps(scores, indent=1), f"\n{summary(results)}\nwrote {out}")
+    out.write_text(json.dumps(result, indent=2))
+    scores = {**result["nlg"], **{k: v for k, v in result["ce"].items() if k != "per_label"}}
+    print(json.dumps(scores, indent=1), f"\n{summary(result)}\nwrote {out}")
 
 
 def generate_command(args):
@@ -2271,8 +2220,7 @@ class RuleLabeler:
         self.mentions = []  # (label index, mention pattern, unmention pattern), one per label
         for name, phrases in self.MENTIONS.items():
             alternatives = [f"(?:{p})" for p in phrases]
-            hedged = self.HEDGED.get(name)
-            if hedged:
+            if hedged := self.HEDGED.get(name):
                 alternatives.append(f"(?P<hedged>{'|'.join(hedged)})")
             word_start = "" if name == "No Finding" else r"\b"  # No Finding's phrases match inside words
             pattern = re.compile(word_start + "(?:" + "|".join(alternatives) + ")")
@@ -2287,8 +2235,7 @@ class RuleLabeler:
         """(14,) labels of one lower-cased report; No Finding's place holds the abnormal findings outside the 13."""
         labels = np.full(len(CHEXPERT_LABELS), np.nan)
         boundaries = [(0, 0)] + [m.span() for m in self.boundaries.finditer(text)] + [(len(text), len(text))]
-        starts = [start for start, _ in boundaries]
-        ends = [end for _, end in boundaries]
+        starts, ends = [start for start, _ in boundaries], [end for _, end in boundaries]
         cues = [(m.start(), m.end(), self.CUES[m.lastindex - 1]) for m in self.cues.finditer(text)]
         for idx, pattern, unmention in self.mentions:
             found = set()
