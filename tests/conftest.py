@@ -430,3 +430,73 @@ def starting_weights(monkeypatch):
 
     monkeypatch.setattr(common.Run, "restore", keep)
     return seen
+
+
+class Stop(Exception):
+    """Raised where a settings test has read what it needs (tests/test_paper_settings.py)."""
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """What a run builds, read from the objects themselves: every Run.restore (its stage's folder name, the model, the
+    optimiser, the schedule, the state, the parameters that train), every Run.steps (its total and one batch drawn
+    from its batches), build_policy (policy, reference, options) and the first rollout's arguments, where the run
+    stops (Stop). Evaluations are skipped (fake_eval). Settings: `skip` = stage folder names whose steps do not run
+    (their results and final/ are written as if they had: the next stage starts), `stop` = names whose restore
+    raises Stop after it is read."""
+    from types import SimpleNamespace
+
+    import common
+
+    seen = SimpleNamespace(restores={}, steps={}, policies=[], rollout=None, run=None, skip=set(), stop=set())
+    real = SimpleNamespace(
+        start_run=common.start_run, build_policy=common.build_policy, restore=common.Run.restore, steps=common.Run.steps
+    )
+
+    def start_run(args, *a, **k):
+        seen.run = real.start_run(args, *a, **k)
+        return seen.run
+
+    def build_policy(run, records, max_new_tokens, **options):
+        policy, ref = real.build_policy(run, records, max_new_tokens, **options)
+        seen.policies.append(SimpleNamespace(policy=policy, ref=ref, options=options, records=records))
+        return policy, ref
+
+    def restore(self, model, optimizer=None, scheduler=None, state=None):
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        start = real.restore(self, model, optimizer, scheduler, state)
+        seen.restores[self.out.name] = SimpleNamespace(
+            run=self,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            trainable=trainable,
+            frozen=frozen,
+        )
+        if self.out.name in seen.stop:
+            raise Stop(f"read {self.out.name}'s restore")
+        return start
+
+    def steps(self, total, batches, *a, **k):
+        seen.steps[self.out.name] = SimpleNamespace(total=total, batch=next(batches(0)))
+        return iter(()) if self.out.name in seen.skip else real.steps(self, total, batches, *a, **k)
+
+    def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0, ref="none"):
+        seen.rollout = SimpleNamespace(policy=policy, studies=len(images), G=G, max_new_tokens=max_new_tokens)
+        seen.rollout.temperature, seen.rollout.ref = temperature, ref
+        raise Stop("read the first rollout")
+
+    monkeypatch.setattr(common, "start_run", start_run)
+    monkeypatch.setattr(common, "build_policy", build_policy)
+    monkeypatch.setattr(common.Run, "restore", restore)
+    monkeypatch.setattr(common.Run, "steps", steps)
+    monkeypatch.setattr(common, "rollout", rollout)
+    monkeypatch.setattr(common.Run, "evaluate", fake_eval)
+    return seen
+
+
+def lr_factors(scheduler, steps) -> list[float]:
+    """The schedule's lr multiplier at each of `steps` (LambdaLR's function), rounded to 6 places."""
+    return [round(scheduler.lr_lambdas[0](k), 6) for k in steps]
