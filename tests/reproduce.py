@@ -1843,7 +1843,7 @@ def machine() -> dict:
 
 def commit() -> str:
     """The project's commit; '+changes' when tracked files that a run reads differ from it (a sweep should run from a
-    commit). The figures and results a sweep writes, and the README, do not count."""
+    commit). The figures and results a sweep writes, and the documents (*.md), do not count."""
 
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()

@@ -16,7 +16,7 @@ import torch
 import common
 import deer
 import test_chexbert
-from conftest import Crash, labels, metrics_rows, qwen_flags, torchrun
+from conftest import Crash, Stop, labels, metrics_rows, qwen_flags, torchrun
 from deer import (
     align_to_tokens,
     diagnostic_diversity,
@@ -682,3 +682,41 @@ def test_sft_converges_by_its_declared_rule(tmp_path, small_synthetic, monkeypat
     ]
     best = json.loads((tmp_path / "d" / "sft" / "eval_val_step2.json").read_text())
     assert rows[1]["validation"] == best["ce"]["example_f1"]  # what was validated is what the rule read
+
+
+def test_the_premise_beta_by_hand(monkeypatch):
+    """BETA_RULE on made-up samples: beta = (1.1 - 1) / the median s~ (Eq. 11's normalised saliency, w - 1 at beta 1)
+    of the tokens outside the reference's findings (no rule-labeler mention of a target over them). Report 1 (reference:
+    Cardiomegaly) has s~ 0.4, 3.0, 0.2, 0.6, 0.8, 0.2 on "mild", "cardiomegaly", ".", "lungs", "clear", "."; only
+    "cardiomegaly" names the finding: outside 0.4, 0.2, 0.6, 0.8, 0.2, median 0.4 -> beta 0.25. Report 2's reference
+    has no finding (its w is 1 everywhere): none of its tokens count. A median of 0 keeps the printed beta, 1."""
+    text = "mild cardiomegaly. lungs clear."
+    spans = [(0, 4), (5, 17), (17, 18), (19, 24), (25, 30), (30, 31)]
+    s_tilde = torch.tensor([[0.4, 3.0, 0.2, 0.6, 0.8, 0.2], [9.0] * 6])
+    ref_labels = np.vstack([labels(Cardiomegaly=1), labels(No_Finding=1)])
+    group = dict(ids=torch.zeros(2, 6, dtype=torch.long), mask=torch.ones(2, 6), ref_labels=ref_labels)
+    monkeypatch.setattr(deer, "sample_groups", lambda *a: iter([(None, group)]))
+    monkeypatch.setattr(deer, "token_spans", lambda policy, ids, mask: ([text, text], [spans, spans]))
+    monkeypatch.setattr(deer, "gradient_weights", lambda labeler, texts, spans, mask, targets, beta: s_tilde + beta)
+    run = type("Run", (), {"labeler": None})()
+    premise = deer.premise_beta(run, deer.Args(), None, None, None)
+    assert premise == pytest.approx(
+        dict(beta=0.25, median_s_outside=0.4, median_s_inside=3.0, tokens_outside=5, tokens_inside=1)
+    )
+    s_tilde[0] = 0.0
+    assert deer.premise_beta(run, deer.Args(), None, None, None)["beta"] == 1.0
+    assert deer.BETA_RULE == dict(median=1.1, studies=64) and deer.Args().beta is None
+
+
+def test_beta_as_printed_is_a_flag(tmp_path, synthetic_is_small, built, monkeypatch):
+    """--beta 1 (Sec. 4.1's value) skips the rule; without it the rule's beta is computed and recorded by the stage."""
+    monkeypatch.setattr(deer, "premise_beta", lambda *a: {"beta": 0.25, "median_s_outside": 0.4})
+    built.skip, built.stop = {"sft"}, {"ddsampling"}
+    with pytest.raises(Stop):
+        deer.main(["all", "--out", str(tmp_path / "run")])
+    for flags, beta in (([], {"beta": 0.25, "median_s_outside": 0.4}), (["--beta", "1"], {"beta": 1.0})):
+        with pytest.raises(Stop):
+            deer.main(["rl", "--out", str(tmp_path / "run"), "--subset", "all", *flags])
+        stage = tmp_path / "run" / "rl_grad_all"
+        assert json.loads((stage / "config.json").read_text())["resolved"]["beta"] == beta
+        shutil.rmtree(stage)

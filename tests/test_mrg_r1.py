@@ -429,7 +429,20 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, fast, monke
     ck = torch.load(out / "last.pt", weights_only=True)
     params = [k for k in ck["model"] if "lora_" in k]
     assert ck["partial"] and params and not any("visual" in k for k in params)
-    assert not any(isinstance(m, common.LoRALinear) for m in common.load_policy(out / "final").model.modules())
+    loaded = common.load_policy(out / "final")
+    assert not any(isinstance(m, common.LoRALinear) for m in loaded.model.modules())
+    # final/ is a Hugging Face model folder: transformers' own from_pretrained reads the same weights (LoRA folded in)
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    plain = AutoModelForImageTextToText.from_pretrained(out / "final")
+    assert AutoProcessor.from_pretrained(out / "final").tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
+    theirs, ours = plain.state_dict(), loaded.model.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    # and `python common.py generate` writes its report with the run's prompt and <report> extraction
+    study = common.load_annotation(small_synthetic)["test"][0]
+    (row,) = common.generate_reports(out, [(study.id, study.image_paths)])
+    completion = common.greedy_reports(loaded, [study], mrg_r1.PROMPTS["tags"], 8, "cpu", torch.float32)[0]
+    assert row == {"id": study.id, "views": study.image_paths, "report": mrg_r1.extract_report(completion)}
 
 
 def test_the_warm_start_is_a_stage_that_resumes(tmp_path, small_synthetic, fast, monkeypatch, crash_after_checkpoint):

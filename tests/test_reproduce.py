@@ -644,21 +644,32 @@ def test_mention_f1_by_hand():
 
 
 def test_commit_is_marked_changed_by_code_not_by_a_sweeps_figures(tmp_path, monkeypatch):
+    """A run records the commit it ran at: a change to what a run reads (a script, common.py, the sandbox, its shipped
+    models, the sweep's own runner) marks it '+changes'; what a sweep writes (results, figures) and the documents
+    (README, tests/RESULTS.md, MACHINES.md) do not. Each file is changed alone, in a repository made here."""
+
     def git(*a):
         subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
 
-    (tmp_path / "tests" / "figures").mkdir(parents=True)
-    (tmp_path / "orapo.py").write_text("x = 1\n")
-    (tmp_path / "tests" / "figures" / "orapo.png").write_bytes(b"png")
+    code = ["orapo.py", "common.py", "tests/sandbox.py", "tests/reproduce.py", "tests/sandbox_models/chexbert-v2/a.pt"]
+    outputs = ["tests/figures/orapo.png", "tests/results/orapo.json", "README.md", "tests/RESULTS.md"]
+    outputs += ["tests/MACHINES.md"]
+    for name in code + outputs:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("first\n")
     git("init", "-q")
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
     monkeypatch.setattr(reproduce, "ROOT", tmp_path)
     clean = reproduce.commit()
-    (tmp_path / "tests" / "figures" / "orapo.png").write_bytes(b"drawn by a sweep")
-    assert reproduce.commit() == clean and "+" not in clean
-    (tmp_path / "orapo.py").write_text("x = 2\n")
-    assert reproduce.commit() == clean + "+changes"
+    assert len(clean) == 12 and "+" not in clean
+    for name in code + outputs:
+        (tmp_path / name).write_text("changed\n")
+        marked = reproduce.commit()
+        git("checkout", "--", name)
+        assert marked == (clean + "+changes" if name in code else clean), name
+    (tmp_path / "notes.py").write_text("untracked\n")  # not part of the commit: no run reads it
+    assert reproduce.commit() == clean
 
 
 def test_best_constant_report_by_hand():
