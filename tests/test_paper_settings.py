@@ -64,11 +64,21 @@ def is_frozen_copy(ref, policy) -> bool:
     )
 
 
+def subset_sizes(monkeypatch) -> list:
+    """The n each call of orapo.balanced_subset is asked for (Sec. 4.1's training subset)."""
+    sizes, real = [], orapo.balanced_subset
+
+    def balanced_subset(labels, n, seed):
+        sizes.append(n)
+        return real(labels, n, seed)
+
+    monkeypatch.setattr(orapo, "balanced_subset", balanced_subset)
+    return sizes
+
+
 # OraPO (Sec. 4.1, App. A: the whole 3B trains, RL only, TRL's GRPOTrainer defaults) ---------------------------------
 def test_orapo_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_dir, built, monkeypatch):
-    sizes = []
-    real_subset = orapo.balanced_subset
-    monkeypatch.setattr(orapo, "balanced_subset", lambda y, n, seed: sizes.append(n) or real_subset(y, n, seed))
+    sizes = subset_sizes(monkeypatch)
     with pytest.raises(Stop):
         orapo.main(qwen_flags(hf_studies, tiny_qwen_dir, tmp_path / "run"))
     read, (made,) = built.restores["run"], built.policies
@@ -88,9 +98,7 @@ def test_orapo_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_
 
 
 def test_orapo_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built, monkeypatch):
-    sizes = []
-    real_subset = orapo.balanced_subset
-    monkeypatch.setattr(orapo, "balanced_subset", lambda y, n, seed: sizes.append(n) or real_subset(y, n, seed))
+    sizes = subset_sizes(monkeypatch)
     with pytest.raises(Stop):
         orapo.main(["--out", str(tmp_path / "run")])
     read, (made,) = built.restores["run"], built.policies
@@ -107,7 +115,7 @@ def test_orapo_random_tiny_model_learns_report_text_blind_first(tmp_path, small_
     with pytest.raises(Stop):
         orapo.main(["--data", str(small_synthetic), "--out", str(tmp_path / "run")])
     sft = built.restores["warm_start"]
-    assert adamw_of(sft)["lr"] == 1e-3 and built.steps["warm_start"].batch["id"].__len__() == 32
+    assert adamw_of(sft)["lr"] == 1e-3 and len(built.steps["warm_start"].batch["id"]) == 32
     assert {k: sft.state[k] for k in ("every", "patience", "min_gain", "max_steps")} == orapo.CONVERGE
     assert orapo.CONVERGE == dict(every=100, patience=3, min_gain=0.01, max_steps=5000)
     assert built.run.args.labeler == "rule", "--labeler auto on real data with the tiny model: the offline rules"
@@ -250,7 +258,11 @@ def test_dcrrg_settings_of_the_paper_model(tmp_path, small_synthetic, built, mon
     """--model paper (ResNet-50, BERT 512 / 8 heads): each step's optimiser, batch, budget and what trains."""
     built.skip = {"step1", "step2", "step3", "step4"}
     real_fit = dcrrg.fit
-    monkeypatch.setattr(dcrrg, "fit", lambda *a: real_fit(*a[:-1], lambda model, st: fake_eval()))  # none run
+
+    def fit(*a):  # the real fit, its evaluation skipped
+        return real_fit(*a[:-1], lambda model, st: fake_eval())
+
+    monkeypatch.setattr(dcrrg, "fit", fit)
     monkeypatch.setattr(dcrrg, "standardise_memory", lambda *a: None)
     flags = ["all", "--data", str(small_synthetic), "--model", "paper", "--pretrained", "none", "--labeler", "rule"]
     dcrrg.main([*flags, "--out", str(tmp_path / "run")])

@@ -3,6 +3,7 @@ undid (a list or string multiplied by a condition, a comprehension or a tuple bu
 bound to a name), at most 5 `noqa` in the repository. ruff itself (format, check) runs in .ci/run."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,17 @@ def test_at_most_five_noqa():
     marker = "# " + "noqa"  # written in two parts: this file holds none
     lines = [f"{f.name}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1) if marker in line]
     assert len(lines) <= 5, lines
+
+
+def test_the_readme_leads_with_use():
+    """At most 20 KB (issue 50); its first 60 lines: the five scripts and their papers' arXiv ids (RRGCL's review copy
+    and DCRRG's EMNLP paper have none), the Quick start (OraPO, the suite), the real-data torchrun command with a
+    Hugging Face model and the CheXbert weights it needs, and how to read a script beside its paper."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 20_000, f"README.md: {len(text.encode())} bytes"
+    head = "\n".join(text.splitlines()[:60])
+    assert all(f"`{script}.py`" in head for script in ("orapo", "mrg_r1", "deer", "rrgcl", "dcrrg"))
+    assert all(f"arXiv:{n}" in head for n in ("2509.18600", "2512.16145", "2603.04022"))
+    assert "## Quick start" in head and "&& python orapo.py\n" in head and 'pytest -q -n 2 tests -m "not slow"' in head
+    assert re.search(r"torchrun \S+ orapo\.py --data \S+ --model Qwen/", head) and "chexbert.pth" in head
+    assert "## Reading a script beside its paper" in head
