@@ -8,7 +8,7 @@ to write one observation's description; Step 4 learns P-Tuning v2 prefixes and a
 
     python dcrrg.py                  # = dcrrg.py all: synthetic set, tiny sizes, 4 steps + evaluation
     python dcrrg.py step3 --resume   # one step, from out/step2/model.pt
-    python dcrrg.py ablation         # Table 4's Models 1-7 -> out/ablation/ablation.json (one --seed per run)
+    python dcrrg.py ablation         # Table 4's Models 1-7 -> out/ablation/ablation.json: 12 CPU-min a seed
 
 Equations, and where they are implemented:
     Sec. 3.1    targets: unmentioned negative, uncertain out;  observation_targets, draw_pairs (re-sampling),

@@ -10,7 +10,7 @@ token's advantage the report's times a weight: 1 + alpha TF-IDF of the token in 
 CheXbert saliency of the reference's findings (grad). Table 6 masks the top 10 % of tokens by each weighting; Table 7
 compares the reward diversity of groups, random 100 % vs DDSampling 20 %.
 
-    python deer.py                          # = deer.py all: synthetic set, tiny model, SFT -> DDSampling -> DiTPO
+    python deer.py                          # = deer.py all: synthetic, tiny: SFT -> DDSampling -> DiTPO, 8 CPU-min
     python deer.py rl --weighting none      # GRPO from the same SFT model and subset (out/rl_none)
     python deer.py table7 && python deer.py table6
     torchrun --nproc_per_node=8 deer.py all --data /data/mimic_cxr --model Qwen/Qwen2.5-VL-3B-Instruct --fsdp

@@ -9,7 +9,7 @@ happens (the zero-reward rate, ZRR) and mixes in a DPO loss that prefers the gro
 each of the G failed samples, weighted by lambda = lambda_min + (lambda_max - lambda_min) * ZRR^p.
 `--lambda-min 0 --lambda-max 0` is vanilla GRPO with the same reward and bookkeeping (Fig. 2's baseline).
 
-    python orapo.py                                            # synthetic set, the foundation: 2.5 CPU-minutes
+    python orapo.py                                            # synthetic set, the foundation: 3 CPU-minutes
     python orapo.py --lambda-min 0 --lambda-max 0 --out runs/orapo_grpo   # vanilla GRPO (Fig. 2)
     python orapo.py --train-size 400                           # Table 4's 400-study row
     python orapo.py --facts hf:Qwen/Qwen2.5-1.5B-Instruct      # facts extracted by a local instruction-tuned LM

@@ -6,7 +6,7 @@ semantic gap (VNS-Gap: an image like others' with a report unlike theirs) and th
 score (ITAS: a MINE statistics network's value on the pair). Algorithm 1 trains epoch t on the easiest lambda_n(t) of
 every class, easy classes (by their studies' mean) faster, all at t = T; around any generator: here the policy's SFT.
 
-    python rrgcl.py                                   # synthetic set, from the foundation: measure, schedule, converge
+    python rrgcl.py                                   # synthetic, the foundation: measure, schedule: 6 CPU-min
     python rrgcl.py --scheduler none --difficulty runs/rrgcl-synthetic/difficulty.json --out runs/none   # baseline
     python rrgcl.py q1 --out runs/rrgcl-synthetic     # Fig. 1 on the run's (or any model's) test reports
     python rrgcl.py --data /data/mimic_cxr --measure-only --difficulty mimic_dif.json --visual-encoder resnet101.pth \\
