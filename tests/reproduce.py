@@ -352,6 +352,29 @@ def deer_read(root, seed):
     return out
 
 
+WEIGHT_STATISTICS = [
+    "beta",
+    "median s~ off the findings",
+    "token weight mean",
+    "token weight median",
+    "token weight max",
+]
+
+
+def deer_token_weights(results, seeds) -> list[str]:
+    """Eq. 6's token weights of each weighted arm (each step's mean, median and max, averaged over its RL steps) and
+    Eq. 12's beta with the median s~ off the findings it was set from: the mean over seeds (fewest, most)."""
+    lines = ["", "| weighted arm: mean over seeds (fewest, most) | " + " | ".join(WEIGHT_STATISTICS) + " |"]
+    lines.append("|---" * (len(WEIGHT_STATISTICS) + 1) + "|")
+    for arm in [a for a in DEER_ARMS if max(values(results, seeds, a, "token weight max"), default=1) > 1]:
+        cells = []
+        for key in WEIGHT_STATISTICS:
+            v = [x for x in values(results, seeds, arm, key) if not math.isnan(x)]
+            cells.append(f"{np.mean(v):.3f} ({min(v):.3f}, {max(v):.3f})" if v else "")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def orapo_jobs(seed, declared):
     """Fig. 2 and Table 4's rows 3, 4 and 6: OraPO against GRPO (lambda 0), both on FactS, paired by seed; row 4,
     OraPO on 400 studies of row 3's 1,000: the sandbox's 100 of 250, as many visits each (TRL's epochs: 100 steps)."""
@@ -1493,6 +1516,7 @@ EXPERIMENTS = {
         DECLARED,
         {"n": 500, "ce": {"headline": "example_f1", "uncertain_as": 0}},
         figure=comparison_figure,
+        extra=deer_token_weights,
         meteor=True,
     ),
     "orapo": Experiment(

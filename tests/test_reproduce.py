@@ -1,6 +1,7 @@
 """tests/reproduce.py: the rule in code, the tables printed from results, the experiments' definitions, the runner."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -711,3 +712,33 @@ def test_image_ceiling_classifier_predicts_attribute_sets_it_was_shown(small_syn
     for f in findings:
         for name, attrs in f.items():
             assert json.dumps(attrs, sort_keys=True) in options[common.FINDINGS.index(name)]
+
+
+def test_deer_prints_each_weighted_arms_token_weights_and_beta():
+    """Eq. 6's weights and Eq. 12's beta as the diagnosis cites them: mean over seeds (fewest, most); GRPO's weights,
+    all 1, leave it out; a rule arm has no beta."""
+    nan = math.nan
+    weights = {"token weight mean": 1.0, "token weight median": 1.0, "token weight max": 1.0, "beta": nan}
+    grad = [
+        dict(weights, **{"token weight max": m, "beta": b, "median s~ off the findings": 1.6})
+        for m, b in ((2, 0.06), (3, 0.04))
+    ]
+    results = {
+        1: {
+            "GRPO (100 %)": weights,
+            "DiTPO (100 %)": grad[0],
+            "DEER, rule": dict(weights, **{"token weight max": 9.0}),
+        },
+        2: {
+            "GRPO (100 %)": weights,
+            "DiTPO (100 %)": grad[1],
+            "DEER, rule": dict(weights, **{"token weight max": 9.0}),
+        },
+    }
+    lines = reproduce.deer_token_weights(results, [1, 2])
+    ditpo = (
+        "| DiTPO (100 %) | 0.050 (0.040, 0.060) | 1.600 (1.600, 1.600) | 1.000 (1.000, 1.000) | 1.000 (1.000, 1.000)"
+    )
+    assert lines[3] == ditpo + " | 2.500 (2.000, 3.000) |"
+    assert lines[4] == "| DEER, rule |  |  | 1.000 (1.000, 1.000) | 1.000 (1.000, 1.000) | 9.000 (9.000, 9.000) |"
+    assert len(lines) == 5 and reproduce.EXPERIMENTS["deer"].extra is reproduce.deer_token_weights
