@@ -299,23 +299,65 @@ def labels(**values):
     return row
 
 
-def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: bool = True):
-    """Run ROOT/script under `python -m torch.distributed.run --nproc_per_node=nproc --standalone`
-    on CPU (gloo), one thread per process; fails the test with the end of stderr if it fails (or, ok=False, not)."""
+TORCHRUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}  # CPU (gloo), 1 thread
+_forkservers: list = []  # this pytest process's, one per rank: (socket path, server process)
+
+
+def forkservers() -> str:
+    """The sockets of tests/forkserver.py's two servers (one per rank of a two-process torchrun; started on first use,
+    stopped when pytest ends): processes started through them skip their imports (~6 CPU-s each)."""
+    import subprocess
+    import tempfile
+    import time
+
+    if not _forkservers:
+        folder = Path(tempfile.mkdtemp(prefix="rrg-forkserver-"))
+        for rank in range(2):
+            path, log = folder / f"rank{rank}", (folder / f"rank{rank}.log").open("w")
+            command = [sys.executable, "-u", str(ROOT / "tests" / "forkserver.py"), "serve", str(path)]
+            env = {k: v for k, v in dict(os.environ, **TORCHRUN_ENV).items() if k != "PYTHONPATH"}
+            server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            _forkservers.append((path, server))
+    for path, server in _forkservers:
+        while not path.exists():  # the server is importing
+            assert server.poll() is None, f"{path}: the fork server died: " + path.with_suffix(".log").read_text()
+            time.sleep(0.05)
+    return ",".join(str(path) for path, _ in _forkservers)
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for path, server in _forkservers:
+        server.kill()
+        server.wait()
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def run_python(script, *args: str, env: dict | None = None, cwd=None, timeout: int = 300):
+    """`python -u script args` (a CompletedProcess, text captured), started through the fork servers: the same run
+    without its imports. The environment: os.environ, TORCHRUN_ENV's, then `env`."""
     import subprocess
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, str(ROOT / "tests" / "forkserver.py"), "run", forkservers(), str(script), *args]
+    environment = {**os.environ, **TORCHRUN_ENV, **(env or {})}
+    return subprocess.run(
+        command, env=environment, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: bool = True):
+    """ROOT/script under `python -m torch.distributed.run --nproc_per_node=nproc --standalone` on CPU (gloo), one
+    thread per process, each worker started through the fork servers (`--no-python python tests/forkserver.py run`,
+    which runs `python -u script flags` without its imports); fails the test with the end of stderr if it fails (or,
+    ok=False, if it does not)."""
+    import subprocess
+
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
+    worker = ["--no-python", sys.executable, str(ROOT / "tests" / "forkserver.py"), "run", forkservers()]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--standalone",
-            str(ROOT / script),
-            *flags,
-        ],
-        env=env,
+        [*launch, *worker, str(ROOT / script), *flags],
+        env=dict(os.environ, **TORCHRUN_ENV),
         capture_output=True,
         text=True,
         timeout=timeout,

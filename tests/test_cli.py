@@ -16,6 +16,7 @@ import pytest
 import common
 import reproduce
 import sandbox
+from conftest import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,14 +36,7 @@ ROWS = [
 
 
 def run_common(*args):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "common.py"), *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=False,
-    )
+    return run_python(ROOT / "common.py", *args, cwd=ROOT, timeout=120)
 
 
 def test_evaluate_writes_the_same_numbers_as_the_functions(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 import common
 import sandbox
-from conftest import ROOT
+from conftest import ROOT, run_python
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,7 @@ def test_generate_writes_the_report_the_run_evaluated_with(real_data_run, small_
 def test_generate_from_the_command_line(real_data_run, small_synthetic):
     """`python common.py generate` in a process of its own (common.py as __main__ imports mrg_r1 for the report)."""
     out, study = real_data_run[0], common.load_annotation(small_synthetic)["test"][0]
-    command = [sys.executable, str(ROOT / "common.py"), "generate", str(out), *study.image_paths]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+    done = run_python(ROOT / "common.py", "generate", str(out), *study.image_paths, timeout=120)
     rows = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
     assert done.returncode == 0, done.stderr[-1000:]
     assert done.stdout.strip() == next(r["generated"] for r in rows if r["id"] == study.id).strip()

@@ -3,7 +3,6 @@ compares with; two of its parts run on the CPU, to check the parts themselves.""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,15 +14,14 @@ import common
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import gpu_check
+from conftest import run_python
 
 
 def test_without_cuda_it_prepares_says_so_in_one_line_and_exits_0(tmp_path):
     """CUDA_VISIBLE_DEVICES="" hides any GPU: the CPU-side preparation runs (the data, the tiny Qwen2.5-VL, the 3B's
     config without weights, the word pieces), stdout is one line, the exit status 0, and no gpu.json is written."""
     work, out = tmp_path / "work", tmp_path / "gpu.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    command = [sys.executable, str(ROOT / "tests" / "gpu_check.py"), "--work", str(work), "--out", str(out)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = run_python(ROOT / "tests" / "gpu_check.py", "--work", str(work), "--out", str(out))  # with no CUDA device
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [proc.stdout.strip()] and "no CUDA device" in proc.stdout
     assert not out.exists()
