@@ -110,6 +110,18 @@ def test_orapo_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built, m
     assert (built.rollout.G, built.rollout.max_new_tokens) == (8, 96)
 
 
+def test_orapo_warm_start_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_dir, built):
+    """--sft-steps on the HF path (ours: the paper has no SFT): WARM_START's lr and batch, the whole model trains."""
+    built.skip, built.stop = {"warm_start"}, {"run"}
+    with pytest.raises(Stop):
+        orapo.main(qwen_flags(hf_studies, tiny_qwen_dir, tmp_path / "run", "--sft-steps", "3"))
+    sft = built.restores["warm_start"]
+    assert orapo.WARM_START == dict(lr=1e-3, batch_size=32)
+    assert adamw_of(sft) == dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, all=True)  # torch AdamW's defaults
+    assert len(built.steps["warm_start"].batch["id"]) == 32 and built.steps["warm_start"].total == 3
+    assert not sft.frozen
+
+
 def test_orapo_random_tiny_model_learns_report_text_blind_first(tmp_path, small_synthetic, built):
     built.skip = {"warm_start"}
     with pytest.raises(Stop):
@@ -139,6 +151,19 @@ def test_mrg_r1_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen
     r = built.rollout
     assert (r.G, r.studies, r.max_new_tokens, r.temperature, r.ref) == (4, 4, 256, 1.0, "lora")
     assert (built.run.args.beta, built.run.args.reward, mrg_r1.MAX_GRAD_NORM) == (0.04, "mccs+format", 0.1)
+
+
+def test_mrg_r1_warm_start_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_dir, built):
+    """--sft-steps on the HF path (the paper's SFT row names no settings; ours): lr 1e-5 (the tiny model's 1e-3 would
+    wreck a 3B), 32 studies a step, the LoRA adapters alone train, as many steps as asked, no convergence rule."""
+    built.skip, built.stop = {"warm_start"}, {"run"}
+    with pytest.raises(Stop):
+        mrg_r1.main(qwen_flags(hf_studies, tiny_qwen_dir, tmp_path / "run", "--sft-steps", "3"))
+    sft, (made,) = built.restores["warm_start"], built.policies
+    assert adamw_of(sft)["lr"] == 1e-5 and len(built.steps["warm_start"].batch["id"]) == 32
+    assert mrg_r1.WARM_START == dict(lr_tiny=1e-3, lr_hf=1e-5, batch_size=32)
+    assert built.steps["warm_start"].total == 3 and made.options["warm_start"]["converge"] is None
+    assert sft.trainable and all(".lora_A" in n or ".lora_B" in n for n in sft.trainable)
 
 
 def test_mrg_r1_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built):
@@ -178,6 +203,8 @@ def test_deer_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_d
     r = built.rollout
     assert (r.G, r.studies, r.max_new_tokens, r.temperature, r.ref) == (8, 64, 256, 1.0, "none")
     assert (built.run.args.alpha, built.run.args.gamma, built.run.args.fraction) == (4.0, 0.25, 0.2)
+    assert (deer.K, deer.TOP_P, deer.TEMPERATURE) == (10, 0.9, 1.0), "Sec. 3.2: K = 10 nucleus samples (top-p ours)"
+    assert deer.MAX_GRAD_NORM == 1.0, "the paper gives none: verl's clip"
 
 
 def test_deer_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built):
@@ -241,6 +268,7 @@ def test_rrgcl_settings_on_a_hugging_face_model(tmp_path, small_synthetic, tiny_
     only_lora_trains(read, made.policy, dict(r=16, alpha=32, dropout=0.05, targets=rrgcl.LORA_TARGETS))
     assert len(rrgcl.LORA_TARGETS) == 7 and adamw_of(read)["lr"] == 1e-4
     assert lr_factors(read.scheduler, [0, 5]) == [1.0, 1.0] and read.state is None, "constant lr, no stopping rule"
+    assert rrgcl.MAX_GRAD_NORM == 1.0
 
 
 def test_rrgcl_settings_on_the_tiny_model(tmp_path, synthetic_is_small, small_synthetic, built, made_up_difficulty):
