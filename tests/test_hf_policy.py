@@ -45,6 +45,26 @@ def test_prompt_batch_left_padded_and_whole(policy, studies):
     assert p["attention_mask"][0, 0] == 0 and p["attention_mask"][1].all()
 
 
+def test_max_pixels_bounds_each_view_and_small_views_grow_to_56_px(tiny_qwen_dir):
+    """--max-pixels (the scripts' default 512 x 512): a MIMIC-CXR-sized view shrinks to at most that area, 320 image
+    tokens; a view smaller than 56 x 56 grows to it (Qwen2.5-VL's min_pixels), 4 tokens, as the model was trained."""
+    from PIL import Image
+
+    policy = common.HFPolicy(str(tiny_qwen_dir), device="cpu", max_pixels=512 * 512)
+    assert policy.processor.image_processor.size == {"longest_edge": 512 * 512, "shortest_edge": 56 * 56}
+    image_id = policy.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for size, tokens in [((2544, 3056), 320), ((20, 20), 4)]:  # 320 = 20 x 16 (tests/test_real_arch.py)
+        p = policy.prompt_batch([[Image.new("L", size, 100)]], PROMPT)
+        assert (p["input_ids"] == image_id).sum().item() == tokens, size
+
+
+def test_sft_and_dpo_targets_end_with_eos_at_most_512_tokens(policy):
+    ids, mask = policy.encode_targets(["the heart is normal . " * 200, "no effusion ."])
+    assert ids.shape[1] == 512 and mask.sum(1)[0] == 512 and ids[0, 511] == policy.eos_token_id
+    n = int(mask[1].sum())
+    assert n < 512 and ids[1, n - 1] == policy.eos_token_id and not mask[1, n:].any()
+
+
 def test_repeat_copies_each_study_with_its_own_images(policy, studies):
     views, _ = studies
     p = policy.prompt_batch(views, PROMPT)
