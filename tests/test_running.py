@@ -104,6 +104,25 @@ def test_lora_update_by_hand_and_merge():
     torch.testing.assert_close(merged(x), model(x), rtol=0, atol=1e-6)
 
 
+def test_lora_a_starts_as_peft_and_dropout_reaches_the_adapter_alone():
+    """A: nn.Linear's (and PEFT's) init, kaiming_uniform_(a=sqrt(5)), U(-1/sqrt(in), 1/sqrt(in)); B: 0. In training,
+    h = W0 x + b + (alpha / r) B A dropout(x): the base sees x itself (PEFT's LoRA dropout)."""
+    base = torch.nn.Linear(256, 64)
+    torch.manual_seed(1)
+    layer = LoRALinear(base, r=16, alpha=32, dropout=0.5)
+    torch.manual_seed(1)
+    expected_a = torch.nn.init.kaiming_uniform_(torch.empty(16, 256), a=math.sqrt(5))
+    assert torch.equal(layer.lora_A, expected_a) and layer.lora_A.abs().max() <= 1 / 16 and not layer.lora_B.any()
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    x = torch.randn(5, 256)
+    torch.manual_seed(2)
+    h = layer.train()(x)
+    torch.manual_seed(2)
+    dropped = torch.nn.functional.dropout(x, 0.5, training=True)
+    torch.testing.assert_close(h, base(x) + 2.0 * dropped @ layer.lora_A.T @ layer.lora_B.T)
+
+
 def test_lora_names_a_target_that_does_not_exist():
     with pytest.raises(ValueError, match=r"no nn.Linear layer name ends with one of the LoRA targets \['q_proj'\]"):
         apply_lora(_mlp(), ["q_proj"])
