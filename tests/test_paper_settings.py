@@ -317,3 +317,5 @@ def test_dcrrg_settings_of_the_paper_model(tmp_path, small_synthetic, built, mon
     model = built.restores["step4"].model
     assert type(model.image_encoder.body).__name__ == "ResNet" and model.image_encoder.dim == 2048
     assert model.text_encoder.config.hidden_size == 512 and model.text_encoder.config.num_attention_heads == 8
+    # P-Tuning v2 (Sec. 3.4): a key and a value prefix of 16 (the paper silent: ours) at each attention of each layer
+    assert model.prefix.shape[:4] == (len(model.decoder.layers), 2, 2, 16)  # (layers, attentions, key/value, length)
