@@ -547,6 +547,7 @@ def test_tables_6_and_7(staged, small, chexbert, monkeypatch):
     deer.main(["table6", *base])
     t6 = json.loads((out / "table6.json").read_text())
     assert set(t6) >= {"random", "rule"} and "grad" not in t6 and t6["n_reports"] == 32
+    assert t6["mask_frac"] == 0.1, "Table 6: the top 10 % of each report's tokens masked"
     assert all(0 <= t6[k]["label_mod_ratio"] <= 1 and 0 <= t6[k]["post_mask_f1"] <= 1 for k in ("random", "rule"))
     monkeypatch.setattr(common, "make_labeler", lambda *a, **k: chexbert)  # the tiny random CheXbert, offline
     monkeypatch.setattr(deer, "ANALYSIS_N", 2)
