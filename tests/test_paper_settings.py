@@ -269,6 +269,7 @@ def test_rrgcl_settings_on_a_hugging_face_model(tmp_path, small_synthetic, tiny_
     assert len(rrgcl.LORA_TARGETS) == 7 and adamw_of(read)["lr"] == 1e-4
     assert lr_factors(read.scheduler, [0, 5]) == [1.0, 1.0] and read.state is None, "constant lr, no stopping rule"
     assert rrgcl.MAX_GRAD_NORM == 1.0
+    assert rrgcl.MINE == dict(batch_size=256, lr=1e-4, held_out=0.2, shuffles=10), "MINE's (Belghazi et al.) lr"
 
 
 def test_rrgcl_settings_on_the_tiny_model(tmp_path, synthetic_is_small, small_synthetic, built, made_up_difficulty):
@@ -319,3 +320,7 @@ def test_dcrrg_settings_of_the_paper_model(tmp_path, small_synthetic, built, mon
     assert model.text_encoder.config.hidden_size == 512 and model.text_encoder.config.num_attention_heads == 8
     # P-Tuning v2 (Sec. 3.4): a key and a value prefix of 16 (the paper silent: ours) at each attention of each layer
     assert model.prefix.shape[:4] == (len(model.decoder.layers), 2, 2, 16)  # (layers, attentions, key/value, length)
+    dropouts = {m.p for m in model.decoder.modules() if isinstance(m, torch.nn.Dropout)}
+    text = model.text_encoder.config
+    assert dropouts == {0.1} and text.hidden_dropout_prob == text.attention_probs_dropout_prob == 0.1, "ours: 0.1"
+    assert dcrrg.RETRIEVAL_PER_CLASS == 200, "CheXpert 5x200: 200 studies of each of the 5 observations"
