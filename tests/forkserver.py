@@ -79,7 +79,7 @@ def serve(path: str):
                     send_message(client, {"refused": refused or "no request"})
                     client.close()
                 else:
-                    children[client] = start_child(request, fds, listener, client)
+                    children[client] = start_child(request, fds, listener, client, *children)
                 for fd in fds:
                     os.close(fd)
             else:  # a signal to pass on, or the client gone (killed): its child goes with it
@@ -98,6 +98,7 @@ def serve(path: str):
 
 
 def start_child(request: dict, fds: list[int], *sockets: socket.socket) -> int:
+    """Fork; in the child: the client's streams, environment and folder, the server's sockets closed, then the run."""
     pid = os.fork()
     if pid:
         return pid
