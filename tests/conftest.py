@@ -300,6 +300,7 @@ def labels(**values):
 
 
 TORCHRUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}  # CPU (gloo), 1 thread
+FORKSERVER = str(ROOT / "tests" / "forkserver.py")
 _forkservers: list = []  # this pytest process's, one per rank: (socket path, server process)
 
 
@@ -312,11 +313,12 @@ def forkservers() -> str:
 
     if not _forkservers:
         folder = Path(tempfile.mkdtemp(prefix="rrg-forkserver-"))
+        env = {k: v for k, v in dict(os.environ, **TORCHRUN_ENV).items() if k != "PYTHONPATH"}
         for rank in range(2):
-            path, log = folder / f"rank{rank}", (folder / f"rank{rank}.log").open("w")
-            command = [sys.executable, "-u", str(ROOT / "tests" / "forkserver.py"), "serve", str(path)]
-            env = {k: v for k, v in dict(os.environ, **TORCHRUN_ENV).items() if k != "PYTHONPATH"}
-            server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            path = folder / f"rank{rank}"
+            with path.with_suffix(".log").open("w") as log:
+                command = [sys.executable, "-u", FORKSERVER, "serve", str(path)]
+                server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
             _forkservers.append((path, server))
     for path, server in _forkservers:
         while not path.exists():  # the server is importing
@@ -339,7 +341,7 @@ def run_python(script, *args: str, env: dict | None = None, cwd=None, timeout: i
     without its imports. The environment: os.environ, TORCHRUN_ENV's, then `env`."""
     import subprocess
 
-    command = [sys.executable, str(ROOT / "tests" / "forkserver.py"), "run", forkservers(), str(script), *args]
+    command = [sys.executable, FORKSERVER, "run", forkservers(), str(script), *args]
     environment = {**os.environ, **TORCHRUN_ENV, **(env or {})}
     return subprocess.run(
         command, env=environment, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
@@ -354,7 +356,7 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: b
     import subprocess
 
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-    worker = ["--no-python", sys.executable, str(ROOT / "tests" / "forkserver.py"), "run", forkservers()]
+    worker = ["--no-python", sys.executable, FORKSERVER, "run", forkservers()]
     proc = subprocess.run(
         [*launch, *worker, str(ROOT / script), *flags],
         env=dict(os.environ, **TORCHRUN_ENV),

@@ -22,7 +22,6 @@ import signal
 import socket
 import struct
 import sys
-import time
 
 # Read by the libraries when they load, so fixed for the server's life: a request must match the server's.
 READ_AT_LOAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "ATEN_CPU_CAPABILITY", "CUDA_VISIBLE_DEVICES")
@@ -66,7 +65,7 @@ def serve(path: str):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(16)
-    os.rename(path + ".tmp", path)  # clients wait for the path: it appears once the imports are done
+    os.rename(path + ".tmp", path)  # the path appears once the imports are done (conftest.forkservers waits for it)
     children, parent = {}, os.getppid()  # children: client connection -> child pid
     while os.getppid() == parent:  # the pytest process that started it is alive
         ready, _, _ = select.select([listener, *children], [], [], 0.05)
@@ -113,10 +112,15 @@ def start_child(request: dict, fds: list[int], *sockets: socket.socket) -> int:
     os.chdir(request["cwd"])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     code = run_as_main(request["argv"])
+    end_as(code)
+    os._exit(code)
+
+
+def end_as(code: int):
+    """A negative status is a death by that signal, as Python reports it: die by the same signal."""
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
-    os._exit(code)
 
 
 def run_as_main(argv: list[str]) -> int:
@@ -162,12 +166,7 @@ def print_traceback(e: BaseException):
 def run(sockets: str, argv: list[str]) -> int:
     """Have the server of this process's rank (LOCAL_RANK, 0 without torchrun) run argv; its exit status."""
     paths = sockets.split(",")
-    path = paths[int(os.environ.get("LOCAL_RANK", "0")) % len(paths)]
-    deadline = time.monotonic() + 300
-    while not os.path.exists(path):  # the server is still importing
-        if time.monotonic() > deadline:
-            sys.exit(f"forkserver: no server at {path}")
-        time.sleep(0.05)
+    path = paths[int(os.environ.get("LOCAL_RANK", "0")) % len(paths)]  # there once its imports are done
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     send_message(conn, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, fds=(0, 1, 2))
@@ -183,9 +182,7 @@ def run(sockets: str, argv: list[str]) -> int:
     answer, _ = receive_message(conn)
     if answer is None or "refused" in answer:
         sys.exit(f"forkserver: {path} refused the request ({answer and answer['refused']})")
-    if answer["exit"] < 0:  # killed by a signal: so is this process
-        signal.signal(-answer["exit"], signal.SIG_DFL)
-        os.kill(os.getpid(), -answer["exit"])
+    end_as(answer["exit"])
     return answer["exit"]
 
 

@@ -32,7 +32,7 @@ import torch
 import common
 import sandbox
 from common import LoRALinear, apply_lora, group_advantages, grpo_loss, lora_disabled, seed_everything
-from conftest import Crash
+from conftest import TORCHRUN_ENV, Crash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,7 +210,7 @@ def _check_two_ranks(tmp_path):
 def _launch(tmp_path, *torchrun_flags):
     script = tmp_path / "torchrun_grpo.py"
     script.write_text(TORCHRUN_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, **TORCHRUN_ENV)
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", *torchrun_flags, str(script), str(tmp_path)],
         env=env,
