@@ -652,7 +652,8 @@ def test_commit_is_marked_changed_by_code_not_by_a_sweeps_figures(tmp_path, monk
     def git(*a):
         subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
 
-    code = ["orapo.py", "common.py", "tests/sandbox.py", "tests/reproduce.py", "tests/sandbox_models/chexbert-v2/a.pt"]
+    code = ["orapo.py", "mrg_r1.py", "deer.py", "dcrrg.py", "rrgcl.py", "common.py", "tests/sandbox.py"]
+    code += ["tests/reproduce.py", "tests/sandbox_models/chexbert-v2/a.pt"]
     outputs = ["tests/figures/orapo.png", "tests/results/orapo.json", "README.md", "tests/RESULTS.md"]
     outputs += ["tests/MACHINES.md"]
     for name in code + outputs:
@@ -671,6 +672,14 @@ def test_commit_is_marked_changed_by_code_not_by_a_sweeps_figures(tmp_path, monk
         assert marked == (clean + "+changes" if name in code else clean), name
     (tmp_path / "notes.py").write_text("untracked\n")  # not part of the commit: no run reads it
     assert reproduce.commit() == clean
+    (tmp_path / "common.py").write_text("staged\n")  # a change staged but not committed is still a change
+    git("add", "common.py")
+    assert reproduce.commit() == clean + "+changes"
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "d")  # committed: a new, clean commit
+    later = reproduce.commit()
+    assert len(later) == 12 and "+" not in later and later != clean
+    (tmp_path / "deer.py").unlink()  # a script removed
+    assert reproduce.commit() == later + "+changes"
 
 
 def test_best_constant_report_by_hand():
