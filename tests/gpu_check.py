@@ -340,7 +340,7 @@ common.CHECKPOINT_EVERY, save = 1, common.Run.checkpoint
 def stop(run, step):
     save(run, step)
     open({note!r}, "w").write(torch.distributed.get_backend())
-    if step == int(os.environ.get("STOP", -1)) and run.out.name != "warm_start":
+    if step + 1 == int(os.environ.get("STOP", -1)) and run.out.name != "warm_start":  # step: 0-based
         raise KeyboardInterrupt
 common.Run.checkpoint = stop
 orapo.main()

@@ -563,7 +563,7 @@ rank = os.environ["RANK"]
 
 def stop(run, step):
     save(run, step)
-    if step == int(os.environ.get("STOP", -1)) and run.out.name != "warm_start":
+    if step + 1 == int(os.environ.get("STOP", -1)) and run.out.name != "warm_start":  # step: 0-based
         raise KeyboardInterrupt
 
 def reading(path, *args, **kwargs):
@@ -616,6 +616,7 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     finally:
         del os.environ["STOP"]
     after_step_1 = torch.load(fsdp / "last.pt", weights_only=True)
+    assert after_step_1["step"] == 1  # one step of two: the resume takes step 2 from what last.pt restores
     torchrun(str(script), str(notes), *flags, "--out", str(fsdp), "--fsdp", "--resume")
     assert sorted(p.name for p in notes.glob("*read_last.pt")) == ["rank0_read_last.pt"]
     for a, b in zip(metrics_rows(out / "metrics.jsonl"), metrics_rows(fsdp / "metrics.jsonl"), strict=True):
@@ -629,13 +630,17 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     for rank in (0, 1):  # each rank holds half of the reference (one unit per block, the rest another)
         ref = torch.load(notes / f"rank{rank}_reference.pt", weights_only=True)
         assert ref["dtensors"] and ref["local"] == pytest.approx(ref["full"] / 2, rel=0.01)
-    # the val check after step 1, against one process generating from the step-1 weights
+    # the val check after step 1, against one process generating from the step-1 weights in each rank's batch: rank 0
+    # studies 0, 2, 4, rank 1 studies 1, 3 and study 0 as padding (the same batches, so the same padding and kernels)
     policy = common.load_policy(fsdp / "warm_start" / "final")
     policy.model.load_state_dict(after_step_1["model"])
     val = common.load_annotation(small_synthetic)["val"][:5]
-    prompts = policy.prompt_batch([[common.load_image(p) for p in r.image_paths] for r in val], orapo.PROMPT)
-    with torch.no_grad():
-        expected = policy.decode(*policy.generate(prompts, 12, do_sample=False))
+    expected = [None] * 5
+    for rank, share in ((0, [0, 2, 4]), (1, [1, 3, 0])):
+        studies = [[common.load_image(p) for p in val[k].image_paths] for k in share]
+        with torch.no_grad():
+            texts = policy.decode(*policy.generate(policy.prompt_batch(studies, orapo.PROMPT), 12, do_sample=False))
+        expected[rank::2] = texts[: len(expected[rank::2])]
     rows = [json.loads(x) for x in (fsdp / "generations_val_step1.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [r.id for r in val] and [r["generated"] for r in rows] == expected
 
