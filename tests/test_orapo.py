@@ -274,8 +274,8 @@ GT = labels(Cardiomegaly=1, Edema=1, Pleural_Effusion=0)  # two findings present
     ],
 )
 def test_facts_reward_by_hand(report, p, r):
-    f = (1 + 4) * p * r / (4 * p + r) if p + r else 0.0  # Eq. 15 with beta 2
-    reward, stats = facts_reward([report], GT, SentenceFacts(), common.RuleLabeler(), 2.0)
+    f = (1 + 4) * p * r / (4 * p + r) if p + r else 0.0  # Eq. 15 with beta 2, the beta a run uses (ours: none given)
+    reward, stats = facts_reward([report], GT, SentenceFacts(), common.RuleLabeler())  # as train() calls it
     assert reward[0] == pytest.approx(f, abs=1e-6)
     assert (stats["facts_precision"], stats["facts_recall"]) == pytest.approx((p, r))
 
