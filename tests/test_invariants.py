@@ -347,7 +347,7 @@ def test_each_tables_jobs_for_a_seed():
     import reproduce
 
     def runs(name):
-        return [(j.name, j.argv, j.done, j.after) for j in reproduce.EXPERIMENTS[name].jobs(401, reproduce.DECLARED)]
+        return [(j.name, j.argv, j.done, j.after) for j in reproduce.EXPERIMENTS[name].jobs(401, reproduce.EXPLORATORY)]
 
     init = ["--init", "{root}/s401/start/warm_start/final"]
     seed = ["--seed", "401"]
