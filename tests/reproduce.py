@@ -157,6 +157,7 @@ COLLAPSED_SHARE = 1 / 3  # an arm-seed whose commonest report is more than this 
 # checks that none of them has changed since the commit that declared them
 RULE = ("ALPHA", "paired", "t_quantile", "interval", "t_test", "holm", "claim_p", "words", "check_word", "claim_rows")
 DECLARATION = ("CONFIRMATORY", "EXPLORATORY", "MRG_R1_TABLE_II", "table_ii", "EXPERIMENTS")
+DECLARED_AT = "9c8a1a148fd29452fc57cadffe79815ff40f6df7"  # the commit that declared them (named in the next commit)
 
 
 def paired(a, b) -> dict:

@@ -1,5 +1,6 @@
 """tests/reproduce.py: the rule in code, the tables printed from results, the experiments' definitions, the runner."""
 
+import ast
 import json
 import math
 import subprocess
@@ -828,3 +829,59 @@ def test_deer_prints_each_weighted_arms_token_weights_and_beta():
     assert lines[3] == ditpo + " | 2.500 (2.000, 3.000) |"
     assert lines[4] == "| DEER, rule |  |  | 1.000 (1.000, 1.000) | 1.000 (1.000, 1.000) | 9.000 (9.000, 9.000) |"
     assert len(lines) == 5 and reproduce.EXPERIMENTS["deer"].extra is reproduce.deer_token_weights
+
+
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+
+
+def declared_sources(source: str) -> dict:
+    """The source text of each name the declaration fixes (reproduce.RULE and reproduce.DECLARATION) in a version of
+    tests/reproduce.py."""
+    tree = ast.parse(source)
+    out = {}
+    for node in tree.body:
+        names = [node.name] if isinstance(node, ast.FunctionDef | ast.ClassDef) else []
+        names += [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for name in set(names) & set(reproduce.RULE + reproduce.DECLARATION):
+            out[name] = ast.get_source_segment(source, node)
+    return out
+
+
+def provenance_errors(datas: dict, declared_at: str) -> list[str]:
+    """Each confirmatory launch record that did not run at the declaration commit or a descendant of it, clean."""
+    errors = []
+    for name, data in datas.items():
+        for seed in reproduce.CONFIRMATORY:
+            for argv, launches in data.get("runs", {}).get(str(seed), {}).items():
+                for record in launches:
+                    commit = record["commit"]
+                    if commit.endswith("+changes"):
+                        errors.append(f"{name} {seed} {argv}: ran with uncommitted changes at {commit}")
+                    elif git("merge-base", "--is-ancestor", declared_at, commit).returncode != 0:
+                        errors.append(f"{name} {seed} {argv}: ran at {commit}, not at or after the declaration")
+    return errors
+
+
+def test_every_confirmatory_run_ran_after_the_declaration_and_its_rule_is_unchanged():
+    """The declaration commit is in this history (a full clone); there, the rule's functions, the seeds, the paper's
+    tables and the claims read as they do here, and no results file held a confirmatory seed; every confirmatory
+    launch record ran at that commit or a descendant, clean. A record before it, or with changes, fails."""
+    assert git("rev-parse", "--is-shallow-repository").stdout.strip() == "false", "needs the full history"
+    assert git("cat-file", "-e", reproduce.DECLARED_AT + "^{commit}").returncode == 0, reproduce.DECLARED_AT
+    then = declared_sources(git("show", f"{reproduce.DECLARED_AT}:tests/reproduce.py").stdout)
+    now = declared_sources((ROOT / "tests" / "reproduce.py").read_text())
+    assert set(then) == set(now) == set(reproduce.RULE + reproduce.DECLARATION)
+    assert [k for k in now if then[k] != now[k]] == []
+    for name in reproduce.EXPERIMENTS:
+        before = json.loads(git("show", f"{reproduce.DECLARED_AT}:tests/results/{name}.json").stdout)
+        assert not set(map(str, reproduce.CONFIRMATORY)) & set(before["seeds"]), name
+    assert provenance_errors(reproduce.results_files(), reproduce.DECLARED_AT) == []
+    parent = git("rev-parse", "--short=12", reproduce.DECLARED_AT + "^").stdout.strip()
+    record = {"commit": parent}
+    planted = {"orapo": {"runs": {"600": {"orapo.py --seed 600": [record, {"commit": reproduce.DECLARED_AT[:12]}]}}}}
+    assert provenance_errors(planted, reproduce.DECLARED_AT) == [
+        f"orapo 600 orapo.py --seed 600: ran at {parent}, not at or after the declaration"
+    ]
+    record["commit"] = git("rev-parse", "--short=12", "HEAD").stdout.strip() + "+changes"
+    assert provenance_errors(planted, reproduce.DECLARED_AT)[0].endswith("uncommitted changes at " + record["commit"])
