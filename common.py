@@ -346,25 +346,51 @@ class Rollout:
     completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
     texts: list  # N decoded completions
     rewards: torch.Tensor  # (N,)
-    ref_logp: torch.Tensor | None  # (N, T) under the reference policy, when asked for
 
 
-def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0, ref="none") -> Rollout:
-    """Sample G completions per study and score them: reward_fn(texts, owners) -> N rewards, owners[n] =
-    n // G the study completion n answers. ref: "none", "lora" (LoRA switched off) or a frozen policy."""
+def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0) -> Rollout:
+    """Sample G completions per study and score them: reward_fn(texts, owners) -> N rewards, owners[n] = n // G the
+    study completion n answers. Once a step, whatever --grad-accum: one generate() call costs about the same for 8 or
+    64 rows (decoding is bound by launches and weight reads, not by rows)."""
     prompts = policy.repeat(policy.prompt_batch(images, text), G)
     ids, mask = policy.generate(prompts, max_new_tokens, temperature)  # (N, T), (N, T)
     texts = policy.decode(ids, mask)
     owners = [n // G for n in range(len(texts))]
     rewards = torch.as_tensor(reward_fn(texts, owners), dtype=torch.float32, device=ids.device)  # (N,)
-    ref_logp = None
-    if ref == "lora":
-        with torch.no_grad(), lora_disabled(policy.model):
-            ref_logp = policy.completion_logprobs(prompts, ids, mask, temperature)
-    elif ref != "none":
-        with torch.no_grad():
-            ref_logp = ref.completion_logprobs(prompts, ids, mask, temperature)
-    return Rollout(prompts, ids, mask, texts, rewards, ref_logp)
+    return Rollout(prompts, ids, mask, texts, rewards)
+
+
+def micro_batches(policy, roll: Rollout, k: int, G: int) -> list[Rollout]:
+    """--grad-accum k: the rollout as k micro-batches of whole groups, in order. The log-prob passes, the loss and its
+    backward run one micro-batch at a time (TRL's gradient accumulation); the completions were sampled once."""
+    if k == 1:
+        return [roll]
+    n = exact_div(len(roll.texts) // G, k, "studies per process / --grad-accum") * G
+    rows = (roll.completion_ids, roll.completion_mask, roll.texts, roll.rewards)
+    return [
+        Rollout(policy.rows(roll.prompts, i, i + n), *(x[i : i + n] for x in rows))
+        for i in range(0, len(roll.texts), n)
+    ]
+
+
+class LoRAOff:
+    """A LoRA policy's reference: the same model with its adapters switched off (no second copy of the weights)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
+        with lora_disabled(self.policy.model):
+            return self.policy.completion_logprobs(prompts, completion_ids, completion_mask, temperature)
+
+
+def reference_logprobs(ref, roll: Rollout, temperature: float = 1.0):
+    """log pi_ref of the sampled completions (N, T), no gradient; None without a reference. ref: a frozen copy of the
+    policy (frozen_reference), LoRAOff(policy), or None."""
+    if ref is None:
+        return None
+    with torch.no_grad():
+        return ref.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, temperature)
 
 
 class Policy:
@@ -372,11 +398,16 @@ class Policy:
     HFPolicy each implement
       prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
       repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
+      rows(prompts, start, stop)                 rows start .. stop - 1 of a batch of prompts
       generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
       completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
       decode(ids, mask) -> N texts; encode_targets(texts) -> ids, mask: right-padded, EOS last
       save(dir), read back by load_policy(dir); vision_and_language() -> (vision modules, language modules)
-    and both compute the SFT loss below from them."""
+    and both compute the SFT loss below from them. completion_logprobs runs `forward_module`: the model, or under
+    torchrun without --fsdp the model in PyTorch's DistributedDataParallel (data_parallel), which averages the
+    gradients over ranks in backward; generate() runs the model itself (no gradient)."""
+
+    forward_module: torch.nn.Module
 
     def sft_loss(self, prompts: dict, texts: list[str]):
         """Teacher-forced NLL of the texts: token sum / token count."""
@@ -396,6 +427,7 @@ class TinyPolicy(Policy):
         self.eos_token_ids = [tokenizer.eos_id]  # as HFPolicy's, a list
         self.suppressed = ()  # ids never sampled: none (HFPolicy's: vision placeholders)
         self.eos_token_id, self.pad_token_id = tokenizer.eos_id, tokenizer.pad_id
+        self.forward_module = self.model
 
     def prompt_batch(self, images, text=None) -> dict:
         """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
@@ -417,6 +449,9 @@ class TinyPolicy(Policy):
     def repeat(self, prompts: dict, G: int) -> dict:
         return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
 
+    def rows(self, prompts: dict, start: int, stop: int) -> dict:
+        return {k: v[start:stop] for k, v in prompts.items()}
+
     def generate(self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
         embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
         attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
@@ -431,10 +466,8 @@ class TinyPolicy(Policy):
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
-        prefix = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
-        P, T = prefix.shape[1], completion_ids.shape[1]
-        embeds = torch.cat([prefix, self.model.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
-        logits = self.model.decoder(inputs_embeds=embeds).logits[:, P - 1 : P - 1 + T]  # (N, T, V) predicts token t
+        inputs = (prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"], completion_ids)
+        logits = self.forward_module(*inputs)  # (N, T, V): the logits that predict each completion token
         return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
@@ -461,14 +494,24 @@ class HFPolicy(Policy):
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
         self.device, self.dtype = torch.device(device), dtype
-        size = {"size": {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}} if max_pixels else {}
         try:
-            self.processor = AutoProcessor.from_pretrained(name_or_path, **size)
+            self.processor = AutoProcessor.from_pretrained(name_or_path)
         except OSError as e:  # no such folder, hub id or cached download
             raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
+        if (
+            max_pixels
+        ):  # set on the loaded processor: the hub's top-level min/max_pixels win over from_pretrained's size=
+            bounds = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
+            self.processor.image_processor.size = bounds  # a 2544 x 3056 view: 320 tokens at 512^2, not 9,919
         self.tokenizer = self.processor.tokenizer
         self.tokenizer.padding_side = "left"  # prompts end where generation starts
-        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype).to(self.device)
+        load = dict(dtype=dtype)
+        if self.device.type == "cuda" and importlib.util.find_spec(
+            "accelerate"
+        ):  # onto this rank's GPU, not host first
+            load["device_map"] = self.device
+        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, **load).to(self.device)
+        self.forward_module = self.model
         if not hasattr(getattr(self.model, "model", None), "visual"):
             raise ValueError(f"--model {name_or_path}: a {type(self.model).__name__}, not of the Qwen2-VL family")
         gen, cfg = self.model.generation_config, self.model.config
@@ -519,6 +562,17 @@ class HFPolicy(Policy):
         out["image_grid_thw"] = torch.cat([c for c in prompts["image_grid_thw"].split(n_images) for _ in range(G)])
         return out
 
+    def rows(self, prompts: dict, start: int, stop: int) -> dict:
+        """Rows start .. stop - 1; pixel_values and image_grid_thw (per image, not per row) cut at their images."""
+        n_images = prompts["n_images"].tolist()
+        first, last = sum(n_images[:start]), sum(n_images[:stop])  # the rows' images
+        patches = prompts["image_grid_thw"].prod(-1).tolist()  # patch rows per image
+        per_image = ("pixel_values", "image_grid_thw")
+        out = {k: v[start:stop] for k, v in prompts.items() if k not in per_image}
+        out["pixel_values"] = prompts["pixel_values"][sum(patches[:first]) : sum(patches[:last])]
+        out["image_grid_thw"] = prompts["image_grid_thw"][first:last]
+        return out
+
     def generate(self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
         inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
         P = prompts["input_ids"].shape[1]
@@ -542,7 +596,7 @@ class HFPolicy(Policy):
             inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
         # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
         with autocast(self.device, self.dtype):
-            logits = self.model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V): token t
+            logits = self.forward_module(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V)
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
@@ -603,7 +657,8 @@ def generate_completions(policy, model, inputs, P, max_new_tokens, temperature, 
     stop = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id)
     output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
     fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
-    out = model.generate(**inputs, **stop, **output, do_sample=do_sample, **sampling, synced_gpus=fsdp)
+    with gathered(policy.model):
+        out = model.generate(**inputs, **stop, **output, do_sample=do_sample, **sampling, synced_gpus=fsdp)
     policy.model.train(was_training)
     ids = out.sequences[:, P:]  # (N, T) the completion only
     mask = completion_mask(ids, eos_ids)  # (N, T)
@@ -680,6 +735,14 @@ class TinyVLM(torch.nn.Module):
         feats = (feats * m).sum(1) / m.sum(1)  # (N, g*g, D) mean over the study's real views
         start = torch.as_tensor(start_ids, device=feats.device).reshape(-1, 1).expand(N, 1)  # (N, 1)
         return torch.cat([feats, self.decoder.transformer.wte(start)], dim=1)
+
+    def forward(self, pixel_values, view_mask, start_ids, completion_ids):
+        """Teacher-forced: the prefix, then the (right-padded) completion (N, T) -> (N, T, V) the logits predicting
+        each completion token (the last prefix position predicts the first)."""
+        prefix = self.prefix(pixel_values, view_mask, start_ids)  # (N, P, D)
+        P, T = prefix.shape[1], completion_ids.shape[1]
+        embeds = torch.cat([prefix, self.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
+        return self.decoder(inputs_embeds=embeds).logits[:, P - 1 : P - 1 + T]  # (N, T, V)
 
 
 class WordTokenizer:
@@ -941,7 +1004,7 @@ class CheXbertLabeler:
         return out
 
 
-# ==== 4. The RL core: group advantages, the GRPO clipped loss (three normalisations), DPO =============================
+# ==== 4. The RL core: group advantages, the GRPO loss (three normalisations); DPO is OraPO's (orapo.py) ==============
 # Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N rows and T tokens as in Policy; (loss, stats) out.
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
@@ -959,23 +1022,13 @@ def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 
     return torch.where(same, torch.zeros_like(A), A).flatten()  # (B*G,)
 
 
-def grpo_loss(
-    logp,
-    old_logp,
-    ref_logp,
-    advantages,
-    mask,
-    clip_eps_low=0.2,
-    clip_eps_high=0.2,
-    beta=0.0,
-    loss_type="grpo",
-    max_completion_length=None,
-):
-    """Clipped GRPO surrogate plus the k3 KL -> (loss, stats). Equals TRL's GRPOTrainer loss with
-    use_bias_correction_kl=False (TRL's default since 1.10, True, multiplies the KL term by the differentiable ratio).
-    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp may be None when beta == 0.
-    old_logp=None means one update per rollout: old = logp.detach(), the ratio is exactly 1, clipping never acts
-    (the loss is ~ -mean A, its gradient is not 0). Normalisation of the masked per-token loss L_it, where they differ:
+def grpo_loss(logp, ref_logp, advantages, mask, beta=0.0, loss_type="grpo", max_completion_length=None):
+    """GRPO's loss for one update per rollout, plus the k3 KL -> (loss, stats): TRL's GRPOTrainer loss with
+    num_iterations 1 (use_bias_correction_kl=False). One update per rollout makes pi_old the policy itself, so
+    DeepSeekMath Eq. 3's ratio pi_theta / pi_old is exactly 1 (exp(logp - logp.detach()): 1, with logp's gradient)
+    and its clip to [1 - eps, 1 + eps] never acts: the loss per token is -A, its gradient -A grad log pi. This is why
+    no script has a --clip-eps. logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp None without a
+    reference (then beta must be 0). Normalisation of the masked per-token loss L_it, where they differ:
       "grpo":    mean over each sequence's tokens, then over the N sequences
       "bnpo":    sum over all tokens / number of completion tokens in the batch
       "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
@@ -983,12 +1036,9 @@ def grpo_loss(
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("dr_grpo needs max_completion_length (its constant normaliser)")
     mask = mask.to(logp.dtype)  # (N, T)
-    old_logp = logp.detach() if old_logp is None else old_logp  # (N, T)
     A = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (N, 1) or (N, T)
-    # DeepSeekMath Eq. 3: ratio = pi_theta / pi_old per token, L = -min(ratio A, clip(ratio) A)
-    ratio = torch.exp(logp - old_logp)  # (N, T)
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
-    per_token = -torch.min(ratio * A, clipped * A)  # (N, T)
+    ratio = torch.exp(logp - logp.detach())  # (N, T) DeepSeekMath Eq. 3's ratio: 1, its gradient logp's
+    per_token = -ratio * A  # (N, T)
     kl = None  # (N, T) with a reference
     if ref_logp is not None:
         # DeepSeekMath Eq. 4, k3 (unbiased, >= 0: http://joschu.net/blog/kl-approx.html): KL = exp(r) - r - 1
@@ -1003,53 +1053,8 @@ def grpo_loss(
         loss = (per_token * mask).sum() / n_tokens  # ()
     else:
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
-    with torch.no_grad():  # as TRL counts them: a token is clipped when the min took the clipped branch
-        A_t = A.expand_as(ratio)  # (N, T)
-        low, high = (ratio < 1 - clip_eps_low) & (A_t < 0), (ratio > 1 + clip_eps_high) & (A_t > 0)  # (N, T) each
-        is_clipped = (low | high).to(mask.dtype)  # (N, T)
-        stats = {
-            "clip_fraction": ((is_clipped * mask).sum() / n_tokens).item(),
-            "kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0,
-            "ratio_mean": ((ratio * mask).sum() / n_tokens).item(),
-        }
-    return loss, stats
-
-
-def dpo_loss(
-    policy_chosen,
-    policy_rejected,
-    ref_chosen,
-    ref_rejected,
-    beta=0.1,
-    length_normalize=False,
-    chosen_mask=None,
-    rejected_mask=None,
-):
-    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
-    with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
-    length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
-
-    def seq_logp(lp, m):
-        """(N, T) with a mask -> (N,); (N,) as it is."""
-        if m is None:
-            return lp
-        total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
-        return total / m.sum(-1).clamp(min=1) if length_normalize else total
-
-    c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
-    r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
-    # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
-    chosen_reward, rejected_reward = beta * (c - ref_c), beta * (r - ref_r)  # (N,) implicit rewards, Sec. 5
-    margin = chosen_reward - rejected_reward  # (N,)
-    loss = -torch.nn.functional.logsigmoid(margin).mean()  # ()
-    with torch.no_grad():
-        stats = {
-            "reward_margin": margin.mean().item(),
-            "chosen_reward": chosen_reward.mean().item(),
-            "rejected_reward": rejected_reward.mean().item(),
-            "accuracy": (margin > 0).float().mean().item(),
-        }
-    return loss, stats
+    kl_per_token = ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0  # logged
+    return loss, {"kl": kl_per_token}
 
 
 # ==== 5. What one step writes and when: Run's steps, log line, optimizer step, checkpoint; its set-up and end =========
@@ -1068,6 +1073,7 @@ class Run:
         self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
         self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
         self.start, self._saved = 0, None  # the first step and what checkpoints hold: restore() sets both
+        self.trained = 0  # steps done (log_step), the step an evaluation's numbers are reported at
         self.done = None  # a finished run's results (eval.json)
         self._stats = defaultdict(list)  # log()'s numbers of this step
         problem = self._check_folder() if check and self.is_main else None
@@ -1078,6 +1084,7 @@ class Run:
         self.resolved = {}  # what the flags' None and "auto" came to (record())
         if check:  # the flags, beside the run's files (a folder holding nothing else is a run that failed its checks)
             self.record()
+        self.reporter = Reporter(args.report_to, self.out, asdict(args)) if check and self.is_main else None
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
         """(step, batch), step = start (default: restore()'s) .. total - 1, a progress bar showing 4 of `bar`; the loop
@@ -1105,28 +1112,18 @@ class Run:
         for k, v in stats.items():
             self._stats[k].append(float(v))
 
-    def optimizer_step(self, params, optimizer, scheduler=None, max_grad_norm: float | None = None) -> float:
-        """Average the gradients over ranks, clip, step, clear; logs and returns the norm before clipping."""
-        params = list(params)
-        all_reduce_gradients(params, self.world_size)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
-        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.log(grad_norm=norm)
-        return norm
-
     def log_step(self, step: int):
         """metrics.jsonl's line of `step` (written as step + 1): the time so far, the lr the step used and the means of
         what log() was given, averaged over ranks; the progress bar moves. Every rank calls it."""
         stats = all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())})
         row = {"step": step + 1, "time": round(time.time() - self._clock, 2), **self._lr, **stats}
+        self.trained = step + 1
         self._stats.clear()
         if self.is_main:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
+            if self.reporter:
+                self.reporter.log(row, step + 1)
             self._progress.update(1)
             self._progress.set_postfix({k: f"{row[k]:.3g}" for k in self._bar[:4] if k in row}, refresh=False)
 
@@ -1188,7 +1185,7 @@ class Run:
         elif config.is_file():
             saved, now = json.loads(config.read_text()), json.loads(json.dumps(asdict(self.args), default=str))
             keep = self.resume_flags or [k for k in now if k not in MAY_CHANGE_ON_RESUME]
-            diff = [k for k in keep if saved.get(k) != now[k]]
+            diff = [k for k in keep if k in saved and saved[k] != now[k]]  # a flag newer than the run: its default
             if diff:
                 shown = "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} in the run, {now[k]!r} now" for k in diff)
                 return f"--resume with flags that differ from {config}: {shown}"
@@ -1246,9 +1243,8 @@ class Run:
         mine = records[self.rank :: self.world_size]  # each rank a strided share, greedy
         # padded as long as rank 0's share: every rank makes as many generate() calls (FSDP)
         padded = mine + records[: len(records[:: self.world_size]) - len(mine)]
-        completions = greedy_reports(
-            policy, padded, prompt, max_new_tokens, self.device, self.dtype, name if self.is_main else None
-        )
+        bar, batch = name if self.is_main else None, self.args.eval_batch_size
+        completions = greedy_reports(policy, padded, prompt, max_new_tokens, self.device, self.dtype, bar, batch)
         completions = gather_strided(completions[: len(mine)], self.world_size)
         results = None
         if self.is_main:
@@ -1265,6 +1261,9 @@ class Run:
                 results |= score(rows, labeler)
             self.write(f"generations_{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
             self.write(path.name, json.dumps(results, indent=2))
+            if self.reporter:  # the headline CE number and the NLG columns, at the steps run so far
+                headline = {f"{name}/{results['headline']}": results["ce"][results["headline"]]}
+                self.reporter.log(headline | {f"{name}/{k}": v for k, v in results["nlg"].items()}, self.trained)
         return broadcast_object(results)
 
     def finish(self, results: dict, policy=None) -> dict:
@@ -1275,15 +1274,95 @@ class Run:
             if getattr(self, "generation", None):  # how it writes a report: `python common.py generate RUN IMAGE`
                 atomic_save(json.dumps(self.generation, indent=1), self.out / "final" / "generation.json")
         self.write("eval.json", json.dumps(results, indent=2))
+        if self.is_main and os.environ.get("RRG_FIGURES") != "0":  # RRG_FIGURES=0: none (the tests, the sweeps)
+            draw_training(self.out)
+        if self.reporter:
+            self.reporter.close()
         barrier()
         return results
 
 
-def greedy_reports(policy, records, prompt, max_new_tokens: int, device, dtype, bar: str | None = None) -> list[str]:
-    """Greedy completions for the records' views, 32 studies at a time (`bar`: a progress bar's name)."""
+class Reporter:
+    """--report-to: each metrics.jsonl line and each evaluation's headline numbers, live, in TensorBoard
+    (out/tensorboard) or Weights & Biases (project rrg-from-scratch, the run named by its folder), as CleanRL and TRL
+    users watch theirs."""
+
+    def __init__(self, kind: str, out: Path, config: dict):
+        self.kind, self.writer = kind, None
+        if kind == "none":
+            return
+        if importlib.util.find_spec(kind) is None:
+            raise ValueError(f"--report-to {kind}: `pip install {kind}` first (it is no requirement of this project)")
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(out / "tensorboard"))
+        else:
+            import wandb
+
+            self.writer = wandb.init(project="rrg-from-scratch", name=str(out), dir=str(out), config=config)
+
+    def log(self, numbers: dict, step: int):
+        numbers = {k: float(v) for k, v in numbers.items() if isinstance(v, int | float) and k != "step"}
+        if self.kind == "tensorboard":
+            for k, v in numbers.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        elif self.writer is not None:
+            self.writer.log(numbers, step=step)
+
+    def close(self):
+        if self.kind == "tensorboard":
+            self.writer.close()
+        elif self.writer is not None:
+            self.writer.finish()
+
+
+def draw_training(out) -> list[Path]:
+    """<folder>/figures/training.png for out and every stage folder below it, from its metrics.jsonl: a panel per
+    logged number against the step (keys "a/b" share panel a), with a running mean. Needs matplotlib (else none)."""
+    try:
+        from matplotlib import figure  # not pyplot: no global backend to set, no figure to close
+    except ImportError:
+        return []
+    drawn = []
+    for metrics in sorted(Path(out).glob("**/metrics.jsonl")):
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        panels = defaultdict(dict)  # panel -> {line: (n, 2) steps and values}
+        for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
+            panel, _, line = key.partition("/")
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            panels[panel][line or panel] = np.array(points)
+        cols, n_rows = max(1, min(4, len(panels))), max(1, math.ceil(len(panels) / 4))  # 4 a row at most; none: blank
+        fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
+        axes = fig.subplots(n_rows, cols, squeeze=False)
+        for ax, (panel, lines) in zip(axes.flat, panels.items()):
+            for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
+                w = max(1, len(x) // 15)  # running mean over w steps
+                alpha, marker = (0.35 if w > 1 else 1), ("." if len(x) <= 30 else None)
+                (raw,) = ax.plot(x, y, lw=0.6, alpha=alpha, marker=marker, label=label)  # a legend with two or more
+                if w > 1:
+                    ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color())
+            ax.set_title(panel, fontsize=8)
+            ax.tick_params(labelsize=6)
+            if len(lines) > 1:
+                ax.legend(fontsize=5)
+        for ax in axes.flat[len(panels) :]:
+            ax.axis("off")
+        fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
+        fig.tight_layout()
+        png = metrics.parent / "figures" / "training.png"
+        png.parent.mkdir(exist_ok=True)
+        fig.savefig(png, dpi=80)
+        drawn.append(png)
+    return drawn
+
+
+def greedy_reports(policy, records, prompt, max_new_tokens: int, device, dtype, bar=None, batch: int = 32) -> list[str]:
+    """Greedy completions for the records' views, `batch` studies at a time (`bar`: a progress bar's name)."""
     completions = []
-    for b in tqdm(range(0, len(records), 32), desc=bar, disable=bar is None):
-        images = [[load_image(p, r.id) for p in r.image_paths] for r in records[b : b + 32]]
+    for b in tqdm(range(0, len(records), batch), desc=bar, disable=bar is None):
+        images = [[load_image(p, r.id) for p in r.image_paths] for r in records[b : b + batch]]
         with torch.no_grad(), autocast(torch.device(device), dtype):
             prompts = policy.prompt_batch(images, prompt)
             completions += policy.decode(*policy.generate(prompts, max_new_tokens, do_sample=False))
@@ -1328,9 +1407,14 @@ class RunArgs:
     """continue the run in --out from its last checkpoint, with the flags in its config.json"""
     drop_invalid: bool = False
     """skip annotation records with a missing image or an empty report (each is logged)"""
+    eval_batch_size: Annotated[int, "[1, inf)"] = 32
+    """studies a generate() call when evaluating (greedy); a GPU runs 64 rows about as fast as 8 (tests/MACHINES.md)"""
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"
+    """mirror each metrics.jsonl line and each evaluation's headline numbers to TensorBoard (out/tensorboard) or
+    Weights & Biases: `pip install tensorboard` or `wandb` first (neither is a requirement)"""
 
 
-MAY_CHANGE_ON_RESUME = ("resume", "out")  # another --steps would move the lr schedule (and DEER's phases): another run
+MAY_CHANGE_ON_RESUME = ("resume", "out", "report_to")  # another --steps would move the lr schedule: another run
 
 
 def resolve_defaults(args):
@@ -1494,8 +1578,9 @@ def sft_stage(
     if stage.done is not None:
         return stage.done
     fp32_trainable(policy.model)
+    policy.forward_module = data_parallel(policy.model, stage.world_size)
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr)
+    optimizer, _ = adamw(params, lr, total=1)  # a constant lr: no schedule
     trained = stage.restore(policy.model, optimizer, state=vars(converge) if converge else None)
     total = converge.max_steps if converge else steps
     batches = stage.study_batches(records, batch_size, f"the {stage.out.name} batch")
@@ -1503,16 +1588,20 @@ def sft_stage(
     for step, batch in stage.steps(total, batches, stage.out.name, bar=shown):
         if converge and converge.converged:
             break  # decided at the last validation (its metrics line is written)
-        for micro in split_batch(batch, grad_accum):
+        micros = split_batch(batch, grad_accum)
+        for k, micro in enumerate(micros):
             images = micro["images"]
             if blind:
                 images = [[Image.new("L", view.size) for view in views] for views in images]
             texts = targets(micro) if targets else micro["report"]
-            with stage.autocast():
-                loss = policy.sft_loss(policy.prompt_batch(images, prompt), texts)
-            (loss / grad_accum).backward()
+            with gradient_sync(policy.forward_module, last=k == len(micros) - 1):
+                with stage.autocast():
+                    loss = policy.sft_loss(policy.prompt_batch(images, prompt), texts)
+                (loss / grad_accum).backward()  # the last micro-batch's averages the gradients over ranks
             stage.log(sft_loss=loss.item())
-        stage.optimizer_step(params, optimizer)
+        stage.log(grad_norm=clip_gradients(params, None))  # no clipping: the norm is logged
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         trained = step + 1
         if converge and trained % converge.every == 0:
             stage.log(**converge.update(validate(stage, policy, trained), trained, policy.model))
@@ -1553,8 +1642,9 @@ def build_policy(
     fsdp: bool = False,
 ):
     """(policy, reference): `init` (a saved policy) or initial_policy(), equal on every rank. `lora` ({r, alpha,
-    dropout, targets}) trains adapters on the LM, the reference being them off; else a frozen copy ("none":
-    reference=False). `warm_start` (sft_stage's settings) first fine-tunes on the reports in out/warm_start."""
+    dropout, targets}) trains adapters on the LM, the reference being them off (LoRAOff); else a frozen copy, or None
+    (reference=False). `warm_start` (sft_stage's settings) first fine-tunes on the reports in out/warm_start. Then
+    what trains keeps fp32 weights, and under torchrun FSDP2 shards it (fsdp) or DDP averages its gradients."""
     policy = initial_policy(run, [r.report for r in records], max_new_tokens, extra_tokens, max_pixels, init)
 
     def add_lora():
@@ -1569,12 +1659,13 @@ def build_policy(
         policy = load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)  # LoRA folded in
         if lora:  # fresh adapters on the warm-started weights: RL's base, and its LoRA-off reference
             add_lora()
-    ref = "lora" if lora else (frozen_reference(policy) if reference else "none")  # LoRA off, a frozen copy, none
+    ref = LoRAOff(policy) if lora else (frozen_reference(policy) if reference else None)
     fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
     if fsdp:  # after the warm start, which saved the model whole
         shard(policy.model, run.dtype)
-        if not isinstance(ref, str):
+        if isinstance(ref, Policy):
             shard(ref.model, run.dtype)
+    policy.forward_module = data_parallel(policy.model, run.world_size)
     return policy, ref
 
 
@@ -1592,8 +1683,11 @@ def frozen_reference(policy):
 
 
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):
-    """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine)."""
-    optimizer = torch.optim.AdamW(list(params), lr=lr, **kwargs)
+    """AdamW; lr rises linearly over a `warmup` share of `total` steps, then stays or decays to 0 (linear, cosine).
+    On GPUs the fused kernel: one pass over each tensor, no fp32 temporary the size of the model (the foreach one)."""
+    params = list(params)
+    fused = bool(params) and all(p.is_cuda for p in params)
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=fused or None, **kwargs)
     w = int(warmup * total)  # warm-up steps
 
     def factor(step):
@@ -2356,16 +2450,49 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
             torch.distributed.broadcast(t.data, src=src)
 
 
-def all_reduce_gradients(params, world_size: int):
-    """Average the gradients over ranks after backward, as DDP does (DDP's hook never sees generate()); no gradient this
-    step: zeros, so that every rank makes the same calls. FSDP2's sharded parameters come averaged by their backward."""
-    if world_size <= 1:
+def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """Several processes without --fsdp: PyTorch's DistributedDataParallel around what trains (called after the last
+    change to its parameters: LoRA, fp32_trainable). Its backward averages the gradients over ranks in buckets as they
+    are ready; each rank keeps its own buffers (BatchNorm statistics). One process, or FSDP2: the module itself."""
+    if world_size == 1 or isinstance(module, FSDPModule):
+        return module
+    return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False)
+
+
+@contextlib.contextmanager
+def gradient_sync(module: torch.nn.Module, last: bool):
+    """--grad-accum: gradients are averaged over ranks in the backward of the last micro-batch only (DDP's no_sync,
+    FSDP2's set_requires_gradient_sync); before it, each rank sums its own."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last:
+        with module.no_sync():
+            yield
         return
-    for p in [p for p in params if not isinstance(p, DTensor)]:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        torch.distributed.all_reduce(p.grad)
-        p.grad /= world_size
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(last)
+    yield
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module):
+    """FSDP2 around generate(): every sharded module's weights gathered once and kept for all the new tokens, then
+    resharded (by default each forward, one per token, would gather them again). Holds the unsharded weights in
+    --dtype for the whole rollout (tests/MACHINES.md). Not sharded: nothing."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(m is not model, recurse=False)  # FSDP2's own: the root keeps its weights
+
+
+def clip_gradients(params, max_norm: float | None) -> float:
+    """The gradient norm over ranks (a sharded one gathered) before clipping to max_norm (None: no clipping)."""
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm or float("inf"))
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 def shard(model: torch.nn.Module, dtype=torch.float32):

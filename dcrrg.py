@@ -217,6 +217,11 @@ class DCRRG(nn.Module):
         self.prefix = nn.Parameter(torch.randn(len(self.decoder.layers), 2, 2, args.prefix_len, P) * 0.02)
         self.prompt_head = nn.Linear(P, len(tokenizer))
 
+    def forward(self, loss_fn, batch):
+        """A training step's loss, loss_fn(self, batch): each step of the paper has its own, and this is the forward
+        that DistributedDataParallel runs (common.data_parallel) to average the step's gradients over ranks."""
+        return loss_fn(self, batch)
+
     def embed_images(self, images):  # Eq. 1a: (B, V, C, H, W) -> v (B, D)
         return self.image_encoder(images.to(self.logit_scale.device))
 
@@ -352,7 +357,7 @@ def csm_loss(v_p, t_p, v, t, l_img, l_txt, logit_scale):
 
 def gather_batch(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """(B, ...) on each rank -> (world_size * B, ...) in rank order, on every rank. The gradient reaches this rank's
-    part only, times world_size: every rank computes the same loss, so all_reduce_gradients gives one process's."""
+    part only, times world_size: every rank computes the same loss, so DDP's average gives one process's."""
     if world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world_size)]
@@ -710,12 +715,15 @@ def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, b
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
     st.record(lr=lr, steps=total, parts=parts)
     st.restore(model, optimizer)
+    step_model = common.data_parallel(model, run.world_size)  # several processes: DDP averages the gradients
     for step, batch in st.steps(total, batches, f"DCRRG {name}"):
         with st.autocast():
-            loss, stats = loss_fn(model, batch)
+            loss, stats = step_model(loss_fn, batch)  # loss_fn(model, batch), as DCRRG.forward
         loss.backward()
-        st.optimizer_step(params, optimizer)
-        st.log(loss=loss.item(), **stats)
+        grad_norm = common.clip_gradients(params, None)  # no clipping (App. A gives none): the norm is logged
+        st.log(loss=loss.item(), grad_norm=grad_norm, **stats)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         st.log_step(step)  # <step>/metrics.jsonl: this step's line
         st.checkpoint(step)  # <step>/last.pt every 50 steps, at the last step and on Ctrl-C
     common.broadcast_parameters(model)  # rank 0's BatchNorm statistics (a ResNet-50 that trained) on every rank

@@ -262,17 +262,19 @@ def chexbert_saliency(chexbert, reports: list[str], targets: list[str]) -> list[
 
 def token_spans(policy, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[str], list[list[tuple[int, int]]]]:
     """For Eq. 11: (texts, spans), token t covering text[a:b], b the length of the prefix decoded up to t, a where it
-    first differs from the prefix up to t - 1 (spans tile the text; EOS: a = b). Any tokenizer: policy.decode only."""
-    texts, spans = [""] * len(ids), [[] for _ in ids]  # per report
-    prefix = torch.zeros_like(mask)  # (N, T) the tokens decoded so far
-    for t in range(ids.shape[1]):
-        if not mask[:, t].any():
-            break
-        prefix[:, t] = mask[:, t]
-        for i, text in enumerate(policy.decode(ids, prefix)):
-            if mask[i, t]:
-                spans[i].append((len(os.path.commonprefix([texts[i], text])), len(text)))
-                texts[i] = text
+    first differs from the prefix up to t - 1 (spans tile the text; EOS: a = b). Any tokenizer: policy.decode only,
+    every prefix of a report in one call, on the CPU (one transfer, no read of a device tensor element by element)."""
+    ids, mask = ids.cpu(), mask.cpu()
+    texts, spans = [], []
+    for row, m in zip(ids, mask):
+        n = int(m.sum())  # the report's tokens, EOS included: the mask is 1 on a prefix of the row
+        prefixes = torch.tril(torch.ones(n, len(row)))  # (n, T) prefix t: tokens 0 .. t
+        text, mine = "", []
+        for now in policy.decode(row.expand(n, -1), prefixes) if n else []:
+            mine.append((len(os.path.commonprefix([text, now])), len(now)))
+            text = now
+        texts.append(text)
+        spans.append(mine)
     return texts, spans
 
 
@@ -331,13 +333,13 @@ def premise_beta(run: common.Run, args: Args, s, policy, records) -> dict:
 
 # Eq. 2 and 6: the DiTPO update ------------------------------------------------------------------
 def ditpo_step(policy, roll: common.Rollout, w: torch.Tensor, G: int):
-    """Eq. 2 -> 6 -> the GRPO loss. One update per rollout: pi_old = pi_theta (detached), the PPO ratio is 1 and its
-    clip never acts (no clip flag); the gradient is -sum_i sum_t A_i^t grad log pi(o_i^t) / |o_i| / N."""
+    """Eq. 2 -> 6 -> the GRPO loss: the gradient -sum_i sum_t A_i^t grad log pi(o_i^t) / |o_i| / N (the PPO ratio is
+    1, its clip never acts: one update per rollout, common.grpo_loss says why)."""
     # Eq. 2: A_i = (r_i - mean) / std over the group (Bessel's std + 1e-4, as TRL)
     A = common.group_advantages(roll.rewards, G)  # (N,)
     A_t = A[:, None] * w  # (N, T) Eq. 6: A_i^t = A_i * w_i^t
     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (N, T)
-    loss, stats = common.grpo_loss(logp, None, None, A_t, roll.completion_mask, loss_type=LOSS_TYPE)  # no KL term
+    loss, stats = common.grpo_loss(logp, None, A_t, roll.completion_mask, loss_type=LOSS_TYPE)  # no KL term
     m = roll.completion_mask.bool()  # (N, T)
     r = roll.rewards.view(-1, G)  # (B, G)
     return loss, {
@@ -482,25 +484,31 @@ def ditpo(run: common.Run, args: Args, s) -> dict:
         total, batches, "GRPO" if args.weighting == "none" else f"DiTPO ({args.weighting})", bar=BAR
     ):
         gamma = gamma_at(step, total, args.gamma)  # Sec. 3.1: F1 first, then + gamma BLEU-2
-        for micro in common.split_batch(batch, args.grad_accum):
-            ref_labels = run.labeler(micro["report"])  # (B, 14) C(y)
+        ref_labels = run.labeler(batch["report"])  # (B, 14) C(y)
 
-            def reward_fn(texts, owners, refs=micro["report"], ref_labels=ref_labels, gamma=gamma):
-                """Eq. 1 for the rollouts, owners[n] the study of rollout n; logs each term's mean."""
-                r, terms = reward(texts, [refs[o] for o in owners], ref_labels[owners], run.labeler, gamma, args.clean)
-                run.log(**terms)
-                return r
+        def reward_fn(texts, owners, refs=batch["report"], ref_labels=ref_labels, gamma=gamma):
+            """Eq. 1 for the rollouts, owners[n] the study of rollout n; logs each term's mean."""
+            r, terms = reward(texts, [refs[o] for o in owners], ref_labels[owners], run.labeler, gamma, args.clean)
+            run.log(**terms)
+            return r
 
-            with run.autocast():
-                roll = common.rollout(policy, micro["images"], PROMPT, G, reward_fn, s.max_new, TEMPERATURE)
-            ids, mask = roll.completion_ids, roll.completion_mask  # (N, T) each
-            group_labels = np.repeat(ref_labels, G, axis=0)  # (N, 14) each reference's labels, G times
-            w = token_weights(args.weighting, args, policy, run.labeler, ids, mask, group_labels, premise["beta"])
-            with run.autocast():
-                loss, stats = ditpo_step(policy, roll, w, G)  # Eq. 2 -> 6 -> loss
-            (loss / args.grad_accum).backward()
+        with run.autocast():
+            roll = common.rollout(policy, batch["images"], PROMPT, G, reward_fn, s.max_new, TEMPERATURE)  # once a step
+        ids, mask = roll.completion_ids, roll.completion_mask  # (N, T) each
+        group_labels = np.repeat(ref_labels, G, axis=0)  # (N, 14) each reference's labels, G times
+        w = token_weights(args.weighting, args, policy, run.labeler, ids, mask, group_labels, premise["beta"])
+        micros = common.micro_batches(policy, roll, args.grad_accum, G)  # --grad-accum: the passes in parts
+        n = len(ids) // len(micros)  # rows of a micro-batch
+        for k, micro in enumerate(micros):
+            with common.gradient_sync(policy.forward_module, last=k == len(micros) - 1):
+                with run.autocast():
+                    loss, stats = ditpo_step(policy, micro, w[k * n : (k + 1) * n], G)  # Eq. 2 -> 6 -> loss
+                (loss / args.grad_accum).backward()  # the last micro-batch's averages the gradients over ranks
             run.log(loss=loss.item(), gamma=gamma, **stats)
-        run.optimizer_step(params, optimizer, max_grad_norm=MAX_GRAD_NORM)
+        grad_norm = common.clip_gradients(params, MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # a constant lr: no schedule
+        run.log(grad_norm=grad_norm)
         run.log_step(step)  # metrics.jsonl: this step's line
         run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
     return run.finish({"test": evaluate(run, policy, s), "beta": premise}, policy)

@@ -190,26 +190,21 @@ def grpo_advantages(rewards: torch.Tensor, G: int, eps: float = ADV_EPS) -> torc
     return torch.where((r == r[:, :1]).all(1, keepdim=True), torch.zeros_like(A), A).flatten()  # (B*G,)
 
 
-def grpo_step(policy, roll: common.Rollout, args: Args, max_new_tokens: int):
-    """Eq. 2, then Eq. 1's loss for one rollout. Eq. 1's ratio is over whole sequences,
-    pi(o_i|q) / pi_old(o_i|q); with one update per rollout pi_old = pi_theta (detached), so the
-    ratio is 1 and its clipping never acts: no --clip-eps. The gradient is then
-    -sum_i A_i grad log pi(o_i|q) + beta grad KL, which dr_grpo (token sum / (N * max_new_tokens))
-    gives up to the constant 1 / max_new_tokens. LoRA dropout (HF models) is off while sampling
-    (generate runs in eval mode) and on here, as in TRL (disable_dropout=False): the ratio stays exactly 1
-    (old = this same forward, detached), while the gradient and the KL's policy side come from the
-    dropout-perturbed policy (the reference, LoRA off, has none). We keep it: the paper trains with
-    LoRA dropout 0.05, which has no effect in eval mode, and the tiny model has no dropout at all."""
-    A = grpo_advantages(roll.rewards, args.group_size)  # (N,) Eq. 2
+def grpo_step(policy, roll: common.Rollout, ref_logp, G: int, beta: float, loss_type: str, max_new_tokens: int):
+    """Eq. 2, then Eq. 1's loss for one rollout (or one micro-batch of its groups). Eq. 1's ratio is 1 and its clip
+    never acts, one update per rollout (common.grpo_loss says why); dr_grpo's gradient is Eq. 1's up to the constant
+    1 / max_new_tokens. LoRA dropout (HF models) is off while sampling (generate runs in eval mode) and on here, as in
+    TRL (disable_dropout=False): the gradient and the KL's policy side come from the dropout-perturbed policy (the
+    reference, LoRA off, has none), as the paper's LoRA dropout 0.05 asks; the tiny model has no dropout."""
+    A = grpo_advantages(roll.rewards, G)  # (N,) Eq. 2
     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (N, T)
     loss, stats = common.grpo_loss(
         logp,
-        None,
-        roll.ref_logp,
+        ref_logp,
         A,
         roll.completion_mask,
-        beta=args.beta,
-        loss_type=args.loss_type,
+        beta=beta,
+        loss_type=loss_type,
         max_completion_length=max_new_tokens,
     )  # Eq. 1
     return loss, {**stats, "reward": roll.rewards.mean().item(), "length": roll.completion_mask.sum(1).mean().item()}
@@ -243,6 +238,8 @@ def warm_start_targets(batch: dict, labeler, tags: bool) -> list[str]:
 # Training ---------------------------------------------------------------------------------------
 def train(args: Args) -> dict:
     run = common.start_run(args)
+    per_process = run.per_rank(args.prompts_per_step, "--prompts-per-step")  # fail now, not after a warm start
+    common.exact_div(per_process, args.grad_accum, "--prompts-per-step per process / --grad-accum")
     tiny = args.model == "tiny"
     tags = "format" in args.reward  # Table II's rows without format ask for no tags
     prompt = PROMPTS["tags" if tags else "plain"]
@@ -308,28 +305,35 @@ def train(args: Args) -> dict:
 
     results = {"test_before": evaluate(test_set, "test_before")}
     batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
-    ref_logp_from = ref if args.beta > 0 else "none"  # no KL, no reference pass (with LoRA, ref is "lora" even so)
+    ref = ref if args.beta > 0 else None  # no KL, no reference pass (with LoRA the reference is there even so)
+    G = args.group_size
     for step, batch in run.steps(total, batches, "MRG-R1", bar=("reward", "reward_mccs", "reward_format", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct text labelled once this step
-        for micro in common.split_batch(batch, args.grad_accum):
 
-            def reward_fn(texts, owners, references=micro["report"], labels=labels):
-                """common.rollout's: each completion's total_reward against its study's reference, logged."""
-                r, terms = total_reward(texts, [references[o] for o in owners], labels, args, cider_df)
-                run.log(**terms)
-                return r
+        def reward_fn(texts, owners, references=batch["report"], labels=labels):
+            """common.rollout's: each completion's total_reward against its study's reference, logged."""
+            r, terms = total_reward(texts, [references[o] for o in owners], labels, args, cider_df)
+            run.log(**terms)
+            return r
 
-            # two autocast blocks: bf16 copies of the weights cast under the rollout's no_grad must not serve the loss's
-            # forward (autocast caches them per block; torch <= 2.9 reuses them there, pytorch#112583: no gradient)
-            with run.autocast():
-                roll = common.rollout(
-                    policy, micro["images"], prompt, args.group_size, reward_fn, max_new, TEMPERATURE, ref=ref_logp_from
-                )
-            with run.autocast():
-                loss, stats = grpo_step(policy, roll, args, max_new)  # Eq. 1-2
-            (loss / args.grad_accum).backward()
+        # separate autocast blocks: bf16 copies of the weights cast under the rollout's no_grad must not serve the
+        # loss's forward (autocast caches them per block; torch <= 2.9 reuses them there, pytorch#112583: no gradient)
+        with run.autocast():
+            roll = common.rollout(policy, batch["images"], prompt, G, reward_fn, max_new, TEMPERATURE)  # once a step
+        micros = common.micro_batches(policy, roll, args.grad_accum, G)  # --grad-accum: the passes in parts
+        for k, micro in enumerate(micros):
+            with common.gradient_sync(policy.forward_module, last=k == len(micros) - 1):
+                with run.autocast():
+                    ref_logp = common.reference_logprobs(ref, micro, TEMPERATURE)  # (N, T) Eq. 1's pi_ref
+                with run.autocast():
+                    loss, stats = grpo_step(policy, micro, ref_logp, G, args.beta, args.loss_type, max_new)  # Eq. 1-2
+                (loss / args.grad_accum).backward()  # the last micro-batch's averages the gradients over ranks
             run.log(loss=loss.item(), **stats)
-        run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
+        grad_norm = common.clip_gradients(params, MAX_GRAD_NORM)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.log(grad_norm=grad_norm)
         run.log_step(step)  # metrics.jsonl: this step's line
         run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
     if total > 0:  # with --steps 0 the "before" evaluation is the result

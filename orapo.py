@@ -24,8 +24,8 @@ CE metric (Sec. 4.2): P/R/F1 macro over the 14 labels (the headline: macro F1), 
 
 Equations, and where they are implemented:
     Eq. 1-2  group mean (and std) and advantages              orapo_step() -> common.group_advantages
-    Eq. 3-4  PPO ratio, clipped GRPO loss, k3 KL               orapo_loss() -> common.grpo_loss
-    Eq. 5-7  DPO, length-normalised (LN-DPO, App. A)           orapo_loss() -> common.dpo_loss
+    Eq. 3-4  PPO ratio (1: one update a rollout), k3 KL       orapo_loss() -> common.grpo_loss
+    Eq. 5-7  DPO, length-normalised (LN-DPO, App. A)           orapo_loss() -> dpo_loss()
     Eq. 8    zero-reward indicator z_q of a group              zero_reward_indicator()
     Eq. 9    EMA of z, the zero-reward rate ZRR_q              ZeroRewardRate.update()
     Eq. 10   mixing weight lambda_q                            mixing_weight()
@@ -83,6 +83,8 @@ class Args(common.RunArgs):
     """Eq. 13's extractor: "sentences" (offline) or "hf:<instruction-tuned LM id or folder>" """
     max_pixels: Annotated[int, "[784, inf)"] = 512 * 512
     """HF models: pixels per view, at most 334 Qwen image tokens (the paper gives none: ours)"""
+    grad_accum: Annotated[int, "[1, inf)"] = 1
+    """micro-batches a step: the step's completions are sampled at once, the log-prob passes and the loss in parts"""
     fsdp: bool = False
     """torchrun: shard policy and reference over the GPUs (FSDP2), as full fine-tuning of 3B needs on 24 GB"""
 
@@ -290,6 +292,43 @@ def mixing_weight(zrr: np.ndarray, lambda_min: float, lambda_max: float, p: floa
 
 
 # Eq. 11-12: the OraPO objective and the update step ---------------------------------------------------
+def dpo_loss(
+    policy_chosen,
+    policy_rejected,
+    ref_chosen,
+    ref_rejected,
+    beta=0.1,
+    length_normalize=False,
+    chosen_mask=None,
+    rejected_mask=None,
+):
+    """Sigmoid DPO loss (Rafailov et al. 2023, Eq. 7), mean over N pairs -> (loss, stats). Log-probs per token (N, T)
+    with their side's mask, or sequence totals (N,) without one. log pi(y|x) sums the tokens (TRL's "sigmoid");
+    length_normalize takes their mean (TRL's "sigmoid_norm"): the margin is |y| times smaller; beta must exceed 0.1."""
+
+    def seq_logp(lp, m):
+        """(N, T) with a mask -> (N,); (N,) as it is."""
+        if m is None:
+            return lp
+        total = (lp * m.to(lp.dtype)).sum(-1)  # (N,)
+        return total / m.sum(-1).clamp(min=1) if length_normalize else total
+
+    c, ref_c = seq_logp(policy_chosen, chosen_mask), seq_logp(ref_chosen, chosen_mask)  # (N,)
+    r, ref_r = seq_logp(policy_rejected, rejected_mask), seq_logp(ref_rejected, rejected_mask)  # (N,)
+    # DPO Eq. 7: L = -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))
+    chosen_reward, rejected_reward = beta * (c - ref_c), beta * (r - ref_r)  # (N,) implicit rewards, Sec. 5
+    margin = chosen_reward - rejected_reward  # (N,)
+    loss = -torch.nn.functional.logsigmoid(margin).mean()  # ()
+    with torch.no_grad():
+        stats = {
+            "reward_margin": margin.mean().item(),
+            "chosen_reward": chosen_reward.mean().item(),
+            "rejected_reward": rejected_reward.mean().item(),
+            "accuracy": (margin > 0).float().mean().item(),
+        }
+    return loss, stats
+
+
 def orapo_loss(
     logp,
     ref_logp,
@@ -310,9 +349,9 @@ def orapo_loss(
     logp, ref_logp, mask (B*G, T): the sampled completions, groups contiguous; advantages (B*G,); lambdas (B,).
     chosen_logp, ref_chosen_logp, chosen_mask (B, Tc): each prompt's ground-truth report, or None (lambdas all 0).
     L_GRPO(q) is common.grpo_loss on the group: with every lambda 0 this is grpo_loss over the batch (dr_grpo's
-    normaliser G * max_len is one constant). L_DPO(q) is LN-DPO (common.dpo_loss with per-token means) over q's
-    G pairs: with every lambda 1, dpo_loss over all B*G pairs. With one update per rollout pi_old = pi_theta, so
-    Eq. 3's ratio is 1 and Eq. 4's clipping never acts (no --clip-eps)."""
+    normaliser G * max_len is one constant). L_DPO(q) is LN-DPO (dpo_loss with per-token means) over q's
+    G pairs: with every lambda 1, dpo_loss over all B*G pairs. Eq. 3's ratio is 1 and its clip never acts: one update
+    per rollout (common.grpo_loss says why)."""
     if chosen_logp is None and bool((lambdas != 0).any()):
         raise ValueError("lambda > 0 needs the ground-truth report's log-probs (chosen_logp)")
     l_grpo, l_dpo, acc, stats = [], [], [], []
@@ -320,11 +359,11 @@ def orapo_loss(
         g = slice(q * G, (q + 1) * G)
         ref_g = None if ref_logp is None else ref_logp[g]
         loss, s = common.grpo_loss(
-            logp[g], None, ref_g, advantages[g], mask[g], beta=beta, loss_type=loss_type, max_completion_length=max_len
+            logp[g], ref_g, advantages[g], mask[g], beta=beta, loss_type=loss_type, max_completion_length=max_len
         )  # Eq. 3-4
         l_grpo.append(loss)
         if chosen_logp is not None:  # Eq. 12: y+ the ground-truth report, y- each of the G completions
-            loss, d = common.dpo_loss(
+            loss, d = dpo_loss(
                 chosen_logp[q : q + 1].expand(G, -1),
                 logp[g],
                 ref_chosen_logp[q : q + 1].expand(G, -1),
@@ -351,56 +390,27 @@ def orapo_loss(
     }
 
 
-def ref_logprobs(policy, ref, prompts, ids, mask):
-    """log pi_ref per token: a frozen copy, or the policy with its LoRA adapters off."""
-    with torch.no_grad():
-        if ref == "lora":
-            with common.lora_disabled(policy.model):
-                return policy.completion_logprobs(prompts, ids, mask, TEMPERATURE)
-        return ref.completion_logprobs(prompts, ids, mask, TEMPERATURE)
-
-
-def orapo_step(policy, ref, roll: common.Rollout, batch: dict, zrr: ZeroRewardRate, args: Args, max_new: int):
-    """One update's loss, in the paper's order: Eq. 8 -> 9 -> 10 -> 1-2 -> 12 -> 11."""
-    G = args.group_size
-    z = zero_reward_indicator(roll.rewards, G)  # Eq. 8, (B,)
-    zrr_q = zrr.update(batch["id"], z)  # Eq. 9, (B,) with every rank's studies
-    lam = mixing_weight(zrr_q, args.lambda_min, args.lambda_max, ZRR_POWER)  # Eq. 10, (B,)
+def orapo_step(policy, ref, roll: common.Rollout, ref_logp, studies: dict, lam, z, G: int, dpo: bool, **loss_settings):
+    """The loss of one rollout (or one micro-batch of its groups) in the paper's order, Eq. 1-2 -> 12 -> 11, at the
+    mixing weights `lam` (B,) that Eq. 8-10 gave its studies (z (B,): Eq. 8's indicator, for the DPO accuracy on
+    zero-reward groups); `studies`: their images and ground-truth reports; dpo: lambda_max > 0 (else GRPO alone)."""
     A = common.group_advantages(roll.rewards, G, scale="none")  # Eq. 1-2 as Dr. GRPO (App. A): r - mean, (B*G,)
     logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (B*G, T)
     chosen = {}
-    if args.lambda_max > 0:  # Eq. 12: the ground-truth report is the preferred answer (the prompt asks for it)
-        prompts = policy.prompt_batch(batch["images"], PROMPT)
-        c_ids, c_mask = policy.encode_targets(batch["report"])  # (B, Tc)
+    if dpo:  # Eq. 12: the ground-truth report is the preferred answer (the prompt asks for it)
+        prompts = policy.prompt_batch(studies["images"], PROMPT)
+        c_ids, c_mask = policy.encode_targets(studies["report"])  # (B, Tc)
+        target = common.Rollout(prompts, c_ids, c_mask, list(studies["report"]), torch.zeros(len(c_ids)))
         chosen = dict(
             chosen_logp=policy.completion_logprobs(prompts, c_ids, c_mask, TEMPERATURE),
             chosen_mask=c_mask,
-            ref_chosen_logp=ref_logprobs(policy, ref, prompts, c_ids, c_mask),
+            ref_chosen_logp=common.reference_logprobs(ref, target, TEMPERATURE),
         )  # (B, Tc) each
-    loss, stats = orapo_loss(
-        logp,
-        roll.ref_logp,
-        A,
-        roll.completion_mask,
-        lam,
-        G,
-        **chosen,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        max_len=max_new,
-        dpo_beta=args.dpo_beta,
-    )  # Eq. 11
+    loss, stats = orapo_loss(logp, ref_logp, A, roll.completion_mask, lam, G, **chosen, **loss_settings)  # Eq. 11
     acc = stats.pop("dpo_accuracy_q")
     # DPO accuracy on zero-reward groups: sum this over steps and divide by zero_group_ratio's sum
     stats["dpo_accuracy_x_zero"] = float((acc * z).mean()) if len(acc) else 0.0
-    return loss, {
-        **stats,
-        "zero_group_ratio": z.mean(),
-        "zrr": zrr_q.mean(),
-        "lambda": lam.mean(),
-        "reward": roll.rewards.mean().item(),
-        "length": roll.completion_mask.sum(1).mean().item(),
-    }
+    return loss, {**stats, "reward": roll.rewards.mean().item(), "length": roll.completion_mask.sum(1).mean().item()}
 
 
 # Training -------------------------------------------------------------------------------------------
@@ -416,6 +426,8 @@ def train(args: Args) -> dict:
             "labeler, not GPT-4.1's atomic facts and entailment (--facts hf:<id> asks a local LM)"
         )
     run = common.start_run(args, notes=notes)
+    per_process = run.per_rank(args.prompts_per_step, "--prompts-per-step")  # fail now, not after a warm start
+    common.exact_div(per_process, args.grad_accum, "--prompts-per-step per process / --grad-accum")
     zrr = ZeroRewardRate(ZRR_MOMENTUM)
     tiny = args.model == "tiny"
     lr = args.lr if args.lr is not None else (5e-4 if tiny else 1e-6)
@@ -478,6 +490,8 @@ def train(args: Args) -> dict:
 
     results = {"test_before": evaluate(run.data["test"], "test_before")}
     batches = run.study_batches(train_set, args.prompts_per_step, "--prompts-per-step")
+    G, dpo = args.group_size, args.lambda_max > 0  # dpo: Eq. 11 mixes DPO in (lambda_max 0: GRPO alone)
+    settings = dict(beta=args.beta, loss_type=args.loss_type, max_len=max_new, dpo_beta=args.dpo_beta)  # Eq. 4, 11, 5
     for step, batch in run.steps(total, batches, "OraPO", bar=("reward", "zero_group_ratio", "lambda", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct fact labelled once this step
         y_batch = np.stack([gt[i] for i in batch["id"]])  # (B, 14)
@@ -486,16 +500,29 @@ def train(args: Args) -> dict:
             """common.rollout's: FactS (Eq. 13-15) of each completion against its study's ground truth."""
             return facts_reward(texts, y_batch[owners], extractor, labels)[0]
 
-        # two autocast blocks, as mrg_r1.py says why: the rollout's no_grad casts must not serve the loss's forward
+        # separate autocast blocks, as mrg_r1.py says why: the rollout's no_grad casts must not serve the loss's forward
         with run.autocast():
-            roll = common.rollout(
-                policy, batch["images"], PROMPT, args.group_size, reward_fn, max_new, TEMPERATURE, ref=ref
-            )
-        with run.autocast():
-            loss, stats = orapo_step(policy, ref, roll, batch, zrr, args, max_new)  # Eq. 1-12
-        loss.backward()
-        run.log(loss=loss.item(), **stats)
-        run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
+            roll = common.rollout(policy, batch["images"], PROMPT, G, reward_fn, max_new, TEMPERATURE)  # once a step
+        z = zero_reward_indicator(roll.rewards, G)  # Eq. 8, (B,)
+        zrr_q = zrr.update(batch["id"], z)  # Eq. 9, (B,) with every rank's studies
+        lam = mixing_weight(zrr_q, args.lambda_min, args.lambda_max, ZRR_POWER)  # Eq. 10, (B,)
+        run.log(zero_group_ratio=z.mean(), zrr=zrr_q.mean(), **{"lambda": lam.mean()})
+        micros = common.micro_batches(policy, roll, args.grad_accum, G)  # --grad-accum: the passes in parts
+        studies = common.split_batch(batch, args.grad_accum)
+        for k, (micro, mine) in enumerate(zip(micros, studies)):
+            q = slice(k * len(mine["id"]), (k + 1) * len(mine["id"]))  # the micro-batch's studies
+            with common.gradient_sync(policy.forward_module, last=k == len(micros) - 1):
+                with run.autocast():
+                    ref_logp = common.reference_logprobs(ref, micro, TEMPERATURE)  # (B*G, T) pi_ref, Eq. 4 and 5
+                with run.autocast():
+                    loss, stats = orapo_step(policy, ref, micro, ref_logp, mine, lam[q], z[q], G, dpo, **settings)
+                (loss / args.grad_accum).backward()  # the last micro-batch's averages the gradients over ranks
+            run.log(loss=loss.item(), **stats)
+        grad_norm = common.clip_gradients(params, MAX_GRAD_NORM)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.log(grad_norm=grad_norm)
         if (step + 1) % EVAL_EVERY == 0 and step + 1 < total:  # Fig. 2 (right): F1 of hard labels over checkpoints
             ce = evaluate(run.data["val"][:N_EVAL], f"val_step{step + 1}")["ce"]
             run.log(

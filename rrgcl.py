@@ -348,9 +348,12 @@ def train(args: Args) -> dict:
                 run.log(epoch=t, subset=len(d_sub), **lambdas)
             with run.autocast():
                 loss = sft_step(policy, batch, run)
-            loss.backward()
-            run.log(loss=loss.item())
-            run.optimizer_step(params, optimizer, scheduler, MAX_GRAD_NORM)
+            loss.backward()  # DDP averages the gradients over ranks here
+            grad_norm = common.clip_gradients(params, MAX_GRAD_NORM)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.log(loss=loss.item(), grad_norm=grad_norm)
             trained = step + 1
             if rule and trained % rule.every == 0:  # the sandbox's convergence rule
                 r = run.evaluate(policy, run.data["val"][:N_VAL], f"val_step{trained}", PROMPT, max_new, ce=CE)
@@ -395,7 +398,7 @@ def epoch_batches(run: common.Run, d_sub: np.ndarray, first: int, end: int, epoc
 
 def sft_step(policy, batch, run) -> torch.Tensor:
     """The wrapped generator's loss, the token mean of the teacher-forced NLL over the step: this rank's token mean
-    times n / mean n over ranks (its share of the step's tokens times the world size: optimizer_step averages)."""
+    times n / mean n over ranks (its share of the step's tokens times the world size: DDP averages)."""
     n = float(policy.encode_targets(batch["report"])[1].sum())  # this rank's report tokens
     loss = policy.sft_loss(policy.prompt_batch(batch["images"], PROMPT), batch["report"])  # this rank's token mean
     return loss * (n / common.all_reduce_mean(n))

@@ -52,6 +52,7 @@ def _private_cache(tmp_path_factory):
     # (seconds) in every process: off unless a test asks for it (tests/test_metrics.py); figures likewise (test_cli.py).
     os.environ["RRG_CACHE"] = str(tmp_path_factory.mktemp("rrg_cache"))
     os.environ["RRG_METEOR"] = "0"
+    os.environ["RRG_FIGURES"] = "0"
 
 
 def _small_only(real, what: str, instead: str):
@@ -137,12 +138,62 @@ QWEN_SPECIALS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
+# The chat template Qwen/Qwen2.5-VL-3B-Instruct publishes (chat_template.json): a default system turn, an image slot
+# per view, the assistant's turn opened by add_generation_prompt
 QWEN_CHAT = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: "
+    "{% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen/Qwen2.5-VL-3B-Instruct's files beside its weights, as published: the image processor's pixel bounds at the top
+# level (no `size`), near-greedy sampling with two EOS ids, the tokenizer's settings
+HUB_PREPROCESSOR = {
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2_5_VLProcessor",
+}
+HUB_SAMPLING = dict(do_sample=True, repetition_penalty=1.05, temperature=0.1, top_p=0.001, top_k=1)
+HUB_TOKENIZER = {
+    "add_prefix_space": False,
+    "bos_token": None,
+    "clean_up_tokenization_spaces": False,
+    "eos_token": "<|im_end|>",
+    "errors": "replace",
+    "model_max_length": 131072,
+    "pad_token": "<|endoftext|>",
+    "split_special_tokens": False,
+    "tokenizer_class": "Qwen2Tokenizer",
+    "unk_token": None,
+}
+
+
+def save_as_published(out_dir):
+    """Rewrite a saved tiny Qwen2.5-VL's processor, tokenizer and generation files into the hub checkpoint's layout
+    (preprocessor_config.json, chat_template.json, tokenizer_config.json, generation_config.json)."""
+    import json
+
+    out_dir = Path(out_dir)
+    for name in ("processor_config.json", "chat_template.jinja", "video_preprocessor_config.json"):
+        (out_dir / name).unlink(missing_ok=True)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(HUB_PREPROCESSOR, indent=2))
+    (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_CHAT}, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(HUB_TOKENIZER | {"chat_template": QWEN_CHAT}, indent=2))
+    generation = json.loads((out_dir / "generation_config.json").read_text())
+    ids = {k: generation[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (out_dir / "generation_config.json").write_text(json.dumps(ids | HUB_SAMPLING, indent=2))
 
 
 def qwen_flags(data, model_dir, out, *more: str) -> list[str]:
@@ -151,7 +202,9 @@ def qwen_flags(data, model_dir, out, *more: str) -> list[str]:
     return ["--data", str(data), "--model", str(model_dir), "--labeler", "rule", "--out", str(out), *more]
 
 
-def build_tiny_qwen(out_dir, texts, image_pixels: int = 56 * 56, seed: int = 0):
+def build_tiny_qwen(out_dir, texts, image_pixels: int = 56 * 56, seed: int = 0, hub_layout: bool = True):
+    """A tiny random Qwen2.5-VL saved as Qwen/Qwen2.5-VL-3B-Instruct is published (hub_layout), or as
+    save_pretrained writes it (its processor bounded to `image_pixels`)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -216,11 +269,11 @@ def build_tiny_qwen(out_dir, texts, image_pixels: int = 56 * 56, seed: int = 0):
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    # Qwen2.5-VL-Instruct's generation_config.json: near-greedy sampling that HFPolicy must undo
-    model.generation_config.update(do_sample=True, top_k=1, top_p=0.001, temperature=0.1, repetition_penalty=1.05)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]  # the hub's: both end a turn
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
+    if hub_layout:
+        save_as_published(out_dir)  # its image bounds: the hub's, the test images small (64 px: 4 tokens a view)
     return out_dir
 
 
@@ -527,9 +580,9 @@ def built(monkeypatch):
         seen.steps[self.out.name] = SimpleNamespace(total=total, batch=next(batches(0)))
         return iter(()) if self.out.name in seen.skip else real.steps(self, total, batches, *a, **k)
 
-    def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0, ref="none"):
+    def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0):
         seen.rollout = SimpleNamespace(policy=policy, studies=len(images), G=G, max_new_tokens=max_new_tokens)
-        seen.rollout.temperature, seen.rollout.ref = temperature, ref
+        seen.rollout.temperature = temperature
         raise Stop("read the first rollout")
 
     monkeypatch.setattr(common, "start_run", start_run)
@@ -544,3 +597,33 @@ def built(monkeypatch):
 def lr_factors(scheduler, steps) -> list[float]:
     """The schedule's lr multiplier at each of `steps` (LambdaLR's function), rounded to 6 places."""
     return [round(scheduler.lr_lambdas[0](k), 6) for k in steps]
+
+
+def one_step_in_micro_batches(monkeypatch, main, argv: list[str], k: int):
+    """A script's main(argv) for one RL step under --grad-accum k, evaluations skipped -> (the generate() calls it made,
+    the rollout's completions, the gradient of everything that trains at the update, in parameter order)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import common
+
+    calls, rolls, grads = [], [], []
+    real = SimpleNamespace(generate=common.TinyPolicy.generate, rollout=common.rollout, clip=common.clip_gradients)
+
+    def generate(self, *a, **kw):
+        calls.append(1)
+        return real.generate(self, *a, **kw)
+
+    def clip(params, max_norm):
+        params = list(params)
+        grads.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
+        return real.clip(params, max_norm)
+
+    monkeypatch.setattr(common.TinyPolicy, "generate", generate)
+    monkeypatch.setattr(common, "rollout", lambda *a, **kw: rolls.append(real.rollout(*a, **kw)) or rolls[-1])
+    monkeypatch.setattr(common, "clip_gradients", clip)
+    monkeypatch.setattr(common.Run, "evaluate", fake_eval)
+    main([*argv, "--grad-accum", str(k)])
+    assert len(rolls) == len(grads) == 1, "one RL step"
+    return len(calls), rolls[0].texts, grads[0]

@@ -37,7 +37,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +51,7 @@ import sandbox
 
 RESULTS = ROOT / "tests" / "results"
 PINS = sandbox.NUMERIC_PINS  # one thread, AVX2 kernels in ATen, MKL and oneDNN: a run repeats to the bit
-QUIET = {"RRG_METEOR": "0"}  # no JVM per run
+QUIET = {"RRG_METEOR": "0", "RRG_FIGURES": "0"}  # no JVM per run, no figure per run
 
 
 @dataclass
@@ -1253,48 +1253,6 @@ def load_references() -> dict:
 
 
 # --- figures ----------------------------------------------------------------------------------------------------------
-def run_figures(out) -> list[Path]:
-    """<folder>/figures/training.png for out and every stage folder below it, from its metrics.jsonl: a panel per
-    logged number against the step (keys "a/b" share panel a), with a running mean. Needs matplotlib."""
-    try:
-        from matplotlib import figure  # not pyplot: no global backend to set, no figure to close
-    except ImportError:
-        print("figures skipped: they need `pip install matplotlib`")
-        return []
-    drawn = []
-    for metrics in sorted(Path(out).glob("**/metrics.jsonl")):
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        panels = defaultdict(dict)  # panel -> {line: (n, 2) steps and values}
-        for key in dict.fromkeys(k for r in rows for k in r if k not in ("step", "time")):
-            panel, _, line = key.partition("/")
-            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            panels[panel][line or panel] = np.array(points)
-        cols, n_rows = max(1, min(4, len(panels))), max(1, math.ceil(len(panels) / 4))  # 4 a row at most; none: blank
-        fig = figure.Figure(figsize=(3.2 * cols, 2.3 * n_rows))
-        axes = fig.subplots(n_rows, cols, squeeze=False)
-        for ax, (panel, lines) in zip(axes.flat, panels.items()):
-            for label, (x, y) in ((k, v.T) for k, v in lines.items() if len(v)):
-                w = max(1, len(x) // 15)  # running mean over w steps
-                alpha = 0.35 if w > 1 else 1
-                marker = "." if len(x) <= 30 else None
-                (raw,) = ax.plot(x, y, lw=0.6, alpha=alpha, marker=marker, label=label)  # a legend with two or more
-                if w > 1:
-                    ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), lw=1.2, color=raw.get_color())
-            ax.set_title(panel, fontsize=8)
-            ax.tick_params(labelsize=6)
-            if len(lines) > 1:
-                ax.legend(fontsize=5)
-        for ax in axes.flat[len(panels) :]:
-            ax.axis("off")
-        fig.suptitle(f"{metrics.parent} (x: step)", fontsize=8)
-        fig.tight_layout()
-        png = metrics.parent / "figures" / "training.png"
-        png.parent.mkdir(exist_ok=True)
-        fig.savefig(png, dpi=80)
-        drawn.append(png)
-    return drawn
-
-
 def plt():
     import matplotlib
 
@@ -2412,7 +2370,10 @@ def main(argv=None):
     if args.name == "plot":
         if not (args.run and Path(args.run).is_dir() and any(Path(args.run).glob("**/metrics.jsonl"))):
             raise SystemExit(f"error: {args.run}: no metrics.jsonl in it or below (the --out folder of a run)")
-        return print("\n".join(f"wrote {png}" for png in run_figures(args.run)))
+        drawn = common.draw_training(args.run)
+        return print(
+            "\n".join(f"wrote {png}" for png in drawn) or "figures skipped: they need `pip install matplotlib`"
+        )
     if args.name == "labels":
         weights = args.chexbert_weights
         if args.labeler == "chexbert" and args.gold == "synthetic" and not weights:

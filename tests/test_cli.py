@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import common
 import reproduce
@@ -94,8 +95,9 @@ def test_synthetic_command_writes_a_loadable_set(tmp_path):
 
 
 def test_plot_draws_every_logged_number_of_a_run_and_its_stages(tmp_path, monkeypatch, capsys):
-    """`python tests/reproduce.py plot RUN`: RUN/figures/training.png and one per stage folder below, a panel per key of
-    metrics.jsonl ("lambda/a" and "lambda/b" share a panel); without matplotlib, one line and nothing drawn."""
+    """`python tests/reproduce.py plot RUN` (common.draw_training): RUN/figures/training.png and one per stage folder
+    below, a panel per key of metrics.jsonl ("lambda/a" and "lambda/b" share a panel); without matplotlib, one line
+    and nothing drawn."""
     from PIL import Image
 
     rows = [{"step": k + 1, "time": 0.1, "loss": 1 / (k + 1), "lambda/a": 0.1 * k} for k in range(40)]
@@ -110,11 +112,25 @@ def test_plot_draws_every_logged_number_of_a_run_and_its_stages(tmp_path, monkey
             assert im.size[0] == 2 * 3.2 * 80 and im.size[1] == 2.3 * 80  # 2 panels: loss, lambda
     (tmp_path / "stopped").mkdir()  # a run stopped before its first number: step and time only, a blank figure
     (tmp_path / "stopped" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 0.1}) + "\n")
-    assert reproduce.run_figures(tmp_path / "stopped") == [tmp_path / "stopped" / "figures" / "training.png"]
+    assert common.draw_training(tmp_path / "stopped") == [tmp_path / "stopped" / "figures" / "training.png"]
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         reproduce.main(["plot", str(tmp_path / "nothing")])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as when it is not installed
-    assert reproduce.run_figures(tmp_path) == []
+    assert common.draw_training(tmp_path) == []
+    reproduce.main(["plot", str(tmp_path)])
+    assert "pip install matplotlib" in capsys.readouterr().out
+
+
+def test_every_run_draws_its_training_figure_when_it_ends(tmp_path, monkeypatch):
+    """Run.finish draws out/figures/training.png from its metrics.jsonl (matplotlib installed; RRG_FIGURES=0, as the
+    tests and the sweeps set it, draws none)."""
+    run = common.Run(common.RunArgs(out=str(tmp_path / "run")), 0, 1, torch.device("cpu"), None, None)
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 0.1, "loss": 0.5}) + "\n")
+    run.finish({})
+    assert not (tmp_path / "run" / "figures").exists()
+    monkeypatch.delenv("RRG_FIGURES")
+    run.finish({})
+    assert (tmp_path / "run" / "figures" / "training.png").is_file()
 
 
 TINY_CHEXBERT = dict(hidden=32, layers=1, heads=2, epochs=1, lr=3e-3, batch_size=8)

@@ -16,7 +16,7 @@ import torch
 import common
 import deer
 import test_chexbert
-from conftest import Crash, Stop, labels, metrics_rows, qwen_flags, torchrun
+from conftest import Crash, Stop, labels, metrics_rows, one_step_in_micro_batches, qwen_flags, torchrun
 from deer import (
     align_to_tokens,
     diagnostic_diversity,
@@ -131,6 +131,34 @@ def test_token_spans_of_the_word_tokenizer():
     assert len(spans[1]) == 2
 
 
+def spans_decoding_the_batch_per_position(policy, ids, mask):
+    """token_spans as it was (the reference): the whole batch decoded once per token position."""
+    texts, spans = [""] * len(ids), [[] for _ in ids]
+    prefix = torch.zeros_like(mask)
+    for t in range(ids.shape[1]):
+        if not mask[:, t].any():
+            break
+        prefix[:, t] = mask[:, t]
+        for i, text in enumerate(policy.decode(ids, prefix)):
+            if mask[i, t]:
+                spans[i].append((len(os.path.commonprefix([texts[i], text])), len(text)))
+                texts[i] = text
+    return texts, spans
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen"])
+def test_token_spans_equal_those_of_decoding_the_batch_per_position(kind, tiny_qwen_dir):
+    """Each report's prefixes decoded in one call on the CPU give the spans the per-position decoding gave, on the
+    word tokenizer and on a byte-level BPE (Qwen's: a word in pieces, a space inside a token), an empty row too."""
+    texts = ["Plate-like atelectasis at the left base, no effusion.", "zzqx", "No pneumothorax or effusion."]
+    policy = tiny_policy(texts) if kind == "tiny" else common.HFPolicy(str(tiny_qwen_dir))
+    ids, mask = policy.encode_targets(texts)
+    ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, torch.zeros_like(mask[:1])])  # a 4th row with no token
+    got = token_spans(policy, ids, mask)
+    assert got == spans_decoding_the_batch_per_position(policy, ids, mask)
+    assert got[1][3] == [] and got[0][0] == (texts[0].lower() if kind == "tiny" else texts[0])  # tiny: lower case
+
+
 def test_align_to_tokens_max_over_overlaps():
     # "small left effusion."  policy tokens: small | left | effusion | . | EOS ; a BPE-like " left"
     spans = [(0, 5), (6, 10), (11, 19), (19, 20), (20, 20), (5, 10)]
@@ -205,7 +233,7 @@ def test_eq6_token_weights_scale_each_tokens_gradient(small_synthetic):
     policy = tiny_policy([r.report for r in data["train"]], max_len=16)
     prompts = policy.repeat(policy.prompt_batch([[common.load_image(p) for p in data["train"][0].image_paths]]), 2)
     ids, mask = policy.encode_targets(["heart size is normal.", "small left pleural effusion."])
-    roll = common.Rollout(prompts, ids, mask, [], torch.tensor([0.0, 1.0]), None)
+    roll = common.Rollout(prompts, ids, mask, [], torch.tensor([0.0, 1.0]))
     w = torch.ones(mask.shape)
     w[1, 3] = 3.0
     A = torch.tensor([-0.5, 0.5]) / (math.sqrt(0.5) + 1e-4)  # rewards (0, 1): mean 0.5, Bessel's std sqrt(0.5)
@@ -454,7 +482,7 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
             "24",
         ]
     )
-    (_, old, ref_logp, A_t, mask), kw = seen[0]
+    (_, ref_logp, A_t, mask), kw = seen[0]
     roll, G, lab = rolls[0], 8, common.RuleLabeler()
     refs = [r.report for r in common.load_data(base[1])["train"][:2] for _ in range(G)]
     h, y = ((x == 1) | (x == -1) for x in (lab(roll.texts), lab(refs)))  # positive or uncertain
@@ -475,7 +503,7 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
     assert (w[mask.bool()] > 1).any() and A.abs().sum() > 0  # weights and advantages that matter
     torch.testing.assert_close(A_t, A[:, None] * w)
     torch.testing.assert_close(mask, roll.completion_mask)
-    assert old is None and ref_logp is None and kw["loss_type"] == "grpo"
+    assert ref_logp is None and kw["loss_type"] == "grpo"
     row = metrics(tmp_path / "rl_rule_all" / "metrics.jsonl")[0]  # --subset all: its own stage folder
     assert (
         "bleu2" not in row
@@ -721,3 +749,20 @@ def test_beta_as_printed_is_a_flag(tmp_path, synthetic_is_small, built, monkeypa
         stage = tmp_path / "run" / "rl_grad_all"
         assert json.loads((stage / "config.json").read_text())["resolved"]["beta"] == beta
         shutil.rmtree(stage)
+
+
+def test_grad_accum_samples_once_a_step_and_keeps_the_gradient(tmp_path, staged, monkeypatch):
+    """--grad-accum k: one generate() call a step whatever k (1, 2, 4), the same completions, and the gradient of k
+    micro-batches (each group's TF-IDF weights computed once on the step's rollout) that of the whole step."""
+    out, base = staged
+    monkeypatch.setattr(deer, "reward", lambda texts, *a: (np.array([len(t) % 7 for t in texts], float), {}))
+    seen = {}
+    for k in (1, 2, 4):
+        shutil.copytree(out / "sft", tmp_path / f"k{k}" / "sft")
+        flags = [*base[:2], "--out", str(tmp_path / f"k{k}"), *base[4:], "--steps", "1", "--prompts-per-step", "4"]
+        argv = ["rl", *flags, "--subset", "all", "--weighting", "rule", "--group-size", "4"]
+        seen[k] = one_step_in_micro_batches(monkeypatch, deer.main, argv, k)
+    assert [seen[k][0] for k in (1, 2, 4)] == [1, 1, 1]
+    assert seen[4][1] == seen[1][1] and len(set(seen[1][1])) > 1
+    torch.testing.assert_close(seen[4][2], seen[1][2], rtol=1e-4, atol=1e-6)
+    assert seen[1][2].abs().max() > 1e-3

@@ -1,8 +1,7 @@
-"""tests/gpu_check.py without a GPU: the preparation, then one line and exit 0; the memory formula it
-compares with; two of its parts run on the CPU, to check the parts themselves."""
+"""tests/gpu_check.py without a GPU: the preparation, then one line, every file under --out, exit 0; the memory
+formula it compares with; its parts run on the CPU with the tiny Qwen2.5-VL, to check the parts themselves."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,53 +16,91 @@ import gpu_check
 from conftest import run_python
 
 
-def test_without_cuda_it_prepares_says_so_in_one_line_and_exits_0(tmp_path):
-    """CUDA_VISIBLE_DEVICES="" hides any GPU: the CPU-side preparation runs (the data, the tiny Qwen2.5-VL, the 3B's
-    config without weights, the word pieces), stdout is one line, the exit status 0, and no gpu.json is written."""
-    work, out = tmp_path / "work", tmp_path / "gpu.json"
-    proc = run_python(ROOT / "tests" / "gpu_check.py", "--work", str(work), "--out", str(out))  # with no CUDA device
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """`python tests/gpu_check.py --out DIR` with no CUDA device (CUDA_VISIBLE_DEVICES=""): the process and DIR."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = run_python(ROOT / "tests" / "gpu_check.py", "--out", str(out))
+    return proc, out
+
+
+def test_without_cuda_it_prepares_says_so_in_one_line_and_exits_0(prepared):
+    """The CPU-side preparation runs (MIMIC-size views, the tiny Qwen2.5-VL, the 3B's and 7B's published folders
+    without weights), stdout is one line, the exit status 0, every file under --out, no gpu.json."""
+    proc, out = prepared
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [proc.stdout.strip()] and "no CUDA device" in proc.stdout
-    assert not out.exists()
-    config = json.loads((work / "qwen3b" / "config.json").read_text())
-    assert (config["text_config"]["num_hidden_layers"], config["vision_config"]["depth"]) == (36, 32)
-    assert not list((work / "qwen3b").glob("*.safetensors"))  # built on the GPU by the part
-    assert (work / "qwen_tiny" / "model.safetensors").is_file() and (work / "bert_vocab.txt").is_file()
-    assert len(json.loads((work / "data512" / "annotation.json").read_text())["train"]) == 8
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "work"] and not (out / "gpu.json").exists()
+    work = out / "work"
+    for name, (layers, width) in {"qwen3b": (36, 2048), "qwen7b": (28, 3584)}.items():
+        config = json.loads((work / name / "config.json").read_text())["text_config"]
+        assert (config["num_hidden_layers"], config["hidden_size"]) == (layers, width)
+        assert not list((work / name).glob("*.safetensors"))  # built on the GPU by a part
+        pre = json.loads((work / name / "preprocessor_config.json").read_text())
+        assert pre["max_pixels"] == 12845056 and "size" not in pre  # the hub's layout
+    annotation = json.loads((work / "data" / "annotation.json").read_text())
+    views = [r["image_path"] for r in annotation["train"]]
+    assert len(views) == 32 and all(len(v) == 1 for v in views)
+    from PIL import Image
+
+    with Image.open(work / "data" / "images" / views[0][0]) as im:
+        assert im.size == (2544, 3056)
 
 
 def test_memory_formula_is_the_documented_one():
     """MACHINES.md's estimates for 3B, n = 8 completions of 636 tokens (0.82 GB each): OraPO's full fine-tuning with a
     frozen reference 20 B a parameter and 2 more for the reference's fp32 embedding (311.2 M), 75.1 + 0.6 + 6.6 = 82.3
-    GB (the table's 82 GB); MRG-R1's LoRA r 128 keeps the base in bf16 (7.5 GB) and 18 B per adapter parameter
-    (239.5 M: 4.3 GB)."""
-    assert gpu_check.LORA_R128_PARAMS == 239_468_544  # 36 layers x 128 x (q, k, v, o, gate, up, down: in + out)
+    GB (the table's 82 GB); MRG-R1's 7B with LoRA r 128 keeps the base in bf16 (16.6 GB) and 18 B per adapter
+    parameter (7B: 28 layers x 128 x (q, k, v, o, gate, up, down: in + out) = 323.0 M: 5.8 GB)."""
+    assert gpu_check.LORA_R128_PARAMS == 239_468_544
+    assert gpu_check.LORA_R128_PARAMS_7B == 28 * 128 * (2 * 7168 + 2 * 4096 + 3 * 22528) == 322_961_408
     assert gpu_check.formula_gb("orapo", 8) == pytest.approx(20 * 3.754622976 + 2 * 0.311164928 + 8 * 0.82, abs=1e-9)
     assert round(gpu_check.formula_gb("orapo", 8)) == 82
-    assert gpu_check.formula_gb("mrg_r1", 8) == pytest.approx(2 * 3.754622976 + 18 * 0.239468544 + 6.56, abs=1e-9)
+    assert gpu_check.formula_gb("mrg_r1", 16) == pytest.approx(2 * 8.292166656 + 18 * 0.322961408 + 16 * 0.82)
 
 
 def test_unknown_part_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match="error: --parts: unknown gpu"):
-        gpu_check.main(["--parts", "gpu", "--work", str(tmp_path)])
+        gpu_check.main(["--parts", "gpu", "--out", str(tmp_path)])
 
 
-def test_parts_run_on_the_cpu(tmp_path, monkeypatch):
-    """Two parts in this process with the CPU as their device (a CPU run of the CUDA check checks the check): the RL
-    core's CPU-against-CPU differences are 0; mrg_r1 runs with the tiny model and the tiny Qwen2.5-VL, stopped after
-    RL's step 1 and resumed to step 2."""
+def test_parts_run_on_the_cpu(prepared, monkeypatch):
+    """The parts with the CPU as their device (a CPU run of the CUDA check checks the check), the tiny Qwen2.5-VL in
+    place of the 3B: the processor's 320 tokens; the RL core's CPU-against-CPU differences 0; the generation sweep;
+    OraPO's step part: 3 steps, the last one's four phases, its completions and decode rate, no utilisation (no
+    GPU's peak known)."""
+    _, out = prepared
+    work = out / "work"
     monkeypatch.setattr(gpu_check, "DEVICE", "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    for name in ("RRG_CACHE", "RRG_METEOR", "TOKENIZERS_PARALLELISM"):  # run_part sets them
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-    monkeypatch.setattr(common.Run, "checkpoint", common.Run.checkpoint)  # the part stops runs after step 1
-    monkeypatch.setattr(common, "CHECKPOINT_EVERY", common.CHECKPOINT_EVERY)
-    gpu_check.prepare(tmp_path)
-    (tmp_path / "parts").mkdir()
-    for part in ("rl_core", "scripts:mrg_r1"):
-        gpu_check.run_part(part, tmp_path)
-    core = json.loads((tmp_path / "parts" / "rl_core.json").read_text())
-    assert core["bf16_within_bound"] and set(core["bf16"]["relative_difference"].values()) == {0.0}
-    runs = json.loads((tmp_path / "parts" / "scripts_mrg_r1.json").read_text())
-    steps = {".": [1, 2], "warm_start": [1, 2]}  # RL's two steps (stopped after 1), after a 2-step warm start
-    assert {model: r["steps"] for model, r in runs.items()} == {"tiny": steps, "qwen": steps}
+    for attr in ("rollout", "reference_logprobs", "clip_gradients", "build_policy"):  # the parts patch them
+        monkeypatch.setattr(common, attr, getattr(common, attr))
+    for owner, attr in ((common.Run, "log_step"), (common.Run, "evaluate"), (common.Run, "checkpoint")):
+        monkeypatch.setattr(owner, attr, getattr(owner, attr))
+    for attr in ("generate", "completion_logprobs", "save"):
+        monkeypatch.setattr(common.HFPolicy, attr, getattr(common.HFPolicy, attr))
+    from transformers import AutoModelForImageTextToText
+
+    monkeypatch.setattr(AutoModelForImageTextToText, "from_pretrained", AutoModelForImageTextToText.from_pretrained)
+    figures = {}
+    for name, run in {
+        "processor": lambda f: gpu_check.part_processor(work, f),
+        "rl_core": lambda f: gpu_check.part_rl_core(work, f),
+        "generation": lambda f: gpu_check.part_generation(work, f, model="qwen_tiny", new_tokens=4),
+        "step": lambda f: gpu_check.part_step("orapo", work, f, model="qwen_tiny", new_tokens=6),
+    }.items():
+        figures[name] = gpu_check.Figures(work / "parts" / f"cpu_{name}.json")
+        if name == "step":
+            gpu_check.keep_policies()
+        run(figures[name])
+    assert figures["processor"]["tokens_at_512"] == 320 and figures["processor"]["tokens_unbounded"] == 9919
+    assert figures["rl_core"]["bf16_within_bound"] and set(
+        figures["rl_core"]["bf16"]["relative_difference"].values()
+    ) == {0.0}
+    assert set(figures["generation"]["rows"]) == {8, 32, 64}
+    step = figures["step"]
+    assert set(step["phases"]) == {"generate", "reference", "forward + backward", "optimizer"}
+    assert step["completions"] == 8 and step["new_tokens"] == 6 and step["update_mfu"] is None
+    assert step["update_tokens"] > 8 * 6 and step["peak_gb"] == 0.0  # the CPU: no CUDA memory counted
+    lines = [json.loads(x) for x in (work / "runs" / "orapo" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert torch.cuda.is_available() or step["phases"]["generate"]["seconds"] > 0

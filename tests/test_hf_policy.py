@@ -45,19 +45,6 @@ def test_prompt_batch_left_padded_and_whole(policy, studies):
     assert p["attention_mask"][0, 0] == 0 and p["attention_mask"][1].all()
 
 
-def test_max_pixels_bounds_each_view_and_small_views_grow_to_56_px(tiny_qwen_dir):
-    """--max-pixels (the scripts' default 512 x 512): a MIMIC-CXR-sized view shrinks to at most that area, 320 image
-    tokens; a view smaller than 56 x 56 grows to it (Qwen2.5-VL's min_pixels), 4 tokens, as the model was trained."""
-    from PIL import Image
-
-    policy = common.HFPolicy(str(tiny_qwen_dir), device="cpu", max_pixels=512 * 512)
-    assert policy.processor.image_processor.size == {"longest_edge": 512 * 512, "shortest_edge": 56 * 56}
-    image_id = policy.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    for size, tokens in [((2544, 3056), 320), ((20, 20), 4)]:  # 320 = 20 x 16 (tests/test_real_arch.py)
-        p = policy.prompt_batch([[Image.new("L", size, 100)]], PROMPT)
-        assert (p["input_ids"] == image_id).sum().item() == tokens, size
-
-
 def test_sft_and_dpo_targets_end_with_eos_at_most_512_tokens(policy):
     ids, mask = policy.encode_targets(["the heart is normal . " * 200, "no effusion ."])
     assert ids.shape[1] == 512 and mask.sum(1)[0] == 512 and ids[0, 511] == policy.eos_token_id
@@ -168,9 +155,14 @@ def test_lora_reference_save_merged_and_reload(tiny_qwen_dir, studies, tmp_path)
             reference = pol.completion_logprobs(prompts, ids, mask)
     assert (adapted - base).abs().max() > 1e-3
     torch.testing.assert_close(reference, base)
-    # rollout with the LoRA-off reference
-    roll = common.rollout(pol, views[:2], PROMPT, 2, lambda texts, owners: [0.0] * len(texts), 6, ref="lora")
-    assert roll.ref_logp.shape == roll.completion_ids.shape
+    # the LoRA-off reference of a rollout: the model without its adapters
+    roll = common.rollout(pol, views[:2], PROMPT, 2, lambda texts, owners: [0.0] * len(texts), 6)
+    ref_logp = common.reference_logprobs(common.LoRAOff(pol), roll)
+    assert ref_logp.shape == roll.completion_ids.shape and not ref_logp.requires_grad
+    with torch.no_grad(), common.lora_disabled(pol.model):
+        torch.testing.assert_close(
+            ref_logp, pol.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask)
+        )
     pol.save(tmp_path / "merged")
     assert any(isinstance(m, common.LoRALinear) for m in pol.model.modules())  # the live model keeps its adapters
     reloaded = common.HFPolicy(str(tmp_path / "merged"), device="cpu")
@@ -214,17 +206,15 @@ def test_gpu_grpo_step_speed_and_memory(small_synthetic):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
-        roll = common.rollout(
-            pol, views, PROMPT, 8, lambda texts, owners: [float(len(t) % 3) for t in texts], 256, ref="lora"
-        )
+        roll = common.rollout(pol, views, PROMPT, 8, lambda texts, owners: [float(len(t) % 3) for t in texts], 256)
         torch.cuda.synchronize()
         t1 = time.time()
-        A = common.group_advantages(roll.rewards, 8)
         opt.zero_grad(set_to_none=True)
-        for rows in torch.arange(64).split(16):  # 4 micro-batches of 16 completions
-            prompts = pol.prompt_batch([views[i // 8] for i in rows.tolist()], PROMPT)  # the same inputs, 16 rows
-            logp = pol.completion_logprobs(prompts, roll.completion_ids[rows], roll.completion_mask[rows])
-            loss, _ = common.grpo_loss(logp, None, roll.ref_logp[rows], A[rows], roll.completion_mask[rows], beta=0.04)
+        for micro in common.micro_batches(pol, roll, 4, 8):  # 4 micro-batches of 16 completions
+            ref_logp = common.reference_logprobs(common.LoRAOff(pol), micro)
+            logp = pol.completion_logprobs(micro.prompts, micro.completion_ids, micro.completion_mask)
+            A = common.group_advantages(micro.rewards, 8)
+            loss, _ = common.grpo_loss(logp, ref_logp, A, micro.completion_mask, beta=0.04)
             (loss / 4).backward()
         opt.step()
         torch.cuda.synchronize()

@@ -209,6 +209,7 @@ def test_dcrrg_resumes_a_step_with_another_steps_budget_refused_and_other_steps_
 STEPS, COUNT, LR, PIXELS = "[0, inf)", "[1, inf)", "[0, 1]", "[784, inf)"  # PIXELS: one 28 x 28 Qwen2.5-VL patch group
 RANGES = {  # (script, field): the range, and why its ends are where they are; every ranged flag of every script
     ("common", "seed"): "[0, 2e9]",  # numpy's and torch's seeds are unsigned 32-bit; + rank stays inside
+    ("common", "eval_batch_size"): COUNT,
     ("mrg_r1", "margin"): "[0, 1)",  # Eq. 6 divides by 1 - m
     ("mrg_r1", "group_size"): "[2, inf)",  # group-relative advantages need 2
     ("mrg_r1", "beta"): "[0, inf)",  # Eq. 1's KL weight, beta >= 0
@@ -232,7 +233,7 @@ RANGES = {  # (script, field): the range, and why its ends are where they are; e
     **{(s, "sft_steps"): STEPS for s in ("mrg_r1", "orapo", "deer")},
     **{(s, "max_new_tokens"): COUNT for s in ("mrg_r1", "orapo", "deer")},
     **{(s, "prompts_per_step"): COUNT for s in ("mrg_r1", "orapo", "deer")},
-    **{(s, "grad_accum"): COUNT for s in ("mrg_r1", "deer")},
+    **{(s, "grad_accum"): COUNT for s in ("mrg_r1", "deer", "orapo")},
     **{(s, "max_pixels"): PIXELS for s in ("mrg_r1", "orapo", "deer")},
     ("rrgcl", "batch_size"): COUNT,
     ("dcrrg", "batch_size"): COUNT,
@@ -261,13 +262,14 @@ def test_each_flag_range_is_the_one_its_method_implies(script):
 def test_mccs_at_the_edge_of_its_margin_range_and_dpo_beta_0_would_learn_nothing():
     """What the ranges keep out: m = 1 divides by zero; DPO's margin is 0 whatever the log-probs at beta 0."""
     import mrg_r1
+    import orapo
 
     hyp = ref = labels(Cardiomegaly=1)
     assert mrg_r1.mccs(hyp, ref, margin=0.999)[0] == pytest.approx(1.0, abs=1e-3)
     with np.errstate(divide="ignore", invalid="ignore"):
         assert mrg_r1.mccs(hyp, ref, margin=1.0)[0] == 0.0  # every report 0: no reward left to learn from
     lp = torch.tensor([[-1.0], [-3.0]])
-    loss, _ = common.dpo_loss(lp[:1], lp[1:], lp[1:], lp[:1], beta=0.0)
+    loss, _ = orapo.dpo_loss(lp[:1], lp[1:], lp[1:], lp[:1], beta=0.0)
     assert loss.item() == pytest.approx(np.log(2))  # no preference at all
 
 

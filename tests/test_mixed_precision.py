@@ -128,7 +128,7 @@ def test_reference_equals_the_policy_at_step_0_in_bf16(tmp_path, small_synthetic
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)
     out = tmp_path / "run"
     orapo.main(bf16_flags(small_synthetic, tiny_qwen_dir, out) + ["--group-size", "2"])
-    for logp, _, ref_logp, *_ in seen:
+    for logp, ref_logp, *_ in seen:
         torch.testing.assert_close(ref_logp, logp.detach(), rtol=0, atol=0)
     line = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert line["kl"] == 0 and line["dpo_margin"] == 0 and line["dpo_loss"] == pytest.approx(math.log(2), abs=1e-7)

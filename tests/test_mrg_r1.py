@@ -11,7 +11,7 @@ import torch
 
 import common
 import mrg_r1
-from conftest import Crash, fake_eval, labels, metrics_rows, qwen_flags, torchrun
+from conftest import Crash, fake_eval, labels, metrics_rows, one_step_in_micro_batches, qwen_flags, torchrun
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
 L = common.LABEL_INDEX
@@ -232,10 +232,16 @@ def test_one_step_feeds_eq1_the_paper_quantities(tmp_path, small_synthetic, fast
             for n, t in enumerate(real_decode(self, *a))
         ],
     )
-    real_loss, real_rollout, real_split = common.grpo_loss, common.rollout, common.split_batch
+    real_loss, real_rollout, real_steps = common.grpo_loss, common.rollout, common.Run.steps
     monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen.append((a, k)) or real_loss(*a, **k))
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real_rollout(*a, **k)) or rolls[-1])
-    monkeypatch.setattr(common, "split_batch", lambda *a: micro.extend(real_split(*a)) or micro[-len(real_split(*a)) :])
+
+    def steps(self, *a, **k):  # every batch a loop draws: the last, the RL step's
+        for step, batch in real_steps(self, *a, **k):
+            micro.append(batch)
+            yield step, batch
+
+    monkeypatch.setattr(common.Run, "steps", steps)
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)  # not under test
     mrg_r1.main(
         [
@@ -252,7 +258,7 @@ def test_one_step_feeds_eq1_the_paper_quantities(tmp_path, small_synthetic, fast
         ]
         + fast
     )
-    (logp, old, ref_logp, A, mask), kw = seen[0]
+    (logp, ref_logp, A, mask), kw = seen[0]
     roll, G = rolls[0], 4
     references = [micro[0]["report"][n // G] for n in range(len(roll.texts))]  # completion n answers study n // G
     lab = common.RuleLabeler()
@@ -279,7 +285,7 @@ def test_one_step_feeds_eq1_the_paper_quantities(tmp_path, small_synthetic, fast
     assert mccs.max() > 0 and roll.rewards.std() > 0  # a clinical reward that varies reached the loss
     c = roll.rewards.view(-1, G) - roll.rewards.view(-1, G).mean(1, keepdim=True)
     torch.testing.assert_close(A, (c / torch.sqrt(c.pow(2).mean(1, keepdim=True) + 1e-6)).flatten())
-    assert old is None and kw["loss_type"] == "dr_grpo" and kw["max_completion_length"] == 24 and kw["beta"] == 0.04
+    assert kw["loss_type"] == "dr_grpo" and kw["max_completion_length"] == 24 and kw["beta"] == 0.04
     torch.testing.assert_close(mask, roll.completion_mask)
     torch.testing.assert_close(ref_logp, logp.detach(), atol=1e-5, rtol=0)  # step 1: the policy is its reference
 
@@ -294,12 +300,12 @@ def test_policy_gradient_raises_the_best_completion(small_synthetic):
     words = data["train"][0].report.split()
     texts = [" ".join(words[:n]) for n in (2, 5, 9, 3)]
     ids, mask = policy.encode_targets(texts)
-    roll = common.Rollout(prompts, ids, mask, texts, torch.tensor([0.0, 1.0, 0.25, 0.5]), None)
+    roll = common.Rollout(prompts, ids, mask, texts, torch.tensor([0.0, 1.0, 0.25, 0.5]))
 
     def seq_logp():
         return (policy.completion_logprobs(prompts, ids, mask) * mask).sum(1)
 
-    args = mrg_r1.Args(beta=0.0)
+    settings = dict(ref_logp=None, G=4, beta=0.0, loss_type="dr_grpo", max_new_tokens=16)
 
     def grads(loss):
         policy.model.zero_grad(set_to_none=True)
@@ -307,12 +313,12 @@ def test_policy_gradient_raises_the_best_completion(small_synthetic):
         return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
 
     A = grpo_advantages(roll.rewards, 4)
-    g_step = grads(mrg_r1.grpo_step(policy, roll, args, 16)[0])
+    g_step = grads(mrg_r1.grpo_step(policy, roll, **settings)[0])
     torch.testing.assert_close(g_step, grads(-(A * seq_logp()).sum() / (4 * 16)))
-    g_grpo = grads(mrg_r1.grpo_step(policy, roll, mrg_r1.Args(beta=0.0, loss_type="grpo"), 16)[0])
+    g_grpo = grads(mrg_r1.grpo_step(policy, roll, **(settings | {"loss_type": "grpo"}))[0])
     assert not torch.allclose(g_grpo / g_grpo.norm(), g_step / g_step.norm(), atol=1e-3)  # TRL's form: another gradient
     before = seq_logp().detach()
-    grads(mrg_r1.grpo_step(policy, roll, args, 16)[0])
+    grads(mrg_r1.grpo_step(policy, roll, **settings)[0])
     torch.optim.SGD(policy.model.parameters(), lr=0.5).step()
     after = seq_logp().detach()
     assert after[1] > before[1] and after[0] < before[0]
@@ -350,7 +356,9 @@ def test_lr_zero_is_zero(tmp_path, small_synthetic, fast):
 
 
 def test_bad_input_is_one_line(tmp_path, small_synthetic, capsys):
-    with pytest.raises(SystemExit, match="^error: .*studies per process / --grad-accum: 2 is not divisible by 3"):
+    with pytest.raises(
+        SystemExit, match="^error: --prompts-per-step per process / --grad-accum: 2 is not divisible by 3"
+    ):
         mrg_r1.main(
             [
                 "--data",
@@ -500,3 +508,19 @@ def test_convergence_by_hand():
     # best 0.62 at step 4 (0.605 is < 0.60 + 0.01; 0.625 < 0.62 + 0.01): two validations since, converged
     assert (rule.best, rule.best_step, rule.waited, rule.converged) == (0.62, 4, 2, True)
     assert rule.best_weights["weight"].item() == 4.0
+
+
+def test_grad_accum_samples_once_a_step_and_keeps_the_gradient(tmp_path, small_synthetic, monkeypatch):
+    """--grad-accum k: one generate() call a step whatever k (1, 2, 4), the same completions (one seed), and the
+    gradient of k micro-batches that of the whole step, to float noise (sums in another order)."""
+    steps = ["--steps", "1", "--sft-steps", "0", "--prompts-per-step", "4", "--max-new-tokens", "12"]
+    # a random model scores 0 everywhere: a reward by the completion's length gives every group an advantage
+    monkeypatch.setattr(mrg_r1, "total_reward", lambda texts, *a: (np.array([len(t) % 7 for t in texts], float), {}))
+    seen = {}
+    for k in (1, 2, 4):
+        argv = ["--data", str(small_synthetic), "--out", str(tmp_path / f"k{k}"), *steps]
+        seen[k] = one_step_in_micro_batches(monkeypatch, mrg_r1.main, argv, k)
+    assert [seen[k][0] for k in (1, 2, 4)] == [1, 1, 1]
+    assert seen[4][1] == seen[1][1] and len(set(seen[1][1])) > 1
+    torch.testing.assert_close(seen[4][2], seen[1][2], rtol=1e-4, atol=1e-6)
+    assert seen[1][2].abs().max() > 1e-3  # a gradient that says something

@@ -13,7 +13,7 @@ import torch
 
 import common
 import orapo
-from conftest import Crash, fake_eval, labels, metrics_rows, qwen_flags, torchrun
+from conftest import Crash, fake_eval, labels, metrics_rows, one_step_in_micro_batches, qwen_flags, torchrun
 from orapo import (
     SentenceFacts,
     ZeroRewardRate,
@@ -145,7 +145,7 @@ def test_mixed_loss_is_pure_grpo_at_lambda_0(loss_type, scale):
     loss, _ = orapo_loss(
         logp, ref, A, mask, np.zeros(B), G, chosen, ref_chosen, c_mask, beta=0.04, loss_type=loss_type, max_len=8
     )
-    pure, _ = common.grpo_loss(logp, None, ref, A, mask, 0.2, 0.2, 0.04, loss_type, max_completion_length=8)
+    pure, _ = common.grpo_loss(logp, ref, A, mask, 0.04, loss_type, max_completion_length=8)
     torch.testing.assert_close(loss, pure)
     g1, g_chosen = torch.autograd.grad(loss, (logp, chosen))
     torch.testing.assert_close(g1, torch.autograd.grad(pure, logp)[0])
@@ -177,8 +177,8 @@ def test_mixed_loss_mixes_per_prompt():
     parts = []
     for q in range(B):
         g, c = slice(q * G, (q + 1) * G), slice(q, q + 1)
-        lg, _ = common.grpo_loss(logp[g], None, ref[g], A[g], mask[g], loss_type="grpo")
-        ld, _ = common.dpo_loss(
+        lg, _ = common.grpo_loss(logp[g], ref[g], A[g], mask[g], loss_type="grpo")
+        ld, _ = orapo.dpo_loss(
             chosen[c].expand(G, -1),
             logp[g],
             ref_chosen[c].expand(G, -1),
@@ -205,8 +205,8 @@ def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
     ids, mask = policy.generate(rep, 24)  # the rejected samples
     c_ids, c_mask = policy.encode_targets([r.report for r in records])
     ref_logp, ref_c = (
-        orapo.ref_logprobs(policy, ref, rep, ids, mask),
-        orapo.ref_logprobs(policy, ref, prompts, c_ids, c_mask),
+        common.reference_logprobs(ref, common.Rollout(rep, ids, mask, [], None)),
+        common.reference_logprobs(ref, common.Rollout(prompts, c_ids, c_mask, [], None)),
     )
     opt = torch.optim.SGD(policy.model.parameters(), lr=0.05)
 
@@ -394,9 +394,9 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
     lambda_q = 0.1 + 0.5 (0.3 z_q)^2 (ZRR from 0; m 0.7, lambda 0.1 to 0.6: a swap of m and 1 - m, or of the two
     lambdas, shows)."""
     seen, rolls, steps = {"grpo": [], "dpo": []}, [], []
-    real = {"grpo": common.grpo_loss, "dpo": common.dpo_loss, "rollout": common.rollout, "step": orapo.orapo_step}
+    real = {"grpo": common.grpo_loss, "dpo": orapo.dpo_loss, "rollout": common.rollout, "step": orapo.orapo_step}
     monkeypatch.setattr(common, "grpo_loss", lambda *a, **k: seen["grpo"].append((a, k)) or real["grpo"](*a, **k))
-    monkeypatch.setattr(common, "dpo_loss", lambda *a, **k: seen["dpo"].append((a, k)) or real["dpo"](*a, **k))
+    monkeypatch.setattr(orapo, "dpo_loss", lambda *a, **k: seen["dpo"].append((a, k)) or real["dpo"](*a, **k))
     monkeypatch.setattr(common, "rollout", lambda *a, **k: rolls.append(real["rollout"](*a, **k)) or rolls[-1])
     monkeypatch.setattr(orapo, "orapo_step", lambda *a, **k: steps.append((a, real["step"](*a, **k))) or steps[-1][1])
     monkeypatch.setattr(common.Run, "evaluate", fake_eval)  # not under test
@@ -416,16 +416,16 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
         ]
         + fast
     )
-    roll, ((policy, _, _, batch, *_), (loss, stats)) = rolls[0], steps[0]
+    roll, ((policy, _, _, _, batch, *_), (loss, _)) = rolls[0], steps[0]
     G, B, T = 4, 2, 16
     gt = common.RuleLabeler()(batch["report"])
     expected = independent_facts(roll.texts, gt[np.arange(B * G) // G])
     np.testing.assert_allclose(roll.rewards.numpy(), expected, atol=1e-6)
     r = roll.rewards.view(B, G)
     A = (r - r.mean(1, keepdim=True)).flatten()  # Dr. GRPO: no std division
-    for q, ((logp, old, ref_logp, A_q, mask), kw) in enumerate(seen["grpo"]):
+    for q, ((logp, ref_logp, A_q, mask), kw) in enumerate(seen["grpo"]):
         torch.testing.assert_close(A_q, A[q * G : (q + 1) * G])
-        assert old is None and kw["beta"] == 0.04 and kw["loss_type"] == "dr_grpo" and kw["max_completion_length"] == T
+        assert kw["beta"] == 0.04 and kw["loss_type"] == "dr_grpo" and kw["max_completion_length"] == T
         torch.testing.assert_close(ref_logp, logp.detach(), atol=1e-5, rtol=0)  # step 1: the policy is its reference
     for q, ((chosen, rejected, ref_chosen, ref_rejected, beta), kw) in enumerate(seen["dpo"]):
         assert beta == 2.0 and kw["length_normalize"]
@@ -440,7 +440,8 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
     lengths = roll.completion_mask.sum(1)
     l_grpo = -(A * lengths).view(B, G).sum(1) / (G * T)
     assert loss.item() == pytest.approx(float(((1 - lam) * l_grpo.numpy() + lam * math.log(2)).mean()), abs=1e-5)
-    assert stats["lambda"] == pytest.approx(lam.mean()) and stats["zero_group_ratio"] == z.mean()
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert logged["lambda"] == pytest.approx(lam.mean()) and logged["zero_group_ratio"] == z.mean()
 
 
 def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
@@ -695,3 +696,19 @@ def test_the_tiny_start_is_blind_report_text_until_fluent(tmp_path, small_synthe
     assert stage["converge"]["best"] < 0  # a mean token log-likelihood
     warm_start = 4 + 2  # training batches, and the validations at steps 2 and 4
     assert seen[:warm_start] == [0] * warm_start and min(seen[warm_start:]) > 0  # blank, then the real images
+
+
+def test_grad_accum_samples_once_a_step_and_keeps_the_gradient(tmp_path, small_synthetic, monkeypatch):
+    """--grad-accum k (OraPO had none): one generate() call a step whatever k (1, 2, 4), the same completions, and the
+    gradient of k micro-batches (Eq. 8-10 once over the step's studies, Eq. 11's loss in parts) that of the whole
+    step, to float noise."""
+    steps = ["--steps", "1", "--sft-steps", "0", "--prompts-per-step", "4", "--max-new-tokens", "12"]
+    monkeypatch.setattr(orapo, "facts_reward", lambda texts, *a, **k: (np.array([len(t) % 7 for t in texts]), {}))
+    seen = {}
+    for k in (1, 2, 4):
+        argv = ["--data", str(small_synthetic), "--out", str(tmp_path / f"k{k}"), *steps, "--group-size", "4"]
+        seen[k] = one_step_in_micro_batches(monkeypatch, orapo.main, argv, k)
+    assert [seen[k][0] for k in (1, 2, 4)] == [1, 1, 1]
+    assert seen[4][1] == seen[1][1] and len(set(seen[1][1])) > 1
+    torch.testing.assert_close(seen[4][2], seen[1][2], rtol=1e-4, atol=1e-6)
+    assert seen[1][2].abs().max() > 1e-3

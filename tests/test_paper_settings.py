@@ -91,7 +91,7 @@ def test_orapo_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_
     assert is_frozen_copy(made.ref, made.policy), "a frozen copy of the start is DPO's and the KL's reference"
     assert not (tmp_path / "run" / "warm_start").exists(), "RL only: no SFT before it"
     r = built.rollout
-    assert (r.G, r.studies, r.max_new_tokens, r.temperature, r.ref) == (8, 4, 256, 1.0, made.ref)
+    assert (r.G, r.studies, r.max_new_tokens, r.temperature) == (8, 4, 256, 1.0)
     args = built.run.args
     assert (args.loss_type, args.beta, args.lambda_min, args.lambda_max) == ("dr_grpo", 0.04, 0.05, 0.15)
     assert (orapo.MAX_GRAD_NORM, orapo.ZRR_MOMENTUM, orapo.ZRR_POWER) == (1.0, 0.5, 2.0)
@@ -146,10 +146,10 @@ def test_mrg_r1_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen
     assert total == len(made.records) // 4, "one epoch of 4 studies (16 completions) a step"
     w = int(0.1 * total)
     assert w >= 1 and lr_factors(read.scheduler, [0, w, total]) == [round(1 / w, 6), 1.0, 0.0], "cosine, 10 % warm-up"
-    assert made.ref == "lora", "the reference: the adapters switched off"
+    assert isinstance(made.ref, common.LoRAOff) and made.ref.policy is made.policy, "the reference: adapters off"
     assert not (tmp_path / "run" / "warm_start").exists(), "RL from the model as it is: no SFT"
     r = built.rollout
-    assert (r.G, r.studies, r.max_new_tokens, r.temperature, r.ref) == (4, 4, 256, 1.0, "lora")
+    assert (r.G, r.studies, r.max_new_tokens, r.temperature) == (4, 4, 256, 1.0)
     assert (built.run.args.beta, built.run.args.reward, mrg_r1.MAX_GRAD_NORM) == (0.04, "mccs+format", 0.1)
 
 
@@ -198,10 +198,10 @@ def test_deer_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_d
     read, (made,) = built.restores["rl_rule_all"], built.policies
     assert adamw_of(read) == dict(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01, all=True)
     assert read.scheduler is None, "a constant lr: the paper names no schedule"
-    assert not read.frozen and made.ref == "none", "all of the SFT model trains; no KL, no reference"
+    assert not read.frozen and made.ref is None, "all of the SFT model trains; no KL, no reference"
     assert built.steps["rl_rule_all"].total == 160 // 64
     r = built.rollout
-    assert (r.G, r.studies, r.max_new_tokens, r.temperature, r.ref) == (8, 64, 256, 1.0, "none")
+    assert (r.G, r.studies, r.max_new_tokens, r.temperature) == (8, 64, 256, 1.0)
     assert (built.run.args.alpha, built.run.args.gamma, built.run.args.fraction) == (4.0, 0.25, 0.2)
     assert (deer.K, deer.TOP_P, deer.TEMPERATURE) == (10, 0.9, 1.0), "Sec. 3.2: K = 10 nucleus samples (top-p ours)"
     assert deer.MAX_GRAD_NORM == 1.0, "the paper gives none: verl's clip"

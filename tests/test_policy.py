@@ -157,15 +157,16 @@ def test_rollout_records_rewards_owners_and_logprobs(policy):
         return [float(len(t)) for t in texts]
 
     ref = copy.deepcopy(policy)
-    r = rollout(policy, images(2), "", G=3, reward_fn=reward_fn, max_new_tokens=8, ref=ref)
+    r = rollout(policy, images(2), "", G=3, reward_fn=reward_fn, max_new_tokens=8)
     assert seen["owners"] == [0, 0, 0, 1, 1, 1]
     assert r.rewards.tolist() == [float(len(t)) for t in r.texts]
     assert r.texts == policy.decode(r.completion_ids, r.completion_mask)
     with torch.no_grad():  # the frozen copy equals the policy before any update
         torch.testing.assert_close(
-            r.ref_logp, policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
+            common.reference_logprobs(ref, r),
+            policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask),
         )
-    assert rollout(policy, images(1), "", G=2, reward_fn=reward_fn, max_new_tokens=4).ref_logp is None
+    assert common.reference_logprobs(None, r) is None
 
 
 def test_grpo_steps_raise_the_reward(policy):
@@ -183,7 +184,7 @@ def test_grpo_steps_raise_the_reward(policy):
         r = rollout(policy, imgs, "", G=4, reward_fn=reward_fn, max_new_tokens=6)
         A = group_advantages(r.rewards, 4)
         logp = policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
-        loss, _ = grpo_loss(logp, None, None, A, r.completion_mask)  # one update per rollout
+        loss, _ = grpo_loss(logp, None, A, r.completion_mask)  # one update per rollout
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -262,7 +263,7 @@ def test_tiny_grpo_step_timing():
             ref_logp = ref.completion_logprobs(prompts, ids, mask)
         t2 = time.time()
         logp = policy.completion_logprobs(prompts, ids, mask)
-        loss, _ = grpo_loss(logp, None, ref_logp, group_advantages(rewards, 8), mask, beta=0.04)
+        loss, _ = grpo_loss(logp, ref_logp, group_advantages(rewards, 8), mask, beta=0.04)
         opt.zero_grad()
         loss.backward()
         opt.step()

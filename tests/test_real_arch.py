@@ -292,25 +292,22 @@ def test_qwen3b_cut_lora_forward_backward(qwen3b_cut_dir):
 # (a') one step of each RL script's own code path (main() with its flags) on the cut 3B, bf16 ----------------------
 @pytest.fixture
 def grads_at_steps(monkeypatch):
-    """For each Run.optimizer_step of a script: {parameter name: gradient finite?} of the model given to Run.restore."""
-    seen, restore, step = [], common.Run.restore, common.Run.optimizer_step
+    """For each update of a script (its common.clip_gradients call): {parameter name: gradient finite?} of the model
+    given to the last Run.restore."""
+    seen, models, restore, clip = [], [], common.Run.restore, common.clip_gradients
 
     def restore_and_keep(self, model, *a, **k):
-        self.model_for_test = model
+        models.append(model)
         return restore(self, model, *a, **k)
 
-    def record_then_step(self, *a, **k):
+    def record_then_clip(params, max_norm):
         seen.append(
-            {
-                n: bool(torch.isfinite(p.grad).all())
-                for n, p in self.model_for_test.named_parameters()
-                if p.grad is not None
-            }
+            {n: bool(torch.isfinite(p.grad).all()) for n, p in models[-1].named_parameters() if p.grad is not None}
         )
-        return step(self, *a, **k)
+        return clip(params, max_norm)
 
     monkeypatch.setattr(common.Run, "restore", restore_and_keep)
-    monkeypatch.setattr(common.Run, "optimizer_step", record_then_step)
+    monkeypatch.setattr(common, "clip_gradients", record_then_clip)
     return seen
 
 

@@ -1,4 +1,4 @@
-"""RL core: group advantages, GRPO loss (grpo / bnpo / dr_grpo), DPO loss.
+"""RL core: group advantages, GRPO loss (grpo / bnpo / dr_grpo), DPO loss (OraPO's).
 
 Every expected number is worked out by hand in the comments (float64 tensors, so the
 tolerances are tight); the rest are behavioural properties (gradient signs, exact zeros).
@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from common import dpo_loss, group_advantages, grpo_loss
+from common import group_advantages, grpo_loss
+from orapo import dpo_loss
 
 D = torch.float64
 LN2 = math.log(2.0)
@@ -56,58 +57,38 @@ def test_group_advantages_reject_a_reward_of_nan_or_inf():
 
 
 # --------------------------------------------------------------------------- GRPO loss
-# N=2, T=3, row 1 has a padded last token. Ratios (exp(logp - old)) and advantages:
-#   row 0, A=+1: ratio [1.5, 0.5, 1.1] -> per-token -min(r, clip(r)) = [-1.2, -0.5, -1.1]
-#                token 0 is high-clipped (counts); token 1 has r < 0.8 but A > 0: unclipped
-#   row 1, A=-1: ratio [0.5, 1.5, pad 0.1] -> -min(-r, -clip(r)) = [0.8, 1.5, (pad)]
-#                token 0 is low-clipped (counts); pad would count if the mask were ignored
-# sums: row 0 = -2.8 over 3 tokens, row 1 = 2.3 over 2 tokens; 5 tokens in all.
+# One update per rollout: the ratio is exactly 1, so the per-token loss is -A (+ beta k3). N=2, T=3, row 1 has a
+# padded last token; A = [1, -0.5]: row 0 [-1, -1, -1] sums to -3 over 3 tokens, row 1 [0.5, 0.5, (pad)] to 1 over 2.
 MASK = t([[1, 1, 1], [1, 1, 0]])
-ADV = t([1.0, -1.0])
-OLD = t([[-1.0, -2.0, -0.5], [-1.5, -0.7, -2.0]])
-RATIO = t([[1.5, 0.5, 1.1], [0.5, 1.5, 0.1]])
+ADV = t([1.0, -0.5])
+LOGP = t([[-1.0, -2.0, -0.5], [-1.5, -0.7, -2.0]])
 
 
 def _logp():
-    return (OLD + RATIO.log()).clone().requires_grad_(True)  # (N, T)
+    return LOGP.clone().requires_grad_(True)  # (N, T)
 
 
 @pytest.mark.parametrize(
     "loss_type, mcl, expected",
     [
-        ("grpo", None, (-2.8 / 3 + 2.3 / 2) / 2),  # 0.108333...: mean per row, then over rows
-        ("bnpo", None, (-2.8 + 2.3) / 5),  # -0.1: token sum / token count
-        ("dr_grpo", 4, (-2.8 + 2.3) / (2 * 4)),  # -0.0625: / (N * max_completion_length)
+        ("grpo", None, (-3 / 3 + 1 / 2) / 2),  # -0.25: mean per row, then over rows
+        ("bnpo", None, (-3 + 1) / 5),  # -0.4: token sum / token count
+        ("dr_grpo", 4, (-3 + 1) / (2 * 4)),  # -0.25: / (N * max_completion_length)
     ],
 )
 def test_grpo_loss_hand_values(loss_type, mcl, expected):
-    loss, stats = grpo_loss(_logp(), OLD, None, ADV, MASK, loss_type=loss_type, max_completion_length=mcl)
+    loss, stats = grpo_loss(_logp(), None, ADV, MASK, loss_type=loss_type, max_completion_length=mcl)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
-    assert stats["clip_fraction"] == pytest.approx(2 / 5)  # row 0 token 0, row 1 token 0
-    assert stats["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.1 + 0.5 + 1.5) / 5)  # 1.02
-    assert stats["kl"] == 0.0
-    assert all(type(v) is float for v in stats.values())
+    assert stats == {"kl": 0.0}
 
 
-def test_grpo_loss_gradient_zero_on_clipped_tokens():
-    # d/dlogp of -A * ratio is -A * ratio on unclipped tokens, 0 where the clip is taken.
-    # "grpo" weights: row 0 1/(3*2), row 1 1/(2*2).
+def test_grpo_loss_gradient_is_minus_a_grad_log_pi():
+    """The ratio's gradient is logp's: d/dlogp = -A / (len_i * N) for "grpo", 0 on padding; the pad's log-prob
+    (-2.0) weighs nothing."""
     logp = _logp()
-    grpo_loss(logp, OLD, None, ADV, MASK)[0].backward()
-    expected = t([[0.0, -0.5 / 6, -1.1 / 6], [0.0, 1.5 / 4, 0.0]])
+    grpo_loss(logp, None, ADV, MASK)[0].backward()
+    expected = t([[-1 / 6] * 3, [0.5 / 4, 0.5 / 4, 0.0]])
     torch.testing.assert_close(logp.grad, expected, rtol=0, atol=1e-12)
-
-
-def test_grpo_loss_asymmetric_clip():
-    # DAPO clip-higher: eps_high 0.6 lets ratio 1.5 through -> row 0 token 0 gives -1.5
-    logp = _logp()
-    loss, stats = grpo_loss(logp, OLD, None, ADV, MASK, clip_eps_high=0.6, loss_type="bnpo")
-    assert loss.item() == pytest.approx((-1.5 - 0.5 - 1.1 + 0.8 + 1.5) / 5, abs=1e-12)
-    assert stats["clip_fraction"] == pytest.approx(1 / 5)
-    # where the surrogate is clipped, no gradient: only row 1 token 0 (0.5 below 1 - 0.2 with A < 0); with the bounds
-    # exchanged (0.4, 1.2) the loss happens to be the same number, but row 0 token 0 (1.5 above 1.2) would get none
-    loss.backward()
-    torch.testing.assert_close(logp.grad, t([[-1.5, -0.5, -1.1], [0.0, 1.5, 0.0]]) / 5, rtol=0, atol=1e-12)
 
 
 def test_grpo_loss_k3_kl_hand_value():
@@ -117,45 +98,42 @@ def test_grpo_loss_k3_kl_hand_value():
     ref = logp.detach() + t([[LN2, 0, 0], [0, -LN2, 5.0]])
     k_a, k_b = 1 - LN2, LN2 - 0.5
     beta = 0.1
-    loss, stats = grpo_loss(logp, OLD, ref, ADV, MASK, beta=beta)
-    expected = ((-2.8 + beta * k_a) / 3 + (2.3 + beta * k_b) / 2) / 2
+    loss, stats = grpo_loss(logp, ref, ADV, MASK, beta=beta)
+    expected = ((-3 + beta * k_a) / 3 + (1 + beta * k_b) / 2) / 2
     assert loss.item() == pytest.approx(expected, abs=1e-12)
     assert stats["kl"] == pytest.approx((k_a + k_b) / 5, abs=1e-12)  # = 0.1 exactly
     # the kl stat is reported whenever ref is given, also with beta = 0 (loss unchanged)
-    loss0, stats0 = grpo_loss(_logp(), OLD, ref, ADV, MASK, beta=0.0)
-    assert loss0.item() == pytest.approx((-2.8 / 3 + 2.3 / 2) / 2, abs=1e-12)
+    loss0, stats0 = grpo_loss(_logp(), ref, ADV, MASK, beta=0.0)
+    assert loss0.item() == pytest.approx((-3 / 3 + 1 / 2) / 2, abs=1e-12)
     assert stats0["kl"] == pytest.approx(0.1, abs=1e-12)
 
 
-def test_grpo_loss_on_policy_ratio_one_loss_minus_mean_A_gradient_nonzero():
-    # old_logp None: ratio exactly 1, per-token loss -A; A = [2, -1]
-    adv = t([2.0, -1.0])
-    for loss_type, expected in [
-        ("grpo", -(2 - 1) / 2),  # -0.5
-        ("bnpo", -(2 * 3 - 1 * 2) / 5),  # -0.8
-        ("dr_grpo", -(2 * 3 - 1 * 2) / 6),
-    ]:  # -0.6667 (N * max_completion_length 3)
-        logp = _logp()
-        loss, stats = grpo_loss(logp, None, None, adv, MASK, loss_type=loss_type, max_completion_length=3)
-        assert loss.item() == pytest.approx(expected, abs=1e-12)
-        assert stats["ratio_mean"] == 1.0 and stats["clip_fraction"] == 0.0
-        loss.backward()
-        if loss_type == "grpo":  # d/dlogp = -A * 1 / (len_i * N)
-            expected_grad = t([[-2 / 6] * 3, [1 / 4, 1 / 4, 0]])
-            torch.testing.assert_close(logp.grad, expected_grad, rtol=0, atol=1e-12)
-        assert logp.grad.abs().sum() > 0
+def test_grpo_loss_equals_trls_clipped_loss_at_its_first_update():
+    """TRL's GRPOTrainer loss, -min(r A, clip(r, 1 - eps, 1 + eps) A) + beta k3 with r = exp(logp - old), written out
+    here, at old = logp (its first update of a rollout, num_iterations 1): the same loss and the same gradient."""
+    logp_ours, logp_trl = _logp(), _logp()
+    ref = LOGP + t([[0.3, -0.2, 0.1], [0.0, 0.4, 1.0]])
+    ours, _ = grpo_loss(logp_ours, ref, ADV, MASK, beta=0.04, loss_type="bnpo")
+    r = torch.exp(logp_trl - logp_trl.detach())
+    clipped = -torch.min(r * ADV[:, None], torch.clamp(r, 0.8, 1.2) * ADV[:, None])
+    k3 = torch.exp(ref - logp_trl) - (ref - logp_trl) - 1
+    trl = ((clipped + 0.04 * k3) * MASK).sum() / MASK.sum()
+    assert ours.item() == pytest.approx(trl.item(), abs=1e-12)
+    ours.backward()
+    trl.backward()
+    torch.testing.assert_close(logp_ours.grad, logp_trl.grad, rtol=0, atol=1e-12)
 
 
 def test_grpo_loss_identical_rewards_give_zero_policy_gradient():
     adv = group_advantages(torch.full((2,), 0.3, dtype=D), group_size=2)  # exactly [0, 0]
     logp = _logp()
-    loss, _ = grpo_loss(logp, OLD, None, adv, MASK)
+    loss, _ = grpo_loss(logp, None, adv, MASK)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros_like(logp))
     # with beta > 0 only the KL gradient is left: beta * (1 - exp(ref - logp)) / (len_i * N)
     logp = _logp()
     d = t([[LN2, 0, 0], [0, -LN2, 0]])
-    loss, _ = grpo_loss(logp, OLD, logp.detach() + d, adv, MASK, beta=0.5)
+    loss, _ = grpo_loss(logp, logp.detach() + d, adv, MASK, beta=0.5)
     loss.backward()
     w = t([[1 / 6] * 3, [1 / 4, 1 / 4, 0]])
     torch.testing.assert_close(logp.grad, 0.5 * (1 - d.exp()) * w, rtol=0, atol=1e-12)
@@ -164,46 +142,43 @@ def test_grpo_loss_identical_rewards_give_zero_policy_gradient():
 
 def test_grpo_loss_token_advantages_broadcast_equal_sequence_advantages():
     for loss_type in ("grpo", "bnpo", "dr_grpo"):
-        l1, s1 = grpo_loss(_logp(), OLD, None, ADV, MASK, loss_type=loss_type, max_completion_length=3)
-        l2, s2 = grpo_loss(
-            _logp(), OLD, None, ADV[:, None].expand(2, 3), MASK, loss_type=loss_type, max_completion_length=3
-        )
+        l1, s1 = grpo_loss(_logp(), None, ADV, MASK, loss_type=loss_type, max_completion_length=3)
+        l2, s2 = grpo_loss(_logp(), None, ADV[:, None].expand(2, 3), MASK, loss_type=loss_type, max_completion_length=3)
         assert l1.item() == l2.item() and s1 == s2
-    # a token with advantage 0 contributes nothing: zero row 0 token 2 -> row 0 sum -1.7
+    # a token with advantage 0 contributes nothing: zero row 0 token 2 -> row 0 sum -2
     adv_t = ADV[:, None].expand(2, 3).clone()
     adv_t[0, 2] = 0.0
-    loss, _ = grpo_loss(_logp(), OLD, None, adv_t, MASK, loss_type="bnpo")
-    assert loss.item() == pytest.approx((-1.7 + 2.3) / 5, abs=1e-12)
+    loss, _ = grpo_loss(_logp(), None, adv_t, MASK, loss_type="bnpo")
+    assert loss.item() == pytest.approx((-2 + 1) / 5, abs=1e-12)
 
 
 def test_grpo_and_bnpo_agree_only_for_equal_lengths():
     full = torch.ones(2, 3, dtype=D)
-    lg, _ = grpo_loss(_logp(), OLD, None, ADV, full, loss_type="grpo")
-    lb, _ = grpo_loss(_logp(), OLD, None, ADV, full, loss_type="bnpo")
+    lg, _ = grpo_loss(_logp(), None, ADV, full, loss_type="grpo")
+    lb, _ = grpo_loss(_logp(), None, ADV, full, loss_type="bnpo")
     assert lg.item() == pytest.approx(lb.item(), abs=1e-12)
-    lg, _ = grpo_loss(_logp(), OLD, None, ADV, MASK, loss_type="grpo")
-    lb, _ = grpo_loss(_logp(), OLD, None, ADV, MASK, loss_type="bnpo")
-    assert lg.item() == pytest.approx(0.108333333333, abs=1e-9)
-    assert lb.item() == pytest.approx(-0.1, abs=1e-12)
+    lg, _ = grpo_loss(_logp(), None, ADV, MASK, loss_type="grpo")
+    lb, _ = grpo_loss(_logp(), None, ADV, MASK, loss_type="bnpo")
+    assert lg.item() == pytest.approx(-0.25, abs=1e-12) and lb.item() == pytest.approx(-0.4, abs=1e-12)
 
 
 def test_grpo_loss_empty_generation_is_finite():
     mask = t([[1, 1, 1], [0, 0, 0]])  # row 1 generated EOS-less nothing: length 0
-    for loss_type, expected in [("grpo", (-2.8 / 3 + 0) / 2), ("bnpo", -2.8 / 3), ("dr_grpo", -2.8 / 6)]:
+    for loss_type, expected in [("grpo", (-3 / 3 + 0) / 2), ("bnpo", -3 / 3), ("dr_grpo", -3 / 6)]:
         logp = _logp()
-        loss, stats = grpo_loss(logp, OLD, None, ADV, mask, loss_type=loss_type, max_completion_length=3)
+        loss, stats = grpo_loss(logp, None, ADV, mask, loss_type=loss_type, max_completion_length=3)
         loss.backward()
         assert loss.item() == pytest.approx(expected, abs=1e-12)
         assert torch.isfinite(logp.grad).all() and (logp.grad[1] == 0).all()
     # all masks empty: loss 0, stats 0, no NaN
-    loss, stats = grpo_loss(_logp(), OLD, None, ADV, torch.zeros(2, 3, dtype=D))
-    assert loss.item() == 0.0 and stats == {"clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 0.0}
+    loss, stats = grpo_loss(_logp(), None, ADV, torch.zeros(2, 3, dtype=D))
+    assert loss.item() == 0.0 and stats == {"kl": 0.0}
 
 
 def test_dr_grpo_requires_its_constant_normaliser():
     # no silent fallback to the batch's padded length, which would make the normaliser vary per batch
     with pytest.raises(ValueError, match="dr_grpo needs max_completion_length"):
-        grpo_loss(_logp(), OLD, None, ADV, MASK, loss_type="dr_grpo")
+        grpo_loss(_logp(), None, ADV, MASK, loss_type="dr_grpo")
 
 
 # --------------------------------------------------------------------------- DPO loss

@@ -143,11 +143,11 @@ def _grpo_batch():
     return ids, mask, rewards
 
 
-def _grpo_gradient(model, ids, mask, rewards):
+def _grpo_gradient(model, ids, mask, rewards, scale=1.0):
     logits = model(ids).logits[:, :-1]  # (N, T, V) position t predicts token t+1
     logp = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None]).squeeze(2)  # (N, T)
-    loss, _ = grpo_loss(logp, None, None, group_advantages(rewards, G), mask, loss_type="grpo")
-    loss.backward()
+    loss, _ = grpo_loss(logp, None, group_advantages(rewards, G), mask, loss_type="grpo")
+    (loss * scale).backward()
 
 
 TORCHRUN_SCRIPT = """
@@ -163,12 +163,39 @@ rank, world, device = common.setup_distributed()
 args = common.RunArgs(out=out + "/run")
 run = common.Run(args, rank, world, device, data=None, labeler=None)
 model = tiny_gpt2(seed=rank).double()  # different inits on purpose: rank 0's must reach every rank
-common.broadcast_parameters(model)
+ddp = common.data_parallel(model, world)  # PyTorch's DDP: it starts from rank 0's weights
 ids, mask, rewards = _grpo_batch()
 rows = slice(4 * rank, 4 * rank + 4)  # 2 prompts x G=2
-_grpo_gradient(model, ids[rows], mask[rows], rewards[rows])
-common.all_reduce_gradients(list(model.parameters()), world)
+
+
+def collectives(prof, kind):
+    return sum(e.name == "gloo:" + kind for e in prof.events())
+
+
+with torch.profiler.profile() as prof:
+    _grpo_gradient(ddp, ids[rows], mask[rows], rewards[rows])
 grads = {{n: p.grad.clone() for n, p in model.named_parameters()}}
+# --grad-accum 2: the same rows in two micro-batches, ranks averaging in the second's backward alone
+model.zero_grad(set_to_none=True)
+with torch.profiler.profile() as accum_prof:
+    for k, part in enumerate((slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4))):
+        with common.gradient_sync(ddp, last=k == 1):
+            _grpo_gradient(ddp, ids[part], mask[part], rewards[part], scale=0.5)
+accumulated = {{n: p.grad.clone() for n, p in model.named_parameters()}}
+# FSDP2: generate() gathers each sharded module once (gathered), not once per new token
+gathers = {{}}
+for gather in (False, True):
+    for n in (4, 12):
+        sharded = tiny_gpt2(seed=0)
+        common.shard(sharded)
+        length = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        with torch.profiler.profile() as gen_prof, torch.no_grad():
+            with common.gathered(sharded) if gather else torch.no_grad():
+                sharded.generate(torch.tensor([[5, 6, 7]]), **length)
+        gathers[f"{{gather}} {{n}}"] = collectives(gen_prof, "all_gather")
+counts = {{"step": collectives(prof, "all_reduce"), "accumulated": collectives(accum_prof, "all_reduce"),
+          "parameters": len(list(model.parameters())), "gathers": gathers,
+          "sharded modules": sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in sharded.modules())}}
 # each rank's RNG stream survives a checkpoint round trip
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 run.restore(model, opt, state={{"rank0_only": rank}})
@@ -178,6 +205,7 @@ step, extra = common.load_checkpoint(run.out / "last.pt", model, opt)
 redraws = torch.rand(3)
 run.log(rank=rank)
 torch.save({{"env": [rank, world, int(os.environ["LOCAL_RANK"]), str(device)], "grads": grads,
+            "accumulated": accumulated, "counts": counts,
             "mean": common.all_reduce_mean(float(rank)), "dict_mean": common.all_reduce_mean({{"a": rank, "b": 2}}),
             "bcast": common.broadcast_object({{"from": rank}}), "draws": draws, "redraws": redraws,
             "step": step, "extra": extra, "files": sorted(p.name for p in run.out.iterdir())}},
@@ -202,8 +230,16 @@ def _check_two_ranks(tmp_path):
     model = tiny_gpt2(seed=0).double()
     _grpo_gradient(model, *_grpo_batch())
     for n, p in model.named_parameters():
-        torch.testing.assert_close(r0["grads"][n], p.grad, rtol=0, atol=1e-12, msg=n)
-        torch.testing.assert_close(r1["grads"][n], p.grad, rtol=0, atol=1e-12, msg=n)
+        for r in (r0, r1):  # DDP's average; and accumulated over two micro-batches, averaged in the second
+            torch.testing.assert_close(r["grads"][n], p.grad, rtol=0, atol=1e-12, msg=n)
+            torch.testing.assert_close(r["accumulated"][n], p.grad, rtol=0, atol=1e-12, msg=n)
+    # collectives: DDP's buckets (one, for 0.1 M parameters), not one all-reduce per parameter tensor (28); once a
+    # step under accumulation; FSDP2's generate() gathers each of its 3 sharded modules once, whatever the tokens
+    # (4 new tokens: 9 gathers without gathered(), 12: 25)
+    counts = r0["counts"]
+    assert counts["step"] == counts["accumulated"] == 1 and counts["parameters"] == 28
+    assert counts["gathers"] == {"False 4": 9, "False 12": 25, "True 4": 3, "True 12": 3}
+    assert counts["sharded modules"] == 3 and r1["counts"] == counts
     return r0, r1
 
 
@@ -302,8 +338,10 @@ def toy_train(args, interrupt_at=None):
         x = torch.randn(8, 4) + float(np.random.rand()) + random.random()  # (8, 4)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
         loss.backward()
-        run.optimizer_step(model.parameters(), optimizer, scheduler)
-        run.log(loss=loss.item())
+        run.log(loss=loss.item(), grad_norm=common.clip_gradients(model.parameters(), None))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         state["seen"] += 8
         if step + 1 == interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the step ends, is saved, and the run stops
@@ -537,32 +575,32 @@ def _run(tmp_path, rank=0, world_size=1, labeler=None):
     return common.Run(common.RunArgs(out=str(tmp_path / "run")), rank, world_size, torch.device("cpu"), None, labeler)
 
 
-def test_the_first_update_uses_the_schedules_step_0_lr(tmp_path):
+def test_the_first_update_uses_the_schedules_step_0_lr():
     """AdamW's first step moves each weight by lr x factor(0) (m_hat / sqrt(v_hat) = g / |g| = 1 up to eps): with a
     warm-up over 5 of 10 steps, 0.1 x 1/5 = 0.02, then 0.1 x 2/5 = 0.04 under a constant gradient. A scheduler stepped
     before the optimiser would move 0.04 first; one never stepped, 0.02 twice."""
-    run = _run(tmp_path)
     p = torch.nn.Parameter(torch.zeros(3))
     optimizer, scheduler = common.adamw([p], 0.1, 10, "linear", warmup=0.5, weight_decay=0.0)
     moves = []
     for _ in range(2):
         before = p.detach().clone()
         p.grad = torch.tensor([2.0, -0.5, 1e-3])
-        run.optimizer_step([p], optimizer, scheduler)
+        optimizer.step()  # as each script's loop: the step, then the schedule
+        scheduler.step()
         moves.append((p.detach() - before).tolist())
-        assert p.grad is None  # cleared for the next step
     np.testing.assert_allclose(moves, [[-0.02, 0.02, -0.02], [-0.04, 0.04, -0.04]], rtol=1e-4)
 
 
-def test_optimizer_step_clips_and_returns_the_norm_before_clipping(tmp_path):
-    run = _run(tmp_path)
+def test_clip_gradients_clips_and_returns_the_norm_before_clipping():
     p = torch.nn.Parameter(torch.zeros(2))
     p.grad = torch.tensor([3.0, 4.0])  # norm 5
-    assert run.optimizer_step([p], torch.optim.SGD([p], lr=1.0), max_grad_norm=1.0) == pytest.approx(5.0)
-    torch.testing.assert_close(p.detach(), torch.tensor([-0.6, -0.8]))  # the gradient scaled to norm 1
+    assert common.clip_gradients([p], 1.0) == pytest.approx(5.0)
+    torch.testing.assert_close(p.grad, torch.tensor([0.6, 0.8]))  # scaled to norm 1
     p.grad = torch.tensor([0.3, 0.4])  # norm 0.5 < 1: untouched
-    assert run.optimizer_step([p], torch.optim.SGD([p], lr=1.0), max_grad_norm=1.0) == pytest.approx(0.5)
-    torch.testing.assert_close(p.detach(), torch.tensor([-0.9, -1.2]))
+    assert common.clip_gradients([p], 1.0) == pytest.approx(0.5)
+    torch.testing.assert_close(p.grad, torch.tensor([0.3, 0.4]))
+    p.grad = torch.tensor([30.0, 40.0])
+    assert common.clip_gradients([p], None) == pytest.approx(50.0) and p.grad[1] == 40.0  # None: the norm alone
 
 
 @pytest.mark.parametrize(
@@ -635,18 +673,6 @@ def test_evaluation_pairs_each_report_with_its_own_reference_under_two_ranks(tmp
     assert [(row["id"], row["reference"], row["completion"], row["generated"]) for row in rows] == [
         (r.id, r.report, expected[r.id], expected[r.id].upper()) for r in records
     ]
-
-
-def test_all_reduce_gradients_averages_over_ranks(monkeypatch):
-    other = [torch.tensor([1.0, -3.0]), torch.tensor([4.0]), torch.tensor([6.0])]  # rank 1's gradients, in order
-    w, b, frozen = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 1, 1))
-    w.grad, b.grad = torch.tensor([3.0, 1.0]), torch.tensor([2.0])  # `frozen` has none on this rank
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t: t.add_(other.pop(0)))  # gloo's SUM over 2 ranks
-    common.all_reduce_gradients([w, b, frozen], 2)
-    torch.testing.assert_close(w.grad, torch.tensor([2.0, -1.0]))
-    torch.testing.assert_close(b.grad, torch.tensor([3.0]))
-    torch.testing.assert_close(frozen.grad, torch.tensor([3.0]))  # sent zeros: every rank makes the same calls
-    assert not other
 
 
 ONE_RANK_FAILS = """
@@ -812,3 +838,62 @@ def test_resume_of_a_finished_run_says_it_is_finished(toy_args, caplog):
     toy_train(toy_args(resume=True))
     start = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run folder")]
     assert "(a new run)" in start[0] and "(finished: --resume has nothing to train" in start[1]
+
+
+# --- --report-to: a run watched live --------------------------------------------------------------
+def test_report_to_tensorboard_mirrors_every_metrics_line(toy_args):
+    """--report-to tensorboard (installed by the user): out/tensorboard's events hold each metrics.jsonl number at
+    its step, read back with TensorBoard's own reader."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = toy_args(report_to="tensorboard")
+    toy_train(args)
+    events = EventAccumulator(str(Path(args.out) / "tensorboard"))
+    events.Reload()
+    lines = [json.loads(x) for x in (Path(args.out) / "metrics.jsonl").read_text().splitlines()]
+    loss = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert loss == [(x["step"], pytest.approx(x["loss"], rel=1e-6)) for x in lines] and len(loss) == 6
+    assert {"lr", "grad_norm", "time"} <= set(events.Tags()["scalars"])
+
+
+def test_report_to_wandb_logs_each_line_and_each_evaluation(tmp_path, small_synthetic, monkeypatch):
+    """--report-to wandb: one run (project rrg-from-scratch, the run's flags as its config), each metrics line at its
+    step, an evaluation's headline CE number and NLG columns at the step it follows; finished at the end. (A stand-in
+    wandb module records the calls: no account, no network.) Without the package: one error naming it."""
+    import types
+    from importlib.machinery import ModuleSpec
+
+    calls = []
+
+    class FakeRun:
+        def log(self, numbers, step):
+            calls.append(("log", step, numbers))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = common.RunArgs(out=str(tmp_path / "run"), report_to="wandb")
+    run = common.Run(args, 0, 1, torch.device("cpu"), None, common.RuleLabeler())
+    assert calls[0][0] == "init" and calls[0][1]["project"] == "rrg-from-scratch"
+    assert calls[0][1]["config"]["report_to"] == "wandb"
+    for step, _ in run.steps(2, lambda start: iter(range(start, 2)), "toy", start=0):
+        run.log(loss=1.0 / (step + 1))
+        run.log_step(step)
+    records = common.load_annotation(small_synthetic)["test"][:2]
+    results = run.evaluate(ImageEcho(), records, "test", "", 8)
+    run.finish({})
+    logs = [c for c in calls if c[0] == "log"]
+    assert [(c[1], c[2]["loss"]) for c in logs[:2]] == [(1, 1.0), (2, 0.5)]
+    assert logs[2][1] == 2 and logs[2][2]["test/micro_f1"] == results["ce"]["micro_f1"]
+    assert logs[2][2]["test/BLEU-4"] == results["nlg"]["BLEU-4"] and calls[-1] == ("finish",)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)  # not installed
+    with pytest.raises(ValueError, match="pip install wandb"):
+        common.Run(
+            common.RunArgs(out=str(tmp_path / "other"), report_to="wandb"), 0, 1, torch.device("cpu"), None, None
+        )
