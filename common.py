@@ -408,6 +408,12 @@ class Policy:
     gradients over ranks in backward; generate() runs the model itself (no gradient)."""
 
     forward_module: torch.nn.Module
+    ROW_KEY: str  # a key of prompts with one entry per row
+
+    def repeat(self, prompts: dict, G: int) -> dict:
+        """Each prompt G times in a row: row i -> rows iG .. iG + G - 1, each with its own images (rows())."""
+        copies = [self.rows(prompts, i, i + 1) for i in range(len(prompts[self.ROW_KEY])) for _ in range(G)]
+        return {k: torch.cat([c[k] for c in copies]) for k in prompts}
 
     def sft_loss(self, prompts: dict, texts: list[str]):
         """Teacher-forced NLL of the texts: token sum / token count."""
@@ -420,6 +426,8 @@ _WORD_RE = re.compile(r"</?[a-z_]+>|[a-z0-9]+|[^\sa-z0-9]")
 
 class TinyPolicy(Policy):
     """The tiny built-in policy (`--model tiny`): its prompt is the image prefix + BOS (`text` is ignored)."""
+
+    ROW_KEY = "start_ids"
 
     def __init__(self, model: TinyVLM, tokenizer: WordTokenizer, image_size: int = 64, device="cpu"):
         self.model, self.tokenizer, self.image_size = model.to(device), tokenizer, image_size
@@ -445,9 +453,6 @@ class TinyPolicy(Policy):
     def vision_and_language(self):
         """(the CNN and its projection, the GPT-2 decoder) as modules, as HFPolicy's."""
         return torch.nn.ModuleList([self.model.encoder, self.model.project]), self.model.decoder
-
-    def repeat(self, prompts: dict, G: int) -> dict:
-        return {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items()}
 
     def rows(self, prompts: dict, start: int, stop: int) -> dict:
         return {k: v[start:stop] for k, v in prompts.items()}
@@ -488,6 +493,7 @@ class HFPolicy(Policy):
     sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
 
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    ROW_KEY = "input_ids"
     MAX_TARGET_TOKENS = 512  # of an SFT / DPO target, EOS included
 
     def __init__(self, name_or_path, device="cpu", dtype=torch.float32, gradient_checkpointing=False, max_pixels=None):
@@ -550,17 +556,6 @@ class HFPolicy(Policy):
         prompts = {k: v.to(self.device) for k, v in inputs.items() if k in self.MODEL_KEYS}
         prompts["n_images"] = torch.tensor([len(v) for v in images])  # (B,) views per study, for repeat()
         return prompts
-
-    def repeat(self, prompts: dict, G: int) -> dict:
-        """Each study G times in a row; pixel_values (every image's t*h*w patch rows in turn) is cut per study."""
-        n_images = prompts["n_images"].tolist()
-        rows = prompts["image_grid_thw"].prod(-1).split(n_images)  # patches per image, per study
-        per_image = ("pixel_values", "image_grid_thw")
-        out = {k: v.repeat_interleave(G, dim=0) for k, v in prompts.items() if k not in per_image}
-        pixel_values = prompts["pixel_values"].split([int(r.sum()) for r in rows])  # per study
-        out["pixel_values"] = torch.cat([c for c in pixel_values for _ in range(G)])
-        out["image_grid_thw"] = torch.cat([c for c in prompts["image_grid_thw"].split(n_images) for _ in range(G)])
-        return out
 
     def rows(self, prompts: dict, start: int, stop: int) -> dict:
         """Rows start .. stop - 1; pixel_values and image_grid_thw (per image, not per row) cut at their images."""

@@ -627,3 +627,44 @@ def one_step_in_micro_batches(monkeypatch, main, argv: list[str], k: int):
     main([*argv, "--grad-accum", str(k)])
     assert len(rolls) == len(grads) == 1, "one RL step"
     return len(calls), rolls[0].texts, grads[0]
+
+
+def recorded_but_not_used(built, stage: str, folder) -> dict:
+    """Each value the stage's config.json records under "resolved" (what the flags' None and "auto" came to) against
+    the one the run built with it, read back from the objects (conftest.built: the optimiser, the steps and their
+    batch, the policy's records, the first rollout, what trains) -> {key: (recorded, used)} where they differ. A key no
+    reader below knows is an error too, so that a new recorded value gets its check; a text (a rule's description)
+    is skipped, and so is a value whose objects the run did not reach (it stopped before them)."""
+    import json
+
+    resolved = json.loads((Path(folder) / "config.json").read_text())["resolved"]
+    read, steps = built.restores.get(stage), built.steps.get(stage)
+    made = built.policies[-1] if built.policies else None
+    group = read.optimizer.param_groups[0] if read and read.optimizer else {}
+    warm = built.steps.get("warm_start")
+    readers = {
+        "lr": lambda: group.get("initial_lr", group.get("lr")),
+        "steps": lambda: steps and steps.total,
+        "max_new_tokens": lambda: built.rollout and built.rollout.max_new_tokens,
+        "train_size": lambda: made and len(made.records),
+        "studies": lambda: made and len(made.records),
+        "prompts_per_step": lambda: steps and len(steps.batch["id"]),
+        "batch": lambda: steps and len(steps.batch["id"]),
+        "sft_steps": lambda: steps.total if stage == "sft" else (warm.total if warm else 0),  # DEER's SFT: its own
+        "lm": lambda: "frozen" if read.frozen else "trained",
+        "parts": lambda: sorted({n.split(".")[0] for n in read.trainable}),
+        "converge": lambda: None,
+        "beta": lambda: None,  # DEER's premise beta: tests/test_deer.py follows it into the token weights
+    }
+    unknown = set(resolved) - set(readers)
+    if unknown:
+        raise AssertionError(f"{stage}: recorded {sorted(unknown)}, which no reader of recorded_but_not_used checks")
+    differ = {}
+    for key, recorded in resolved.items():
+        if isinstance(recorded, str | dict) or readers[key]() is None:
+            continue
+        used = readers[key]()
+        recorded = sorted(recorded) if key == "parts" else recorded
+        if used != recorded:
+            differ[key] = (recorded, used)
+    return differ

@@ -584,10 +584,19 @@ def test_tables_6_and_7(staged, small, chexbert, monkeypatch):
 
 
 def test_grad_weighting_with_chexbert(tmp_path, staged, small, chexbert, monkeypatch):
+    """--weighting grad (auto with CheXbert): weights above 1; the beta every step's token weights are built with is
+    the one the declared rule set and the stage recorded (config.json, eval.json)."""
     out, base = staged
     shutil.copytree(out / "sft", tmp_path / "sft")
     monkeypatch.setattr(common, "make_labeler", lambda *a, **k: chexbert)
     monkeypatch.setattr(deer, "evaluate", lambda *a: {})
+    used, real = [], deer.token_weights
+
+    def token_weights(*a):
+        used.append(a[-1])  # beta
+        return real(*a)
+
+    monkeypatch.setattr(deer, "token_weights", token_weights)
     deer.main(
         [
             "rl",
@@ -608,6 +617,9 @@ def test_grad_weighting_with_chexbert(tmp_path, staged, small, chexbert, monkeyp
     assert json.loads((tmp_path / "rl_grad_random" / "config.json").read_text())["weighting"] == "grad"  # auto: grad
     lines = metrics(tmp_path / "rl_grad_random" / "metrics.jsonl")
     assert all(x["w_mean"] >= 1 for x in lines) and max(x["w_max"] for x in lines) > 1
+    recorded = json.loads((tmp_path / "rl_grad_random" / "config.json").read_text())["resolved"]["beta"]["beta"]
+    assert recorded != 1.0 and used == [recorded, recorded]  # the rule's beta, not Sec. 4.1's 1, at both steps
+    assert json.loads((tmp_path / "rl_grad_random" / "eval.json").read_text())["beta"]["beta"] == recorded
 
 
 def test_torchrun_two_processes(tmp_path, small_synthetic):

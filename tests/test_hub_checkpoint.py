@@ -19,6 +19,11 @@ MIMIC_VIEW = (2544, 3056)  # width, height of a MIMIC-CXR view
 TOKENS_AT_512 = 320  # smart_resize to 640 x 504 px: 20 x 16 tokens after the 2 x 2 merge (tests/test_real_arch.py)
 
 
+def image_tokens(policy, image) -> int:
+    prompts = policy.prompt_batch([[image]], "Describe.")
+    return int((prompts["input_ids"] == policy.model.config.image_token_id).sum())
+
+
 def test_the_tests_load_the_published_layout(tiny_qwen_dir):
     """The files beside the weights are the hub's: pixel bounds at the top level (no size), sampling values that
     HFPolicy must undo, two EOS ids, a chat template with its default system turn."""
@@ -105,6 +110,13 @@ def test_a_mimic_view_is_320_tokens_in_every_pass_of_a_run(tmp_path, mimic_views
     # SFT (2 studies); test_before (1); the rollout's generate, the policy's and the reference's passes (2 samples);
     # the ground-truth report's policy and reference passes (1); test_after (1)
     assert passes == [2, 1, 2, 2, 2, 1, 1, 1], passes
+    lengths, real_generate = [], common.HFPolicy.generate
+    monkeypatch.setattr(
+        common.HFPolicy, "generate", lambda self, p, n, *a, **k: lengths.append(n) or real_generate(self, p, n, *a, **k)
+    )
     common.main(["generate", str(out), str(mimic_views.parent / "images" / "test0.png")])
     assert len(seen) == len(passes) + 1 and capsys.readouterr().out.strip() != ""
     assert {t for views in seen for t in views} == {TOKENS_AT_512}
+    assert lengths == [4]  # the run's --max-new-tokens, read from final/generation.json
+    reloaded = common.HFPolicy(str(out / "final"))  # final/'s processor keeps the run's bounds, no flag needed
+    assert image_tokens(reloaded, Image.new("L", MIMIC_VIEW, 100)) == TOKENS_AT_512

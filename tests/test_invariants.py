@@ -210,7 +210,7 @@ STEPS, COUNT, LR, PIXELS = "[0, inf)", "[1, inf)", "[0, 1]", "[784, inf)"  # PIX
 RANGES = {  # (script, field): the range, and why its ends are where they are; every ranged flag of every script
     ("common", "seed"): "[0, 2e9]",  # numpy's and torch's seeds are unsigned 32-bit; + rank stays inside
     ("common", "eval_batch_size"): COUNT,
-    ("mrg_r1", "margin"): "[0, 1)",  # Eq. 6 divides by 1 - m
+    ("mrg_r1", "margin"): "(-1, 1)",  # Eq. 6 states m in (-1, 1) and divides by 1 - m
     ("mrg_r1", "group_size"): "[2, inf)",  # group-relative advantages need 2
     ("mrg_r1", "beta"): "[0, inf)",  # Eq. 1's KL weight, beta >= 0
     ("orapo", "lambda_min"): "[0, 1]",  # Eq. 10-11: a convex weight
@@ -266,6 +266,8 @@ def test_mccs_at_the_edge_of_its_margin_range_and_dpo_beta_0_would_learn_nothing
 
     hyp = ref = labels(Cardiomegaly=1)
     assert mrg_r1.mccs(hyp, ref, margin=0.999)[0] == pytest.approx(1.0, abs=1e-3)
+    orthogonal = labels(Edema=1)  # CCS 0: a negative margin (Eq. 6's m in (-1, 1)) still pays (0 + 0.5) / 1.5
+    assert mrg_r1.mccs(hyp, orthogonal, margin=-0.5)[0] == pytest.approx(1 / 3)
     with np.errstate(divide="ignore", invalid="ignore"):
         assert mrg_r1.mccs(hyp, ref, margin=1.0)[0] == 0.0  # every report 0: no reward left to learn from
     lp = torch.tensor([[-1.0], [-3.0]])

@@ -524,3 +524,12 @@ def test_grad_accum_samples_once_a_step_and_keeps_the_gradient(tmp_path, small_s
     assert seen[4][1] == seen[1][1] and len(set(seen[1][1])) > 1
     torch.testing.assert_close(seen[4][2], seen[1][2], rtol=1e-4, atol=1e-6)
     assert seen[1][2].abs().max() > 1e-3  # a gradient that says something
+
+
+def test_ce_f1_reward_counts_uncertain_as_present():
+    """Table II's CE-F1 reward, as its docstring states: positive and uncertain labels are present (binarize's 1),
+    negative and blank absent; a report's F1 over the 14 by hand."""
+    assert mrg_r1.ce_f1_reward(labels(Cardiomegaly=-1), labels(Cardiomegaly=1))[0] == 1.0
+    assert mrg_r1.ce_f1_reward(labels(Cardiomegaly=0), labels(Cardiomegaly=1))[0] == 0.0
+    both = labels(Cardiomegaly=1, Edema=-1)  # 2 present; the reference's 1 present: F1 = 2 * 1 / (2 + 1)
+    assert mrg_r1.ce_f1_reward(both, labels(Cardiomegaly=1, Edema=0))[0] == pytest.approx(2 / 3)

@@ -712,3 +712,14 @@ def test_grad_accum_samples_once_a_step_and_keeps_the_gradient(tmp_path, small_s
     assert seen[4][1] == seen[1][1] and len(set(seen[1][1])) > 1
     torch.testing.assert_close(seen[4][2], seen[1][2], rtol=1e-4, atol=1e-6)
     assert seen[1][2].abs().max() > 1e-3
+
+
+def test_balanced_subset_counts_uncertain_ground_truth_as_positive():
+    """Sec. 4.1's balanced subset reads the labeler's labels as FactS does (uncertain present): a study uncertain for
+    Fracture alone is in Fracture's pool, taken first (its label has the fewest positives, ahead of No Finding's)."""
+    y = np.full((3, 14), np.nan)
+    y[0, common.LABEL_INDEX["Fracture"]] = -1  # uncertain only
+    y[2, common.LABEL_INDEX["No Finding"]] = 1
+    assert balanced_subset(y, 1, seed=0).tolist() == [0]
+    y[0, common.LABEL_INDEX["Fracture"]] = 0  # a negative is no positive: No Finding's study instead
+    assert balanced_subset(y, 1, seed=0).tolist() == [2]

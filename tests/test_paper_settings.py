@@ -17,7 +17,7 @@ import deer
 import mrg_r1
 import orapo
 import rrgcl
-from conftest import Stop, fake_eval, lr_factors, qwen_flags
+from conftest import Stop, fake_eval, lr_factors, qwen_flags, recorded_but_not_used
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,7 @@ def test_orapo_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_
     args = built.run.args
     assert (args.loss_type, args.beta, args.lambda_min, args.lambda_max) == ("dr_grpo", 0.04, 0.05, 0.15)
     assert (orapo.MAX_GRAD_NORM, orapo.ZRR_MOMENTUM, orapo.ZRR_POWER) == (1.0, 0.5, 2.0)
+    assert recorded_but_not_used(built, "run", tmp_path / "run") == {}
 
 
 def test_orapo_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built, monkeypatch):
@@ -108,6 +109,7 @@ def test_orapo_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built, m
     assert not read.frozen and is_frozen_copy(made.ref, made.policy)
     assert built.run.foundation is not None and not (tmp_path / "run" / "warm_start").exists()
     assert (built.rollout.G, built.rollout.max_new_tokens) == (8, 96)
+    assert recorded_but_not_used(built, "run", tmp_path / "run") == {}
 
 
 def test_orapo_warm_start_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_dir, built):
@@ -119,7 +121,7 @@ def test_orapo_warm_start_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwe
     assert orapo.WARM_START == dict(lr=1e-3, batch_size=32)
     assert adamw_of(sft) == dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, all=True)  # torch AdamW's defaults
     assert len(built.steps["warm_start"].batch["id"]) == 32 and built.steps["warm_start"].total == 3
-    assert not sft.frozen
+    assert not sft.frozen and recorded_but_not_used(built, "run", tmp_path / "run") == {}
 
 
 def test_orapo_random_tiny_model_learns_report_text_blind_first(tmp_path, small_synthetic, built):
@@ -151,6 +153,7 @@ def test_mrg_r1_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen
     r = built.rollout
     assert (r.G, r.studies, r.max_new_tokens, r.temperature) == (4, 4, 256, 1.0)
     assert (built.run.args.beta, built.run.args.reward, mrg_r1.MAX_GRAD_NORM) == (0.04, "mccs+format", 0.1)
+    assert recorded_but_not_used(built, "run", tmp_path / "run") == {}
 
 
 def test_mrg_r1_warm_start_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_dir, built):
@@ -164,6 +167,7 @@ def test_mrg_r1_warm_start_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qw
     assert mrg_r1.WARM_START == dict(lr_tiny=1e-3, lr_hf=1e-5, batch_size=32)
     assert built.steps["warm_start"].total == 3 and made.options["warm_start"]["converge"] is None
     assert sft.trainable and all(".lora_A" in n or ".lora_B" in n for n in sft.trainable)
+    assert recorded_but_not_used(built, "run", tmp_path / "run") == {}
 
 
 def test_mrg_r1_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built):
@@ -178,6 +182,7 @@ def test_mrg_r1_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built):
     assert built.steps["run"].total == 300 and lr_factors(read.scheduler, [0, 30, 300]) == [round(1 / 30, 6), 1.0, 0.0]
     assert not read.frozen and is_frozen_copy(made.ref, made.policy), "tiny: all of it trains, a frozen reference"
     assert (built.rollout.G, built.rollout.max_new_tokens) == (4, 128)
+    assert recorded_but_not_used(built, "run", tmp_path / "run") == {}
 
 
 # DEER (Sec. 4.1: SFT lr 1e-5, batch 64, the LM frozen; RL lr 1e-6, 64 studies x G = 8, no KL) ------------------------
@@ -193,6 +198,7 @@ def test_deer_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_d
     vision = {n for n, _ in sft.model.model.visual.named_parameters()}
     assert sft.trainable == {f"model.visual.{n}" for n in vision}, "Stage 1: the vision encoder and projector only"
     assert sft.state is None, "one epoch, no stopping rule"
+    assert recorded_but_not_used(built, "sft", tmp_path / "run" / "sft") == {}
     with pytest.raises(Stop):
         deer.main(["rl", *flags, "--subset", "all"])
     read, (made,) = built.restores["rl_rule_all"], built.policies
@@ -205,6 +211,7 @@ def test_deer_settings_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qwen_d
     assert (built.run.args.alpha, built.run.args.gamma, built.run.args.fraction) == (4.0, 0.25, 0.2)
     assert (deer.K, deer.TOP_P, deer.TEMPERATURE) == (10, 0.9, 1.0), "Sec. 3.2: K = 10 nucleus samples (top-p ours)"
     assert deer.MAX_GRAD_NORM == 1.0, "the paper gives none: verl's clip"
+    assert recorded_but_not_used(built, "rl_rule_all", tmp_path / "run" / "rl_rule_all") == {}
 
 
 def test_deer_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built):
@@ -225,6 +232,8 @@ def test_deer_settings_on_the_tiny_model(tmp_path, synthetic_is_small, built):
     read = built.restores["rl_rule_all"]
     assert adamw_of(read)["lr"] == 1e-4 and built.steps["rl_rule_all"].total == 120
     assert (built.rollout.G, built.rollout.studies, built.rollout.max_new_tokens) == (8, 8, 96)
+    assert recorded_but_not_used(built, "rl_rule_all", tmp_path / "run" / "rl_rule_all") == {}
+    assert recorded_but_not_used(built, "sft", tmp_path / "run" / "sft") == {}
 
 
 def test_deer_weights_with_chexbert_by_default(tmp_path, synthetic_set_is_small, built, monkeypatch):
@@ -270,6 +279,7 @@ def test_rrgcl_settings_on_a_hugging_face_model(tmp_path, small_synthetic, tiny_
     assert lr_factors(read.scheduler, [0, 5]) == [1.0, 1.0] and read.state is None, "constant lr, no stopping rule"
     assert rrgcl.MAX_GRAD_NORM == 1.0
     assert rrgcl.MINE == dict(batch_size=256, lr=1e-4, held_out=0.2, shuffles=10), "MINE's (Belghazi et al.) lr"
+    assert recorded_but_not_used(built, "run", tmp_path / "run") == {}
 
 
 def test_rrgcl_settings_on_the_tiny_model(tmp_path, synthetic_is_small, small_synthetic, built, made_up_difficulty):
@@ -280,6 +290,7 @@ def test_rrgcl_settings_on_the_tiny_model(tmp_path, synthetic_is_small, small_sy
     assert adamw_of(read)["lr"] == 1e-3 and not read.frozen
     assert {k: read.state[k] for k in ("every", "patience", "min_gain", "max_steps")} == rrgcl.CONVERGE
     assert (built.run.args.epochs, built.run.args.batch_size, built.run.args.alpha) == (10, 32, 0.6)
+    assert recorded_but_not_used(built, "run", tmp_path / "run") == {}
 
 
 # DCRRG (App. A: AdamW 1e-4, weight decay 1e-6, batches 32 / 16; Sec. 3.1's re-sampling; Sec. 3.4's P-Tuning v2) -------
@@ -311,6 +322,7 @@ def test_dcrrg_settings_of_the_paper_model(tmp_path, small_synthetic, built, mon
             }
             trained |= {n for n, p in read.model.named_parameters(recurse=False) if p.requires_grad}
             assert trained == set(parts), step
+        assert recorded_but_not_used(built, step, tmp_path / "run" / step) == {}, step
     batch = built.steps["step1"].batch
     assert len(batch["image"][0]) == 32 and batch["image"][1] is not None, "32 re-sampled (study, observation) pairs"
     assert len(built.steps["step4"].batch["id"]) == 16 and built.steps["step4"].total == 10 * math.ceil(n_train / 16)

@@ -225,8 +225,9 @@ def test_dpo_gradient_step_raises_chosen_lowers_rejected():
     c, r = seq_logps()
     c.retain_grad()
     r.retain_grad()
-    loss, _ = dpo_loss(c, r, c0, r0, beta=0.1)
+    loss, stats = dpo_loss(c, r, c0, r0, beta=0.1)
     assert loss.item() == pytest.approx(math.log(2))  # margin 0 at the reference
+    assert stats["accuracy"] == 0.0  # a tie is no preference (TRL's chosen > rejected): OraPO's first steps read 0
     loss.backward()
     # dL/dc = -beta * sigmoid(-margin) = -0.05 at margin 0; dL/dr = +0.05
     assert c.grad.item() == pytest.approx(-0.05) and r.grad.item() == pytest.approx(0.05)
