@@ -1086,7 +1086,7 @@ class Run:
         calls log_step(step), then checkpoint(step). Ctrl-C or SIGTERM is noted: that step's checkpoint() stops."""
         start = self.start if start is None else start
         self._progress = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not self.is_main)
-        self._clock, self._total, self._bar, self._stop = time.time(), total, bar, []
+        self._clock, self._total, self._bar, self._stop, self._stopped = time.time(), total, bar, [], False
         data = batches(start)
         optimizer = self._saved[1] if self._saved else None
         old_handlers = {}
@@ -1097,6 +1097,9 @@ class Run:
             for step in range(start, total):
                 self._lr = {"lr": optimizer.param_groups[0]["lr"]} if optimizer is not None else {}  # before the update
                 yield step, next(data)
+                if self._stopped:  # Ctrl-C: checkpoint() saved this step; the run stops here
+                    saved = f"stopped after step {step + 1}, with {self.out / 'last.pt'} saved"
+                    raise KeyboardInterrupt(f"{saved}: the same command with --resume continues")
         finally:
             self._progress.close()
             for signum, handler in old_handlers.items():
@@ -1124,13 +1127,11 @@ class Run:
 
     def checkpoint(self, step: int):
         """out/last.pt after `step`, atomically, when due: every CHECKPOINT_EVERY steps, at the last step, and after
-        Ctrl-C (then the run stops). Every rank calls it: its RNG state goes in, a resume draws as if never stopped."""
-        interrupted = all_reduce_mean(float(bool(self._stop))) > 0  # every rank stops at the same step
-        if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == self._total or interrupted):
+        Ctrl-C (then steps() stops the run). Every rank calls it: its RNG state goes in, a resume draws as if never
+        stopped."""
+        self._stopped = all_reduce_mean(float(bool(self._stop))) > 0  # every rank stops at the same step
+        if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == self._total or self._stopped):
             self.save_checkpoint(step + 1)
-        if interrupted:
-            saved = f"with {self.out / 'last.pt'} saved"
-            raise KeyboardInterrupt(f"stopped after step {step + 1}, {saved}: the same command with --resume continues")
 
     def save_checkpoint(self, step: int):
         """out/last.pt with the step count `step`: what restore() named, and every rank's RNG states."""
@@ -1201,9 +1202,8 @@ class Run:
 
     def restore(self, model, optimizer=None, scheduler=None, state: dict | None = None) -> int:
         """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's
-        `state`); ranks sample apart from here (seed + rank). --resume loads out/last.pt, RNG too. -> the start step."""
+        `state`); --resume loads out/last.pt, each rank's RNG states too. -> the start step."""
         self._saved = (model, optimizer, scheduler, state)
-        seed_everything(self.args.seed, self.rank)
         if self.resuming and (self.out / "last.pt").is_file():
             self.start, extra = load_checkpoint(self.out / "last.pt", model, optimizer, scheduler)
             if state is not None:
@@ -1576,6 +1576,7 @@ def sft_stage(
     policy.forward_module = data_parallel(policy.model, stage.world_size)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer, _ = adamw(params, lr, total=1)  # a constant lr: no schedule
+    seed_everything(stage.args.seed, stage.rank)  # ranks sample apart from here
     trained = stage.restore(policy.model, optimizer, state=vars(converge) if converge else None)
     total = converge.max_steps if converge else steps
     batches = stage.study_batches(records, batch_size, f"the {stage.out.name} batch")

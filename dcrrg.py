@@ -714,6 +714,7 @@ def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, b
     total = budget(args, kind, n)
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)
     st.record(lr=lr, steps=total, parts=parts)
+    common.seed_everything(args.seed, run.rank)  # ranks draw apart from here
     st.restore(model, optimizer)
     step_model = common.data_parallel(model, run.world_size)  # several processes: DDP averages the gradients
     for step, batch in st.steps(total, batches, f"DCRRG {name}"):

@@ -413,6 +413,7 @@ def ddsampling(run: common.Run, args: Args, s) -> dict:
     policy = sft_policy(run, args)
     chunks = [pool[c : c + DD_CHUNK] for c in range(0, len(pool), DD_CHUNK)]
     scores = {}  # study id -> D(I)
+    common.seed_everything(args.seed, run.rank)
     run.restore(torch.nn.Module(), state=scores)  # no weights to save: the checkpoint holds the scores
     W = run.world_size
     for step, _ in run.steps(
@@ -478,6 +479,7 @@ def ditpo(run: common.Run, args: Args, s) -> dict:
         premise = premise_beta(run, args, s, policy, records)
     run.record(lr=s.lr, prompts_per_step=s.prompts, steps=total, max_new_tokens=s.max_new, studies=len(records))
     run.record(beta=premise)
+    common.seed_everything(args.seed, run.rank)  # ranks sample apart from here
     run.restore(policy.model, optimizer)
     batches = run.study_batches(records, s.prompts, "--prompts-per-step")
     for step, batch in run.steps(

@@ -290,6 +290,7 @@ def train(args: Args) -> dict:
     optimizer, scheduler = common.adamw(params, lr, total, "cosine", WARMUP, **ADAMW)
     warm = sft_steps if sft_steps is not None else f"until validation stops improving ({CONVERGE})"
     run.record(lr=lr, steps=total, max_new_tokens=max_new, sft_steps=warm)  # config.json: the defaults resolved
+    common.seed_everything(args.seed, run.rank)  # ranks sample apart from here
     run.restore(policy.model, optimizer, scheduler)
 
     def evaluate(records, name):

@@ -474,6 +474,7 @@ def train(args: Args) -> dict:
     optimizer, scheduler = common.adamw(params, lr, total, "linear", weight_decay=0.0)
     warm = f"blind, until validation stops improving ({CONVERGE})" if blind else args.sft_steps or 0
     run.record(lr=lr, steps=total, max_new_tokens=max_new, train_size=len(train_set), sft_steps=warm)
+    common.seed_everything(args.seed, run.rank)  # ranks sample apart from here
     run.restore(policy.model, optimizer, scheduler, state=zrr.values)  # the ZRR state is in every checkpoint
 
     def evaluate(records, name):

@@ -315,6 +315,7 @@ def train(args: Args) -> dict:
     converge = args.converge == "yes" or (args.converge == "auto" and run.foundation is not None)
     run.record(lr=lr, steps=int(ends[-1]), converge=f"after t = T, {CONVERGE}" if converge else "no")
     rule = common.Convergence(**CONVERGE) if converge else None
+    common.seed_everything(args.seed, run.rank)  # ranks draw apart from here
     start = run.restore(policy.model, optimizer, scheduler, state=vars(rule) if rule else None)  # > 0: --resume
     epochs = list(enumerate(ts))
     if rule:  # after t = T, every study until the rule stops (counted as epoch T + 1)

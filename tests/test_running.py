@@ -198,6 +198,7 @@ counts = {{"step": collectives(prof, "all_reduce"), "accumulated": collectives(a
           "sharded modules": sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in sharded.modules())}}
 # each rank's RNG stream survives a checkpoint round trip
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+common.seed_everything(0, rank)  # as a script does before restore: ranks draw apart
 run.restore(model, opt, state={{"rank0_only": rank}})
 run.save_checkpoint(1)
 draws = torch.rand(3)
@@ -333,6 +334,7 @@ def toy_train(args, interrupt_at=None):
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
     optimizer, scheduler = common.adamw(model.parameters(), args.lr, args.steps, "cosine", warmup=0.2)
     state = {"seen": 0}
+    common.seed_everything(args.seed, run.rank)
     run.restore(model, optimizer, scheduler, state)
     for step, _ in run.steps(args.steps, lambda start: iter(int, 1)):
         x = torch.randn(8, 4) + float(np.random.rand()) + random.random()  # (8, 4)
