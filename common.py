@@ -1079,7 +1079,8 @@ class Run:
         self.resolved = {}  # what the flags' None and "auto" came to (record())
         if check:  # the flags, beside the run's files (a folder holding nothing else is a run that failed its checks)
             self.record()
-        self.reporter = Reporter(args.report_to, self.out, asdict(args)) if check and self.is_main else None
+        reports = check and self.is_main and args.report_to != "none"
+        self.reporter = Reporter(args.report_to, self.out, asdict(args)) if reports else None
 
     def steps(self, total: int, batches, desc: str = "", start: int | None = None, bar=("loss", "reward")):
         """(step, batch), step = start (default: restore()'s) .. total - 1, a progress bar showing 4 of `bar`; the loop
@@ -1279,15 +1280,12 @@ class Run:
 
 class Reporter:
     """--report-to: each metrics.jsonl line and each evaluation's headline numbers, live, in TensorBoard
-    (out/tensorboard) or Weights & Biases (project rrg-from-scratch, the run named by its folder), as CleanRL and TRL
-    users watch theirs."""
+    (out/tensorboard) or Weights & Biases (project rrg-from-scratch, the run named by its folder)."""
 
     def __init__(self, kind: str, out: Path, config: dict):
-        self.kind, self.writer = kind, None
-        if kind == "none":
-            return
         if importlib.util.find_spec(kind) is None:
             raise ValueError(f"--report-to {kind}: `pip install {kind}` first (it is no requirement of this project)")
+        self.kind = kind
         if kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -1299,18 +1297,16 @@ class Reporter:
 
     def log(self, numbers: dict, step: int):
         numbers = {k: float(v) for k, v in numbers.items() if isinstance(v, int | float) and k != "step"}
-        if self.kind == "tensorboard":
-            for k, v in numbers.items():
-                self.writer.add_scalar(k, v, step)
-            self.writer.flush()
-        elif self.writer is not None:
-            self.writer.log(numbers, step=step)
+        if self.kind == "wandb":
+            return self.writer.log(numbers, step=step)
+        for k, v in numbers.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()  # seen at once, not after TensorBoard's 2 minutes
 
     def close(self):
-        if self.kind == "tensorboard":
-            self.writer.close()
-        elif self.writer is not None:
-            self.writer.finish()
+        if self.kind == "wandb":
+            return self.writer.finish()
+        self.writer.close()
 
 
 def draw_training(out) -> list[Path]:

@@ -705,11 +705,7 @@ def fit(run, args: Args, env: dict, name: str, init, kind: str, n: int, parts, b
         standardise_memory(model, env["train"], env["transform"])
     common.broadcast_parameters(model)
     # --lr, else App. A's 1e-4; tiny: 1e-3, Step 2 1e-4 (1e-3 undid Step 1), P-Tuning v2 5e-3 (its range)
-    tiny_lr = 1e-3
-    if kind == "step2":
-        tiny_lr = 1e-4
-    elif kind == "step4" and args.step4 == "pt":
-        tiny_lr = 5e-3
+    tiny_lr = {"step2": 1e-4, "step4": 5e-3 if args.step4 == "pt" else 1e-3}.get(kind, 1e-3)
     lr = args.lr or (tiny_lr if args.model == "tiny" else 1e-4)
     total = budget(args, kind, n)
     optimizer, _ = common.adamw(params, lr, total, weight_decay=WEIGHT_DECAY)

@@ -304,10 +304,8 @@ def train(args: Args) -> dict:
     max_new = 96 if tiny else 256  # the greedy test reports' length
     policy, _ = common.build_policy(run, train_set, max_new, lora=None if tiny else LORA, reference=False)
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    # Algorithm 1 line 11: an epoch is one pass over D_sub(t); or --steps shared in proportion to |D_sub(t)|
-    if args.steps is None:
-        steps = [max(1, n // args.batch_size) for n in sizes]
-    else:
+    steps = [max(1, n // args.batch_size) for n in sizes]  # Algorithm 1 line 11: an epoch, one pass over D_sub(t)
+    if args.steps is not None:  # or --steps shared in proportion to |D_sub(t)|
         steps = np.diff(np.round(args.steps * np.cumsum([0] + sizes) / sum(sizes)).astype(int))
     ends = np.cumsum(steps)  # each epoch's last step
     lr = args.lr or (1e-3 if tiny else 1e-4)
@@ -321,7 +319,6 @@ def train(args: Args) -> dict:
     if rule:  # after t = T, every study until the rule stops (counted as epoch T + 1)
         epochs.append((len(ts), T + 1))
         ends = np.append(ends, ends[-1] + CONVERGE["max_steps"])
-
     trained = start  # steps trained so far
     for e, t in epochs:  # Algorithm 1 lines 6-12; line 6: for t = 0 to T
         lam = rrgcl_lambda(min(t, T), T, plan["gamma"], plan["lambda0"])  # Eq. 11: lambda_n(t) of every class n, (c,)
@@ -336,8 +333,7 @@ def train(args: Args) -> dict:
         end = int(ends[e])
         if max(start, first) >= end or (rule and rule.converged and t > T):
             continue  # trained before --resume, or no step of --steps falls in this epoch
-        batches = epoch_batches(run, d_sub, first, end, e)
-        # line 11: train G on D_sub(t)
+        batches = epoch_batches(run, d_sub, first, end, e)  # line 11: train G on D_sub(t)
         shown = ("loss", "validation", "best", "patience_left")
         for step, batch in run.steps(end, batches, f"RRGCL t = {t}", start=max(start, first), bar=shown):
             if rule and rule.converged and t > T:
