@@ -2466,12 +2466,11 @@ def gradient_sync(module: torch.nn.Module, last: bool):
 
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module):
-    """FSDP2 around generate(): every sharded module's weights gathered once and kept for all the new tokens, then
-    resharded (by default each forward, one per token, would gather them again). Holds the unsharded weights in
-    --dtype for the whole rollout (tests/MACHINES.md). Not sharded: nothing."""
+    """FSDP2 around generate(): every sharded module's weights gathered once (at the first token) and kept for all the
+    new tokens, then resharded (by default each forward, one per token, would gather them again). Holds the unsharded
+    weights in --dtype for the whole rollout (tests/MACHINES.md). Not sharded: nothing."""
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in modules:
-        m.unshard()
+    for m in modules:  # the first token's forward gathers each module, and each keeps its weights to the end
         m.set_reshard_after_forward(False, recurse=False)
     try:
         yield

@@ -277,3 +277,18 @@ def test_bf16_weights_with_fp32_trainable_parts(tiny_qwen_dir, studies):
     opt.step()
     changed = sum((p != b).float().mean().item() for p, b in zip(vision.parameters(), before)) / len(before)
     assert changed > 0.9  # in bf16 most of these 1e-6 steps would round to nothing
+
+
+def test_rows_cut_a_batch_with_its_images(policy, studies):
+    """rows(prompts, start, stop): the rows' own images (a two-view study among one-view ones) and tokens, as a
+    batch made of those studies alone (left padding aside); repeat() is rows() G times."""
+    views, _ = studies
+    p = policy.prompt_batch(views, PROMPT)
+    for start, stop in ((1, 3), (0, 1), (2, 3)):
+        part, alone = policy.rows(p, start, stop), policy.prompt_batch(views[start:stop], PROMPT)
+        for k in ("pixel_values", "image_grid_thw", "n_images"):
+            assert torch.equal(part[k], alone[k]), (start, stop, k)
+        tokens = [row[mask.bool()].tolist() for row, mask in zip(part["input_ids"], part["attention_mask"])]
+        assert tokens == [row[m.bool()].tolist() for row, m in zip(alone["input_ids"], alone["attention_mask"])]
+    r = policy.repeat(p, 2)
+    assert torch.equal(policy.rows(r, 2, 4)["pixel_values"], torch.cat([policy.rows(p, 1, 2)["pixel_values"]] * 2))

@@ -603,8 +603,10 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
     flags += ["--max-new-tokens", "12", "--sft-steps", "2"]
     torchrun(str(script), str(notes), *flags, "--out", str(out))
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    zrr = torch.load(out / "last.pt", weights_only=True)["extra"]
-    assert len(zrr) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
+    last = torch.load(out / "last.pt", weights_only=True)
+    assert len(last["extra"]) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
+    torch_rng = [state["torch"] for state in last["rng"]]  # each rank's, seeded with seed + rank: apart
+    assert len(torch_rng) == 2 and not torch.equal(*torch_rng)
     gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
     assert not list(notes.glob("*read_last.pt"))
@@ -700,10 +702,14 @@ def test_the_tiny_start_is_blind_report_text_until_fluent(tmp_path, small_synthe
 
 def test_grad_accum_samples_once_a_step_and_keeps_the_gradient(tmp_path, small_synthetic, monkeypatch):
     """--grad-accum k (OraPO had none): one generate() call a step whatever k (1, 2, 4), the same completions, and the
-    gradient of k micro-batches (Eq. 8-10 once over the step's studies, Eq. 11's loss in parts) that of the whole
-    step, to float noise."""
+    gradient of k micro-batches (Eq. 8-10 once over the step's studies, each micro-batch's studies at their own
+    lambda, Eq. 11's loss in parts) that of the whole step, to float noise."""
     steps = ["--steps", "1", "--sft-steps", "0", "--prompts-per-step", "4", "--max-new-tokens", "12"]
-    monkeypatch.setattr(orapo, "facts_reward", lambda texts, *a, **k: (np.array([len(t) % 7 for t in texts]), {}))
+
+    def reward(texts, *a, **k):  # the first half of the studies all 0 (z = 1: a larger lambda), the rest by length
+        return np.array([0.0 if n < len(texts) // 2 else len(t) % 7 for n, t in enumerate(texts)]), {}
+
+    monkeypatch.setattr(orapo, "facts_reward", reward)
     seen = {}
     for k in (1, 2, 4):
         argv = ["--data", str(small_synthetic), "--out", str(tmp_path / f"k{k}"), *steps, "--group-size", "4"]

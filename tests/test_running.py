@@ -641,7 +641,7 @@ class ImageEcho:
     It counts the studies it generated for (with any padding)."""
 
     def __init__(self):
-        self.generated = 0
+        self.generated, self.calls = 0, []  # studies generated for; studies per generate() call
 
     def prompt_batch(self, images, text):
         return {"texts": [hashlib.md5(views[0].tobytes()).hexdigest() for views in images]}
@@ -649,6 +649,7 @@ class ImageEcho:
     def generate(self, prompts, max_new_tokens, do_sample=True):
         assert not do_sample
         self.generated += len(prompts["texts"])
+        self.calls.append(len(prompts["texts"]))
         return prompts["texts"], None
 
     def decode(self, ids, mask):
@@ -899,3 +900,12 @@ def test_report_to_wandb_logs_each_line_and_each_evaluation(tmp_path, small_synt
         common.Run(
             common.RunArgs(out=str(tmp_path / "other"), report_to="wandb"), 0, 1, torch.device("cpu"), None, None
         )
+
+
+def test_evaluation_generates_eval_batch_size_studies_a_call(tmp_path, small_synthetic):
+    """--eval-batch-size: the studies of each generate() call when evaluating (the last call the rest)."""
+    records = common.load_annotation(small_synthetic)["test"][:7]
+    args = common.RunArgs(out=str(tmp_path / "run"), eval_batch_size=3)
+    policy = ImageEcho()
+    common.Run(args, 0, 1, torch.device("cpu"), None, common.RuleLabeler()).evaluate(policy, records, "test", "", 8)
+    assert policy.calls == [3, 3, 1]
