@@ -241,6 +241,12 @@ def test_one_seed_deciding_a_verdict_is_called_fragile():
     assert row.word == "reproduced" and [s for s, _ in changed] == by_hand and len(by_hand) >= 4
     assert all(w == "no effect seen" for _, w in changed)  # Fig. 2 states no size
     assert reproduce.fragility(changed[:1]) == f"fragile: without {by_hand[0]} no effect seen"
+    results = reproduce.results_of(fake_results("orapo", exp.declared, value))
+    short = f"fragile (without {' or '.join(map(str, by_hand))})"  # the README's form, in the summary and the line
+    assert reproduce.one_seed_out(exp, results, exp.declared, row) == short
+    assert (
+        f"one seed out: {short}." in reproduce.verdict_line("orapo", fake_results("orapo", exp.declared, value), {})[0]
+    )
     assert reproduce.fragility([(400, "reversed"), (402, "reversed"), (405, "cannot tell")]) == (
         "fragile: without 400 or 402 reversed; without 405 cannot tell"
     )
@@ -312,7 +318,7 @@ def test_report_leads_with_the_confirmatory_seeds_and_keeps_exploratory_and_exte
     assert len(nothing) == 2 and "(0 of 8 have run)" in nothing[1]
     line = reproduce.verdict_line("orapo", fake_results("orapo", exp.declared, value), REFS)
     assert len(line) == 1 and "**reproduced**" in line[0] and "-0.019 [-0.020, -0.018] (8 of 8 lower)" in line[0]
-    assert "tests/RESULTS.md" in line[0] and "leaving one seed out: holds" in line[0]
+    assert "tests/RESULTS.md" in line[0] and "one seed out: holds." in line[0]
     waiting = reproduce.summary({"orapo": fake_results("orapo", reproduce.EXPLORATORY, value)}, {"orapo": REFS})
     orapo = next(x for x in waiting if x.startswith("| orapo |"))
     assert "| not yet measured on 600-607; exploratory 400-407: reversed, +0.051 [+0.050, +0.052]" in orapo
