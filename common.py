@@ -1620,40 +1620,31 @@ def initial_policy(run: Run, reports: list[str], max_new_tokens: int, extra_toke
     return policy
 
 
-def build_policy(
-    run: Run,
-    records: list,
-    max_new_tokens: int,
-    *,
-    lora: dict | None = None,
-    reference: bool = True,
-    warm_start: dict | None = None,
-    init=None,
-    extra_tokens=(),
-    max_pixels: int | None = 512 * 512,
-    fsdp: bool = False,
-):
-    """(policy, reference): `init` (a saved policy) or initial_policy(), equal on every rank. `lora` ({r, alpha,
-    dropout, targets}) trains adapters on the LM, the reference being them off (LoRAOff); else a frozen copy, or None
-    (reference=False). `warm_start` (sft_stage's settings) first fine-tunes on the reports in out/warm_start. Then
-    what trains keeps fp32 weights, and under torchrun FSDP2 shards it (fsdp) or DDP averages its gradients."""
-    policy = initial_policy(run, [r.report for r in records], max_new_tokens, extra_tokens, max_pixels, init)
+def add_lora(policy, lora: dict):
+    """Adapters ({r, alpha, dropout, targets}) on the language model, none in the vision tower."""
+    vision = policy.vision_and_language()[0]  # its MLP shares the LM's names
+    apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"], exclude=vision)
 
-    def add_lora():
-        vision = policy.vision_and_language()[0]  # its MLP shares the LM's names
-        apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"], exclude=vision)
 
+def warm_start(run: Run, policy, records: list, settings: dict, lora: dict | None = None, max_pixels=512 * 512):
+    """SFT before RL (sft_stage's `settings`) in out/warm_start, on `lora`'s adapters if given; the policy it saved
+    (LoRA folded in), loaded back: the RL's start."""
     if lora:
-        add_lora()
-    if warm_start and (warm_start["steps"] > 0 or warm_start.get("converge")):
-        stage = run.stage("warm_start", run.resume_flags or ())  # SFT before RL
-        sft_stage(stage, policy, records, **warm_start)
-        policy = load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)  # LoRA folded in
-        if lora:  # fresh adapters on the warm-started weights: RL's base, and its LoRA-off reference
-            add_lora()
+        add_lora(policy, lora)
+    stage = run.stage("warm_start", run.resume_flags or ())
+    sft_stage(stage, policy, records, **settings)
+    return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)
+
+
+def for_training(run: Run, policy, *, lora: dict | None = None, reference: bool = True, fsdp: bool = False):
+    """(policy, reference) ready to train: with `lora`, fresh adapters on the LM and the reference them off
+    (LoRAOff); else a frozen copy, or None (reference=False). What trains keeps fp32 weights, and under torchrun
+    FSDP2 shards it (fsdp) or DDP averages its gradients."""
+    if lora:
+        add_lora(policy, lora)
     ref = LoRAOff(policy) if lora else (frozen_reference(policy) if reference else None)
     fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
-    if fsdp:  # after the warm start, which saved the model whole
+    if fsdp:  # after any warm start, which saved the model whole
         shard(policy.model, run.dtype)
         if isinstance(ref, Policy):
             shard(ref.model, run.dtype)

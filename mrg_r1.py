@@ -272,17 +272,12 @@ def train(args: Args) -> dict:
         converge=common.Convergence(**CONVERGE) if sft_steps is None else None,
         validate=validate,
     )
-    policy, ref = common.build_policy(
-        run,
-        train_set,
-        max_new,
-        lora=None if tiny else LORA,
-        reference=args.beta > 0,
-        warm_start=warm_start,
-        init=args.init,
-        extra_tokens=TAGS + tuple(n.lower() for n in common.CHEXPERT_LABELS),
-        max_pixels=args.max_pixels,
-    )
+    words = TAGS + tuple(n.lower() for n in common.CHEXPERT_LABELS)  # the tiny model's vocabulary needs them
+    policy = common.initial_policy(run, [r.report for r in train_set], max_new, words, args.max_pixels, args.init)
+    lora = None if tiny else LORA
+    if warm_start["steps"] > 0 or warm_start["converge"] is not None:  # Base: SFT before RL
+        policy = common.warm_start(run, policy, train_set, warm_start, lora, args.max_pixels)
+    policy, ref = common.for_training(run, policy, lora=lora, reference=args.beta > 0)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     total = args.steps
     if total is None:  # one epoch (Sec. IV-B); the tiny model: ours

@@ -302,7 +302,8 @@ def train(args: Args) -> dict:
     common.seed_everything(args.seed)
     tiny = args.model == "tiny"
     max_new = 96 if tiny else 256  # the greedy test reports' length
-    policy, _ = common.build_policy(run, train_set, max_new, lora=None if tiny else LORA, reference=False)
+    policy = common.initial_policy(run, [r.report for r in train_set], max_new)
+    policy, _ = common.for_training(run, policy, lora=None if tiny else LORA, reference=False)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     steps = [max(1, n // args.batch_size) for n in sizes]  # Algorithm 1 line 11: an epoch, one pass over D_sub(t)
     if args.steps is not None:  # or --steps shared in proportion to |D_sub(t)|

@@ -537,7 +537,8 @@ class Stop(Exception):
 def built(monkeypatch):
     """What a run builds, read from the objects themselves: every Run.restore (its stage's folder name, the model, the
     optimiser, the schedule, the state, the parameters that train), every Run.steps (its total and one batch drawn
-    from its batches), build_policy (policy, reference, options) and the first rollout's arguments, where the run
+    from its batches), for_training (policy, reference, options, and the reports initial_policy was given), the warm
+    start's settings and the first rollout's arguments, where the run
     stops (Stop). Evaluations are skipped (fake_eval). Settings: `skip` = stage folder names whose steps do not run
     (their results and final/ are written as if they had: the next stage starts), `stop` = names whose restore
     raises Stop after it is read."""
@@ -546,17 +547,29 @@ def built(monkeypatch):
     import common
 
     seen = SimpleNamespace(restores={}, steps={}, policies=[], rollout=None, run=None, skip=set(), stop=set())
-    real = SimpleNamespace(
-        start_run=common.start_run, build_policy=common.build_policy, restore=common.Run.restore, steps=common.Run.steps
+    seen.reports, seen.warm_start = None, None
+    real = SimpleNamespace(start_run=common.start_run, restore=common.Run.restore, steps=common.Run.steps)
+    real.initial_policy, real.warm_start, real.for_training = (
+        common.initial_policy,
+        common.warm_start,
+        common.for_training,
     )
 
     def start_run(args, *a, **k):
         seen.run = real.start_run(args, *a, **k)
         return seen.run
 
-    def build_policy(run, records, max_new_tokens, **options):
-        policy, ref = real.build_policy(run, records, max_new_tokens, **options)
-        seen.policies.append(SimpleNamespace(policy=policy, ref=ref, options=options, records=records))
+    def initial_policy(run, reports, *a, **k):
+        seen.reports = reports
+        return real.initial_policy(run, reports, *a, **k)
+
+    def warm_start(run, policy, records, settings, *a, **k):
+        seen.warm_start = settings
+        return real.warm_start(run, policy, records, settings, *a, **k)
+
+    def for_training(run, policy, **options):
+        policy, ref = real.for_training(run, policy, **options)
+        seen.policies.append(SimpleNamespace(policy=policy, ref=ref, options=options, records=seen.reports))
         return policy, ref
 
     def restore(self, model, optimizer=None, scheduler=None, state=None):
@@ -586,7 +599,8 @@ def built(monkeypatch):
         raise Stop("read the first rollout")
 
     monkeypatch.setattr(common, "start_run", start_run)
-    monkeypatch.setattr(common, "build_policy", build_policy)
+    for hook in (initial_policy, warm_start, for_training):
+        monkeypatch.setattr(common, hook.__name__, hook)
     monkeypatch.setattr(common.Run, "restore", restore)
     monkeypatch.setattr(common.Run, "steps", steps)
     monkeypatch.setattr(common, "rollout", rollout)

@@ -676,7 +676,7 @@ def test_torchrun_two_processes(tmp_path, small_synthetic):
 @pytest.mark.slow
 def test_torchrun_fsdp_equals_unsharded(tmp_path, small_synthetic, monkeypatch):
     """The RL stage with --fsdp takes the steps of the unsharded two-process run above (tests/test_orapo.py checks
-    sharding in the default suite; deer passes the flag through the same common.build_policy)."""
+    sharding in the default suite; deer passes the flag through the same common.for_training)."""
     monkeypatch.setenv("RRG_SLOW_FSDP", "1")
     test_torchrun_two_processes(tmp_path, small_synthetic)
 

@@ -559,7 +559,7 @@ from torch.distributed.tensor import DTensor
 orapo.WARM_START = dict(lr=3e-3, batch_size=4)
 orapo.N_EVAL, orapo.EVAL_EVERY = 5, 1
 common.CHECKPOINT_EVERY = 1
-save, load, build, notes = common.Run.checkpoint, torch.load, common.build_policy, sys.argv.pop(1)
+save, load, build, notes = common.Run.checkpoint, torch.load, common.for_training, sys.argv.pop(1)
 rank = os.environ["RANK"]
 
 def stop(run, step):
@@ -580,7 +580,7 @@ def noting_the_reference(run, *args, **kwargs):
     torch.save(dict(dtensors=dtensors, local=local, full=full), f"{notes}/rank{rank}_reference.pt")
     return policy, ref
 
-common.Run.checkpoint, torch.load, common.build_policy = stop, reading, noting_the_reference
+common.Run.checkpoint, torch.load, common.for_training = stop, reading, noting_the_reference
 orapo.main()
 """
 

@@ -162,10 +162,10 @@ def test_mrg_r1_warm_start_on_a_hugging_face_model(tmp_path, hf_studies, tiny_qw
     built.skip, built.stop = {"warm_start"}, {"run"}
     with pytest.raises(Stop):
         mrg_r1.main(qwen_flags(hf_studies, tiny_qwen_dir, tmp_path / "run", "--sft-steps", "3"))
-    sft, (made,) = built.restores["warm_start"], built.policies
+    sft, (_,) = built.restores["warm_start"], built.policies  # one policy trains: the warm start loads back
     assert adamw_of(sft)["lr"] == 1e-5 and len(built.steps["warm_start"].batch["id"]) == 32
     assert mrg_r1.WARM_START == dict(lr_tiny=1e-3, lr_hf=1e-5, batch_size=32)
-    assert built.steps["warm_start"].total == 3 and made.options["warm_start"]["converge"] is None
+    assert built.steps["warm_start"].total == 3 and built.warm_start["converge"] is None
     assert sft.trainable and all(".lora_A" in n or ".lora_B" in n for n in sft.trainable)
     assert recorded_but_not_used(built, "run", tmp_path / "run") == {}
 

@@ -234,7 +234,7 @@ def test_qwen3b_cut_shapes(qwen3b_cut_dir):
 
 
 def test_qwen3b_cut_lora_forward_backward(qwen3b_cut_dir):
-    """mrg_r1's LoRA (r 128) wrapped as build_policy wraps it (the vision tower excluded), one teacher-forced
+    """mrg_r1's LoRA (r 128) wrapped as common.add_lora wraps it (the vision tower excluded), one teacher-forced
     completion through HFPolicy.completion_logprobs in bf16: finite loss, gradients on LoRA parameters only."""
     from PIL import Image
 
