@@ -299,12 +299,14 @@ def gradient_weights(chexbert, texts: list[str], spans, mask: torch.Tensor, targ
     return w.to(mask.device)
 
 
-def token_weights(weighting: str, args: Args, policy, labeler, ids, mask, ref_labels, beta=1.0) -> torch.Tensor:
-    """(N, T) token weights: none (all 1), rule (Eq. 7-8) or grad (Eq. 9-12, with `beta`)."""
+def token_weights(
+    weighting: str, policy, labeler, ids, mask, ref_labels, G: int, alpha: float, beta=1.0
+) -> torch.Tensor:
+    """(N, T) token weights: none (all 1), rule (Eq. 7-8, with `alpha` over groups of G) or grad (Eq. 9-12, `beta`)."""
     if weighting == "none":
         return torch.ones(mask.shape, device=mask.device)
     if weighting == "rule":
-        return tfidf_weights(ids, mask, args.group_size, args.alpha, special=set(policy.eos_token_ids))
+        return tfidf_weights(ids, mask, G, alpha, special=set(policy.eos_token_ids))
     texts, spans = token_spans(policy, ids, mask)
     return gradient_weights(labeler, texts, spans, mask, reference_targets(ref_labels), beta)
 
@@ -497,7 +499,7 @@ def ditpo(run: common.Run, args: Args, s) -> dict:
             roll = common.rollout(policy, batch["images"], PROMPT, G, reward_fn, s.max_new, TEMPERATURE)  # once a step
         ids, mask = roll.completion_ids, roll.completion_mask  # (N, T) each
         group_labels = np.repeat(ref_labels, G, axis=0)  # (N, 14) each reference's labels, G times
-        w = token_weights(args.weighting, args, policy, run.labeler, ids, mask, group_labels, premise["beta"])
+        w = token_weights(args.weighting, policy, run.labeler, ids, mask, group_labels, G, args.alpha, premise["beta"])
         micros = common.micro_batches(policy, roll, args.grad_accum, G)  # --grad-accum: the passes in parts
         n = len(ids) // len(micros)  # rows of a micro-batch
         for k, micro in enumerate(micros):
@@ -599,7 +601,9 @@ def tables(command: str, run: common.Run, args: Args, s) -> dict:
                 if name == "random":
                     w = torch.rand(g["mask"].shape)
                 else:
-                    w = token_weights(name, args, policy, run.labeler, g["ids"], g["mask"], g["ref_labels"])
+                    w = token_weights(
+                        name, policy, run.labeler, g["ids"], g["mask"], g["ref_labels"], args.group_size, args.alpha
+                    )
                 for k, v in masking_effect(policy, run.labeler, g["ids"], g["mask"], w, labels, MASK_FRAC, rng).items():
                     stats[name][k] += v
         for name in strategies:

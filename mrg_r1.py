@@ -159,27 +159,27 @@ def cider_document_frequency(refs: list[str]) -> tuple[Counter, int]:
     return Counter(g for r in refs for c in common.ngram_counts(r.split()) for g in c), len(refs)
 
 
-def total_reward(completions: list[str], references: list[str], labeler, args: Args, cider_df=None):
-    """Sec. IV-B: 0.75 * clinical + 0.25 * format, or the Table II row in --reward. Returns the
-    rewards (N,) and each term's mean. cider_df: the training corpus's CIDEr document frequencies."""
-    tags = "format" in args.reward
+def total_reward(completions: list[str], references: list[str], labeler, reward: str, margin: float, cider_df=None):
+    """Sec. IV-B: 0.75 * clinical + 0.25 * format, or the Table II row `reward` (--reward); `margin`: Eq. 6's m.
+    Returns the rewards (N,) and each term's mean. cider_df: the training corpus's CIDEr document frequencies."""
+    tags = "format" in reward
     reports = [extract_report(c) if tags else c.strip() for c in completions]
     terms = {}
-    if "mccs" in args.reward:
-        terms["mccs"] = mccs(labeler(reports), labeler(references), args.margin)
-    if "ce_f1" in args.reward:
+    if "mccs" in reward:
+        terms["mccs"] = mccs(labeler(reports), labeler(references), margin)
+    if "ce_f1" in reward:
         terms["ce_f1"] = ce_f1_reward(labeler(reports), labeler(references))
-    if args.reward == "nlg":  # "BLEU+ROUGE+CIDEr", unweighted; CIDEr-D (x10, pycocoevalcap's scale) dominates
+    if reward == "nlg":  # "BLEU+ROUGE+CIDEr", unweighted; CIDEr-D (x10, pycocoevalcap's scale) dominates
         per = common.nlg_metrics(reports, references, meteor=False, per_sample=True, cider_df=cider_df)["per_sample"]
         terms["nlg"] = np.add(per["BLEU-4"], per["ROUGE-L"]) + per["CIDEr"]
     if tags:
         terms["format"] = np.array([format_reward(c) for c in completions])
     clinical = [terms[t] for t in terms if t != "format"]
     if clinical and tags:
-        reward = 0.75 * clinical[0] + 0.25 * terms["format"]
+        total = 0.75 * clinical[0] + 0.25 * terms["format"]
     else:
-        reward = clinical[0] if clinical else terms["format"]
-    return reward, {f"reward_{k}": float(v.mean()) for k, v in terms.items()}
+        total = clinical[0] if clinical else terms["format"]
+    return total, {f"reward_{k}": float(v.mean()) for k, v in terms.items()}
 
 
 # Eq. 1-2: GRPO --------------------------------------------------------------------------------------
@@ -294,7 +294,9 @@ def train(args: Args) -> dict:
         def score(rows, labeler):
             """The training reward of the greedy reports."""
             completions = [row.get("completion", row["generated"]) for row in rows]
-            r, terms = total_reward(completions, [row["reference"] for row in rows], labeler, args, cider_df)
+            r, terms = total_reward(
+                completions, [row["reference"] for row in rows], labeler, args.reward, args.margin, cider_df
+            )
             for row, value in zip(rows, r):
                 row["reward"] = float(value)
             return {"reward": float(r.mean()), **terms}
@@ -310,7 +312,7 @@ def train(args: Args) -> dict:
 
         def reward_fn(texts, owners, references=batch["report"], labels=labels):
             """common.rollout's: each completion's total_reward against its study's reference, logged."""
-            r, terms = total_reward(texts, [references[o] for o in owners], labels, args, cider_df)
+            r, terms = total_reward(texts, [references[o] for o in owners], labels, args.reward, args.margin, cider_df)
             run.log(**terms)
             return r
 

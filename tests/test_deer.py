@@ -457,7 +457,7 @@ def test_one_ditpo_step_feeds_the_loss_the_paper_quantities(tmp_path, staged, sm
     weighed, real_weights = [], deer.token_weights
 
     def recorded_weights(*a):
-        weighed.append(a[6])  # the labels each completion's weights read (Eq. 9's targets): its own study's
+        weighed.append(a[5])  # the labels each completion's weights read (Eq. 9's targets): its own study's
         return real_weights(*a)
 
     monkeypatch.setattr(common, "grpo_loss", recorded_loss)

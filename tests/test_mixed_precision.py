@@ -84,7 +84,7 @@ def language_projections(names) -> list[str]:
     return [n for n in names if ".language_model.layers." in n and n.endswith("proj.weight")]
 
 
-def alternating_rewards(completions, references, labeler, args, cider_df=None):
+def alternating_rewards(completions, references, labeler, reward, margin, cider_df=None):
     """0, 1, 0, 1, ... whatever the texts: every group has advantages that are not 0 (a random model earns none)."""
     return np.arange(len(completions)) % 2.0, {}
 

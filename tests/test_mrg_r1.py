@@ -122,36 +122,32 @@ def test_table_ii_rows_by_hand():
     lab = common.RuleLabeler()
     tagged = "<think> edema </think> <report> Mild pulmonary edema. </report>"
     bare, ref = "Mild pulmonary edema.", ["Mild pulmonary edema."]
-    r, terms = mrg_r1.total_reward([tagged, bare], ref * 2, lab, mrg_r1.Args(margin=0.0))
+    r, terms = mrg_r1.total_reward([tagged, bare], ref * 2, lab, "mccs+format", 0.0)
     np.testing.assert_allclose(r, [0.75 * 1 + 0.25 * 1, 0.0])  # the bare answer has no <report>: scored ""
     assert terms == {"reward_mccs": pytest.approx(0.5), "reward_format": 0.5}
-    assert mrg_r1.total_reward([bare], ref, lab, mrg_r1.Args(reward="mccs", margin=0.0))[0] == pytest.approx(
-        [1.0]
-    )  # no tags
-    assert mrg_r1.total_reward([tagged], ref, lab, mrg_r1.Args(reward="format"))[0] == pytest.approx([1.0])
+    assert mrg_r1.total_reward([bare], ref, lab, "mccs", 0.0)[0] == pytest.approx([1.0])  # no tags
+    assert mrg_r1.total_reward([tagged], ref, lab, "format", 0.5)[0] == pytest.approx([1.0])
     # CE-F1: positives {Edema, Lung Opacity} vs {Edema}: 2 x 1 / (2 + 1)
     two = "Mild pulmonary edema. Hazy left lung opacity."
-    assert mrg_r1.total_reward([two], ref, lab, mrg_r1.Args(reward="ce_f1"))[0] == pytest.approx([2 / 3])
-    r, _ = mrg_r1.total_reward(
-        [f"<think> a </think> <report> {two} </report>"], ref, lab, mrg_r1.Args(reward="ce_f1+format")
-    )
+    assert mrg_r1.total_reward([two], ref, lab, "ce_f1", 0.5)[0] == pytest.approx([2 / 3])
+    r, _ = mrg_r1.total_reward([f"<think> a </think> <report> {two} </report>"], ref, lab, "ce_f1+format", 0.5)
     assert r == pytest.approx([0.75 * 2 / 3 + 0.25])
     # clinical 1 with format 0.5 (text outside the tags): 0.75 x 1 + 0.25 x 0.5, and the reverse
     r, terms = mrg_r1.total_reward(
         ["Sure. " + tagged, "<think> x </think> <report> No pleural effusion. </report>"],
         ref * 2,
         lab,
-        mrg_r1.Args(margin=0.0),
+        "mccs+format",
+        0.0,
     )
     np.testing.assert_allclose(r, [0.75 + 0.25 * 0.5, 0.25])  # the second: MCCS 0 (no shared finding), format 1
 
 
 def test_nlg_reward_uses_the_training_corpus_frequencies():
-    args = mrg_r1.Args(reward="nlg")
     df = mrg_r1.cider_document_frequency(["mild pulmonary edema .", "no pleural effusion .", "heart size is normal ."])
     hyp = "mild pulmonary edema ."
-    alone = mrg_r1.total_reward([hyp], [hyp], None, args, df)[0][0]
-    batched = mrg_r1.total_reward([hyp, "no effusion ."], [hyp, "heart size is normal ."], None, args, df)[0][0]
+    alone = mrg_r1.total_reward([hyp], [hyp], None, "nlg", 0.5, df)[0][0]
+    batched = mrg_r1.total_reward([hyp, "no effusion ."], [hyp, "heart size is normal ."], None, "nlg", 0.5, df)[0][0]
     # BLEU-4 1 + ROUGE-L 1 + CIDEr-D: idf of each n-gram log(3 / df); every n-gram of the pair matches
     assert alone == pytest.approx(batched) and alone > 2 + 1
 
