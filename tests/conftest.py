@@ -18,12 +18,11 @@ def pytest_configure(config):
     torch.set_num_threads(int(os.environ.get("RRG_TEST_THREADS", "1")))
 
 
-# Tests that launch torchrun or two JVMs (8-30 s each) go first: pytest-xdist hands tests out in collection order, so
+# Tests that launch torchrun or two JVMs (8-60 s each) go first: pytest-xdist hands tests out in collection order, so
 # the two workers then end together rather than one waiting on a long test at the end (-n 2: the suite's wall time).
-# (RRGCL's torchrun test shares module fixtures with its file's other tests and stays in place.)
+# test_distributed.py's tests share one launch: one worker runs them all (pyproject.toml's --dist loadgroup).
 LONG_FIRST = {
-    *(("test_" + script + ".py", "test_torchrun_two_processes") for script in ("orapo", "mrg_r1", "deer")),
-    ("test_dcrrg.py", "test_torchrun_two_processes_equal_one_process"),
+    ("test_distributed.py", None),
     ("test_running.py", "test_two_nodes_through_the_c10d_rendezvous_equal_one_process"),
     ("test_running.py", "test_an_error_on_one_rank_ends_the_job_at_once"),
     ("test_metrics.py", "test_meteor_equals_pycocoevalcap"),
@@ -31,7 +30,10 @@ LONG_FIRST = {
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: (item.path.name, item.originalname) not in LONG_FIRST)  # stable: the rest keep order
+    def long(item) -> bool:
+        return (item.path.name, None) in LONG_FIRST or (item.path.name, item.originalname) in LONG_FIRST
+
+    items.sort(key=lambda item: not long(item))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(wrapper=True)
@@ -353,48 +355,14 @@ def labels(**values):
 
 
 TORCHRUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}  # CPU (gloo), 1 thread
-FORKSERVER = str(ROOT / "tests" / "forkserver.py")
-_forkservers: list = []  # this pytest process's, one per rank: (socket path, server process)
-
-
-def forkservers() -> str:
-    """The sockets of tests/forkserver.py's two servers (one per rank of a two-process torchrun; started on first use,
-    stopped when pytest ends): processes started through them skip their imports (~6 CPU-s each)."""
-    import subprocess
-    import tempfile
-    import time
-
-    if not _forkservers:
-        folder = Path(tempfile.mkdtemp(prefix="rrg-forkserver-"))
-        env = {k: v for k, v in dict(os.environ, **TORCHRUN_ENV).items() if k != "PYTHONPATH"}
-        for rank in range(2):
-            path = folder / f"rank{rank}"
-            with path.with_suffix(".log").open("w") as log:
-                command = [sys.executable, "-u", FORKSERVER, "serve", str(path)]
-                server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-            _forkservers.append((path, server))
-    for path, server in _forkservers:
-        while not path.exists():  # the server is importing
-            assert server.poll() is None, f"{path}: the fork server died: " + path.with_suffix(".log").read_text()
-            time.sleep(0.05)
-    return ",".join(str(path) for path, _ in _forkservers)
-
-
-def pytest_unconfigure(config):
-    import shutil
-
-    for path, server in _forkservers:
-        server.kill()
-        server.wait()
-        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def run_python(script, *args: str, env: dict | None = None, cwd=None, timeout: int = 300):
-    """`python -u script args` (a CompletedProcess, text captured), started through the fork servers: the same run
-    without its imports. The environment: os.environ, TORCHRUN_ENV's, then `env`."""
+    """`python -u script args` in a process of its own (a CompletedProcess, text captured). The environment:
+    os.environ, TORCHRUN_ENV's, then `env`."""
     import subprocess
 
-    command = [sys.executable, FORKSERVER, "run", forkservers(), str(script), *args]
+    command = [sys.executable, "-u", str(script), *args]
     environment = {**os.environ, **TORCHRUN_ENV, **(env or {})}
     return subprocess.run(
         command, env=environment, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
@@ -403,15 +371,12 @@ def run_python(script, *args: str, env: dict | None = None, cwd=None, timeout: i
 
 def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: bool = True):
     """ROOT/script under `python -m torch.distributed.run --nproc_per_node=nproc --standalone` on CPU (gloo), one
-    thread per process, each worker started through the fork servers (`--no-python python tests/forkserver.py run`,
-    which runs `python -u script flags` without its imports); fails the test with the end of stderr if it fails (or,
-    ok=False, if it does not)."""
+    thread per process; fails the test with the end of stderr if it fails (or, ok=False, if it does not)."""
     import subprocess
 
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-    worker = ["--no-python", sys.executable, FORKSERVER, "run", forkservers()]
     proc = subprocess.run(
-        [*launch, *worker, str(ROOT / script), *flags],
+        [*launch, str(ROOT / script), *flags],
         env=dict(os.environ, **TORCHRUN_ENV),
         capture_output=True,
         text=True,
@@ -420,6 +385,19 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: b
     )
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc
+
+
+def torchrun_cases(folder, cases: list[dict], timeout: int = 600) -> dict:
+    """`cases` ({"name", "script", "argv", "env"}: tests/torchrun_cases.py) run in turn in one two-process launch:
+    each case's exit status by name, the same on both ranks."""
+    import json
+
+    folder = Path(folder)
+    (folder / "cases.json").write_text(json.dumps(cases))
+    torchrun("tests/torchrun_cases.py", str(folder / "cases.json"), timeout=timeout)
+    rank0, rank1 = (json.loads((folder / f"status_rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1, (rank0, rank1)
+    return rank0
 
 
 # Real IU X-Ray as users have it, written by the tests (the text is ours, never Open-i's). The R2GenGPT layout that

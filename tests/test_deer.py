@@ -622,63 +622,19 @@ def test_grad_weighting_with_chexbert(tmp_path, staged, small, chexbert, monkeyp
     assert json.loads((tmp_path / "rl_grad_random" / "eval.json").read_text())["beta"]["beta"] == recorded
 
 
-def test_torchrun_two_processes(tmp_path, small_synthetic):
-    """All three stages under two processes: global batches split over the ranks, DDSampling's chunks shared. With
-    RRG_SLOW_FSDP, the RL stage sharded against unsharded within rel 1e-4: tests/test_orapo.py's
-    test_torchrun_two_processes says why that bound holds on any CPU."""
-    out = tmp_path / "ddp"
-    torchrun(
-        "deer.py",
-        "all",
-        "--data",
-        str(small_synthetic),
-        "--out",
-        str(out),
-        "--max-new-tokens",
-        "8",
-        "--sft-steps",
-        "2",
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "2",
-    )
-    assert [x["step"] for x in metrics(out / "sft" / "metrics.jsonl")] == [1, 2]
-    assert len(metrics(out / "ddsampling" / "metrics.jsonl")) == 1  # 2 chunks of 32 (40 studies), one per rank
-    sel = json.loads((out / "ddsampling" / "selection.json").read_text())
-    assert sel["n_pool"] == 40 and len(sel["ranked"]) == 40 and len(sel["ids"]) == 8
-    assert [x["step"] for x in metrics(out / "rl_rule" / "metrics.jsonl")] == [1, 2]
-    gens = [json.loads(x) for x in (out / "rl_rule" / "generations_test.jsonl").read_text().splitlines()]
-    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
-    if os.environ.get("RRG_SLOW_FSDP"):  # set by test_torchrun_fsdp_equals_unsharded
-        fsdp = tmp_path / "fsdp"  # the RL stage again from the same SFT model and subset, the policy sharded (FSDP2)
-        for stage in ("sft", "ddsampling"):
-            shutil.copytree(out / stage, fsdp / stage)
-        torchrun(
-            "deer.py",
-            "rl",
-            "--data",
-            str(small_synthetic),
-            "--out",
-            str(fsdp),
-            "--max-new-tokens",
-            "8",
-            "--steps",
-            "2",
-            "--prompts-per-step",
-            "2",
-            "--fsdp",
-        )
-        for a, b in zip(metrics(out / "rl_rule" / "metrics.jsonl"), metrics(fsdp / "rl_rule" / "metrics.jsonl")):
-            assert all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in a if k != "time"), (a, b)
-
-
 @pytest.mark.slow
-def test_torchrun_fsdp_equals_unsharded(tmp_path, small_synthetic, monkeypatch):
-    """The RL stage with --fsdp takes the steps of the unsharded two-process run above (tests/test_orapo.py checks
-    sharding in the default suite; deer passes the flag through the same common.for_training)."""
-    monkeypatch.setenv("RRG_SLOW_FSDP", "1")
-    test_torchrun_two_processes(tmp_path, small_synthetic)
+def test_torchrun_fsdp_equals_unsharded(tmp_path, small_synthetic):
+    """All three stages under two processes (as test_distributed.py's test_deer), then the RL stage again from the
+    same SFT model and subset with --fsdp: the same steps within rel 1e-4 (test_distributed.py's test_orapo says why
+    that bound holds on any CPU; deer passes the flag through the same common.for_training)."""
+    out, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    rl = ["--data", str(small_synthetic), "--max-new-tokens", "8", "--steps", "2", "--prompts-per-step", "2"]
+    torchrun("deer.py", "all", *rl, "--sft-steps", "2", "--out", str(out))
+    for stage in ("sft", "ddsampling"):
+        shutil.copytree(out / stage, fsdp / stage)
+    torchrun("deer.py", "rl", *rl, "--out", str(fsdp), "--fsdp")
+    for a, b in zip(metrics(out / "rl_rule" / "metrics.jsonl"), metrics(fsdp / "rl_rule" / "metrics.jsonl")):
+        assert all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in a if k != "time"), (a, b)
 
 
 def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, small, monkeypatch):

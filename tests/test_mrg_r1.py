@@ -11,7 +11,7 @@ import torch
 
 import common
 import mrg_r1
-from conftest import Crash, fake_eval, labels, metrics_rows, one_step_in_micro_batches, qwen_flags, torchrun
+from conftest import Crash, fake_eval, labels, metrics_rows, one_step_in_micro_batches, qwen_flags
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
 L = common.LABEL_INDEX
@@ -394,28 +394,6 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_synthetic, fast, mo
     )
     assert all(torch.equal(full[k], part[k]) for k in full)
     assert metrics_rows(tmp_path / "full" / "metrics.jsonl") == metrics_rows(tmp_path / "part" / "metrics.jsonl")
-
-
-def test_torchrun_two_processes(tmp_path, small_synthetic):
-    out = tmp_path / "ddp"  # --prompts-per-step counts studies over all ranks: 2 per rank, 8 completions each
-    torchrun(
-        "mrg_r1.py",
-        "--data",
-        str(small_synthetic),
-        "--steps",
-        "2",
-        "--sft-steps",
-        "2",
-        "--prompts-per-step",
-        "4",
-        "--max-new-tokens",
-        "8",
-        "--out",
-        str(out),
-    )
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
-    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
 
 
 def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, fast, monkeypatch):

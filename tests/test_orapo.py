@@ -5,7 +5,6 @@ subset, what one training step feeds the losses, and end-to-end runs (one proces
 import copy
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -546,106 +545,6 @@ def test_the_quick_start_and_your_own_data_get_folders_of_their_own(
     names = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert names == sorted(f"orapo-{d.parent.name}" for d in (small_synthetic, iu_xray))
     assert all((tmp_path / "runs" / name / "eval.json").is_file() for name in names)
-
-
-# orapo.main under torchrun with the warm start shortened (as `fast`), a checkpoint every step and, with STOP=k, Ctrl-C
-# right after RL's step-k checkpoint (not the warm start stage's); an odd number of val studies checked after step 1
-# (rank 1 pads its share: under FSDP every rank makes as many generate() calls); each rank notes in DIR whether it read
-# RL's last.pt, and the sharded reference's parameters (local and full sizes)
-ORAPO_UNDER_TORCHRUN = """
-import os, sys, torch
-import common, orapo
-from torch.distributed.tensor import DTensor
-orapo.WARM_START = dict(lr=3e-3, batch_size=4)
-orapo.N_EVAL, orapo.EVAL_EVERY = 5, 1
-common.CHECKPOINT_EVERY = 1
-save, load, build, notes = common.Run.checkpoint, torch.load, common.for_training, sys.argv.pop(1)
-rank = os.environ["RANK"]
-
-def stop(run, step):
-    save(run, step)
-    if step + 1 == int(os.environ.get("STOP", -1)) and run.out.name != "warm_start":  # step: 0-based
-        raise KeyboardInterrupt
-
-def reading(path, *args, **kwargs):
-    if str(path).endswith("last.pt") and "warm_start" not in str(path):
-        open(f"{notes}/rank{rank}_read_last.pt", "w").close()
-    return load(path, *args, **kwargs)
-
-def noting_the_reference(run, *args, **kwargs):
-    policy, ref = build(run, *args, **kwargs)
-    params = list(ref.model.parameters())
-    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
-    full, dtensors = sum(p.numel() for p in params), all(isinstance(p, DTensor) for p in params)
-    torch.save(dict(dtensors=dtensors, local=local, full=full), f"{notes}/rank{rank}_reference.pt")
-    return policy, ref
-
-common.Run.checkpoint, torch.load, common.for_training = stop, reading, noting_the_reference
-orapo.main()
-"""
-
-
-def test_torchrun_two_processes(tmp_path, small_synthetic):
-    """Two processes, then the same with --fsdp, stopped after step 1 and resumed. Sharded and unsharded runs compute
-    each rank's gradient alike and average two ranks' gradients exactly either way ((a + b) / 2 = a / 2 + b / 2 in
-    floats), so they differ only where a sum runs in another order: the gradient norm (over shards, then ranks; torch's
-    cascade sums keep that within ~log2(n) 2^-24 ~ 1e-6 relative, seen 3e-7), through clipping when it acts a gradient
-    scale that Adam's update ignores up to eps (< 1e-5 x lr per step). Hence metrics within rel 1e-4 and weights within
-    1e-5 (seen exactly equal), on any CPU kernel (checked under ATEN_CPU_CAPABILITY=default and avx2). Under FSDP:
-    the resume restores the schedule (lr), the ZRR state and AdamW's (the metrics and weights after it) from last.pt
-    read by rank 0 alone; the reference is sharded (each rank holds half of it) and scores as the unsharded one (KL
-    and DPO in the metrics); the evaluation of 5 val studies (3 on rank 0, 2 and one padding on rank 1) writes what
-    one process generates from the same weights."""
-    out, script, notes = tmp_path / "ddp", tmp_path / "orapo_under_torchrun.py", tmp_path / "notes"
-    script.write_text(ORAPO_UNDER_TORCHRUN)
-    notes.mkdir()
-    flags = ["--data", str(small_synthetic), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4"]
-    flags += ["--max-new-tokens", "12", "--sft-steps", "2"]
-    torchrun(str(script), str(notes), *flags, "--out", str(out))
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    last = torch.load(out / "last.pt", weights_only=True)
-    assert len(last["extra"]) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
-    torch_rng = [state["torch"] for state in last["rng"]]  # each rank's, seeded with seed + rank: apart
-    assert len(torch_rng) == 2 and not torch.equal(*torch_rng)
-    gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
-    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
-    assert not list(notes.glob("*read_last.pt"))
-    # FSDP2: the same two processes with the policy and reference sharded take the same steps (each rank samples
-    # as before); the checkpoint and final/ hold the gathered weights, which load without torchrun
-    fsdp = tmp_path / "fsdp"
-    os.environ["STOP"] = "1"  # stopped after step 1 and resumed: the sharded weights and AdamW states come back
-    try:
-        torchrun(str(script), str(notes), *flags, "--out", str(fsdp), "--fsdp", ok=False)
-    finally:
-        del os.environ["STOP"]
-    after_step_1 = torch.load(fsdp / "last.pt", weights_only=True)
-    assert after_step_1["step"] == 1  # one step of two: the resume takes step 2 from what last.pt restores
-    torchrun(str(script), str(notes), *flags, "--out", str(fsdp), "--fsdp", "--resume")
-    assert sorted(p.name for p in notes.glob("*read_last.pt")) == ["rank0_read_last.pt"]
-    for a, b in zip(metrics_rows(out / "metrics.jsonl"), metrics_rows(fsdp / "metrics.jsonl"), strict=True):
-        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in a), (a, b)
-    ddp, sharded = (common.load_policy(d / "final").model.state_dict() for d in (out, fsdp))
-    assert all(torch.allclose(ddp[k], sharded[k], atol=1e-5) for k in ddp)
-    ckpt, ddp_ckpt = (torch.load(d / "last.pt", weights_only=True) for d in (fsdp, out))
-    assert all(torch.equal(ckpt["model"][k], sharded[k]) for k in sharded)  # full, not shards: the gathered weights
-    assert set(ckpt["optimizer"]["state"]) == {k for k, _ in common.load_policy(out / "final").model.named_parameters()}
-    assert ckpt["scheduler"] == ddp_ckpt["scheduler"] and ckpt["extra"] == pytest.approx(ddp_ckpt["extra"], rel=1e-6)
-    for rank in (0, 1):  # each rank holds half of the reference (one unit per block, the rest another)
-        ref = torch.load(notes / f"rank{rank}_reference.pt", weights_only=True)
-        assert ref["dtensors"] and ref["local"] == pytest.approx(ref["full"] / 2, rel=0.01)
-    # the val check after step 1, against one process generating from the step-1 weights in each rank's batch: rank 0
-    # studies 0, 2, 4, rank 1 studies 1, 3 and study 0 as padding (the same batches, so the same padding and kernels)
-    policy = common.load_policy(fsdp / "warm_start" / "final")
-    policy.model.load_state_dict(after_step_1["model"])
-    val = common.load_annotation(small_synthetic)["val"][:5]
-    expected = [None] * 5
-    for rank, share in ((0, [0, 2, 4]), (1, [1, 3, 0])):
-        studies = [[common.load_image(p) for p in val[k].image_paths] for k in share]
-        with torch.no_grad():
-            texts = policy.decode(*policy.generate(policy.prompt_batch(studies, orapo.PROMPT), 12, do_sample=False))
-        expected[rank::2] = texts[: len(expected[rank::2])]
-    rows = [json.loads(x) for x in (fsdp / "generations_val_step1.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in rows] == [r.id for r in val] and [r["generated"] for r in rows] == expected
 
 
 @pytest.mark.parametrize("lora", [None, dict(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"])])

@@ -1,0 +1,265 @@
+"""Each script under torchrun with two processes (CPU, gloo), against one process where the steps must agree: all the
+runs in one launch (tests/torchrun_cases.py), made once for this module, then a test per script reads its folders.
+(Two "nodes" through the c10d rendezvous, and an error on one rank, are launches of their own in test_running.py.)"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import dcrrg
+import orapo
+import rrgcl
+from conftest import ROOT, metrics_rows, torchrun_cases, update_relative_difference
+
+pytestmark = pytest.mark.xdist_group("torchrun")  # one pytest-xdist worker makes the launch and runs these tests
+
+# orapo.main under torchrun with the warm start shortened (as `fast`), a checkpoint every step and, with STOP=k, Ctrl-C
+# right after RL's step-k checkpoint (not the warm start stage's; rank 0 keeps a copy of that last.pt as
+# stopped_last.pt); an odd number of val studies checked after step 1 (rank 1 pads its share: under FSDP every rank
+# makes as many generate() calls); each rank notes in DIR whether it read RL's last.pt, and the sharded reference's
+# parameters (local and full sizes)
+ORAPO_UNDER_TORCHRUN = """
+import os, shutil, sys, torch
+import common, orapo
+from torch.distributed.tensor import DTensor
+orapo.WARM_START = dict(lr=3e-3, batch_size=4)
+orapo.N_EVAL, orapo.EVAL_EVERY = 5, 1
+common.CHECKPOINT_EVERY = 1
+save, load, build, notes = common.Run.checkpoint, torch.load, common.for_training, sys.argv.pop(1)
+rank = os.environ["RANK"]
+
+def stop(run, step):
+    save(run, step)
+    if step + 1 == int(os.environ.get("STOP", -1)) and run.out.name != "warm_start":  # step: 0-based
+        if rank == "0":
+            shutil.copy(run.out / "last.pt", f"{notes}/stopped_last.pt")
+        raise KeyboardInterrupt
+
+def reading(path, *args, **kwargs):
+    if str(path).endswith("last.pt") and "warm_start" not in str(path):
+        open(f"{notes}/rank{rank}_read_last.pt", "w").close()
+    return load(path, *args, **kwargs)
+
+def noting_the_reference(run, *args, **kwargs):
+    policy, ref = build(run, *args, **kwargs)
+    params = list(ref.model.parameters())
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    full, dtensors = sum(p.numel() for p in params), all(isinstance(p, DTensor) for p in params)
+    torch.save(dict(dtensors=dtensors, local=local, full=full), f"{notes}/rank{rank}_reference.pt")
+    return policy, ref
+
+common.Run.checkpoint, torch.load, common.for_training = stop, reading, noting_the_reference
+orapo.main()
+"""
+ORAPO_FLAGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12"]
+ORAPO_FLAGS += ["--sft-steps", "2"]
+
+# DCRRG's steps shortened as test_dcrrg.py's FAST and `fast` (short texts, no dropout: a step can be recomputed)
+DCRRG_FAST = ["--step1-steps", "4", "--step2-steps", "2", "--step3-steps", "3", "--step4-steps", "3"]
+DCRRG_FAST += ["--batch-size", "8", "--decoder-batch-size", "4"]
+DCRRG_CONSTANTS = dict(MAX_REPORT_TOKENS=12, MAX_DESCRIPTION_TOKENS=8, DROPOUT=0.0)
+
+# RRGCL's measurement shortened as test_rrgcl.py's fast_measure; training one epoch of 6 steps
+RRGCL_MEASURE = dict(
+    ENCODER_CONVERGE=dict(rrgcl.ENCODER_CONVERGE, max_steps=1),
+    MINE=dict(batch_size=16, lr=1e-3, held_out=0.2, shuffles=2),
+    MINE_CONVERGE=dict(every=20, patience=10**6, min_gain=0.0, max_steps=40),
+)
+RRGCL_FLAGS = ["--epochs", "1", "--batch-size", "8", "--steps", "6"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, small_synthetic):
+    """Every script's two-process run in one launch: a folder per run under the returned folder, and each run's exit
+    status (`status`, the same on both ranks)."""
+    folder = tmp_path_factory.mktemp("torchrun")
+    data = ["--data", str(small_synthetic)]
+    with pytest.MonkeyPatch.context() as mp:  # RRGCL's difficulty file, measured here in one process
+        for name, value in RRGCL_MEASURE.items():
+            mp.setattr(rrgcl, name, value)
+        rrgcl.main(
+            [*data, "--out", str(folder / "measure"), "--measure-only", "--difficulty", str(folder / "dif.json")]
+        )
+    (folder / "orapo_under_torchrun.py").write_text(ORAPO_UNDER_TORCHRUN)
+    (folder / "dcrrg_fast.py").write_text(
+        f"import dcrrg\nfor k, v in {DCRRG_CONSTANTS!r}.items():\n    setattr(dcrrg, k, v)\ndcrrg.main()\n"
+    )
+    for notes in ("notes_ddp", "notes_fsdp"):
+        (folder / notes).mkdir()
+    orapo_script, fsdp = str(folder / "orapo_under_torchrun.py"), ["--out", str(folder / "orapo_fsdp"), "--fsdp"]
+    cases = [
+        ("orapo", orapo_script, [str(folder / "notes_ddp"), *data, *ORAPO_FLAGS, "--out", str(folder / "orapo")]),
+        ("orapo_fsdp_stopped", orapo_script, [str(folder / "notes_fsdp"), *data, *ORAPO_FLAGS, *fsdp], {"STOP": "1"}),
+        ("orapo_fsdp_resumed", orapo_script, [str(folder / "notes_fsdp"), *data, *ORAPO_FLAGS, *fsdp, "--resume"]),
+        (
+            "mrg_r1",
+            str(ROOT / "mrg_r1.py"),
+            [*data, "--steps", "2", "--sft-steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "8"]
+            + ["--out", str(folder / "mrg_r1")],
+        ),
+        (
+            "deer",
+            str(ROOT / "deer.py"),
+            ["all", *data, "--out", str(folder / "deer"), "--max-new-tokens", "8", "--sft-steps", "2"]
+            + ["--steps", "2", "--prompts-per-step", "2"],
+        ),
+        ("dcrrg", str(folder / "dcrrg_fast.py"), ["all", "--out", str(folder / "dcrrg"), *data, *DCRRG_FAST]),
+        (
+            "rrgcl",
+            str(ROOT / "rrgcl.py"),
+            [*data, "--difficulty", str(folder / "dif.json"), *RRGCL_FLAGS, "--out", str(folder / "rrgcl")],
+        ),
+    ]
+    status = torchrun_cases(
+        folder, [dict(name=c[0], script=c[1], argv=c[2], env=c[3] if len(c) > 3 else {}) for c in cases]
+    )
+    return folder, status
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_orapo(launched, small_synthetic):
+    """Two processes, then the same with --fsdp, stopped after step 1 and resumed. Sharded and unsharded runs compute
+    each rank's gradient alike and average two ranks' gradients exactly either way ((a + b) / 2 = a / 2 + b / 2 in
+    floats), so they differ only where a sum runs in another order: the gradient norm (over shards, then ranks; torch's
+    cascade sums keep that within ~log2(n) 2^-24 ~ 1e-6 relative, seen 3e-7), through clipping when it acts a gradient
+    scale that Adam's update ignores up to eps (< 1e-5 x lr per step). Hence metrics within rel 1e-4 and weights within
+    1e-5 (seen exactly equal), on any CPU kernel (checked under ATEN_CPU_CAPABILITY=default and avx2). Under FSDP:
+    the resume restores the schedule (lr), the ZRR state and AdamW's (the metrics and weights after it) from last.pt
+    read by rank 0 alone; the reference is sharded (each rank holds half of it) and scores as the unsharded one (KL
+    and DPO in the metrics); the evaluation of 5 val studies (3 on rank 0, 2 and one padding on rank 1) writes what
+    one process generates from the same weights."""
+    folder, status = launched
+    out, fsdp = folder / "orapo", folder / "orapo_fsdp"
+    assert status["orapo"] == 0 and status["orapo_fsdp_stopped"] == 130 and status["orapo_fsdp_resumed"] == 0
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    last = torch.load(out / "last.pt", weights_only=True)
+    assert len(last["extra"]) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
+    torch_rng = [state["torch"] for state in last["rng"]]  # each rank's, seeded with seed + rank: apart
+    assert len(torch_rng) == 2 and not torch.equal(*torch_rng)
+    gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
+    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
+    assert not list((folder / "notes_ddp").glob("*read_last.pt"))
+    # FSDP2: the same two processes with the policy and reference sharded take the same steps (each rank samples
+    # as before); the checkpoint and final/ hold the gathered weights, which load without torchrun. Stopped after step
+    # 1 and resumed: the sharded weights and AdamW states come back
+    notes = folder / "notes_fsdp"
+    after_step_1 = torch.load(notes / "stopped_last.pt", weights_only=True)
+    assert after_step_1["step"] == 1  # one step of two: the resume takes step 2 from what last.pt restores
+    assert sorted(p.name for p in notes.glob("*read_last.pt")) == ["rank0_read_last.pt"]
+    for a, b in zip(metrics_rows(out / "metrics.jsonl"), metrics_rows(fsdp / "metrics.jsonl"), strict=True):
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in a), (a, b)
+    ddp, sharded = (common.load_policy(d / "final").model.state_dict() for d in (out, fsdp))
+    assert all(torch.allclose(ddp[k], sharded[k], atol=1e-5) for k in ddp)
+    ckpt, ddp_ckpt = (torch.load(d / "last.pt", weights_only=True) for d in (fsdp, out))
+    assert all(torch.equal(ckpt["model"][k], sharded[k]) for k in sharded)  # full, not shards: the gathered weights
+    assert set(ckpt["optimizer"]["state"]) == {k for k, _ in common.load_policy(out / "final").model.named_parameters()}
+    assert ckpt["scheduler"] == ddp_ckpt["scheduler"] and ckpt["extra"] == pytest.approx(ddp_ckpt["extra"], rel=1e-6)
+    for rank in (0, 1):  # each rank holds half of the reference (one unit per block, the rest another)
+        ref = torch.load(notes / f"rank{rank}_reference.pt", weights_only=True)
+        assert ref["dtensors"] and ref["local"] == pytest.approx(ref["full"] / 2, rel=0.01)
+    # the val check after step 1, against one process generating from the step-1 weights in each rank's batch: rank 0
+    # studies 0, 2, 4, rank 1 studies 1, 3 and study 0 as padding (the same batches, so the same padding and kernels)
+    policy = common.load_policy(fsdp / "warm_start" / "final")
+    policy.model.load_state_dict(after_step_1["model"])
+    val = common.load_annotation(small_synthetic)["val"][:5]
+    expected = [None] * 5
+    for rank, share in ((0, [0, 2, 4]), (1, [1, 3, 0])):
+        studies = [[common.load_image(p) for p in val[k].image_paths] for k in share]
+        with torch.no_grad():
+            texts = policy.decode(*policy.generate(policy.prompt_batch(studies, orapo.PROMPT), 12, do_sample=False))
+        expected[rank::2] = texts[: len(expected[rank::2])]
+    rows = [json.loads(x) for x in (fsdp / "generations_val_step1.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [r.id for r in val] and [r["generated"] for r in rows] == expected
+
+
+def test_mrg_r1(launched):
+    """--prompts-per-step counts studies over all ranks: 2 per rank, 8 completions each; both ranks' test reports."""
+    folder, status = launched
+    out = folder / "mrg_r1"
+    assert status["mrg_r1"] == 0
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
+    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
+
+
+def test_deer(launched):
+    """All three stages under two processes: global batches split over the ranks, DDSampling's chunks shared.
+    (test_deer.py's test_torchrun_fsdp_equals_unsharded, slow, shards the RL stage against this unsharded run.)"""
+    folder, status = launched
+    out = folder / "deer"
+    assert status["deer"] == 0
+    assert [x["step"] for x in read_jsonl(out / "sft" / "metrics.jsonl")] == [1, 2]
+    assert len(read_jsonl(out / "ddsampling" / "metrics.jsonl")) == 1  # 2 chunks of 32 (40 studies), one per rank
+    sel = json.loads((out / "ddsampling" / "selection.json").read_text())
+    assert sel["n_pool"] == 40 and len(sel["ranked"]) == 40 and len(sel["ids"]) == 8
+    assert [x["step"] for x in read_jsonl(out / "rl_rule" / "metrics.jsonl")] == [1, 2]
+    gens = read_jsonl(out / "rl_rule" / "generations_test.jsonl")
+    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
+
+
+def test_dcrrg_equals_one_process(launched, tmp_path, small_synthetic, starting_weights, monkeypatch):
+    """Batch sizes are global and Step 2 contrasts the gathered global batch: two ranks of 4 take the steps of one
+    process with batch 8; Steps 3-4 run and gather the ranks' generations in order. Each step is compared from the same
+    weights (the one-process Step 2 starts from the two processes' Step 1), with measures rounding cannot flip:
+    - step 1's logged losses and gradient norm: the same weights and batch, float32 sums of positive terms in another
+      order and split (relative error <= n 2^-24 = 1.3e-5 for the n <= 8 x 14 x 2 terms; 1e-7 seen): rtol 1e-4. A rank
+      contrasting only its half, or a gathered batch whose gradient is not scaled by the ranks (halved), is far off;
+    - the weights after each step's run, as the total difference over the total update (update_relative_difference,
+      which explains why not element by element: Step 1's largest element difference was 4e-4 against an lr of 1e-3):
+      under 1e-3, seen 2.6e-5 (Step 1) and 6e-6 (Step 2); 0.47 when each rank contrasts only its own half.
+    Checked under ATEN_CPU_CAPABILITY=default and avx2 (no avx512 on the machine it was written on)."""
+    folder, status = launched
+    ddp = folder / "dcrrg"
+    assert status["dcrrg"] == 0
+    for name, value in DCRRG_CONSTANTS.items():
+        monkeypatch.setattr(dcrrg, name, value)
+    flags = ["--data", str(small_synthetic)] + DCRRG_FAST
+    # rank 0 alone writes
+    assert [x["step"] for x in metrics_rows(ddp / "step4" / "metrics.jsonl")] == [1, 2, 3]
+    gens = read_jsonl(ddp / "step4" / "generations_test.jsonl")
+    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
+    dcrrg.main(["step1", "--out", str(tmp_path / "one")] + flags)
+    (tmp_path / "one2" / "step1").mkdir(parents=True)  # Step 2 in one process from the two processes' Step 1
+    for f in ("model.pt", "config.json"):  # a step reads the weights and the data of the step before
+        shutil.copy(ddp / "step1" / f, tmp_path / "one2" / "step1" / f)
+    dcrrg.main(["step2", "--out", str(tmp_path / "one2")] + flags)
+    for step, one, start in (("step1", "one", 0), ("step2", "one2", 1)):
+        a, b = (metrics_rows(d / step / "metrics.jsonl")[0] for d in (ddp, tmp_path / one))
+        for k in ("loss", "grad_norm") + (("image_loss", "text_loss") if step == "step1" else ()):
+            assert a[k] == pytest.approx(b[k], rel=1e-4), (step, k, a[k], b[k])
+        states = [
+            torch.load(d / step / "model.pt", map_location="cpu", weights_only=True) for d in (ddp, tmp_path / one)
+        ]
+        assert update_relative_difference(*states, starting_weights[start]) < 1e-3, step
+
+
+def test_rrgcl_equals_one_process(launched, tmp_path, small_synthetic, starting_weights):
+    """2 ranks x 4 studies against 1 process x 8: the same studies every step and the same token-mean losses; both
+    ranks' test reports, in order. Step 1's loss (the same weights, float32 sums of positive terms in another order and
+    split: relative error <= n 2^-24 = 5e-5 for the n <= 8 x 96 tokens) within rtol 1e-4; later steps' within 1e-3 (the
+    weights then differ as below; seen 2e-7 at every step). The weights, as the total difference over the total update
+    (conftest's update_relative_difference; not element by element: Adam moves an element whose gradient is rounding
+    noise by its full lr either way): under 1e-3, seen 1e-6. Token weights that ignore the ranks (rrgcl.sft_step) halve
+    the loss.
+    Checked under ATEN_CPU_CAPABILITY=default and avx2."""
+    folder, status = launched
+    assert status["rrgcl"] == 0
+    flags = ["--data", str(small_synthetic), "--difficulty", str(folder / "dif.json"), *RRGCL_FLAGS]
+    rrgcl.main(flags + ["--out", str(tmp_path / "one")])
+    ddp, one = read_jsonl(folder / "rrgcl" / "metrics.jsonl"), read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    assert ddp[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-4)
+    np.testing.assert_allclose([x["loss"] for x in ddp], [x["loss"] for x in one], rtol=1e-3)
+    a, b = (
+        torch.load(d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]
+        for d in (folder / "rrgcl", tmp_path / "one")
+    )
+    assert update_relative_difference(a, b, starting_weights[0]) < 1e-3
+    gens = read_jsonl(folder / "rrgcl" / "generations_test.jsonl")
+    assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
