@@ -20,9 +20,8 @@ def pytest_configure(config):
 
 # Tests that launch torchrun or two JVMs (8-60 s each) go first: pytest-xdist hands tests out in collection order, so
 # the two workers then end together rather than one waiting on a long test at the end (-n 2: the suite's wall time).
-# test_distributed.py's tests share one launch: one worker runs them all (pyproject.toml's --dist loadgroup).
 LONG_FIRST = {
-    ("test_distributed.py", None),
+    ("test_distributed.py", "test_each_script_under_torchrun"),
     ("test_running.py", "test_two_nodes_through_the_c10d_rendezvous_equal_one_process"),
     ("test_running.py", "test_an_error_on_one_rank_ends_the_job_at_once"),
     ("test_metrics.py", "test_meteor_equals_pycocoevalcap"),
@@ -30,10 +29,7 @@ LONG_FIRST = {
 
 
 def pytest_collection_modifyitems(items):
-    def long(item) -> bool:
-        return (item.path.name, None) in LONG_FIRST or (item.path.name, item.originalname) in LONG_FIRST
-
-    items.sort(key=lambda item: not long(item))  # stable: the rest keep their order
+    items.sort(key=lambda item: (item.path.name, item.originalname) not in LONG_FIRST)  # stable: the rest keep order
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,6 +1,8 @@
 """Each script under torchrun with two processes (CPU, gloo), against one process where the steps must agree: all the
-runs in one launch (tests/torchrun_cases.py), made once for this module, then a test per script reads its folders.
-(Two "nodes" through the c10d rendezvous, and an error on one rank, are launches of their own in test_running.py.)"""
+runs in one launch (tests/torchrun_cases.py), then a check per script reads its folders. One test: under pytest-xdist
+one worker makes the launch (xdist's --dist loadgroup, which would keep several tests on one worker, leaves them
+apart with pytest 9). (Two "nodes" through the c10d rendezvous, and an error on one rank, are launches of their own
+in test_running.py.)"""
 
 import json
 import shutil
@@ -14,8 +16,6 @@ import dcrrg
 import orapo
 import rrgcl
 from conftest import ROOT, metrics_rows, torchrun_cases, update_relative_difference
-
-pytestmark = pytest.mark.xdist_group("torchrun")  # one pytest-xdist worker makes the launch and runs these tests
 
 # orapo.main under torchrun with the warm start shortened (as `fast`), a checkpoint every step and, with STOP=k, Ctrl-C
 # right after RL's step-k checkpoint (not the warm start stage's; rank 0 keeps a copy of that last.pt as
@@ -72,11 +72,9 @@ RRGCL_MEASURE = dict(
 RRGCL_FLAGS = ["--epochs", "1", "--batch-size", "8", "--steps", "6"]
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory, small_synthetic):
-    """Every script's two-process run in one launch: a folder per run under the returned folder, and each run's exit
-    status (`status`, the same on both ranks)."""
-    folder = tmp_path_factory.mktemp("torchrun")
+def launch(folder, small_synthetic) -> dict:
+    """Every script's two-process run in one launch: a folder per run under `folder`; each run's exit status (the same
+    on both ranks)."""
     data = ["--data", str(small_synthetic)]
     with pytest.MonkeyPatch.context() as mp:  # RRGCL's difficulty file, measured here in one process
         for name, value in RRGCL_MEASURE.items():
@@ -90,41 +88,51 @@ def launched(tmp_path_factory, small_synthetic):
     )
     for notes in ("notes_ddp", "notes_fsdp"):
         (folder / notes).mkdir()
-    orapo_script, fsdp = str(folder / "orapo_under_torchrun.py"), ["--out", str(folder / "orapo_fsdp"), "--fsdp"]
+    orapo, fsdp = folder / "orapo_under_torchrun.py", ["--out", folder / "orapo_fsdp", "--fsdp"]
+    mrg_r1 = ["--steps", "2", "--sft-steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "8"]
+    deer = ["--max-new-tokens", "8", "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "2"]
     cases = [
-        ("orapo", orapo_script, [str(folder / "notes_ddp"), *data, *ORAPO_FLAGS, "--out", str(folder / "orapo")]),
-        ("orapo_fsdp_stopped", orapo_script, [str(folder / "notes_fsdp"), *data, *ORAPO_FLAGS, *fsdp], {"STOP": "1"}),
-        ("orapo_fsdp_resumed", orapo_script, [str(folder / "notes_fsdp"), *data, *ORAPO_FLAGS, *fsdp, "--resume"]),
-        (
-            "mrg_r1",
-            str(ROOT / "mrg_r1.py"),
-            [*data, "--steps", "2", "--sft-steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "8"]
-            + ["--out", str(folder / "mrg_r1")],
-        ),
-        (
-            "deer",
-            str(ROOT / "deer.py"),
-            ["all", *data, "--out", str(folder / "deer"), "--max-new-tokens", "8", "--sft-steps", "2"]
-            + ["--steps", "2", "--prompts-per-step", "2"],
-        ),
-        ("dcrrg", str(folder / "dcrrg_fast.py"), ["all", "--out", str(folder / "dcrrg"), *data, *DCRRG_FAST]),
-        (
+        case("orapo", orapo, folder / "notes_ddp", *data, *ORAPO_FLAGS, "--out", folder / "orapo"),
+        case("orapo_fsdp_stopped", orapo, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, STOP="1"),
+        case("orapo_fsdp_resumed", orapo, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, "--resume"),
+        case("mrg_r1", ROOT / "mrg_r1.py", *data, *mrg_r1, "--out", folder / "mrg_r1"),
+        case("deer", ROOT / "deer.py", "all", *data, *deer, "--out", folder / "deer"),
+        case("dcrrg", folder / "dcrrg_fast.py", "all", *data, *DCRRG_FAST, "--out", folder / "dcrrg"),
+        case(
             "rrgcl",
-            str(ROOT / "rrgcl.py"),
-            [*data, "--difficulty", str(folder / "dif.json"), *RRGCL_FLAGS, "--out", str(folder / "rrgcl")],
+            ROOT / "rrgcl.py",
+            *data,
+            "--difficulty",
+            folder / "dif.json",
+            *RRGCL_FLAGS,
+            "--out",
+            folder / "rrgcl",
         ),
     ]
-    status = torchrun_cases(
-        folder, [dict(name=c[0], script=c[1], argv=c[2], env=c[3] if len(c) > 3 else {}) for c in cases]
-    )
-    return folder, status
+    return torchrun_cases(folder, cases)
+
+
+def case(name: str, script, *argv, **env) -> dict:
+    return dict(name=name, script=str(script), argv=[str(a) for a in argv], env=env)
+
+
+def test_each_script_under_torchrun(tmp_path, small_synthetic, starting_weights, monkeypatch):
+    status = launch(tmp_path, small_synthetic)
+    assert status == dict(orapo=0, orapo_fsdp_stopped=130, orapo_fsdp_resumed=0, mrg_r1=0, deer=0, dcrrg=0, rrgcl=0)
+    orapo_two_processes_and_fsdp(tmp_path, small_synthetic)
+    mrg_r1_two_processes(tmp_path)
+    deer_two_processes(tmp_path)
+    starting_weights.clear()  # each check's one-process runs: the weights their steps start from, in order
+    dcrrg_equals_one_process(tmp_path, small_synthetic, starting_weights, monkeypatch)
+    starting_weights.clear()
+    rrgcl_equals_one_process(tmp_path, small_synthetic, starting_weights)
 
 
 def read_jsonl(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_orapo(launched, small_synthetic):
+def orapo_two_processes_and_fsdp(folder, small_synthetic):
     """Two processes, then the same with --fsdp, stopped after step 1 and resumed. Sharded and unsharded runs compute
     each rank's gradient alike and average two ranks' gradients exactly either way ((a + b) / 2 = a / 2 + b / 2 in
     floats), so they differ only where a sum runs in another order: the gradient norm (over shards, then ranks; torch's
@@ -135,9 +143,7 @@ def test_orapo(launched, small_synthetic):
     read by rank 0 alone; the reference is sharded (each rank holds half of it) and scores as the unsharded one (KL
     and DPO in the metrics); the evaluation of 5 val studies (3 on rank 0, 2 and one padding on rank 1) writes what
     one process generates from the same weights."""
-    folder, status = launched
     out, fsdp = folder / "orapo", folder / "orapo_fsdp"
-    assert status["orapo"] == 0 and status["orapo_fsdp_stopped"] == 130 and status["orapo_fsdp_resumed"] == 0
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     last = torch.load(out / "last.pt", weights_only=True)
     assert len(last["extra"]) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
@@ -179,22 +185,18 @@ def test_orapo(launched, small_synthetic):
     assert [r["id"] for r in rows] == [r.id for r in val] and [r["generated"] for r in rows] == expected
 
 
-def test_mrg_r1(launched):
+def mrg_r1_two_processes(folder):
     """--prompts-per-step counts studies over all ranks: 2 per rank, 8 completions each; both ranks' test reports."""
-    folder, status = launched
     out = folder / "mrg_r1"
-    assert status["mrg_r1"] == 0
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
 
 
-def test_deer(launched):
+def deer_two_processes(folder):
     """All three stages under two processes: global batches split over the ranks, DDSampling's chunks shared.
     (test_deer.py's test_torchrun_fsdp_equals_unsharded, slow, shards the RL stage against this unsharded run.)"""
-    folder, status = launched
     out = folder / "deer"
-    assert status["deer"] == 0
     assert [x["step"] for x in read_jsonl(out / "sft" / "metrics.jsonl")] == [1, 2]
     assert len(read_jsonl(out / "ddsampling" / "metrics.jsonl")) == 1  # 2 chunks of 32 (40 studies), one per rank
     sel = json.loads((out / "ddsampling" / "selection.json").read_text())
@@ -204,7 +206,7 @@ def test_deer(launched):
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
 
 
-def test_dcrrg_equals_one_process(launched, tmp_path, small_synthetic, starting_weights, monkeypatch):
+def dcrrg_equals_one_process(folder, small_synthetic, starting_weights, monkeypatch):
     """Batch sizes are global and Step 2 contrasts the gathered global batch: two ranks of 4 take the steps of one
     process with batch 8; Steps 3-4 run and gather the ranks' generations in order. Each step is compared from the same
     weights (the one-process Step 2 starts from the two processes' Step 1), with measures rounding cannot flip:
@@ -215,9 +217,7 @@ def test_dcrrg_equals_one_process(launched, tmp_path, small_synthetic, starting_
       which explains why not element by element: Step 1's largest element difference was 4e-4 against an lr of 1e-3):
       under 1e-3, seen 2.6e-5 (Step 1) and 6e-6 (Step 2); 0.47 when each rank contrasts only its own half.
     Checked under ATEN_CPU_CAPABILITY=default and avx2 (no avx512 on the machine it was written on)."""
-    folder, status = launched
     ddp = folder / "dcrrg"
-    assert status["dcrrg"] == 0
     for name, value in DCRRG_CONSTANTS.items():
         monkeypatch.setattr(dcrrg, name, value)
     flags = ["--data", str(small_synthetic)] + DCRRG_FAST
@@ -225,22 +225,20 @@ def test_dcrrg_equals_one_process(launched, tmp_path, small_synthetic, starting_
     assert [x["step"] for x in metrics_rows(ddp / "step4" / "metrics.jsonl")] == [1, 2, 3]
     gens = read_jsonl(ddp / "step4" / "generations_test.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
-    dcrrg.main(["step1", "--out", str(tmp_path / "one")] + flags)
-    (tmp_path / "one2" / "step1").mkdir(parents=True)  # Step 2 in one process from the two processes' Step 1
+    dcrrg.main(["step1", "--out", str(folder / "dcrrg_one")] + flags)
+    (folder / "dcrrg_one2" / "step1").mkdir(parents=True)  # Step 2 in one process from the two processes' Step 1
     for f in ("model.pt", "config.json"):  # a step reads the weights and the data of the step before
-        shutil.copy(ddp / "step1" / f, tmp_path / "one2" / "step1" / f)
-    dcrrg.main(["step2", "--out", str(tmp_path / "one2")] + flags)
-    for step, one, start in (("step1", "one", 0), ("step2", "one2", 1)):
-        a, b = (metrics_rows(d / step / "metrics.jsonl")[0] for d in (ddp, tmp_path / one))
+        shutil.copy(ddp / "step1" / f, folder / "dcrrg_one2" / "step1" / f)
+    dcrrg.main(["step2", "--out", str(folder / "dcrrg_one2")] + flags)
+    for step, one, start in (("step1", "dcrrg_one", 0), ("step2", "dcrrg_one2", 1)):
+        a, b = (metrics_rows(d / step / "metrics.jsonl")[0] for d in (ddp, folder / one))
         for k in ("loss", "grad_norm") + (("image_loss", "text_loss") if step == "step1" else ()):
             assert a[k] == pytest.approx(b[k], rel=1e-4), (step, k, a[k], b[k])
-        states = [
-            torch.load(d / step / "model.pt", map_location="cpu", weights_only=True) for d in (ddp, tmp_path / one)
-        ]
+        states = [torch.load(d / step / "model.pt", map_location="cpu", weights_only=True) for d in (ddp, folder / one)]
         assert update_relative_difference(*states, starting_weights[start]) < 1e-3, step
 
 
-def test_rrgcl_equals_one_process(launched, tmp_path, small_synthetic, starting_weights):
+def rrgcl_equals_one_process(folder, small_synthetic, starting_weights):
     """2 ranks x 4 studies against 1 process x 8: the same studies every step and the same token-mean losses; both
     ranks' test reports, in order. Step 1's loss (the same weights, float32 sums of positive terms in another order and
     split: relative error <= n 2^-24 = 5e-5 for the n <= 8 x 96 tokens) within rtol 1e-4; later steps' within 1e-3 (the
@@ -249,16 +247,14 @@ def test_rrgcl_equals_one_process(launched, tmp_path, small_synthetic, starting_
     noise by its full lr either way): under 1e-3, seen 1e-6. Token weights that ignore the ranks (rrgcl.sft_step) halve
     the loss.
     Checked under ATEN_CPU_CAPABILITY=default and avx2."""
-    folder, status = launched
-    assert status["rrgcl"] == 0
     flags = ["--data", str(small_synthetic), "--difficulty", str(folder / "dif.json"), *RRGCL_FLAGS]
-    rrgcl.main(flags + ["--out", str(tmp_path / "one")])
-    ddp, one = read_jsonl(folder / "rrgcl" / "metrics.jsonl"), read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    rrgcl.main(flags + ["--out", str(folder / "rrgcl_one")])
+    ddp, one = read_jsonl(folder / "rrgcl" / "metrics.jsonl"), read_jsonl(folder / "rrgcl_one" / "metrics.jsonl")
     assert ddp[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-4)
     np.testing.assert_allclose([x["loss"] for x in ddp], [x["loss"] for x in one], rtol=1e-3)
     a, b = (
         torch.load(d / "final" / "tiny_policy.pt", weights_only=True)["state_dict"]
-        for d in (folder / "rrgcl", tmp_path / "one")
+        for d in (folder / "rrgcl", folder / "rrgcl_one")
     )
     assert update_relative_difference(a, b, starting_weights[0]) < 1e-3
     gens = read_jsonl(folder / "rrgcl" / "generations_test.jsonl")
