@@ -1094,9 +1094,11 @@ def machines(runs: dict, seeds: list) -> list[str]:
     head = f"CPU-minutes per seed: {cpu:.0f}. "
     if len(kinds) == 1:
         return [head + f"Every run: {kinds[0]}."]
-    return [head + "Runs differ by machine, versions or commit:"] + [
-        f"- seed {s}: {'; '.join(by_seed[s])}" for s in seeds
-    ]
+    groups: dict[tuple, list] = {}  # the seeds that share their runs' machines, versions, pins and commit
+    for s in seeds:
+        groups.setdefault(tuple(by_seed[s]), []).append(s)
+    lines = [f"- {f'seeds {span(g)}' if len(g) > 1 else f'seed {g[0]}'}: {'; '.join(k)}" for k, g in groups.items()]
+    return [head + "Runs differ by machine, versions or commit:", *lines]
 
 
 def results_of(data: dict) -> dict:

@@ -891,3 +891,24 @@ def test_every_confirmatory_run_ran_after_the_declaration_and_its_rule_is_unchan
     ]
     record["commit"] = git("rev-parse", "--short=12", "HEAD").stdout.strip() + "+changes"
     assert provenance_errors(planted, reproduce.DECLARED_AT)[0].endswith("uncommitted changes at " + record["commit"])
+
+
+def test_machines_line_groups_the_seeds_that_ran_alike():
+    """One line when every run matches; else a line per kind with the seeds that ran it (a seed whose runs differ in
+    commit, a resumed run, shows both)."""
+
+    def run(cpu, commit, cpu_s=60.0):
+        machine = dict(cpu=cpu, cpu_capability="AVX2", torch="2.0", python="3.11")
+        return dict(machine=machine, pins={"OMP_NUM_THREADS": "1"}, commit=commit, cpu_s=cpu_s)
+
+    runs = {str(s): {"a": [run("AMD", "c1")], "b": [run("AMD", "c1")]} for s in (600, 601, 602)}
+    kind = "(AVX2 kernels), torch 2.0, Python 3.11; pins OMP_NUM_THREADS=1; commit"
+    assert reproduce.machines(runs, [600, 601, 602]) == [f"CPU-minutes per seed: 2. Every run: AMD {kind} c1."]
+    runs |= {str(s): {"a": [run("Intel", "c0")], "b": [run("Intel", "c0")]} for s in (400, 401)}
+    runs["602"]["b"].append(run("AMD", "c2"))  # resumed at another commit
+    lines = reproduce.machines(runs, [600, 601, 602, 400, 401])
+    assert lines[1:] == [
+        f"- seeds 600-601: AMD {kind} c1",
+        f"- seed 602: AMD {kind} c1; AMD {kind} c2",
+        f"- seeds 400-401: Intel {kind} c0",
+    ]
