@@ -118,23 +118,24 @@ def test_class_mapping(vocab_file):
     assert np.isnan(lab(["No pneumothorax."])[0, 13])  # No Finding: class 0 is blank
 
 
-def test_importing_f1chexbert_keeps_warnings_on():
-    # f1chexbert's module calls warnings.filterwarnings("ignore") on import; we must not let it
-    # silence the user's warnings (a fresh process: pytest resets filters around each test)
-    import subprocess
+def test_importing_f1chexbert_keeps_warnings_on(monkeypatch):
+    """f1chexbert's module calls warnings.filterwarnings("ignore") on import; common.chexbert_model must not let it
+    silence the user's warnings. Imported afresh here (its modules out of sys.modules for this test, put back after)."""
     import sys
+    import warnings
 
-    code = (
-        "import warnings, common; from transformers import BertConfig; "
-        "common.chexbert_model(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, "
-        "num_attention_heads=1, intermediate_size=8)); "
-        "print(any(f[0] == 'ignore' and f[1] is None and f[2] is Warning and f[3] is None for f in warnings.filters))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=common.__file__.rsplit("/", 1)[0], check=True
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False"  # no catch-all "ignore" filter was left behind
+    from transformers import BertConfig
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "f1chexbert"]:
+        monkeypatch.delitem(sys.modules, name)
+    config = BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)
+    with warnings.catch_warnings():  # pytest's own filters come back after the test
+        common.chexbert_model(config)
+        assert "f1chexbert.f1chexbert" in sys.modules  # imported again, by chexbert_model
+        catch_all = [
+            f for f in warnings.filters if f[0] == "ignore" and f[1] is None and f[2] is Warning and f[3] is None
+        ]
+    assert catch_all == []  # no catch-all "ignore" filter was left behind
 
 
 def test_layout_matches_f1chexbert_bert_labeler(vocab_file, tmp_path):
