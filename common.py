@@ -504,17 +504,14 @@ class HFPolicy(Policy):
             self.processor = AutoProcessor.from_pretrained(name_or_path)
         except OSError as e:  # no such folder, hub id or cached download
             raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
-        if (
-            max_pixels
-        ):  # set on the loaded processor: the hub's top-level min/max_pixels win over from_pretrained's size=
+        # set on the loaded processor: the hub's top-level min/max_pixels win over from_pretrained's size=
+        if max_pixels:
             bounds = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
             self.processor.image_processor.size = bounds  # a 2544 x 3056 view: 320 tokens at 512^2, not 9,919
         self.tokenizer = self.processor.tokenizer
         self.tokenizer.padding_side = "left"  # prompts end where generation starts
         load = dict(dtype=dtype)
-        if self.device.type == "cuda" and importlib.util.find_spec(
-            "accelerate"
-        ):  # onto this rank's GPU, not host first
+        if self.device.type == "cuda" and importlib.util.find_spec("accelerate"):  # onto this GPU, not host first
             load["device_map"] = self.device
         self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, **load).to(self.device)
         self.forward_module = self.model
