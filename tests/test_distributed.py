@@ -1,8 +1,9 @@
-"""Each script under torchrun with two processes (CPU, gloo), against one process where the steps must agree: all the
-runs in one launch (tests/torchrun_cases.py), then a check per script reads its folders. One test: under pytest-xdist
-one worker makes the launch (xdist's --dist loadgroup, which would keep several tests on one worker, leaves them
-apart with pytest 9). (Two "nodes" through the c10d rendezvous, and an error on one rank, are launches of their own
-in test_running.py.)"""
+"""Each script under torchrun with two processes (CPU, gloo), checked against one process where their steps must
+agree. The seven runs share one launch (tests/torchrun_cases.py runs them in turn in each worker), so the suite pays
+the workers' imports once; one test then checks each script's folders in turn. One test, not one per script:
+pytest-xdist would hand separate tests to both of its workers, and each would launch (its --dist loadgroup, meant to
+keep marked tests together, leaves them apart under pytest 9.2). Two "nodes" through the c10d rendezvous, and an
+error on one rank, are launches of their own (test_running.py)."""
 
 import json
 import shutil
