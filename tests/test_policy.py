@@ -161,11 +161,10 @@ def test_rollout_records_rewards_owners_and_logprobs(policy):
     assert seen["owners"] == [0, 0, 0, 1, 1, 1]
     assert r.rewards.tolist() == [float(len(t)) for t in r.texts]
     assert r.texts == policy.decode(r.completion_ids, r.completion_mask)
-    with torch.no_grad():  # the frozen copy equals the policy before any update
-        torch.testing.assert_close(
-            common.reference_logprobs(ref, r),
-            policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask),
-        )
+    ref_logp = common.reference_logprobs(ref, r)  # the copy's weights still require gradients: no graph all the same
+    assert not ref_logp.requires_grad  # (a graph per reference pass holds a second model's activations)
+    with torch.no_grad():  # the copy equals the policy before any update
+        torch.testing.assert_close(ref_logp, policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask))
     assert common.reference_logprobs(None, r) is None
 
 
