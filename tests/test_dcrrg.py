@@ -594,13 +594,14 @@ FAST = ["--step1-steps", "4", "--step2-steps", "2", "--step3-steps", "3", "--ste
 FAST += ["--batch-size", "8", "--decoder-batch-size", "4"]
 
 
+FAST_CONSTANTS = dict(MAX_REPORT_TOKENS=12, MAX_DESCRIPTION_TOKENS=8, RETRIEVAL_PER_CLASS=2, DROPOUT=0.0)
+
+
 @pytest.fixture
 def fast(monkeypatch):
     """Short texts, no dropout (so a step can be recomputed), checkpoints every 2 steps."""
-    monkeypatch.setattr(dcrrg, "MAX_REPORT_TOKENS", 12)
-    monkeypatch.setattr(dcrrg, "MAX_DESCRIPTION_TOKENS", 8)
-    monkeypatch.setattr(dcrrg, "RETRIEVAL_PER_CLASS", 2)
-    monkeypatch.setattr(dcrrg, "DROPOUT", 0.0)
+    for name, value in FAST_CONSTANTS.items():
+        monkeypatch.setattr(dcrrg, name, value)
     monkeypatch.setattr(common, "CHECKPOINT_EVERY", 2)
 
 

@@ -17,6 +17,9 @@ import dcrrg
 import orapo
 import rrgcl
 from conftest import ROOT, metrics_rows, torchrun_cases, update_relative_difference
+from test_dcrrg import FAST as DCRRG_FAST
+from test_dcrrg import FAST_CONSTANTS as DCRRG_CONSTANTS
+from test_rrgcl import FAST_MEASURE as RRGCL_MEASURE
 
 # orapo.main under torchrun with the warm start shortened (as `fast`), a checkpoint every step and, with STOP=k, Ctrl-C
 # right after RL's step-k checkpoint (not the warm start stage's; rank 0 keeps a copy of that last.pt as
@@ -59,17 +62,8 @@ orapo.main()
 ORAPO_FLAGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12"]
 ORAPO_FLAGS += ["--sft-steps", "2"]
 
-# DCRRG's steps shortened as test_dcrrg.py's FAST and `fast` (short texts, no dropout: a step can be recomputed)
-DCRRG_FAST = ["--step1-steps", "4", "--step2-steps", "2", "--step3-steps", "3", "--step4-steps", "3"]
-DCRRG_FAST += ["--batch-size", "8", "--decoder-batch-size", "4"]
-DCRRG_CONSTANTS = dict(MAX_REPORT_TOKENS=12, MAX_DESCRIPTION_TOKENS=8, DROPOUT=0.0)
-
-# RRGCL's measurement shortened as test_rrgcl.py's fast_measure; training one epoch of 6 steps
-RRGCL_MEASURE = dict(
-    ENCODER_CONVERGE=dict(rrgcl.ENCODER_CONVERGE, max_steps=1),
-    MINE=dict(batch_size=16, lr=1e-3, held_out=0.2, shuffles=2),
-    MINE_CONVERGE=dict(every=20, patience=10**6, min_gain=0.0, max_steps=40),
-)
+# DCRRG's steps and texts shortened as test_dcrrg.py's FAST and `fast` (no dropout: a step can be recomputed); RRGCL's
+# measurement as test_rrgcl.py's fast_measure, its training one epoch of 6 steps
 RRGCL_FLAGS = ["--epochs", "1", "--batch-size", "8", "--steps", "6"]
 
 
@@ -89,15 +83,15 @@ def launch(folder, small_synthetic) -> dict:
     )
     for notes in ("notes_ddp", "notes_fsdp"):
         (folder / notes).mkdir()
-    orapo, fsdp = folder / "orapo_under_torchrun.py", ["--out", folder / "orapo_fsdp", "--fsdp"]
-    mrg_r1 = ["--steps", "2", "--sft-steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "8"]
-    deer = ["--max-new-tokens", "8", "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "2"]
+    orapo_script, fsdp = folder / "orapo_under_torchrun.py", ["--out", folder / "orapo_fsdp", "--fsdp"]
+    mrg_r1_flags = ["--steps", "2", "--sft-steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "8"]
+    deer_flags = ["--max-new-tokens", "8", "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "2"]
     cases = [
-        case("orapo", orapo, folder / "notes_ddp", *data, *ORAPO_FLAGS, "--out", folder / "orapo"),
-        case("orapo_fsdp_stopped", orapo, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, STOP="1"),
-        case("orapo_fsdp_resumed", orapo, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, "--resume"),
-        case("mrg_r1", ROOT / "mrg_r1.py", *data, *mrg_r1, "--out", folder / "mrg_r1"),
-        case("deer", ROOT / "deer.py", "all", *data, *deer, "--out", folder / "deer"),
+        case("orapo", orapo_script, folder / "notes_ddp", *data, *ORAPO_FLAGS, "--out", folder / "orapo"),
+        case("orapo_fsdp_stopped", orapo_script, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, STOP="1"),
+        case("orapo_fsdp_resumed", orapo_script, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, "--resume"),
+        case("mrg_r1", ROOT / "mrg_r1.py", *data, *mrg_r1_flags, "--out", folder / "mrg_r1"),
+        case("deer", ROOT / "deer.py", "all", *data, *deer_flags, "--out", folder / "deer"),
         case("dcrrg", folder / "dcrrg_fast.py", "all", *data, *DCRRG_FAST, "--out", folder / "dcrrg"),
         case(
             "rrgcl",
@@ -145,12 +139,12 @@ def orapo_two_processes_and_fsdp(folder, small_synthetic):
     and DPO in the metrics); the evaluation of 5 val studies (3 on rank 0, 2 and one padding on rank 1) writes what
     one process generates from the same weights."""
     out, fsdp = folder / "orapo", folder / "orapo_fsdp"
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [x["step"] for x in read_jsonl(out / "metrics.jsonl")] == [1, 2]
     last = torch.load(out / "last.pt", weights_only=True)
     assert len(last["extra"]) == 2 * 4 + 1  # 2 steps x 4 studies (2 per rank): both ranks' prompts in one state
     torch_rng = [state["torch"] for state in last["rng"]]  # each rank's, seeded with seed + rank: apart
     assert len(torch_rng) == 2 and not torch.equal(*torch_rng)
-    gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
+    gens = read_jsonl(out / "generations_test_after.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
     assert not list((folder / "notes_ddp").glob("*read_last.pt"))
     # FSDP2: the same two processes with the policy and reference sharded take the same steps (each rank samples
@@ -182,15 +176,15 @@ def orapo_two_processes_and_fsdp(folder, small_synthetic):
         with torch.no_grad():
             texts = policy.decode(*policy.generate(policy.prompt_batch(studies, orapo.PROMPT), 12, do_sample=False))
         expected[rank::2] = texts[: len(expected[rank::2])]
-    rows = [json.loads(x) for x in (fsdp / "generations_val_step1.jsonl").read_text().splitlines()]
+    rows = read_jsonl(fsdp / "generations_val_step1.jsonl")
     assert [r["id"] for r in rows] == [r.id for r in val] and [r["generated"] for r in rows] == expected
 
 
 def mrg_r1_two_processes(folder):
     """--prompts-per-step counts studies over all ranks: 2 per rank, 8 completions each; both ranks' test reports."""
     out = folder / "mrg_r1"
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    gens = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    gens = read_jsonl(out / "generations_test_after.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
 
 

@@ -432,12 +432,18 @@ def test_the_measurer_and_q1_read_findings_and_impression():
 
 
 # End to end -----------------------------------------------------------------------------------------------
+FAST_MEASURE = dict(
+    ENCODER_CONVERGE=dict(rrgcl.ENCODER_CONVERGE, max_steps=1),
+    MINE=dict(batch_size=16, lr=1e-3, held_out=0.2, shuffles=2),
+    MINE_CONVERGE=dict(every=20, patience=10**6, min_gain=0.0, max_steps=40),
+)
+
+
 @pytest.fixture(scope="module")
 def fast_measure():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rrgcl, "ENCODER_CONVERGE", dict(rrgcl.ENCODER_CONVERGE, max_steps=1))
-        mp.setattr(rrgcl, "MINE", dict(batch_size=16, lr=1e-3, held_out=0.2, shuffles=2))
-        mp.setattr(rrgcl, "MINE_CONVERGE", dict(every=20, patience=10**6, min_gain=0.0, max_steps=40))
+        for name, value in FAST_MEASURE.items():
+            mp.setattr(rrgcl, name, value)
         yield
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import runpy
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import orapo
 import rrgcl
 
 PATCHABLE_MODULES = (torch, common, dcrrg, deer, mrg_r1, orapo, rrgcl)
+end_process = common.end_process  # the real one: a case's end is end_case below
 
 
 class CaseEnded(Exception):
@@ -66,10 +68,10 @@ def restore(saved: list):
     for obj, before in saved:
         now = vars(obj)
         for name in set(now) - set(before):
-            if not isinstance(now[name], type(os)):  # a submodule imported meanwhile stays its package's attribute
+            if not isinstance(now[name], types.ModuleType):  # a submodule imported meanwhile stays
                 delattr(obj, name)
         for name, value in before.items():
-            if now.get(name, restore) is not value:
+            if name not in now or now[name] is not value:
                 setattr(obj, name, value)
 
 
@@ -88,8 +90,6 @@ def run_case(case: dict) -> int:
         os.environ.update(environ)
         sys.argv = argv
 
-
-end_process = common.end_process
 
 if __name__ == "__main__":
     cases_file = Path(sys.argv[1])
