@@ -330,8 +330,7 @@ def train(args: Args) -> dict:
             d_sub = rrgcl_subset(plan["class_orders"], lam)
         else:
             d_sub = epoch_subset(args.scheduler, t, T, plan)
-        first = int(ends[e - 1]) if e else 0  # the epoch's steps: first..end - 1
-        end = int(ends[e])
+        first, end = (int(ends[e - 1]) if e else 0), int(ends[e])  # the epoch's steps: first..end - 1
         if max(start, first) >= end or (rule and rule.converged and t > T):
             continue  # trained before --resume, or no step of --steps falls in this epoch
         batches = epoch_batches(run, d_sub, first, end, e)  # line 11: train G on D_sub(t)

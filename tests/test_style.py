@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # each loop, OraPO's DPO loss, the warm start's call). common.py's 2,300 (issue 61) is not met: 2,510 holds what issue
 # 59 added (DDP, FSDP2 gathered once, micro-batches, the reference, --report-to, every run's figure) with today's parser
 # (kept: its one-line errors); the difference is to cut, not to keep
-BUDGETS = {"common.py": 2510, "tests/sandbox.py": 900, "dcrrg.py": 850, "deer.py": 655, "rrgcl.py": 621}
+BUDGETS = {"common.py": 2510, "tests/sandbox.py": 900, "dcrrg.py": 850, "deer.py": 655, "rrgcl.py": 620}
 BUDGETS |= {"orapo.py": 580, "mrg_r1.py": 365}
 
 
