@@ -4,6 +4,7 @@
     python tests/reproduce.py NAME --report            # run nothing: NAME's section of tests/RESULTS.md
     python tests/reproduce.py NAME --report --write    # ...and every table's blocks into README.md, tests/RESULTS.md
     python tests/reproduce.py NAME --seeds 408-411     # more seeds: an extension, with its own verdicts
+    python tests/reproduce.py NAME --seeds 800-803     # the replication seeds (declared below)
     python tests/reproduce.py NAME --dry-run           # the command lines still to run, nothing run
     python tests/reproduce.py NAME --recheck 400 --out runs/recheck   # one seed again, against its committed row
     python tests/reproduce.py references               # every table's blind and ceiling rows -> results/references.json
@@ -1200,9 +1201,9 @@ def summary(datas: dict, refs: dict) -> list[str]:
 
 
 def series(seed: int) -> list[int]:
-    """The seeds a seed was declared with (the confirmatory or the exploratory ones); an extension's are the
+    """The seeds a seed was declared with (the confirmatory, replication or exploratory ones); an extension's are the
     confirmatory ones (RRGCL compares each seed's measurement with the first of its series)."""
-    return EXPLORATORY if seed in EXPLORATORY else CONFIRMATORY
+    return EXPLORATORY if seed in EXPLORATORY else REPLICATION if seed in REPLICATION else CONFIRMATORY
 
 
 def sweep_jobs(exp: Experiment, seeds: list[int]) -> list[Job]:
@@ -1386,6 +1387,50 @@ TABLE4_KEY = {
 # 400-407 ran (kept, so that no primary is chosen after seeing results).
 CONFIRMATORY = list(range(600, 608))
 EXPLORATORY = list(range(400, 408))
+
+# --- the replication: declared before any run on seeds 800-803 --------------------------------------------------------
+# Four fresh seeds, 800-803, re-test every claim-column whose word on the confirmatory seeds 600-607 is "reproduced" or
+# "reversed" (the primary at 5 %, a secondary after Holm, as the rule above reads them). The same arms and commands, the
+# tables that have such a column (all but RRGCL's today), paired by seed. On 800-803 a column reads
+#   replicated       a - b lies on the side 600-607 read (above 0 for reproduced a > b, below for reversed a > b, and
+#                    mirrored for a < b) by the one-sided paired t-test at 5 % on the four seeds (3 df: t > 2.353)
+#   not replicated   otherwise (the one-sided p is 0.05 or more, or a number is missing)
+# No adjustment across columns: each replication tests the one direction its confirmatory word already stated. Never
+# pooled with 600-607, and the word on 600-607 stands as judged; the replication word is printed beside it. The power
+# of four seeds (a design figure, no verdict): the chance that this one-sided test reads "replicated" if the true a - b
+# were the 600-607 mean with the 600-607 sd, the noncentral t at delta = sqrt(4) |mean| / sd (replication_power). At
+# delta 3.30 (|mean| 1.65 sd) the power is 80 %; at |mean| 1.0 sd about 46 %: a column whose 600-607 mean is small
+# against its sd may well read "not replicated" by chance alone. 400-407 and any extension are never replications.
+REPLICATION = list(range(800, 804))
+REPLICATES = (REPRODUCED, REVERSED)  # the confirmatory words a replication re-tests
+REPLICATED, NOT_REPLICATED = "replicated", "not replicated"
+# what this declaration fixes (a test checks them unchanged since the commit that declared them, as RULE's)
+REPLICATION_RULE = ("REPLICATION", "REPLICATES", "replication_side", "replication_word", "replication_power")
+
+
+def replication_side(row_mean: float) -> int:
+    """The direction 600-607 read (+1: a > b, -1: a < b), the side the replication's one-sided test takes."""
+    return 1 if row_mean > 0 else -1
+
+
+def replication_word(confirmatory: dict, replication: dict) -> tuple[str, float]:
+    """(word, one-sided p) of one claim-column on the replication seeds: `confirmatory` and `replication` are paired()
+    of a - b on 600-607 and on 800-803 (the column read reproduced or reversed on 600-607)."""
+    q = t_test(replication, 0.0, replication_side(confirmatory["mean"]))
+    return (REPLICATED if q < ALPHA else NOT_REPLICATED), q
+
+
+def replication_power(confirmatory: dict, n: int = len(REPLICATION)) -> float:
+    """P(replicated) on n seeds if the true a - b had the 600-607 mean and sd: the one-sided t-test's power at the
+    noncentrality sqrt(n) |mean| / sd (3 df for four seeds)."""
+    from scipy.stats import nct
+
+    sd = confirmatory["se"] * math.sqrt(confirmatory["n"])
+    if not sd > 0:
+        return 1.0 if confirmatory["mean"] else math.nan
+    return float(nct.sf(t_quantile(1 - ALPHA, n), n - 1, math.sqrt(n) * abs(confirmatory["mean"]) / sd))
+
+
 CE_MICRO = ["CE micro precision", "CE micro recall", "CE micro F1"]
 ALL_UP = dict.fromkeys(CE_MICRO, 1)
 MRG_R1_TABLE_II = {  # Table II as printed: CE precision, recall, F1 (%) on IU X-Ray, then on MIMIC-CXR
