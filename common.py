@@ -496,7 +496,11 @@ class HFPolicy(Policy):
     ROW_KEY = "input_ids"
     MAX_TARGET_TOKENS = 512  # of an SFT / DPO target, EOS included
 
-    def __init__(self, name_or_path, device="cpu", dtype=torch.float32, gradient_checkpointing=False, max_pixels=None):
+    def __init__(
+        self, name_or_path, device="cpu", dtype=torch.float32, gradient_checkpointing=False, max_pixels=None, host=False
+    ):
+        """host: the weights stay in host memory (--fsdp: shard() moves each rank's part to its GPU, block by block);
+        else onto `device` (through host memory unless accelerate is installed: transformers' device_map needs it)."""
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
         self.device, self.dtype = torch.device(device), dtype
@@ -510,10 +514,10 @@ class HFPolicy(Policy):
             self.processor.image_processor.size = bounds  # a 2544 x 3056 view: 320 tokens at 512^2, not 9,919
         self.tokenizer = self.processor.tokenizer
         self.tokenizer.padding_side = "left"  # prompts end where generation starts
-        load = dict(dtype=dtype)
-        if self.device.type == "cuda" and importlib.util.find_spec("accelerate"):  # onto this GPU, not host first
-            load["device_map"] = self.device
-        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, **load).to(self.device)
+        onto, load = torch.device("cpu") if host else self.device, dict(dtype=dtype)
+        if onto.type == "cuda" and importlib.util.find_spec("accelerate"):  # transformers' device_map needs it
+            load["device_map"] = onto  # straight onto this GPU, not through host memory
+        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, **load).to(onto)
         self.forward_module = self.model
         if not hasattr(getattr(self.model, "model", None), "visual"):
             raise ValueError(f"--model {name_or_path}: a {type(self.model).__name__}, not of the Qwen2-VL family")
@@ -611,20 +615,22 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype)
 
 
-def make_policy(model, reports, device, dtype=torch.float32, max_new_tokens=128, extra_tokens=(), max_pixels=512 * 512):
+def make_policy(
+    model, reports, device, dtype=torch.float32, max_new_tokens=128, extra_tokens=(), max_pixels=512 * 512, host=False
+):
     """`--model tiny`: TinyPolicy (the reports' words), else HFPolicy, checkpointed (512^2 px: <= 334 tokens a view)."""
     if model == "tiny":
         tok = WordTokenizer.build(list(reports), extra_tokens)
         return TinyPolicy(TinyVLM(len(tok.vocab), max_len=max_new_tokens), tok, device=device)
-    return HFPolicy(model, device, dtype, gradient_checkpointing=True, max_pixels=max_pixels)
+    return HFPolicy(model, device, dtype, gradient_checkpointing=True, max_pixels=max_pixels, host=host)
 
 
-def load_policy(path, device="cpu", dtype=torch.float32, **hf_kwargs):
-    """A policy saved by policy.save(path): TinyPolicy (tiny_policy.pt) or HFPolicy."""
+def load_policy(path, device="cpu", dtype=torch.float32, host=False, **hf_kwargs):
+    """A policy saved by policy.save(path): TinyPolicy (tiny_policy.pt) or HFPolicy (`host`: HFPolicy's)."""
     f = Path(path) / "tiny_policy.pt"
     if not f.is_file():
         hf_kwargs.setdefault("gradient_checkpointing", True)  # as make_policy
-        return HFPolicy(str(path), device, dtype, **hf_kwargs)
+        return HFPolicy(str(path), device, dtype, host=host, **hf_kwargs)
     ck = torch.load(f, map_location="cpu", weights_only=True)
     model = TinyVLM(**ck["hparams"])
     model.load_state_dict(ck["state_dict"])
@@ -1606,14 +1612,21 @@ def sft_stage(
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
-def initial_policy(run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512, init=None):
+def initial_policy(
+    run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512, init=None, fsdp=False
+):
     """--model's policy before the paper trains it, equal on every rank: `init` (a saved policy), the sandbox's
-    foundation (--tiny-start foundation), a random tiny model on the reports' words, or the HF model's own weights."""
+    foundation (--tiny-start foundation), a random tiny model on the reports' words, or the HF model's own weights.
+    fsdp (for_training shards it next): a HF model's weights stay in host memory, shard() moves each rank's part."""
+    host = fsdp and run.world_size > 1 and run.args.model != "tiny"
     if init is not None or run.foundation is not None:
-        policy = load_policy(init or run.foundation / "vlm", run.device, run.dtype, max_pixels=max_pixels)
+        policy = load_policy(init or run.foundation / "vlm", run.device, run.dtype, max_pixels=max_pixels, host=host)
     else:
-        policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels)
-    broadcast_parameters(policy.model)
+        policy = make_policy(
+            run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels, host
+        )
+    if run.args.model == "tiny":  # random weights drawn alike on every rank, or not: rank 0's (a HF model's are read)
+        broadcast_parameters(policy.model)
     return policy
 
 
@@ -1623,14 +1636,17 @@ def add_lora(policy, lora: dict):
     apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"], exclude=vision)
 
 
-def warm_start(run: Run, policy, records: list, settings: dict, lora: dict | None = None, max_pixels=512 * 512):
-    """SFT before RL (sft_stage's `settings`) in out/warm_start, on `lora`'s adapters if given; the policy it saved
-    (LoRA folded in), loaded back: the RL's start."""
+def warm_start(
+    run: Run, policy, records: list, settings: dict, lora: dict | None = None, max_pixels=512 * 512, fsdp=False
+):
+    """SFT before RL (sft_stage's `settings`) in out/warm_start, on `lora`'s adapters if given, the model whole on
+    each GPU; the policy it saved (LoRA folded in), loaded back: the RL's start (fsdp: kept in host memory)."""
     if lora:
         add_lora(policy, lora)
     stage = run.stage("warm_start", run.resume_flags or ())
     sft_stage(stage, policy, records, **settings)
-    return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels)
+    host = fsdp and run.world_size > 1 and run.args.model != "tiny"
+    return load_policy(stage.out / "final", run.device, run.dtype, max_pixels=max_pixels, host=host)
 
 
 def for_training(run: Run, policy, *, lora: dict | None = None, reference: bool = True, fsdp: bool = False):
@@ -1640,11 +1656,11 @@ def for_training(run: Run, policy, *, lora: dict | None = None, reference: bool 
     if lora:
         add_lora(policy, lora)
     ref = LoRAOff(policy) if lora else (frozen_reference(policy) if reference else None)
-    fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights
-    if fsdp:  # after any warm start, which saved the model whole
+    if fsdp:  # after any warm start, which saved the model whole; block by block, fp32 master weights in each
         shard(policy.model, run.dtype)
         if isinstance(ref, Policy):
             shard(ref.model, run.dtype)
+    fp32_trainable(policy.model)  # bf16 weights: AdamW's small steps need fp32 master weights (sharded: done)
     policy.forward_module = data_parallel(policy.model, run.world_size)
     return policy, ref
 
@@ -1700,7 +1716,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
     ckpt, problem = {}, None
     if not sharded or torch.distributed.get_rank() == 0:
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # ranks share the file's pages
         except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
             problem = f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:160]})"
     if sharded:  # the small parts to every rank
@@ -2433,22 +2449,22 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
     """Several processes without --fsdp: PyTorch's DistributedDataParallel around what trains (called after the last
     change to its parameters: LoRA, fp32_trainable). Its backward averages the gradients over ranks in buckets as they
-    are ready; each rank keeps its own buffers (BatchNorm statistics). One process, or FSDP2: the module itself."""
+    are ready, into its buckets (gradient_as_bucket_view: no second gradient-sized copy); each rank keeps its own
+    buffers (BatchNorm statistics). One process, or FSDP2: the module itself."""
     if world_size == 1 or isinstance(module, FSDPModule):
         return module
-    return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False)
+    return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 @contextlib.contextmanager
 def gradient_sync(module: torch.nn.Module, last: bool):
-    """--grad-accum: gradients are averaged over ranks in the backward of the last micro-batch only (DDP's no_sync,
-    FSDP2's set_requires_gradient_sync); before it, each rank sums its own."""
+    """--grad-accum under DDP: gradients are averaged over ranks in the backward of the last micro-batch only
+    (no_sync); before it, each rank sums its own. FSDP2 reduce-scatters every micro-batch's into the shards: no
+    unsharded gradients kept between micro-batches (4 B a parameter, 15 GB at 3B), for k reductions a step, not 1."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last:
         with module.no_sync():
             yield
         return
-    if isinstance(module, FSDPModule):
-        module.set_requires_gradient_sync(last)
     yield
 
 
@@ -2481,6 +2497,7 @@ def shard(model: torch.nn.Module, dtype=torch.float32):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
+        fp32_trainable(m)  # this block's master weights, where the model is (host memory: initial_policy(fsdp=True))
         fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     for name in [n for n in ("generate", "prefix") if hasattr(model, n)]:  # entry points besides forward()
         register_fsdp_forward_method(model, name)

@@ -471,7 +471,8 @@ def ditpo(run: common.Run, args: Args, s) -> dict:
     G = args.group_size
     total = s.steps if s.steps is not None else len(records) // s.prompts  # one epoch
     init = Path(args.out) / "sft" / "final"  # the SFT model, all of it trainable
-    policy = common.initial_policy(run, [r.report for r in records], s.max_new, max_pixels=args.max_pixels, init=init)
+    reports = [r.report for r in records]
+    policy = common.initial_policy(run, reports, s.max_new, max_pixels=args.max_pixels, init=init, fsdp=args.fsdp)
     policy, _ = common.for_training(run, policy, reference=False, fsdp=args.fsdp)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer, _ = common.adamw(params, s.lr, total)  # constant lr: the paper names no schedule

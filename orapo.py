@@ -456,9 +456,11 @@ def train(args: Args) -> dict:
 
     warm_start = dict(WARM_START, steps=args.sft_steps or 0, prompt=PROMPT, blind=blind, validate=fluency)
     warm_start["converge"] = common.Convergence(**CONVERGE) if blind else None
-    policy = common.initial_policy(run, [r.report for r in train_set], max_new, max_pixels=args.max_pixels)
-    if warm_start["steps"] > 0 or warm_start["converge"] is not None:  # the sandbox's Base: SFT before RL
-        policy = common.warm_start(run, policy, train_set, warm_start, LORA, args.max_pixels)
+    warm = warm_start["steps"] > 0 or warm_start["converge"] is not None  # the sandbox's Base: SFT before RL
+    reports = [r.report for r in train_set]
+    policy = common.initial_policy(run, reports, max_new, max_pixels=args.max_pixels, fsdp=args.fsdp and not warm)
+    if warm:
+        policy = common.warm_start(run, policy, train_set, warm_start, LORA, args.max_pixels, fsdp=args.fsdp)
     reference = args.lambda_max > 0 or args.beta > 0  # DPO and the KL use it
     policy, ref = common.for_training(run, policy, lora=LORA, reference=reference, fsdp=args.fsdp)
     params = [p for p in policy.model.parameters() if p.requires_grad]

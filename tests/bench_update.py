@@ -28,7 +28,7 @@ def prepare(folder: Path):
     """MIMIC-size studies (gpu_check's) and the tiny Qwen2.5-VL in the hub's layout."""
     sys.path.insert(0, str(TESTS))
     import gpu_check
-    from conftest import build_tiny_qwen
+    from hub_layout import build_tiny_qwen
 
     if not (folder / "data" / "annotation.json").is_file():
         gpu_check.mimic_views(folder / "data", n_train=8)

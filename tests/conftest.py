@@ -7,6 +7,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import sandbox
+from hub_layout import build_tiny_qwen
 
 
 def pytest_configure(config):
@@ -124,155 +125,10 @@ def small_synthetic(tmp_path_factory, request):
     return out / "annotation.json"
 
 
-# A tiny randomly initialised Qwen2.5-VL with a processor assembled around a locally trained
-# byte-level BPE tokenizer, saved like a hub checkpoint, so HFPolicy's real path
-# (AutoProcessor, AutoModelForImageTextToText, chat template, image grid, generate) runs offline.
-QWEN_SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-# The chat template Qwen/Qwen2.5-VL-3B-Instruct publishes (chat_template.json): a default system turn, an image slot
-# per view, the assistant's turn opened by add_generation_prompt
-QWEN_CHAT = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
-    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: "
-    "{% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# Qwen/Qwen2.5-VL-3B-Instruct's files beside its weights, as published: the image processor's pixel bounds at the top
-# level (no `size`), near-greedy sampling with two EOS ids, the tokenizer's settings
-HUB_PREPROCESSOR = {
-    "min_pixels": 3136,
-    "max_pixels": 12845056,
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "processor_class": "Qwen2_5_VLProcessor",
-}
-HUB_SAMPLING = dict(do_sample=True, repetition_penalty=1.05, temperature=0.1, top_p=0.001, top_k=1)
-HUB_TOKENIZER = {
-    "add_prefix_space": False,
-    "bos_token": None,
-    "clean_up_tokenization_spaces": False,
-    "eos_token": "<|im_end|>",
-    "errors": "replace",
-    "model_max_length": 131072,
-    "pad_token": "<|endoftext|>",
-    "split_special_tokens": False,
-    "tokenizer_class": "Qwen2Tokenizer",
-    "unk_token": None,
-}
-
-
-def save_as_published(out_dir):
-    """Rewrite a saved tiny Qwen2.5-VL's processor, tokenizer and generation files into the hub checkpoint's layout
-    (preprocessor_config.json, chat_template.json, tokenizer_config.json, generation_config.json)."""
-    import json
-
-    out_dir = Path(out_dir)
-    for name in ("processor_config.json", "chat_template.jinja", "video_preprocessor_config.json"):
-        (out_dir / name).unlink(missing_ok=True)
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(HUB_PREPROCESSOR, indent=2))
-    (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_CHAT}, indent=2))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(HUB_TOKENIZER | {"chat_template": QWEN_CHAT}, indent=2))
-    generation = json.loads((out_dir / "generation_config.json").read_text())
-    ids = {k: generation[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    (out_dir / "generation_config.json").write_text(json.dumps(ids | HUB_SAMPLING, indent=2))
-
-
 def qwen_flags(data, model_dir, out, *more: str) -> list[str]:
     """A script's flags for a short run of the tiny random Qwen2.5-VL (the Hugging Face path): the data, the model, the
     offline rules and the run folder; `more`: the test's own (steps, tokens, pixels, ...)."""
     return ["--data", str(data), "--model", str(model_dir), "--labeler", "rule", "--out", str(out), *more]
-
-
-def build_tiny_qwen(out_dir, texts, image_pixels: int = 56 * 56, seed: int = 0, hub_layout: bool = True):
-    """A tiny random Qwen2.5-VL saved as Qwen/Qwen2.5-VL-3B-Instruct is published (hub_layout), or as
-    save_pretrained writes it (its processor bounded to `image_pixels`)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-    )
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        texts,
-        trainers.BpeTrainer(
-            vocab_size=600, special_tokens=QWEN_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-        ),
-    )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_CHAT
-    )
-    patch = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=image_pixels, max_pixels=image_pixels, **patch),
-        tokenizer=tok,
-        video_processor=Qwen2VLVideoProcessor(**patch),
-        chat_template=QWEN_CHAT,
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            window_size=56,
-            out_hidden_size=64,
-            fullatt_block_indexes=[1],
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]  # the hub's: both end a turn
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    if hub_layout:
-        save_as_published(out_dir)  # its image bounds: the hub's, the test images small (64 px: 4 tokens a view)
-    return out_dir
 
 
 @pytest.fixture(scope="session")

@@ -106,8 +106,7 @@ def mimic_views(folder: Path, n_train: int, size=MIMIC_VIEW):
 def published_folder(out: Path, text: dict, vision: dict, texts: list[str]):
     """A Qwen2.5-VL folder as the hub publishes it: its config (these widths) and processor files, no weights (a part
     builds them on the GPU)."""
-    from conftest import build_tiny_qwen
-    from test_real_arch import QWEN3B_IDS, qwen_config
+    from hub_layout import QWEN3B_IDS, build_tiny_qwen, qwen_config
 
     build_tiny_qwen(out, texts)  # the processor files in the hub's layout, a byte-level BPE of the reports
     tok = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
@@ -120,8 +119,7 @@ def published_folder(out: Path, text: dict, vision: dict, texts: list[str]):
 
 
 def prepare(work: Path):
-    from conftest import build_tiny_qwen
-    from test_real_arch import QWEN3B_TEXT, QWEN3B_VISION, QWEN7B_TEXT, QWEN7B_VISION
+    from hub_layout import QWEN3B_TEXT, QWEN3B_VISION, QWEN7B_TEXT, QWEN7B_VISION, build_tiny_qwen
 
     if not (work / "data" / "annotation.json").is_file():
         mimic_views(work / "data", n_train=32)

@@ -22,55 +22,15 @@ import common
 
 pytestmark = pytest.mark.slow
 
-# Qwen/Qwen2.5-VL-3B-Instruct, config.json (rope_scaling {"type": "mrope"} is transformers 5's rope_parameters)
-QWEN3B_TEXT = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    hidden_act="silu",
-    max_position_embeddings=128000,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    use_sliding_window=False,
-    sliding_window=32768,
-    rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0},
-    bos_token_id=151643,
-    eos_token_id=151645,
-)
-QWEN3B_VISION = dict(
-    depth=32,
-    hidden_size=1280,
-    intermediate_size=3420,
-    num_heads=16,
-    in_channels=3,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=2048,
-    window_size=112,
-    fullatt_block_indexes=[7, 15, 23, 31],
-    tokens_per_second=2,
-    hidden_act="silu",
-)
-QWEN3B_IDS = dict(
-    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
-)
-QWEN3B_PARAMS = 3_754_622_976  # "3.75B params" on the model card; the sum below, term by term
-# Qwen/Qwen2.5-VL-7B-Instruct (HuatuoGPT-Vision-7B-Qwen2.5VL's base, MRG-R1): the widths the memory table needs
-QWEN7B_TEXT = dict(
+from hub_layout import (
+    QWEN3B_PARAMS,
     QWEN3B_TEXT,
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    tie_word_embeddings=False,
+    QWEN3B_VISION,
+    QWEN7B_TEXT,
+    QWEN7B_VISION,
+    qwen_config,
 )
-QWEN7B_VISION = dict(QWEN3B_VISION, out_hidden_size=3584)
+
 CUT = dict(
     num_hidden_layers=2, depth=2, fullatt_block_indexes=[1]
 )  # block 0 windowed, block 1 full, as the real pattern
@@ -119,14 +79,6 @@ def smart_resize(h, w, min_pixels, max_pixels, factor=28):
     return hb, wb
 
 
-def qwen_config(text=QWEN3B_TEXT, vision=QWEN3B_VISION, ids=QWEN3B_IDS, **cut):
-    from transformers import Qwen2_5_VLConfig
-
-    t = dict(text, **{k: v for k, v in cut.items() if k in text})
-    v = dict(vision, **{k: v for k, v in cut.items() if k in vision})
-    return Qwen2_5_VLConfig(text_config=t, vision_config=v, tie_word_embeddings=t["tie_word_embeddings"], **ids), t, v
-
-
 def test_qwen25_vl_3b_published_size():
     lm, vis = qwen_vl_params(QWEN3B_TEXT, QWEN3B_VISION)
     assert (lm, vis) == (3_085_938_688, 668_684_288)  # 311.2 M embedding (tied) + 36 x 77.1 M; 32 x 19.7 M + merger
@@ -144,7 +96,7 @@ def qwen3b_cut_dir(tmp_path_factory):
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from conftest import QWEN_CHAT, QWEN_SPECIALS
+    from hub_layout import QWEN_CHAT, QWEN_SPECIALS
 
     out = tmp_path_factory.mktemp("qwen3b_cut")
     bpe = Tokenizer(models.BPE())
