@@ -341,7 +341,7 @@ def sandbox():
 class Rollout:
     """G sampled completions for each of B prompts (N = B*G rows, groups contiguous)."""
 
-    prompts: dict  # model inputs, each prompt repeated G times
+    prompts: dict  # model inputs of the B studies, once each (the policy repeats them to the rows it scores)
     completion_ids: torch.Tensor  # (N, T)
     completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
     texts: list  # N decoded completions
@@ -352,8 +352,8 @@ def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0)
     """Sample G completions per study and score them: reward_fn(texts, owners) -> N rewards, owners[n] = n // G the
     study completion n answers. Once a step, whatever --grad-accum: one generate() call costs about the same for 8 or
     64 rows (decoding is bound by launches and weight reads, not by rows)."""
-    prompts = policy.repeat(policy.prompt_batch(images, text), G)
-    ids, mask = policy.generate(prompts, max_new_tokens, temperature)  # (N, T), (N, T)
+    prompts = policy.prompt_batch(images, text)  # B studies, once each
+    ids, mask = policy.generate(prompts, max_new_tokens, temperature, n=G)  # (N, T), (N, T): G rows a study
     texts = policy.decode(ids, mask)
     owners = [n // G for n in range(len(texts))]
     rewards = torch.as_tensor(reward_fn(texts, owners), dtype=torch.float32, device=ids.device)  # (N,)
@@ -365,11 +365,11 @@ def micro_batches(policy, roll: Rollout, k: int, G: int) -> list[Rollout]:
     backward run one micro-batch at a time (TRL's gradient accumulation); the completions were sampled once."""
     if k == 1:
         return [roll]
-    n = exact_div(len(roll.texts) // G, k, "studies per process / --grad-accum") * G
+    b = exact_div(len(roll.texts) // G, k, "studies per process / --grad-accum")  # studies a micro-batch
     rows = (roll.completion_ids, roll.completion_mask, roll.texts, roll.rewards)
     return [
-        Rollout(policy.rows(roll.prompts, i, i + n), *(x[i : i + n] for x in rows))
-        for i in range(0, len(roll.texts), n)
+        Rollout(policy.rows(roll.prompts, i, i + b), *(x[i * G : (i + b) * G] for x in rows))
+        for i in range(0, len(roll.texts) // G, b)
     ]
 
 
@@ -396,11 +396,13 @@ def reference_logprobs(ref, roll: Rollout, temperature: float = 1.0):
 class Policy:
     """What every script calls on a policy (N = B prompts x G samples, groups contiguous; T tokens). TinyPolicy and
     HFPolicy each implement
-      prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views)
-      repeat(prompts, G)                         each prompt G times: row i -> rows iG .. iG+G-1
-      rows(prompts, start, stop)                 rows start .. stop - 1 of a batch of prompts
-      generate(prompts, max_new_tokens, temperature) -> ids (N, T), mask (N, T): 1 up to AND including the first EOS
-      completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0
+      prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views), once each
+      rows(prompts, start, stop)                 studies start .. stop - 1 of a batch of prompts
+      generate(prompts, max_new_tokens, temperature, n=G) -> ids (N, T), mask (N, T): rows iG .. iG + G - 1 study
+                                                 i's samples; mask 1 up to AND including the first EOS
+      completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0; N a multiple of B:
+                                                 N / B rows a study, in order (a HF model encodes each study's
+                                                 views once and repeats their features to its rows)
       decode(ids, mask) -> N texts; encode_targets(texts) -> ids, mask: right-padded, EOS last
       save(dir), read back by load_policy(dir); vision_and_language() -> (vision modules, language modules)
     and both compute the SFT loss below from them. completion_logprobs runs `forward_module`: the model, or under
@@ -408,12 +410,11 @@ class Policy:
     gradients over ranks in backward; generate() runs the model itself (no gradient)."""
 
     forward_module: torch.nn.Module
-    ROW_KEY: str  # a key of prompts with one entry per row
+    ROW_KEY: str  # a key of prompts with one entry per study
 
-    def repeat(self, prompts: dict, G: int) -> dict:
-        """Each prompt G times in a row: row i -> rows iG .. iG + G - 1, each with its own images (rows())."""
-        copies = [self.rows(prompts, i, i + 1) for i in range(len(prompts[self.ROW_KEY])) for _ in range(G)]
-        return {k: torch.cat([c[k] for c in copies]) for k in prompts}
+    def rows_per_study(self, prompts: dict, completion_ids) -> int:
+        """N / B: the completions of each study, rows in order (G a study: rows iG .. iG + G - 1 are study i's)."""
+        return exact_div(len(completion_ids), len(prompts[self.ROW_KEY]), "completions / studies")
 
     def sft_loss(self, prompts: dict, texts: list[str]):
         """Teacher-forced NLL of the texts: token sum / token count."""
@@ -457,8 +458,14 @@ class TinyPolicy(Policy):
     def rows(self, prompts: dict, start: int, stop: int) -> dict:
         return {k: v[start:stop] for k, v in prompts.items()}
 
-    def generate(self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
-        embeds = self.model.prefix(prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"])  # (N, P, D)
+    def repeated(self, prompts: dict, n: int) -> tuple:
+        """The model's inputs for n rows a study (row i n + j: study i), each row its own copy of the views."""
+        return tuple(prompts[k].repeat_interleave(n, 0) for k in ("pixel_values", "view_mask", "start_ids"))
+
+    def generate(
+        self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0, n=1
+    ):
+        embeds = self.model.prefix(*self.repeated(prompts, n))  # (N, P, D)
         attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
         inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask)
         max_new_tokens = min(max_new_tokens, self.model.hparams["max_len"])
@@ -471,7 +478,7 @@ class TinyPolicy(Policy):
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
-        inputs = (prompts["pixel_values"], prompts["view_mask"], prompts["start_ids"], completion_ids)
+        inputs = (*self.repeated(prompts, self.rows_per_study(prompts, completion_ids)), completion_ids)
         logits = self.forward_module(*inputs)  # (N, T, V): the logits that predict each completion token
         return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
 
@@ -559,7 +566,7 @@ class HFPolicy(Policy):
         return prompts
 
     def rows(self, prompts: dict, start: int, stop: int) -> dict:
-        """Rows start .. stop - 1; pixel_values and image_grid_thw (per image, not per row) cut at their images."""
+        """Studies start .. stop - 1; pixel_values and image_grid_thw (per image) cut at their images."""
         n_images = prompts["n_images"].tolist()
         first, last = sum(n_images[:start]), sum(n_images[:stop])  # the rows' images
         patches = prompts["image_grid_thw"].prod(-1).tolist()  # patch rows per image
@@ -569,10 +576,40 @@ class HFPolicy(Policy):
         out["image_grid_thw"] = prompts["image_grid_thw"][first:last]
         return out
 
-    def generate(self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0):
-        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
+    @contextlib.contextmanager
+    def views_once(self, prompts: dict, n: int):
+        """The model's inputs for n rows a study (row i n + j: study i): the text repeated to the rows, each study's
+        views through the vision tower once, their features repeated to its rows where the model asks for them
+        (get_image_features; autograd sums the rows' gradients back into each view's features)."""
+        vision = self.model.model  # Qwen2-VL's: its forward calls self.get_image_features(pixel_values, grid)
+        views = prompts["n_images"].tolist()
+        first = np.cumsum([0, *views])
+        index = [k for i, v in enumerate(views) for _ in range(n) for k in range(first[i], first[i] + v)]  # rows' views
+        encode = vision.get_image_features
+
+        def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
+            out = encode(pixel_values, prompts["image_grid_thw"], **kwargs)  # the studies' views, once each
+            per_view = out.pooler_output if hasattr(out, "pooler_output") else out  # transformers >= 5.x: an output
+            rows = tuple(per_view[k] for k in index)
+            if not hasattr(out, "pooler_output"):
+                return rows
+            out.pooler_output = rows
+            return out
+
+        text = [k for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in prompts]  # a row each
+        inputs = {k: prompts[k].repeat_interleave(n, 0) for k in text}
+        inputs |= dict(pixel_values=prompts["pixel_values"], image_grid_thw=prompts["image_grid_thw"][index])
+        vision.get_image_features = get_image_features  # for this call only
+        try:
+            yield inputs
+        finally:
+            del vision.get_image_features
+
+    def generate(
+        self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0, n=1
+    ):
         P = prompts["input_ids"].shape[1]
-        with autocast(self.device, self.dtype):
+        with autocast(self.device, self.dtype), self.views_once(prompts, n) as inputs:
             return generate_completions(
                 self, self.model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p
             )
@@ -582,17 +619,19 @@ class HFPolicy(Policy):
         return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
-        """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T)."""
+        """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T); each
+        study's views encoded once for its N / B rows (views_once)."""
         T = completion_ids.shape[1]
-        inputs = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS}
-        inputs["input_ids"] = torch.cat([prompts["input_ids"], completion_ids], dim=1)  # (N, P+T)
-        mask = completion_mask.to(prompts["attention_mask"].dtype)
-        inputs["attention_mask"] = torch.cat([prompts["attention_mask"], mask], 1)
-        if "mm_token_type_ids" in prompts:  # completions are text (type 0)
-            inputs["mm_token_type_ids"] = torch.cat([prompts["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1)
-        # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
-        with autocast(self.device, self.dtype):
-            logits = self.forward_module(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N, T, V)
+        with self.views_once(prompts, self.rows_per_study(prompts, completion_ids)) as inputs:
+            inputs["input_ids"] = torch.cat([inputs["input_ids"], completion_ids], dim=1)  # (N, P+T)
+            mask = completion_mask.to(inputs["attention_mask"].dtype)
+            inputs["attention_mask"] = torch.cat([inputs["attention_mask"], mask], 1)
+            if "mm_token_type_ids" in inputs:  # completions are text (type 0)
+                types_ = torch.zeros_like(completion_ids)
+                inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], types_], 1)
+            # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
+            with autocast(self.device, self.dtype):
+                logits = self.forward_module(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N,T,V)
         return token_logprobs(logits, completion_ids, temperature, self.suppressed) * completion_mask  # (N, T)
 
     def encode_targets(self, texts: list[str]):
@@ -1403,6 +1442,8 @@ class RunArgs:
     """skip annotation records with a missing image or an empty report (each is logged)"""
     eval_batch_size: Annotated[int, "[1, inf)"] = 32
     """studies a generate() call when evaluating (greedy); a GPU runs 64 rows about as fast as 8 (tests/MACHINES.md)"""
+    gpu_memory: Annotated[float | None, "(0, inf)"] = None
+    """GiB a GPU holds, for the memory check a Hugging Face run makes before it loads weights; None: the GPU's own"""
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
     """mirror each metrics.jsonl line and each evaluation's headline numbers to TensorBoard (out/tensorboard) or
     Weights & Biases: `pip install tensorboard` or `wandb` first (neither is a requirement)"""
@@ -1425,10 +1466,11 @@ def resolve_defaults(args):
     return args
 
 
-def start_run(args, stages: bool = False, notes=()) -> Run:
+def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
     """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
     --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
-    `notes`: what this run cannot do as the paper does, one line each at start and in config.json."""
+    `notes`: what this run cannot do as the paper does, one line each at start and in config.json. `memory`: the
+    StepShape of each kind of step the run takes (a Hugging Face model's peak per GPU is checked against the GPU's)."""
     rank, world_size, device = setup_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
@@ -1447,6 +1489,8 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
         raise ValueError(f"--data {args.data}: no {' or '.join(empty)} studies{dropped}")
     if args.clean == "auto":
         args.clean = clean_style([r for records in data.values() for r in records])
+    if args.model != "tiny" and memory:  # before the weights load, and before anything is written
+        check_memory(args, memory, world_size, device, np.mean([len(r.image_paths) for r in data["train"]]))
     labeler = make_labeler(args.labeler, args.chexbert_weights, device)
     rule = (
         "labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
@@ -1460,6 +1504,44 @@ def start_run(args, stages: bool = False, notes=()) -> Run:
         for note in notes:
             log.warning("note: %s", note)
     return run
+
+
+GPU_RESERVE_GIB = 2.0  # kept free of the estimate: the CUDA context, NCCL's buffers, the allocator's slack (ours)
+
+
+def check_memory(args, shapes, world: int, device, views: float):
+    """The line a Hugging Face run prints before it loads weights: its peak GiB per GPU (memory_estimate, the largest
+    over its kinds of step) beside the GPU's (--gpu-memory, else the device's); beyond it, one error naming what
+    would fit (--grad-accum, --fsdp, LoRA), before anything is written or loaded."""
+    pixels = getattr(args, "max_pixels", 512 * 512)
+
+    def need(change=None) -> float:
+        return max(
+            max(memory_estimate(args.model, dataclasses.replace(s, **change or {}), world, views, pixels).values())
+            for s in shapes
+        )
+
+    have = args.gpu_memory
+    if have is None and device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory / 2**30
+    peak = need()
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.info("%-12s~%.1f GiB per GPU at the step's peak%s", "memory", peak, f", of {have:.1f}" if have else "")
+    if have is None or peak <= have - GPU_RESERVE_GIB:
+        return
+    per_rank = min(s.studies // world // s.grad_accum for s in shapes)  # studies a micro-batch
+    options = [f"--grad-accum {k * shapes[0].grad_accum}" for k in (2, 4, 8, 16) if per_rank % k == 0]
+    options = [o for o in options if need({"grad_accum": int(o.split()[1])}) <= have - GPU_RESERVE_GIB][:1]
+    if world > 1 and hasattr(args, "fsdp") and not args.fsdp and need({"fsdp": True}) <= have - GPU_RESERVE_GIB:
+        options.append("--fsdp")
+    lora = dict(r=64, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    if not any(s.lora for s in shapes) and need({"lora": lora, "reference": False}) <= have - GPU_RESERVE_GIB:
+        options.append("LoRA (r 64: the script's LORA)")
+    fits = "would fit: " + ", or ".join(options) if options else "more GPUs with --fsdp, or a smaller model"
+    raise ValueError(
+        f"--model {args.model}: ~{peak:.1f} GiB per GPU at this step's peak, over the {have:.1f} GiB GPU less "
+        f"{GPU_RESERVE_GIB:g} kept free; {fits} (tests/MACHINES.md, 'Memory per GPU')"
+    )
 
 
 def start_block(run: Run) -> str:
@@ -1676,6 +1758,77 @@ def frozen_reference(policy):
             p_ref.data = p_ref.data.float()
     ref.model.eval().requires_grad_(False)
     return ref
+
+
+# What a step holds on one GPU, said before the weights load ------------------------------------------------------
+@dataclass
+class StepShape:
+    """One step as a GPU holds it, for memory_estimate: `studies` a step over all ranks, `rows` scored a study (G, +1
+    with OraPO's ground truth; 1 for SFT), `tokens` a row's completion or target; rollout: the step samples first."""
+
+    studies: int
+    rows: int = 1
+    tokens: int = 256
+    grad_accum: int = 1
+    rollout: bool = True
+    reference: bool = False  # a frozen copy of the policy (LoRA's reference is the adapters off: no copy)
+    lora: dict | None = None
+    trained: str = "all"  # all, lora (the adapters) or vision (the tower and merger, the LM frozen)
+    fsdp: bool = False
+
+
+def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, max_pixels: int = 512 * 512) -> dict:
+    """Peak GiB per GPU of each phase of a Qwen2-VL-family step (bf16 compute, fp32 master weights, AdamW, activation
+    checkpointing), from the config alone (the model built on the meta device: no weights). The terms are those
+    tests/memory_check.py measures with PyTorch's MemTracker at the papers' shapes (tests/MACHINES.md compares)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        net = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model))
+    text, vis = net.config.text_config, net.config.vision_config
+    N = sum(p.numel() for p in net.parameters())
+    embed = net.get_input_embeddings().weight.numel()
+    vision = sum(p.numel() for p in net.model.visual.parameters())
+    lm_linear = [m for n, m in net.named_modules() if isinstance(m, torch.nn.Linear) and ".visual." not in f".{n}."]
+    if shape.lora:  # r (in + out) a targeted LM linear
+        targets = [m for n, m in net.named_modules() if m in lm_linear and n.split(".")[-1] in shape.lora["targets"]]
+        trained = sum(shape.lora["r"] * (m.in_features + m.out_features) for m in targets)
+    else:
+        trained = vision if shape.trained == "vision" else N
+    k, GiB = (world if shape.fsdp else 1), 2**30
+    d, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    kv = text.num_key_value_heads * (d // text.num_attention_heads)
+    block = max(
+        sum(p.numel() for p in m.parameters()) for m in net.modules() if type(m).__name__ in net._no_split_modules
+    )
+    tokens_per_view = max_pixels // 28**2  # Qwen2-VL: a token per 28 x 28 pixels after the 2 x 2 merge
+    P = math.ceil(views) * tokens_per_view + 60  # the chat template's text around the views
+    studies = math.ceil(shape.studies / world)  # (a script checks that they divide)
+    rows = studies * shape.rows  # scored this step on this GPU
+    micro_studies, micro_rows = studies / shape.grad_accum, rows / shape.grad_accum
+    # the states: fp32 master weights, gradients and AdamW of what trains, the rest in bf16; a frozen copy (linear
+    # weights bf16, the embedding fp32); FSDP2 shards all of it, and holds a block and the root's embedding whole
+    states = (16 * trained + 2 * (N - trained) + (2 * (N - embed) + 4 * embed if shape.reference else 0)) / k
+    gathered = 2 * (2 * block + embed) if shape.fsdp and k > 1 else 0
+    cast = 0 if shape.fsdp and k > 1 else 2 * trained  # autocast's bf16 copies of fp32 weights (FSDP2 gathers bf16)
+    # generate: the KV cache at its full length, bf16, and under FSDP2 the whole policy gathered (common.gathered)
+    cache = studies * shape.rows * (P + shape.tokens) * L * 2 * kv * 2
+    rollout = states - 4 * trained / k + cast + cache + (2 * N if shape.fsdp and k > 1 else 0)  # no gradients yet
+    # a micro-batch's forward and backward: each layer's input kept (checkpointing), the views' through the tower
+    # once a study, bf16 logits with each row's fp32 log-softmax saved and the logits' bf16 gradient
+    layers = (
+        micro_rows * (P + shape.tokens) * d * 2 * L
+        + micro_studies * views * 4 * tokens_per_view * vis.hidden_size * 2 * vis.depth
+    )
+    logits = micro_rows * shape.tokens * V * (2 + 4 + 2)
+    # the first micro-batch's forward has no gradients yet; its backward ends with them and few activations left
+    before = states - (4 * trained / k if shape.grad_accum == 1 else 0)
+    update = max(before + layers + logits, states) + gathered + cast
+    reference = before + gathered + micro_rows * shape.tokens * V * 2 + shape.tokens * V * 4  # no graph: row by row
+    phases = dict(rollout=rollout if shape.rollout else 0, reference=reference if shape.reference or shape.lora else 0)
+    temporaries = 8 * embed / k if trained == N else 0  # AdamW's step: the largest trained tensor's, twice in fp32
+    phases |= dict(update=update, optimizer=states + temporaries)
+    return {name: round(b / GiB, 1) for name, b in phases.items()}
 
 
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):

@@ -393,16 +393,16 @@ def sft(run: common.Run, args: Args, s) -> dict:
 
 
 # Stage 2: DDSampling -----------------------------------------------------------------------------
-def repeated_prompts(policy, records, n: int) -> dict:
-    """The prompts of `records` (their images only, no report), each n times."""
+def study_prompts(policy, records) -> dict:
+    """The prompts of `records`: their images only, no report."""
     images = [[common.load_image(p, r.id) for p in r.image_paths] for r in records]
-    return policy.repeat(policy.prompt_batch(images, PROMPT), n)
+    return policy.prompt_batch(images, PROMPT)
 
 
 @torch.no_grad()
 def score_chunk(policy, records, labeler, max_new: int) -> np.ndarray:
     """K nucleus samples per study from its images alone (label-free) -> D(I) (B,)."""
-    ids, mask = policy.generate(repeated_prompts(policy, records, K), max_new, TEMPERATURE, top_p=TOP_P)
+    ids, mask = policy.generate(study_prompts(policy, records), max_new, TEMPERATURE, top_p=TOP_P, n=K)
     return diagnostic_diversity(labeler(policy.decode(ids, mask)).reshape(len(records), K, -1))  # (B, K, 14) -> (B,)
 
 
@@ -576,7 +576,7 @@ def sample_groups(run: common.Run, args: Args, s, records, rng, n: int | None = 
     for b in range(0, len(drawn), DD_CHUNK):
         chunk = [records[i] for i in drawn[b : b + DD_CHUNK]]
         with run.autocast():
-            ids, mask = policy.generate(repeated_prompts(policy, chunk, args.group_size), s.max_new, TEMPERATURE)
+            ids, mask = policy.generate(study_prompts(policy, chunk), s.max_new, TEMPERATURE, n=args.group_size)
         refs = [r.report for r in chunk for _ in range(args.group_size)]
         yield policy, dict(ids=ids, mask=mask, texts=policy.decode(ids, mask), refs=refs, ref_labels=run.labeler(refs))
 
@@ -623,8 +623,13 @@ def train(command: str, args: Args) -> dict:
         args.weighting = "grad" if args.labeler == "chexbert" else "rule"
     if args.weighting == "grad" and args.labeler != "chexbert":
         raise ValueError("--weighting grad needs --labeler chexbert (CheXbert's input-embedding saliency, Eq. 9-11)")
-    run = common.start_run(args, stages=True, notes=[RULE_NOTE] if args.weighting == "rule" else [])
     s = settings(args)
+    shapes = {
+        "sft": common.StepShape(s.sft_batch, 1, s.max_new, args.grad_accum, rollout=False, trained="vision"),
+        "rl": common.StepShape(s.prompts, args.group_size, s.max_new, args.grad_accum, fsdp=args.fsdp),  # no ref.
+    }
+    memory = [shape for stage, shape in shapes.items() if command in (stage, "all")]
+    run = common.start_run(args, stages=True, notes=[RULE_NOTE] if args.weighting == "rule" else [], memory=memory)
     for stage, batch, flag in (("sft", s.sft_batch, "the SFT batch"), ("rl", s.prompts, "--prompts-per-step")):
         if command in (stage, "all"):  # fail now, not hours later
             common.exact_div(run.per_rank(batch, flag), args.grad_accum, f"{flag} per process / --grad-accum")

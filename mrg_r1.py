@@ -239,7 +239,10 @@ def warm_start_targets(batch: dict, labeler, tags: bool) -> list[str]:
 
 # Training ---------------------------------------------------------------------------------------
 def train(args: Args) -> dict:
-    run = common.start_run(args)
+    step = common.StepShape(args.prompts_per_step, args.group_size, args.max_new_tokens or 256, args.grad_accum)
+    step = dataclasses.replace(step, lora=LORA, trained="lora")  # the reference: the adapters off, no copy
+    warm = dataclasses.replace(step, studies=WARM_START["batch_size"], rows=1, grad_accum=1, rollout=False)
+    run = common.start_run(args, memory=(step, warm) if args.sft_steps else (step,))
     per_process = run.per_rank(args.prompts_per_step, "--prompts-per-step")  # fail now, not after a warm start
     common.exact_div(per_process, args.grad_accum, "--prompts-per-step per process / --grad-accum")
     tiny = args.model == "tiny"

@@ -30,7 +30,7 @@ Equations, and where they are implemented:
     Eq. 9    EMA of z, the zero-reward rate ZRR_q              ZeroRewardRate.update()
     Eq. 10   mixing weight lambda_q                            mixing_weight()
     Eq. 11   (1 - lambda_q) L_GRPO(q) + lambda_q L_DPO(q)      orapo_loss()
-    Eq. 12   pairs (ground-truth report, each completion)      orapo_loss()
+    Eq. 12   pairs (ground-truth report, each completion)      with_chosen(), orapo_loss()
     Eq. 13   atomic facts of a report                          SentenceFacts, LLMFacts
     Eq. 14   per-label entailment, contradictions as FP        fact_claims(), facts_counts()
     Eq. 15   F-beta reward                                     facts_reward()
@@ -39,6 +39,7 @@ Equations, and where they are implemented:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -390,27 +391,49 @@ def orapo_loss(
     }
 
 
-def orapo_step(policy, ref, roll: common.Rollout, ref_logp, studies: dict, lam, z, G: int, dpo: bool, **loss_settings):
+def with_chosen(policy, roll: common.Rollout, reports: list[str], G: int) -> common.Rollout:
+    """Eq. 12's pairs in one pass: each study's G completions, then its ground-truth report (the preferred answer) as
+    row G of its G + 1, all right-padded to one length, so that the policy's and the reference's log-probs of both come
+    from one forward each (the study's prompt and views once)."""
+    c_ids, c_mask = policy.encode_targets(reports)  # (B, Tc)
+    B, T = len(reports), max(roll.completion_ids.shape[1], c_ids.shape[1])
+
+    def rows(samples, chosen, pad):  # (B*G, T1), (B, Tc) -> (B*(G+1), T)
+        samples = torch.nn.functional.pad(samples, (0, T - samples.shape[1]), value=pad).view(B, G, T)
+        chosen = torch.nn.functional.pad(chosen, (0, T - chosen.shape[1]), value=pad)
+        return torch.cat([samples, chosen[:, None]], 1).view(B * (G + 1), T)
+
+    ids = rows(roll.completion_ids, c_ids, policy.pad_token_id)
+    mask = rows(roll.completion_mask, c_mask.to(roll.completion_mask.dtype), 0)
+    texts = [t for q in range(B) for t in (*roll.texts[q * G : (q + 1) * G], reports[q])]
+    rewards = torch.cat([roll.rewards.view(B, G), roll.rewards.new_zeros(B, 1)], 1).view(-1)  # the chosen's: unused
+    return common.Rollout(roll.prompts, ids, mask, texts, rewards)
+
+
+def samples_and_chosen(x, G: int):
+    """(B*(G+1), ...) rows of with_chosen -> the completions' (B*G, ...) and the ground truths' (B, ...)."""
+    x = x.view(-1, G + 1, *x.shape[1:])
+    return x[:, :G].reshape(-1, *x.shape[2:]), x[:, G]
+
+
+def orapo_step(policy, rows: common.Rollout, ref_logp, lam, z, G: int, dpo: bool, **loss_settings):
     """The loss of one rollout (or one micro-batch of its groups) in the paper's order, Eq. 1-2 -> 12 -> 11, at the
     mixing weights `lam` (B,) that Eq. 8-10 gave its studies (z (B,): Eq. 8's indicator, for the DPO accuracy on
-    zero-reward groups); `studies`: their images and ground-truth reports; dpo: lambda_max > 0 (else GRPO alone)."""
-    A = common.group_advantages(roll.rewards, G, scale="none")  # Eq. 1-2 as Dr. GRPO (App. A): r - mean, (B*G,)
-    logp = policy.completion_logprobs(roll.prompts, roll.completion_ids, roll.completion_mask, TEMPERATURE)  # (B*G, T)
-    chosen = {}
+    zero-reward groups). rows: the G completions of each study, and with dpo (lambda_max > 0; else GRPO alone) its
+    ground-truth report as row G (with_chosen); ref_logp: pi_ref of the same rows."""
+    logp = policy.completion_logprobs(rows.prompts, rows.completion_ids, rows.completion_mask, TEMPERATURE)  # (N, T)
+    mask, rewards, chosen = rows.completion_mask, rows.rewards, {}
     if dpo:  # Eq. 12: the ground-truth report is the preferred answer (the prompt asks for it)
-        prompts = policy.prompt_batch(studies["images"], PROMPT)
-        c_ids, c_mask = policy.encode_targets(studies["report"])  # (B, Tc)
-        target = common.Rollout(prompts, c_ids, c_mask, list(studies["report"]), torch.zeros(len(c_ids)))
-        chosen = dict(
-            chosen_logp=policy.completion_logprobs(prompts, c_ids, c_mask, TEMPERATURE),
-            chosen_mask=c_mask,
-            ref_chosen_logp=common.reference_logprobs(ref, target, TEMPERATURE),
-        )  # (B, Tc) each
-    loss, stats = orapo_loss(logp, ref_logp, A, roll.completion_mask, lam, G, **chosen, **loss_settings)  # Eq. 11
+        (logp, chosen_logp), (mask, chosen_mask) = samples_and_chosen(logp, G), samples_and_chosen(mask, G)
+        ref_logp, ref_chosen_logp = samples_and_chosen(ref_logp, G)
+        rewards = samples_and_chosen(rewards, G)[0]
+        chosen = dict(chosen_logp=chosen_logp, chosen_mask=chosen_mask, ref_chosen_logp=ref_chosen_logp)  # (B, T)
+    A = common.group_advantages(rewards, G, scale="none")  # Eq. 1-2 as Dr. GRPO (App. A): r - mean, (B*G,)
+    loss, stats = orapo_loss(logp, ref_logp, A, mask, lam, G, **chosen, **loss_settings)  # Eq. 11
     acc = stats.pop("dpo_accuracy_q")
     # DPO accuracy on zero-reward groups: sum this over steps and divide by zero_group_ratio's sum
     stats["dpo_accuracy_x_zero"] = float((acc * z).mean()) if len(acc) else 0.0
-    return loss, {**stats, "reward": roll.rewards.mean().item(), "length": roll.completion_mask.sum(1).mean().item()}
+    return loss, {**stats, "reward": rewards.mean().item(), "length": mask.sum(1).mean().item()}
 
 
 # Training -------------------------------------------------------------------------------------------
@@ -425,7 +448,12 @@ def train(args: Args) -> dict:
             "FactS (Eq. 13-14): a report's facts are its sentences and clauses labelled by the "
             "labeler, not GPT-4.1's atomic facts and entailment (--facts hf:<id> asks a local LM)"
         )
-    run = common.start_run(args, notes=notes)
+    dpo, tokens = args.lambda_max > 0, args.max_new_tokens or 256  # a step's shape on a GPU: the memory check
+    rows = args.group_size + (1 if dpo else 0)  # with_chosen: the ground truth in the same pass
+    step = common.StepShape(args.prompts_per_step, rows, tokens, args.grad_accum, fsdp=args.fsdp)
+    step = dataclasses.replace(step, reference=not LORA and (dpo or args.beta > 0), lora=LORA)
+    warm = dataclasses.replace(step, studies=WARM_START["batch_size"], rows=1, grad_accum=1, rollout=False)
+    run = common.start_run(args, notes=notes, memory=(step, warm) if args.sft_steps else (step,))
     per_process = run.per_rank(args.prompts_per_step, "--prompts-per-step")  # fail now, not after a warm start
     common.exact_div(per_process, args.grad_accum, "--prompts-per-step per process / --grad-accum")
     zrr = ZeroRewardRate(ZRR_MOMENTUM)
@@ -509,11 +537,12 @@ def train(args: Args) -> dict:
         studies = common.split_batch(batch, args.grad_accum)
         for k, (micro, mine) in enumerate(zip(micros, studies)):
             q = slice(k * len(mine["id"]), (k + 1) * len(mine["id"]))  # the micro-batch's studies
+            rows = with_chosen(policy, micro, mine["report"], G) if dpo else micro  # Eq. 12: + the ground truths
             with common.gradient_sync(policy.forward_module, last=k == len(micros) - 1):
                 with run.autocast():
-                    ref_logp = common.reference_logprobs(ref, micro, TEMPERATURE)  # (B*G, T) pi_ref, Eq. 4 and 5
+                    ref_logp = common.reference_logprobs(ref, rows, TEMPERATURE)  # pi_ref of the rows, Eq. 4 and 5
                 with run.autocast():
-                    loss, stats = orapo_step(policy, ref, micro, ref_logp, mine, lam[q], z[q], G, dpo, **settings)
+                    loss, stats = orapo_step(policy, rows, ref_logp, lam[q], z[q], G, dpo, **settings)
                 (loss / args.grad_accum).backward()  # the last micro-batch's averages the gradients over ranks
             run.log(loss=loss.item(), **stats)
         grad_norm = common.clip_gradients(params, MAX_GRAD_NORM)

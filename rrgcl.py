@@ -282,7 +282,8 @@ def epoch_subset(scheduler: str, t: int, T: int, plan: dict) -> np.ndarray:
 
 # Training: Algorithm 1 around the wrapped generator -----------------------------------------------
 def train(args: Args) -> dict:
-    run = common.start_run(args, notes=measurer_notes(args))
+    step = common.StepShape(args.batch_size, tokens=256, rollout=False, lora=LORA, trained="lora")  # SFT, LoRA
+    run = common.start_run(args, notes=measurer_notes(args), memory=() if args.measure_only else (step,))
     run.data = common.r2gen_views(run.data)  # R2Gen's two views per study (IU X-Ray has 1-5): the wrapped models' input
     train_set, test_set = run.data["train"], run.data["test"]
 

@@ -231,7 +231,7 @@ def test_eq6_token_weights_scale_each_tokens_gradient(small_synthetic):
     std + 1e-4): weights of 1 give GRPO's gradient, and a weight of 3 on one token triples that token's push."""
     data = common.load_data(str(small_synthetic))
     policy = tiny_policy([r.report for r in data["train"]], max_len=16)
-    prompts = policy.repeat(policy.prompt_batch([[common.load_image(p) for p in data["train"][0].image_paths]]), 2)
+    prompts = policy.prompt_batch([[common.load_image(p) for p in data["train"][0].image_paths]])  # 2 rows of it
     ids, mask = policy.encode_targets(["heart size is normal.", "small left pleural effusion."])
     roll = common.Rollout(prompts, ids, mask, [], torch.tensor([0.0, 1.0]))
     w = torch.ones(mask.shape)
@@ -331,12 +331,9 @@ class SamplesByStudy:
     def prompt_batch(self, images, text):
         return {"study": torch.arange(len(images))}
 
-    def repeat(self, prompts, n):
-        return {"study": prompts["study"].repeat_interleave(n)}  # row i -> rows i n .. i n + n - 1
-
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, n=1):
         self.calls.append((max_new_tokens, temperature, top_p))
-        study = prompts["study"]
+        study = prompts["study"].repeat_interleave(n)  # row i n + j: study i's j-th sample
         k = torch.arange(len(study)) - torch.searchsorted(study, study)  # the sample's index within its study
         return torch.stack([study, k], 1), None
 

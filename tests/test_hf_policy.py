@@ -1,5 +1,5 @@
 """HFPolicy on a tiny random Qwen2.5-VL (built offline in conftest.py, loaded through
-AutoProcessor / AutoModelForImageTextToText like a hub checkpoint): prompts, repeat, sampling,
+AutoProcessor / AutoModelForImageTextToText like a hub checkpoint): prompts, views once a study, sampling,
 log-prob agreement, the rope_deltas pitfall, LoRA, freezing, gradient checkpointing, saving."""
 
 import pytest
@@ -52,25 +52,96 @@ def test_sft_and_dpo_targets_end_with_eos_at_most_512_tokens(policy):
     assert n < 512 and ids[1, n - 1] == policy.eos_token_id and not mask[1, n:].any()
 
 
-def test_repeat_copies_each_study_with_its_own_images(policy, studies):
+def per_row_logprobs(policy, prompts, ids, mask, n):
+    """The log-probs as before the views were shared: every row its own copy of its study's views, through the model
+    as one batch (rows() of each study, n times in a row)."""
+    copies = [policy.rows(prompts, i, i + 1) for i in range(len(prompts["input_ids"])) for _ in range(n)]
+    inputs = {k: torch.cat([c[k] for c in copies]) for k in ("input_ids", "attention_mask", "pixel_values")}
+    inputs["image_grid_thw"] = torch.cat([c["image_grid_thw"] for c in copies])
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], ids], 1)
+    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], mask.long()], 1)
+    if "mm_token_type_ids" in prompts:  # the prompt's image tokens marked, the completion's text
+        types_ = torch.cat([c["mm_token_type_ids"] for c in copies])
+        inputs["mm_token_type_ids"] = torch.cat([types_, torch.zeros_like(ids)], 1)
+    logits = policy.model(**inputs, use_cache=False, logits_to_keep=ids.shape[1] + 1).logits[:, :-1]
+    return common.token_logprobs(logits, ids, 1.0, policy.suppressed) * mask
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_views_once_a_study_give_the_per_row_logprobs_and_gradients(tiny_qwen_dir, studies, lora):
+    """G = 4 rows a study (three studies, the second with two views): the vision tower sees each study's patches once
+    (not G times), and the log-probs and every gradient equal those of each row carrying its own copy of its views
+    (before: Policy.repeat), with and without LoRA. A row given another study's views (a repeat where
+    repeat_interleave was meant) changes both."""
+    views, reports = studies
+    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu")
+    if lora:
+        common.add_lora(pol, dict(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"]))
+        with torch.no_grad():  # B starts at 0: make the adapters act
+            for m in pol.model.modules():
+                if isinstance(m, common.LoRALinear):
+                    m.lora_B.normal_(std=0.1)
+    prompts = pol.prompt_batch(views, PROMPT)
+    texts = [r for r in reports for _ in range(4)]
+    ids, mask = pol.encode_targets([" ".join(t.split()[: 3 + i % 5]) for i, t in enumerate(texts)])
+    patches = []
+    hook = pol.model.model.visual.register_forward_hook(lambda m, args, out: patches.append(args[0].shape[0]))
+    params = [p for p in pol.model.parameters() if p.requires_grad]
+    shared = pol.completion_logprobs(prompts, ids, mask)
+    hook.remove()
+    assert patches == [prompts["pixel_values"].shape[0]] == [16 * 4]  # 4 views of 16 patches, once each
+    grads = torch.autograd.grad((shared * torch.linspace(0.5, 1.5, shared.numel()).view_as(shared)).sum(), params)
+    per_row = per_row_logprobs(pol, prompts, ids, mask, 4)
+    per_row_grads = torch.autograd.grad(
+        (per_row * torch.linspace(0.5, 1.5, per_row.numel()).view_as(per_row)).sum(), params
+    )
+    torch.testing.assert_close(shared, per_row, rtol=1e-5, atol=1e-5)
+    for g, h in zip(grads, per_row_grads, strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
+    swapped = {
+        **prompts,
+        "pixel_values": torch.cat(
+            [prompts["pixel_values"][16:48], prompts["pixel_values"][:16], prompts["pixel_values"][48:]]
+        ),
+    }
+    swapped["image_grid_thw"] = prompts["image_grid_thw"]
+    assert (per_row_logprobs(pol, swapped, ids, mask, 4) - per_row).abs().max() > 1e-3  # the test can see a mix-up
+
+
+def test_generate_encodes_each_studys_views_once(policy, studies):
+    """generate(prompts, n=G): G samples a study, row iG + j study i's, the vision tower on each study's views once;
+    the same samples, token for token, as prompts repeated row by row (each row its own copy of the views)."""
     views, _ = studies
-    p = policy.prompt_batch(views, PROMPT)
-    r = policy.repeat(p, 3)
-    assert r["input_ids"].shape[0] == 9 and r["image_grid_thw"].shape[0] == 12
-    assert torch.equal(r["input_ids"][3], p["input_ids"][1]) and torch.equal(r["input_ids"][5], p["input_ids"][1])
-    per_study = [16, 32, 16]  # patch rows per study (16 per view)
-    chunks = r["pixel_values"].split([n for n in per_study for _ in range(3)])
-    originals = p["pixel_values"].split(per_study)
-    for i, chunk in enumerate(chunks):
-        assert torch.equal(chunk, originals[i // 3])
+    prompts = policy.prompt_batch(views, PROMPT)
+    patches = []
+    hook = policy.model.model.visual.register_forward_hook(lambda m, args, out: patches.append(args[0].shape[0]))
+    torch.manual_seed(0)
+    ids, mask = policy.generate(prompts, 8, n=3)
+    hook.remove()
+    assert ids.shape[0] == 9 and patches == [prompts["pixel_values"].shape[0]]
+    copies = [policy.rows(prompts, i, i + 1) for i in range(3) for _ in range(3)]
+    repeated = {k: torch.cat([c[k] for c in copies]) for k in prompts}
+    torch.manual_seed(0)
+    ids_r, mask_r = common.generate_completions(
+        policy,
+        policy.model,
+        {k: v for k, v in repeated.items() if k in policy.MODEL_KEYS},
+        prompts["input_ids"].shape[1],
+        8,
+        1.0,
+        True,
+        False,
+        1.0,
+    )
+    assert torch.equal(ids, ids_r) and torch.equal(mask, mask_r)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_recorded_logprobs_equal_forward_then_other_batch_size(policy, studies, temperature):
     views, _ = studies
-    prompts = policy.repeat(policy.prompt_batch(views, PROMPT), 2)  # 6 rows
+    prompts = policy.prompt_batch(views, PROMPT)  # 3 studies, 2 rows each
     torch.manual_seed(0)
-    ids, mask, recorded = policy.generate(prompts, 10, temperature=temperature, return_logprobs=True)
+    ids, mask, recorded = policy.generate(prompts, 10, temperature=temperature, return_logprobs=True, n=2)
     assert ids.shape[0] == 6 and mask.shape == ids.shape
     with torch.no_grad():
         scored = policy.completion_logprobs(prompts, ids, mask, temperature)
@@ -247,9 +318,9 @@ def test_vision_placeholders_are_never_sampled(tiny_qwen_dir, studies):
     assert image_pad in pol.suppressed
     with torch.no_grad():  # make <|image_pad|> by far the likeliest next token everywhere
         pol.model.lm_head.weight[image_pad] = pol.model.lm_head.weight.abs().max() * 50
-    prompts = pol.repeat(pol.prompt_batch(views, PROMPT), 2)
+    prompts = pol.prompt_batch(views, PROMPT)
     torch.manual_seed(0)
-    ids, mask, recorded = pol.generate(prompts, 6, return_logprobs=True)
+    ids, mask, recorded = pol.generate(prompts, 6, return_logprobs=True, n=2)
     assert not (ids == image_pad).any()
     with torch.no_grad():  # the forward would fail on an image token without image features
         scored = pol.completion_logprobs(prompts, ids, mask)
@@ -281,7 +352,7 @@ def test_bf16_weights_with_fp32_trainable_parts(tiny_qwen_dir, studies):
 
 def test_rows_cut_a_batch_with_its_images(policy, studies):
     """rows(prompts, start, stop): the rows' own images (a two-view study among one-view ones) and tokens, as a
-    batch made of those studies alone (left padding aside); repeat() is rows() G times."""
+    batch made of those studies alone (left padding aside)."""
     views, _ = studies
     p = policy.prompt_batch(views, PROMPT)
     for start, stop in ((1, 3), (0, 1), (2, 3)):
@@ -290,5 +361,3 @@ def test_rows_cut_a_batch_with_its_images(policy, studies):
             assert torch.equal(part[k], alone[k]), (start, stop, k)
         tokens = [row[mask.bool()].tolist() for row, mask in zip(part["input_ids"], part["attention_mask"])]
         assert tokens == [row[m.bool()].tolist() for row, m in zip(alone["input_ids"], alone["attention_mask"])]
-    r = policy.repeat(p, 2)
-    assert torch.equal(policy.rows(r, 2, 4)["pixel_values"], torch.cat([policy.rows(p, 1, 2)["pixel_values"]] * 2))

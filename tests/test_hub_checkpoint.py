@@ -63,8 +63,8 @@ def test_the_policy_samples_at_plain_temperature_and_stops_at_either_eos(tiny_qw
     hub_eos = json.loads((tiny_qwen_dir / "generation_config.json").read_text())["eos_token_id"]
     assert set(policy.eos_token_ids) == set(hub_eos) and policy.eos_token_id in hub_eos
     torch.manual_seed(0)
-    prompts = policy.repeat(policy.prompt_batch([[Image.new("L", (64, 64), 90)]], "Describe."), 8)
-    ids, mask = policy.generate(prompts, 6)
+    prompts = policy.prompt_batch([[Image.new("L", (64, 64), 90)]], "Describe.")
+    ids, mask = policy.generate(prompts, 6, n=8)
     assert len({tuple(r) for r in ids.tolist()}) > 1  # sampled, not the hub's near-greedy
     assert torch.equal(mask, common.completion_mask(ids, hub_eos))  # a completion ends at the first of either
 
@@ -107,9 +107,10 @@ def test_a_mimic_view_is_320_tokens_in_every_pass_of_a_run(tmp_path, mimic_views
     short = ["--steps", "1", "--sft-steps", "1", "--prompts-per-step", "1", "--group-size", "2"]
     orapo.main(qwen_flags(mimic_views, tiny_qwen_dir, out, *short, "--max-new-tokens", "4", "--train-size", "0"))
     passes = [len(views) for views in seen]  # views per pass
-    # SFT (2 studies); test_before (1); the rollout's generate, the policy's and the reference's passes (2 samples);
-    # the ground-truth report's policy and reference passes (1); test_after (1)
-    assert passes == [2, 1, 2, 2, 2, 1, 1, 1], passes
+    # SFT (2 studies); test_before (1); the RL step: the rollout's generate, the reference's and the policy's passes,
+    # each the study's view once for its 2 samples and its ground-truth report (4 and 2 passes of 2, 2 and 1 before
+    # issue "Each study's images once a pass"); test_after (1)
+    assert passes == [2, 1, 1, 1, 1, 1], passes
     lengths, real_generate = [], common.HFPolicy.generate
     monkeypatch.setattr(
         common.HFPolicy, "generate", lambda self, p, n, *a, **k: lengths.append(n) or real_generate(self, p, n, *a, **k)

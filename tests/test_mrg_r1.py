@@ -292,7 +292,7 @@ def test_policy_gradient_raises_the_best_completion(small_synthetic):
     data = common.load_data(str(small_synthetic))
     torch.manual_seed(0)
     policy = common.make_policy("tiny", [r.report for r in data["train"]], "cpu", max_new_tokens=16)
-    prompts = policy.repeat(policy.prompt_batch([[common.load_image(p) for p in data["train"][0].image_paths]]), 4)
+    prompts = policy.prompt_batch([[common.load_image(p) for p in data["train"][0].image_paths]])  # 4 rows of it
     words = data["train"][0].report.split()
     texts = [" ".join(words[:n]) for n in (2, 5, 9, 3)]
     ids, mask = policy.encode_targets(texts)

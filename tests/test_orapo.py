@@ -200,11 +200,10 @@ def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
     ref = copy.deepcopy(policy)
     prompts = policy.prompt_batch([[common.load_image(p) for p in r.image_paths] for r in records])
     G = 4
-    rep = policy.repeat(prompts, G)
-    ids, mask = policy.generate(rep, 24)  # the rejected samples
+    ids, mask = policy.generate(prompts, 24, n=G)  # the rejected samples
     c_ids, c_mask = policy.encode_targets([r.report for r in records])
     ref_logp, ref_c = (
-        common.reference_logprobs(ref, common.Rollout(rep, ids, mask, [], None)),
+        common.reference_logprobs(ref, common.Rollout(prompts, ids, mask, [], None)),
         common.reference_logprobs(ref, common.Rollout(prompts, c_ids, c_mask, [], None)),
     )
     opt = torch.optim.SGD(policy.model.parameters(), lr=0.05)
@@ -214,7 +213,7 @@ def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
 
     for k in range(4):
         loss, s = orapo_loss(
-            policy.completion_logprobs(rep, ids, mask),
+            policy.completion_logprobs(prompts, ids, mask),
             ref_logp,
             torch.zeros(2 * G),
             mask,
@@ -233,7 +232,7 @@ def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
     assert s["dpo_accuracy"] == 1.0 and s["dpo_margin"] > 0 and loss.item() < math.log(2)  # before the 4th step
     with torch.no_grad():
         up = mean(policy.completion_logprobs(prompts, c_ids, c_mask), c_mask) - mean(ref_c, c_mask)  # (2,)
-        down = (mean(policy.completion_logprobs(rep, ids, mask), mask) - mean(ref_logp, mask)).view(2, G)  # (2, G)
+        down = (mean(policy.completion_logprobs(prompts, ids, mask), mask) - mean(ref_logp, mask)).view(2, G)
     assert (up[:, None] > down).all() and down.mean() < 0  # the ground truth gained on every sample; samples lost
 
 
@@ -415,8 +414,10 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
         ]
         + fast
     )
-    roll, ((policy, _, _, _, batch, *_), (loss, _)) = rolls[0], steps[0]
+    roll, ((policy, rows, *_), (loss, _)) = rolls[0], steps[0]
     G, B, T = 4, 2, 16
+    batch = {"report": rows.texts[G :: G + 1]}  # with_chosen: each study's ground truth after its G samples
+    assert rows.texts[:: G + 1] == roll.texts[::G]  # row 0 of each group of G + 1: the study's first sample
     gt = common.RuleLabeler()(batch["report"])
     expected = independent_facts(roll.texts, gt[np.arange(B * G) // G])
     np.testing.assert_allclose(roll.rewards.numpy(), expected, atol=1e-6)
@@ -432,7 +433,9 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
             policy.decode(policy.encode_targets([batch["report"][q]])[0], kw["chosen_mask"][:1])[0]
             == policy.decode(*policy.encode_targets([batch["report"][q]]))[0]
         )
-        torch.testing.assert_close(kw["rejected_mask"], roll.completion_mask[q * G : (q + 1) * G])
+        sample_mask = kw["rejected_mask"]  # padded to the longer of the samples and the ground truth: zeros past T
+        torch.testing.assert_close(sample_mask[:, :T], roll.completion_mask[q * G : (q + 1) * G])
+        assert not sample_mask[:, T:].any()
         torch.testing.assert_close(ref_chosen, chosen.detach(), atol=1e-5, rtol=0)
     z = (r == 0).all(1).float().numpy()
     lam = 0.1 + 0.5 * (0.3 * z) ** 2

@@ -56,8 +56,8 @@ def test_recorded_logprobs_equal_forward_logprobs(policy, temperature):
     # the d = 32 term dot products, ~1e-5 at worst, 5e-7 seen under ATEN_CPU_CAPABILITY=default and avx2; a wrong
     # temperature, position or mask is off by 1e-2 or more.
     torch.manual_seed(1)
-    prompts = policy.repeat(policy.prompt_batch(images(2)), 3)
-    ids, mask, sampled = policy.generate(prompts, 20, temperature, return_logprobs=True)
+    prompts = policy.prompt_batch(images(2))
+    ids, mask, sampled = policy.generate(prompts, 20, temperature, return_logprobs=True, n=3)
     assert ids.shape[0] == 6 and mask.shape == ids.shape
     forward = policy.completion_logprobs(prompts, ids, mask, temperature)
     assert forward.dtype == torch.float32
@@ -93,7 +93,7 @@ def test_generation_stops_at_eos_and_pads_after(policy):
         policy.model.decoder.lm_head.bias = None
     head = policy.model.decoder.lm_head
     handle = head.register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.tensor([policy.eos_token_id]), 50.0))
-    ids, mask = policy.generate(policy.repeat(policy.prompt_batch(images(2)), 2), 10)
+    ids, mask = policy.generate(policy.prompt_batch(images(2)), 10, n=2)
     handle.remove()
     assert ids.shape == (4, 1) and mask.tolist() == [[1.0]] * 4  # the EOS counts as a completion token
     assert policy.decode(ids, mask) == [""] * 4  # an empty generation decodes to ""
@@ -252,8 +252,8 @@ def test_tiny_grpo_step_timing():
     times = {"sample": [], "score": [], "update": []}
     for _ in range(4):
         t0 = time.time()
-        prompts = policy.repeat(policy.prompt_batch(batch["images"]), 8)
-        ids, mask = policy.generate(prompts, 96)
+        prompts = policy.prompt_batch(batch["images"])
+        ids, mask = policy.generate(prompts, 96, n=8)
         t1 = time.time()
         texts = policy.decode(ids, mask)
         hyp, ref_labels = labeler(texts), labeler([batch["report"][n // 8] for n in range(64)])
@@ -297,6 +297,6 @@ def test_any_number_of_views_in_one_batch():
         n = int(mask[i].sum())
         alone = pol.completion_logprobs(pol.prompt_batch([study[::-1]]), ids[i : i + 1, :n], mask[i : i + 1, :n])
         torch.testing.assert_close(both[i, :n], alone[0], atol=1e-5, rtol=1e-5)
-    repeated = pol.repeat(prompts, 2)
-    assert repeated["view_mask"].tolist() == [[1, 0, 0]] * 2 + [[1, 1, 1]] * 2 + [[1, 1, 0]] * 2
-    assert pol.generate(repeated, 4)[0].shape[0] == 6
+    repeated = pol.repeated(prompts, 2)  # (pixel_values, view_mask, start_ids): each study's row twice in a row
+    assert repeated[1].tolist() == [[1, 0, 0]] * 2 + [[1, 1, 1]] * 2 + [[1, 1, 0]] * 2
+    assert pol.generate(prompts, 4, n=2)[0].shape[0] == 6
