@@ -478,9 +478,26 @@ class TinyPolicy(Policy):
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
+        if "apart" in prompts:
+            return self.scored_apart(prompts, completion_ids, completion_mask, temperature)
         inputs = (*self.repeated(prompts, self.rows_per_study(prompts, completion_ids)), completion_ids)
         logits = self.forward_module(*inputs)  # (N, T, V): the logits that predict each completion token
         return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
+
+    def scored_apart(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
+        """Rows of G + 1 a study whose last is another kind (OraPO's ground truth after its G samples: prompts["apart"]
+        = G, the samples' length, the last's), scored in two passes, as the sandbox's committed numbers were: a
+        batch of other shapes rounds differently in float, and 250 steps carry that into every number printed."""
+        G, T, Tl = prompts["apart"].tolist()
+        plain = {k: v for k, v in prompts.items() if k != "apart"}
+        B = len(plain["start_ids"])
+        ids, mask = completion_ids.view(B, G + 1, -1), completion_mask.view(B, G + 1, -1)
+        rows = (ids[:, :G, :T].reshape(B * G, T), mask[:, :G, :T].reshape(B * G, T))
+        samples = self.completion_logprobs(plain, *rows, temperature)
+        last = self.completion_logprobs(plain, ids[:, G, :Tl], mask[:, G, :Tl], temperature)
+        out = torch.zeros(ids.shape, device=ids.device)  # (B, G + 1, T')
+        out[:, :G, :T], out[:, G, :Tl] = samples.view(B, G, T), last
+        return out.view(B * (G + 1), -1)
 
     def encode_targets(self, texts: list[str]):
         targets = [self.tokenizer.encode(t)[: self.model.hparams["max_len"] - 1] + [self.eos_token_id] for t in texts]

@@ -407,7 +407,9 @@ def with_chosen(policy, roll: common.Rollout, reports: list[str], G: int) -> com
     mask = rows(roll.completion_mask, c_mask.to(roll.completion_mask.dtype), 0)
     texts = [t for q in range(B) for t in (*roll.texts[q * G : (q + 1) * G], reports[q])]
     rewards = torch.cat([roll.rewards.view(B, G), roll.rewards.new_zeros(B, 1)], 1).view(-1)  # the chosen's: unused
-    return common.Rollout(roll.prompts, ids, mask, texts, rewards)
+    apart = torch.tensor([G, roll.completion_ids.shape[1], c_ids.shape[1]])  # the tiny model scores the two apart
+    prompts = roll.prompts | {"apart": apart} if isinstance(policy, common.TinyPolicy) else roll.prompts
+    return common.Rollout(prompts, ids, mask, texts, rewards)
 
 
 def samples_and_chosen(x, G: int):
