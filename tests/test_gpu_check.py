@@ -2,6 +2,7 @@
 formula it compares with; its parts run on the CPU with the tiny Qwen2.5-VL, to check the parts themselves."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,17 +17,26 @@ import gpu_check
 from conftest import run_python
 
 
+def without_pytest(folder: Path) -> dict:
+    """The environment of a process that cannot import pytest (the device's image has none): `pytest` and `_pytest`
+    first on PYTHONPATH, each raising ModuleNotFoundError, as an absent module does; the processes it starts too."""
+    for name in ("pytest.py", "_pytest.py"):
+        (folder / name).write_text("raise ModuleNotFoundError('no pytest on the device: gpu_check must not need it')\n")
+    return {"PYTHONPATH": f"{folder}{os.pathsep}{ROOT}"}
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """`python tests/gpu_check.py --out DIR` with no CUDA device (CUDA_VISIBLE_DEVICES=""): the process and DIR."""
-    out = tmp_path_factory.mktemp("gpu_check")
-    proc = run_python(ROOT / "tests" / "gpu_check.py", "--out", str(out))
+    """`python tests/gpu_check.py --out DIR` with no CUDA device (CUDA_VISIBLE_DEVICES="") and pytest unimportable:
+    the process and DIR."""
+    out, blocked = tmp_path_factory.mktemp("gpu_check"), tmp_path_factory.mktemp("no_pytest")
+    proc = run_python(ROOT / "tests" / "gpu_check.py", "--out", str(out), env=without_pytest(blocked))
     return proc, out
 
 
 def test_without_cuda_it_prepares_says_so_in_one_line_and_exits_0(prepared):
-    """The CPU-side preparation runs (MIMIC-size views, the tiny Qwen2.5-VL, the 3B's and 7B's published folders
-    without weights), stdout is one line, the exit status 0, every file under --out, no gpu.json."""
+    """Without pytest, the CPU-side preparation runs (MIMIC-size views, the tiny Qwen2.5-VL, the 3B's and 7B's
+    published folders without weights), stdout is one line, the exit status 0, every file under --out, no gpu.json."""
     proc, out = prepared
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [proc.stdout.strip()] and "no CUDA device" in proc.stdout
