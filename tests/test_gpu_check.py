@@ -69,6 +69,15 @@ def test_memory_formula_is_the_documented_one():
     assert gpu_check.formula_gb("mrg_r1", 16) == pytest.approx(2 * 8.292166656 + 18 * 0.322961408 + 16 * 0.82)
 
 
+def test_the_limits_fit_the_budget_and_the_7b_part_is_not_last():
+    """Preparation's share and the parts' limits add to at most the whole check's budget (no part is cut by the
+    budget while preparation keeps to its share); the parts run in LIMITS_S's order, the 7B part (mrg_r1, the one
+    on qwen7b) not last."""
+    assert gpu_check.PREPARE_S + sum(gpu_check.LIMITS_S.values()) <= gpu_check.BUDGET_S
+    assert gpu_check.STEP_SHAPES["mrg_r1"][0] == "qwen7b" and list(gpu_check.LIMITS_S)[-1] != "step:mrg_r1"
+    assert [k for k, (model, *_) in gpu_check.STEP_SHAPES.items() if model == "qwen7b"] == ["mrg_r1"]
+
+
 def test_unknown_part_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match="error: --parts: unknown gpu"):
         gpu_check.main(["--parts", "gpu", "--out", str(tmp_path)])
