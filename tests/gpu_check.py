@@ -58,8 +58,21 @@ DEVICE = "cuda"  # the parts' device (a CPU run of a part checks the part itself
 MIMIC_VIEW = (2544, 3056)  # width, height
 TOKENS_AT_512 = 320  # image tokens of one such view at --max-pixels 512 x 512 (20 x 16 after the 2 x 2 merge)
 STEPS = 3  # a step part's steps: the first two warm kernels and the allocator, the last is kept
-# dense bf16 matrix FLOP/s and HBM bytes/s (NVIDIA's data sheets: SXM parts); others: no utilisation printed
-PEAK = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
+# NVIDIA's data sheets, per card: dense bf16 tensor FLOP/s (half the sheets' "with sparsity" figure) and HBM bytes/s.
+# The first row whose words all occur in torch.cuda.get_device_name() (upper case) gives the peaks; no row: none known,
+# no utilisation printed (a MIG slice too: a part of the SMs, the name of the whole card).
+PEAKS = (
+    (("H200", "NVL"), 835e12, 4.8e12),  # NVIDIA H200 NVL
+    (("H200",), 989e12, 4.8e12),  # NVIDIA H200 (SXM)
+    (("H100", "NVL"), 835e12, 3.9e12),  # NVIDIA H100 NVL (94 GB)
+    (("H100", "PCIE"), 756e12, 2.0e12),  # NVIDIA H100 PCIe (80 GB HBM2e)
+    (("H100", "HBM3"), 989e12, 3.35e12),  # NVIDIA H100 80GB HBM3: the SXM5 card
+    (("H100", "SXM"), 989e12, 3.35e12),
+    (("A100", "SXM4-80GB"), 312e12, 2.039e12),
+    (("A100", "SXM4-40GB"), 312e12, 1.555e12),
+    (("A100", "80GB", "PCIE"), 312e12, 1.935e12),  # NVIDIA A100 80GB PCIe
+    (("A100", "PCIE-40GB"), 312e12, 1.555e12),  # NVIDIA A100-PCIE-40GB
+)
 # each step part: (model folder, its flags, the paper's batch it stands for)
 STEP_SHAPES = {
     "orapo": ("qwen3b", ["--prompts-per-step", "1", "--group-size", "8"], "4 studies x G 8 over 4 GPUs"),
@@ -195,9 +208,16 @@ def build_on_the_device():
     AutoModelForImageTextToText.from_pretrained = build
 
 
-def device_peaks() -> tuple:
-    name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
-    return next((v for k, v in PEAK.items() if k in name), (None, None))
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
+
+
+def device_peaks(name: str) -> tuple:
+    """The card's dense bf16 FLOP/s and HBM bytes/s, from its exact name (PEAKS) -> (None, None) if not known."""
+    name = name.upper()
+    if "MIG" in name.split():
+        return None, None
+    return next(((flops, hbm) for words, flops, hbm in PEAKS if all(w in name for w in words)), (None, None))
 
 
 def part_generation(work: Path, figures: Figures, model: str = "qwen3b", new_tokens: int = 128, rows=(8, 32, 64)):
@@ -206,7 +226,7 @@ def part_generation(work: Path, figures: Figures, model: str = "qwen3b", new_tok
     build_on_the_device()
     policy = common.HFPolicy(str(work / model), device=DEVICE, dtype=torch.bfloat16, max_pixels=512 * 512)
     weights = sum(p.numel() * p.element_size() for p in policy.model.parameters())
-    _, bandwidth = device_peaks()
+    _, bandwidth = device_peaks(device_name())
     bound_ms = 1000 * weights / bandwidth if bandwidth else None
     figures.update(weights_gb=round(weights / GB, 2), hbm_bound_ms_per_step=bound_ms and round(bound_ms, 3))
     image = Image.open(min((work / "data" / "images").iterdir()))
@@ -340,7 +360,7 @@ def part_step(script: str, work: Path, figures: Figures, model: str | None = Non
     rows, new, seconds = counts["generate"][-1]
     figures.update(completions=rows, new_tokens=new, decode_ms_per_token=round(1000 * seconds / new, 2))
     policy_model = module_policy_model()
-    flop_s, bandwidth = device_peaks()
+    flop_s, bandwidth = device_peaks(device_name())
     trained_s = last["forward + backward"][0]
     flops = update_flops(policy_model, counts["tokens"][-2])
     figures.update(update_tokens=counts["tokens"][-2], update_tflops=round(flops / 1e12, 1))
@@ -508,8 +528,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device (torch {torch.__version__}): prepared {work}, measured nothing")
         return 0
+    flop_s, hbm = device_peaks(device_name())
     result = {
-        "device": torch.cuda.get_device_name(0),
+        "device": device_name(),
+        "peak_dense_bf16_tflop_s": flop_s and flop_s / 1e12,  # None: not a card PEAKS knows
+        "peak_hbm_tb_s": hbm and hbm / 1e12,
         "device_memory_gb": round(torch.cuda.get_device_properties(0).total_memory / GB, 1),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -78,6 +78,29 @@ def test_the_limits_fit_the_budget_and_the_7b_part_is_not_last():
     assert [k for k, (model, *_) in gpu_check.STEP_SHAPES.items() if model == "qwen7b"] == ["mrg_r1"]
 
 
+@pytest.mark.parametrize(
+    "name, peaks",
+    [
+        ("NVIDIA H100 80GB HBM3", (989e12, 3.35e12)),  # SXM5
+        ("NVIDIA H100 PCIe", (756e12, 2.0e12)),
+        ("NVIDIA H100 NVL", (835e12, 3.9e12)),
+        ("NVIDIA H200", (989e12, 4.8e12)),
+        ("NVIDIA H200 NVL", (835e12, 4.8e12)),
+        ("NVIDIA A100-SXM4-80GB", (312e12, 2.039e12)),
+        ("NVIDIA A100-PCIE-40GB", (312e12, 1.555e12)),
+        ("NVIDIA A100 80GB PCIe", (312e12, 1.935e12)),
+        ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", (None, None)),  # a slice: not the card's peaks
+        ("NVIDIA H100", (None, None)),  # which H100: not said
+        ("NVIDIA L40S", (None, None)),
+        ("cpu", (None, None)),
+    ],
+)
+def test_device_peaks_are_the_exact_cards(name, peaks):
+    """The data sheet's dense bf16 rate and HBM bandwidth of the card the name says: a PCIe or NVL H100 does not get
+    the SXM's; an unknown card, a MIG slice or a bare "H100" none (no utilisation printed)."""
+    assert gpu_check.device_peaks(name) == peaks
+
+
 def test_unknown_part_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match="error: --parts: unknown gpu"):
         gpu_check.main(["--parts", "gpu", "--out", str(tmp_path)])
