@@ -1,4 +1,4 @@
-"""The GPU check: what a real run costs on one GPU, as one command, at most 7 minutes on one H200, nothing downloaded,
+"""The GPU check: what a real run costs on one GPU, as one command, at most 7 minutes (BUDGET_S), nothing downloaded,
 everything it writes under the folder given (--out; its work folder below it, removed at the end).
 
     python tests/gpu_check.py --out DIR                       # every part -> DIR/gpu.json, DIR/gpu_check.log
@@ -11,18 +11,24 @@ Qwen2.5-VL and the folders of Qwen2.5-VL-3B and -7B, config and processor as the
 then runs each part in a process of its own under a time limit, so that one failing leaves the others' figures:
 
     processor     a 2544 x 3056 view through the published processor layout at --max-pixels 512 x 512: 320 tokens
-    generation    Qwen2.5-VL-3B: tokens/s at 8, 32 and 64 rows, 128 new tokens; decode ms per token against the bound
-                  of reading every weight once per token from HBM
-    step:orapo    one step of orapo.py's own main() on Qwen2.5-VL-3B's full shape (random weights made on the GPU),
-                  full fine-tuning against a frozen copy, OraPO's per-GPU batch (4 studies x G 8 over 4 GPUs: 1 x 8)
-    step:deer     deer.py rl, DiTPO with rule weights, all of the 3B trains, DEER's per-GPU batch (64 studies x G 8 over
-                  8 GPUs: 8 x 8) in 4 micro-batches (--grad-accum 4)
-    step:mrg_r1   mrg_r1.py on Qwen2.5-VL-7B's shape (HuatuoGPT-Vision-7B's), LoRA r 128, one GPU: 4 studies x G 4
     rl_core       the GRPO and DPO losses and gradients under bf16 autocast, CUDA against the CPU
+    step:mrg_r1   mrg_r1.py on Qwen2.5-VL-7B's shape (HuatuoGPT-Vision-7B's), LoRA r 128, one GPU: 4 studies x G 4
+    step:orapo    orapo.py's own main() on Qwen2.5-VL-3B's full shape (random weights made on the GPU), full
+                  fine-tuning against a frozen copy, OraPO's per-GPU batch (4 studies x G 8 over 4 GPUs: 1 x 8)
+    step:deer     deer.py rl, DiTPO with rule weights, all of the 3B trains, no reference, DEER's per-GPU batch (64
+                  studies x G 8 over 8 GPUs: 8 x 8) in 4 micro-batches (--grad-accum 4)
+    generation    Qwen2.5-VL-3B: tokens/s at 8, 32 and 64 rows, 128 new tokens; the prefill timed apart, decode ms per
+                  step against its HBM bound
 
-A step part runs 3 steps and keeps the last: per phase (generate, reference pass, forward + backward, optimizer step)
-its seconds and peak memory, the update's model FLOP utilisation, decode ms per token, and the memory formula of
-tests/MACHINES.md beside the peak.
+in that order (LIMITS_S: the 7B part early, where a slow preparation cannot cut it; the limits and PREPARE_S add to
+BUDGET_S). A step part runs 3 steps and keeps the last. Per phase (Phases: load, rollout, reference, update,
+optimizer) its seconds, torch.cuda.max_memory_allocated and max_memory_reserved, and beside them the peak
+tests/memory_check.py predicts for the setting gpu_<script> in tests/results/memory.json with the difference (each
+script's own states and a micro-batch's activations, DEER without a reference; no such file or setting: "no
+prediction", nulls); the hand formula this replaced counted DEER's 64 completions and a reference it has not. The
+update's and the reference pass's model FLOP utilisation (pass_flops: model FLOPs only, nothing recomputed, each
+group of parameters on the tokens it acts on) at the exact card's data-sheet peak (PEAKS; an unknown card: none);
+decode ms per step, the prefill apart, against the HBM bound (decode_bytes: weights and KV cache reads).
 """
 
 import argparse
@@ -49,14 +55,30 @@ import common
 import sandbox
 
 BUDGET_S = 420  # the whole check, preparation included
-LIMITS_S = {"processor": 40, "rl_core": 40, "generation": 70, "step:orapo": 90, "step:deer": 110, "step:mrg_r1": 100}
+PREPARE_S = 40  # preparation's share (15 s on 2 shared CPU cores); the parts' limits fill the rest, no more
+# in the order they run: the 7B part early (the last is the one a slow preparation cuts), generation last (the step
+# parts measure decoding too)
+LIMITS_S = {"processor": 20, "rl_core": 25, "step:mrg_r1": 100, "step:orapo": 85, "step:deer": 95, "generation": 55}
 GB = 1e9
 DEVICE = "cuda"  # the parts' device (a CPU run of a part checks the part itself: tests/test_gpu_check.py)
 MIMIC_VIEW = (2544, 3056)  # width, height
 TOKENS_AT_512 = 320  # image tokens of one such view at --max-pixels 512 x 512 (20 x 16 after the 2 x 2 merge)
 STEPS = 3  # a step part's steps: the first two warm kernels and the allocator, the last is kept
-# dense bf16 matrix FLOP/s and HBM bytes/s (NVIDIA's data sheets: SXM parts); others: no utilisation printed
-PEAK = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
+# NVIDIA's data sheets, per card: dense bf16 tensor FLOP/s (half the sheets' "with sparsity" figure) and HBM bytes/s.
+# The first row whose words all occur in torch.cuda.get_device_name() (upper case) gives the peaks; no row: none known,
+# no utilisation printed (a MIG slice too: a part of the SMs, the name of the whole card).
+PEAKS = (
+    (("H200", "NVL"), 835e12, 4.8e12),  # NVIDIA H200 NVL
+    (("H200",), 989e12, 4.8e12),  # NVIDIA H200 (SXM)
+    (("H100", "NVL"), 835e12, 3.9e12),  # NVIDIA H100 NVL (94 GB)
+    (("H100", "PCIE"), 756e12, 2.0e12),  # NVIDIA H100 PCIe (80 GB HBM2e)
+    (("H100", "HBM3"), 989e12, 3.35e12),  # NVIDIA H100 80GB HBM3: the SXM5 card
+    (("H100", "SXM"), 989e12, 3.35e12),
+    (("A100", "SXM4-80GB"), 312e12, 2.039e12),
+    (("A100", "SXM4-40GB"), 312e12, 1.555e12),
+    (("A100", "80GB", "PCIE"), 312e12, 1.935e12),  # NVIDIA A100 80GB PCIe
+    (("A100", "PCIE-40GB"), 312e12, 1.555e12),  # NVIDIA A100-PCIE-40GB
+)
 # each step part: (model folder, its flags, the paper's batch it stands for)
 STEP_SHAPES = {
     "orapo": ("qwen3b", ["--prompts-per-step", "1", "--group-size", "8"], "4 studies x G 8 over 4 GPUs"),
@@ -153,13 +175,172 @@ def sync():
         torch.cuda.synchronize()
 
 
-def peak_gb() -> float:
-    return torch.cuda.max_memory_allocated() / GB if DEVICE == "cuda" else 0.0
+def memory_peaks() -> tuple[int, int]:
+    """torch.cuda.max_memory_allocated and max_memory_reserved (bytes) since the last reset_peak(); 0, 0 on the CPU."""
+    if DEVICE != "cuda":
+        return 0, 0
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
 
 def reset_peak():
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
+
+
+# Model FLOPs and HBM bytes of Qwen2.5-VL ---------------------------------------------------------------------------
+GROUPS = ("vision", "merger", "lm", "head")  # the way a token's activations go (its gradients: the other way)
+
+
+def parameter_groups(model) -> dict:
+    """Qwen2.5-VL's parameters by the tokens they act on: "vision" the tower's patch embedding and blocks (each patch
+    of 14 x 14 px), "merger" its 2 x 2 merger (each image token), "lm" the decoder layers (each token of the sequence,
+    image tokens included), "head" the LM head (each token predicted; the 3B ties it to the input embedding). The
+    input embedding apart from the head multiplies nothing (a lookup): in no group."""
+    core = model.model
+    merger, head = list(core.visual.merger.parameters()), list(model.lm_head.parameters())
+    skip = {id(p) for p in (*merger, *head, *core.language_model.embed_tokens.parameters())}
+    return {
+        "vision": [p for p in core.visual.parameters() if id(p) not in skip],
+        "merger": merger,
+        "lm": [p for p in core.language_model.parameters() if id(p) not in skip],
+        "head": head,
+    }
+
+
+def pass_tokens(prompts: dict, completion_mask, image_token_id: int) -> dict:
+    """The tokens a log-prob pass (HFPolicy.completion_logprobs) puts through each group, padding left out: the
+    patches, the image tokens, the prompts' and completions' tokens, the completions' (each predicted once)."""
+    completion = int(completion_mask.sum())
+    return {
+        "vision": int(prompts["pixel_values"].shape[0]),  # a row of pixel_values is a patch
+        "merger": int((prompts["input_ids"] == image_token_id).sum()),
+        "lm": int(prompts["attention_mask"].sum()) + completion,
+        "head": completion,
+    }
+
+
+def pass_flops(groups: dict, tokens: dict, grad: bool) -> int:
+    """A pass's model FLOPs: products with the weights only (attention's between tokens left out), nothing recomputed
+    (activation checkpointing's second forward is not the model's). Per token, each parameter of a group it passes
+    costs 2 forward; with grad a trained one 4 more (its input's gradient and its own: 6), a frozen one 2 more where
+    the gradient goes through it to a trained one before it (LoRA's base layers, the head; 4) and none before every
+    trained one (a frozen vision tower under LoRA; 2). tokens: per group (pass_tokens)."""
+    flops, trained_before = 0, False
+    for name in GROUPS:
+        trained = sum(p.numel() for p in groups[name] if p.requires_grad) if grad else 0
+        frozen = sum(p.numel() for p in groups[name]) - trained
+        trained_before = trained_before or trained > 0
+        flops += tokens[name] * (6 * trained + (4 if trained_before else 2) * frozen)
+    return flops
+
+
+def kv_bytes_per_token(config, element_bytes: int = 2) -> int:
+    """The KV cache's bytes for one token of one row: keys and values of every layer, bf16 (36 KB on the 3B)."""
+    text = config.text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * element_bytes
+
+
+def decode_weight_bytes(model, element_bytes: int = 2) -> int:
+    """The weights a decode step reads: the LM's and its head's, bf16 (autocast's copies of fp32 master weights); the
+    vision tower and merger work in the prefill only."""
+    groups = parameter_groups(model)
+    return element_bytes * sum(p.numel() for p in groups["lm"] + groups["head"])
+
+
+def decode_bytes(weights: int, kv_per_token: int, rows: int, prompt: int, steps: int) -> int:
+    """The HBM bytes `steps` decode steps read at the least: every weight once a step, and each row's keys and values:
+    step s (1 .. steps) attends over the `prompt` positions of the prefill (padding included: it is in the cache) and
+    the s tokens written since."""
+    return steps * weights + kv_per_token * rows * (steps * prompt + steps * (steps + 1) // 2)
+
+
+class PrefillClock:
+    """generate()'s first forward (the prefill: vision tower, merger and prompt) timed apart from the forwards after
+    it (the decode steps), by hooks on the model: decode seconds run from the prefill's end to generate()'s."""
+
+    def __init__(self, model):
+        self.model, self.forwards = model, 0
+
+    def __enter__(self):
+        sync()
+        self.begun = time.perf_counter()
+        self.hooks = [self.model.register_forward_pre_hook(self.before), self.model.register_forward_hook(self.after)]
+        return self
+
+    def before(self, *_):
+        if self.forwards == 0:
+            sync()
+            self.prefill_begun = time.perf_counter()
+
+    def after(self, *_):
+        if self.forwards == 0:
+            sync()
+            self.prefill_ended = time.perf_counter()
+        self.forwards += 1
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        sync()
+        self.ended = time.perf_counter()
+
+    def figures(self, rows: int, prompt: int) -> dict:
+        return dict(
+            rows=rows,
+            prompt=prompt,
+            seconds=self.ended - self.begun,
+            prefill_s=self.prefill_ended - self.prefill_begun,
+            decode_s=self.ended - self.prefill_ended,
+            decode_steps=self.forwards - 1,
+        )
+
+
+def decode_figures(calls: list[dict], weights: int, kv_per_token: int, bandwidth) -> dict:
+    """generate() calls (PrefillClock.figures) -> their seconds, tokens/s, prefill seconds, ms per decode step, the
+    HBM bound's ms per decode step (decode_bytes at `bandwidth`; None if not known) and the share of it reached."""
+    seconds, prefill = sum(c["seconds"] for c in calls), sum(c["prefill_s"] for c in calls)
+    decode_s, steps = sum(c["decode_s"] for c in calls), max(1, sum(c["decode_steps"] for c in calls))
+    tokens = sum(c["rows"] * (c["decode_steps"] + 1) for c in calls)
+    read = sum(decode_bytes(weights, kv_per_token, c["rows"], c["prompt"], c["decode_steps"]) for c in calls)
+    bound_s = bandwidth and read / bandwidth
+    return dict(
+        seconds=round(seconds, 3),
+        tokens_per_s=round(tokens / seconds, 1),
+        prefill_s=round(prefill, 3),
+        decode_ms_per_step=round(1000 * decode_s / steps, 3),
+        hbm_bound_ms_per_step=bound_s and round(1000 * bound_s / steps, 3),
+        decode_share_of_hbm_bound=bound_s and round(bound_s / decode_s, 3),
+    )
+
+
+# Memory: tests/memory_check.py's prediction beside the peaks measured ------------------------------------------------
+MEMORY_JSON = ROOT / "tests" / "results" / "memory.json"  # {setting: {"setting", "counts", "peak": {phase: bytes}}}
+
+
+def predicted_peaks(setting: str) -> dict | None:
+    """MEMORY_JSON's entry for `setting` (gpu_orapo, gpu_deer, gpu_mrg_r1: the step parts' shapes), or None: no file
+    or no such setting."""
+    path = MEMORY_JSON
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(setting)
+
+
+def phase_figures(measured: dict, predicted: dict | None) -> dict:
+    """Per phase: (seconds, max allocated, max reserved bytes) and the predicted peak bytes -> figures in GB, with the
+    difference measured allocated - predicted (None where nothing was predicted)."""
+    out = {}
+    for phase, (seconds, allocated, reserved) in measured.items():
+        bytes_ = (predicted or {}).get(phase)
+        out[phase] = dict(
+            seconds=round(seconds, 3),
+            allocated_gb=round(allocated / GB, 3),
+            reserved_gb=round(reserved / GB, 3),
+            predicted_gb=None if bytes_ is None else round(bytes_ / GB, 3),
+            allocated_minus_predicted_gb=None if bytes_ is None else round((allocated - bytes_) / GB, 3),
+        )
+    return out
 
 
 def image_tokens(policy, image) -> int:
@@ -192,62 +373,84 @@ def build_on_the_device():
     AutoModelForImageTextToText.from_pretrained = build
 
 
-def device_peaks() -> tuple:
-    name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
-    return next((v for k, v in PEAK.items() if k in name), (None, None))
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
+
+
+def device_peaks(name: str) -> tuple:
+    """The card's dense bf16 FLOP/s and HBM bytes/s, from its exact name (PEAKS) -> (None, None) if not known."""
+    name = name.upper()
+    if "MIG" in name.split():
+        return None, None
+    return next(((flops, hbm) for words, flops, hbm in PEAKS if all(w in name for w in words)), (None, None))
 
 
 def part_generation(work: Path, figures: Figures, model: str = "qwen3b", new_tokens: int = 128, rows=(8, 32, 64)):
     """Qwen2.5-VL-3B (random, bf16) writing `new_tokens` tokens after one view's prompt, for each count of `rows`:
-    seconds, tokens/s, ms per decode step, and the bound: every weight read once per step at HBM's bandwidth."""
+    seconds, tokens/s, the prefill timed apart, ms per decode step against the HBM bound of one (decode_bytes: the LM's
+    weights and the rows' KV cache read once)."""
     build_on_the_device()
     policy = common.HFPolicy(str(work / model), device=DEVICE, dtype=torch.bfloat16, max_pixels=512 * 512)
-    weights = sum(p.numel() * p.element_size() for p in policy.model.parameters())
-    _, bandwidth = device_peaks()
-    bound_ms = 1000 * weights / bandwidth if bandwidth else None
-    figures.update(weights_gb=round(weights / GB, 2), hbm_bound_ms_per_step=bound_ms and round(bound_ms, 3))
+    weights, kv = decode_weight_bytes(policy.model), kv_bytes_per_token(policy.model.config)
+    _, bandwidth = device_peaks(device_name())
+    figures.update(decode_weights_gb=round(weights / GB, 3), kv_cache_bytes_per_token=kv)
     image = Image.open(min((work / "data" / "images").iterdir()))
     prompt = policy.prompt_batch([[image]], "Describe the chest X-ray.")
     length = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, pad_token_id=0)
     sweep = {}
     for n in (rows[0], *rows):  # the first: warm-up
         inputs = {k: v for k, v in policy.repeat(prompt, n).items() if k in policy.MODEL_KEYS}
-        sync()
-        start = time.perf_counter()
-        with torch.no_grad(), common.autocast(policy.device, policy.dtype):
+        with torch.no_grad(), common.autocast(policy.device, policy.dtype), PrefillClock(policy.model) as clock:
             policy.model.generate(**inputs, **length)
-        sync()
-        seconds = time.perf_counter() - start
-        ms = 1000 * seconds / new_tokens
-        share = bound_ms / ms if bound_ms else None
-        sweep[n] = dict(seconds=round(seconds, 2), tokens_per_s=round(n * new_tokens / seconds, 1))
-        sweep[n] |= dict(ms_per_step=round(ms, 2), share_of_hbm_bound=share and round(share, 3))
+        call = clock.figures(n, inputs["input_ids"].shape[1])
+        sweep[n] = dict(prompt=call["prompt"], decode_steps=call["decode_steps"])
+        sweep[n] |= decode_figures([call], weights, kv, bandwidth)
     figures["rows"] = sweep
 
 
 class Phases:
-    """Each step's phases, in seconds and peak memory (GB): generate (the rollout and its rewards), reference (pi_ref's
-    pass), forward + backward (the rest: log-probs, losses, backward), optimizer (clip, step, schedule, zero_grad)."""
+    """A step part's clock and memory by phase: "load" (from main()'s start to the first rollout: the model, its
+    reference, the optimizer) and in each step tests/results/memory.json's phases: "rollout" (generate() and the
+    rewards), "reference" (pi_ref's passes), "update" (the rest: log-probs with grad, losses, backward), "optimizer"
+    (clip, step, schedule, zero_grad). Each phase: its seconds and torch.cuda.max_memory_allocated and
+    max_memory_reserved (reset as it starts; a phase entered again: the larger); each step also keeps what the hooks
+    record in it (generate() calls, log-prob passes), with the phase they ran in."""
 
     def __init__(self):
-        self.steps, self.current, self.start = [], None, None
+        self.load, self.steps, self.current, self.start = {}, [], None, None
+
+    def begin(self):
+        """Before main(): the load phase starts."""
+        sync()
+        reset_peak()
+        self.current, self.start = "load", time.perf_counter()
 
     def mark(self, phase: str | None):
         """End the running phase; start `phase` (None: the step is over)."""
         sync()
         now = time.perf_counter()
         if self.current is not None:
-            step = self.steps[-1]
-            seconds, peak = step.get(self.current, (0.0, 0.0))
-            step[self.current] = (seconds + now - self.start, max(peak, peak_gb()))
-        elif phase is not None:
-            self.steps.append({})
+            into = self.load if self.current == "load" else self.steps[-1]["phases"]
+            seconds, allocated, reserved = into.get(self.current, (0.0, 0, 0))
+            now_allocated, now_reserved = memory_peaks()
+            into[self.current] = (
+                seconds + now - self.start,
+                max(allocated, now_allocated),
+                max(reserved, now_reserved),
+            )
+        if phase is not None and self.current in (None, "load"):
+            self.steps.append({"phases": {}, "generate": [], "passes": []})
         reset_peak()
         self.current, self.start = phase, now
 
+    def record(self, kind: str, item):
+        if self.steps and self.current not in (None, "load"):
+            self.steps[-1][kind].append((self.current, item))
 
-def instrument(phases: Phases, counts: dict):
-    """The hooks at the phases' edges; counts: generate() calls, new tokens and rows, the tokens of passes with grad."""
+
+def instrument(phases: Phases):
+    """The hooks at the phases' edges, and what they record: each generate() call (PrefillClock), each log-prob pass
+    (its tokens per parameter group, whether with grad)."""
 
     def around(owner, name, before, after):
         real = getattr(owner, name)
@@ -260,8 +463,8 @@ def instrument(phases: Phases, counts: dict):
 
         setattr(owner, name, wrapped)
 
-    around(common, "rollout", "generate", "forward + backward")
-    around(common, "reference_logprobs", "reference", "forward + backward")
+    around(common, "rollout", "rollout", "update")
+    around(common, "reference_logprobs", "reference", "update")
     real_clip, real_log_step = common.clip_gradients, common.Run.log_step
     real_generate, real_logprobs = common.HFPolicy.generate, common.HFPolicy.completion_logprobs
 
@@ -274,48 +477,32 @@ def instrument(phases: Phases, counts: dict):
         return real_log_step(self, step)
 
     def generate(self, prompts, *args, **kwargs):
-        sync()
-        start = time.perf_counter()
-        ids, mask = real_generate(self, prompts, *args, **kwargs)[:2]
-        sync()
-        counts["generate"].append((ids.shape[0], ids.shape[1], time.perf_counter() - start))
-        return ids, mask
+        with PrefillClock(self.model) as clock:
+            out = real_generate(self, prompts, *args, **kwargs)
+        phases.record("generate", clock.figures(prompts["input_ids"].shape[0], prompts["input_ids"].shape[1]))
+        return out
 
-    def completion_logprobs(self, prompts, ids, *args, **kwargs):
-        if torch.is_grad_enabled():  # the update's passes: prompt and completion, every row
-            counts["tokens"][-1] += ids.shape[0] * (prompts["input_ids"].shape[1] + ids.shape[1])
-        return real_logprobs(self, prompts, ids, *args, **kwargs)
+    def completion_logprobs(self, prompts, ids, mask, *args, **kwargs):
+        tokens = pass_tokens(prompts, mask, self.model.config.image_token_id)
+        phases.record("passes", (tokens, torch.is_grad_enabled()))
+        return real_logprobs(self, prompts, ids, mask, *args, **kwargs)
 
     common.clip_gradients, common.Run.log_step = clip, log_step
     common.HFPolicy.generate, common.HFPolicy.completion_logprobs = generate, completion_logprobs
 
 
-def update_flops(model, tokens: int) -> float:
-    """The update's model FLOPs (matrix products; attention's own left out): a token costs 2 N forward, 2 N backward
-    to the inputs, 2 N recomputed under activation checkpointing, and 2 N for the gradients of the N that train."""
-    total = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return tokens * (6 * total + 2 * trained)
-
-
 def part_step(script: str, work: Path, figures: Figures, model: str | None = None, new_tokens: int = 256):
     """STEPS steps of the script's own main() on its paper's shape (random weights made on the device; no evaluation,
-    checkpoint or final model: 15-45 GB files), the last one measured."""
-    from conftest import fake_eval
-
+    checkpoint or final model: 15-45 GB files), the last one measured: per phase (Phases) seconds, max allocated and
+    reserved memory beside tests/memory_check.py's prediction for the setting gpu_<script> (memory.json); the update's
+    and the reference pass's model FLOP utilisation (pass_flops; under LoRA the reference pass counts the adapters it
+    switches off: 4 % high on the 7B); decode ms per step against the HBM bound."""
     folder, flags, stands_for = STEP_SHAPES[script]
     folder = work / (model or folder)
     build_on_the_device()
-    phases, counts = Phases(), {"generate": [], "tokens": [0]}
-    instrument(phases, counts)
-    common.Run.evaluate, common.Run.checkpoint, common.HFPolicy.save = fake_eval, lambda *a: None, lambda *a: None
-    real_log_step = common.Run.log_step
-
-    def new_step_counter(self, step):
-        counts["tokens"].append(0)
-        return real_log_step(self, step)
-
-    common.Run.log_step = new_step_counter
+    phases = Phases()
+    instrument(phases)
+    common.Run.evaluate, common.Run.checkpoint, common.HFPolicy.save = no_evaluation, lambda *a: None, lambda *a: None
     module = importlib.import_module(script)
     out = work / "runs" / script
     shutil.rmtree(out, ignore_errors=True)
@@ -327,27 +514,64 @@ def part_step(script: str, work: Path, figures: Figures, model: str | None = Non
         base = ["rl", *base, "--subset", "all", "--weighting", "rule"]
     else:
         base += ["--sft-steps", "0"]
-    figures.update(stands_for=stands_for, flags=base)
+    setting = f"gpu_{script}"
+    predicted = predicted_peaks(setting)
+    where = f"{os.path.relpath(MEMORY_JSON, ROOT)}: {setting}"
+    figures.update(
+        stands_for=stands_for, flags=base, memory_prediction=where if predicted else f"no prediction ({where})"
+    )
+    figures["predicted_for"] = predicted and predicted.get("setting")
+    phases.begin()
     try:
         module.main(base)
     except torch.cuda.OutOfMemoryError as e:
         figures["out_of_memory"] = str(e).splitlines()[0][:300]
-    if len(phases.steps) < STEPS:
-        return figures.update(steps_done=len(phases.steps))
+    if phases.current is not None:  # the phase an error ended: its peak so far
+        phases.mark(None)
+    peaks = predicted and predicted["peak"]
+    if len(phases.steps) < STEPS:  # what ran: the load, the last step begun
+        last = phases.steps[-1]["phases"] if phases.steps else {}
+        return figures.update(steps_done=len(phases.steps), phases=phase_figures({**phases.load, **last}, peaks))
     last = phases.steps[-1]
-    figures["phases"] = {k: dict(seconds=round(s, 3), peak_gb=round(p, 2)) for k, (s, p) in last.items()}
-    rows, new, seconds = counts["generate"][-1]
-    figures.update(completions=rows, new_tokens=new, decode_ms_per_token=round(1000 * seconds / new, 2))
+    measured = {**phases.load, **last["phases"]}
+    figures["phases"] = phase_figures(measured, peaks)
+    figures["peak"] = dict(
+        allocated_gb=round(max(a for _, a, _ in measured.values()) / GB, 3),
+        reserved_gb=round(max(r for _, _, r in measured.values()) / GB, 3),
+    )
     policy_model = module_policy_model()
-    flop_s, bandwidth = device_peaks()
-    trained_s = last["forward + backward"][0]
-    flops = update_flops(policy_model, counts["tokens"][-2])
-    figures.update(update_tokens=counts["tokens"][-2], update_tflops=round(flops / 1e12, 1))
-    figures["update_mfu"] = flop_s and round(flops / (trained_s * flop_s), 3)
-    weights = sum(p.numel() * 2 for p in policy_model.parameters())  # bf16 reads per decode step
-    figures["decode_share_of_hbm_bound"] = bandwidth and round(1000 * weights / bandwidth / (1000 * seconds / new), 3)
-    figures["formula_gb"] = round(formula_gb(script, rows), 1)
-    figures["peak_gb"] = round(max(p for _, p in last.values()), 2)
+    groups = parameter_groups(policy_model)
+    figures["parameters"] = {k: sum(p.numel() for p in v) for k, v in groups.items()}
+    figures["trained_parameters"] = {k: sum(p.numel() for p in v if p.requires_grad) for k, v in groups.items()}
+    flop_s, bandwidth = device_peaks(device_name())
+    for phase in ("update", "reference"):
+        passes = [item for p, item in last["passes"] if p == phase]
+        if not passes:  # DEER: no reference
+            continue
+        flops = sum(pass_flops(groups, tokens, grad) for tokens, grad in passes)
+        seconds = last["phases"].get(phase, (0.0,))[0]
+        tokens = {k: sum(t[k] for t, _ in passes) for k in GROUPS}
+        figures[phase] = dict(passes=len(passes), tokens=tokens, model_flops=flops)
+        figures[phase]["mfu"] = flop_s and seconds and round(flops / seconds / flop_s, 3)
+    calls = [c for _, c in last["generate"]]
+    weights, kv = decode_weight_bytes(policy_model), kv_bytes_per_token(policy_model.config)
+    figures.update(completions=sum(c["rows"] for c in calls), new_tokens=max(c["decode_steps"] + 1 for c in calls))
+    figures["decode"] = decode_figures(calls, weights, kv, bandwidth)
+
+
+def no_evaluation(*args, **kwargs) -> dict:
+    """What Run.evaluate returns, all zeros: a step part evaluates nothing (tests/conftest.py's fake_eval, which this
+    script cannot import: conftest imports pytest, which the device's image lacks)."""
+    ce = {k: 0.0 for k in ("micro_f1", "macro_precision", "macro_recall", "macro_f1", "example_f1")}
+    return {
+        "headline": (kwargs.get("ce") or {}).get("headline", "micro_f1"),
+        "uncertain_as": 0,
+        "ce": ce,
+        "nlg": {"BLEU-4": 0.0},
+        "degenerate": common.degenerate_output(["a"], ["a"]),
+        "reward": 0.0,
+        "facts_reward": 0.0,
+    }
 
 
 _POLICIES = []  # the policies the step part built (for_training's), the last one the trained
@@ -404,30 +628,15 @@ def part_rl_core(work: Path, figures: Figures):
         figures[f"{key}_within_bound"] = all(v <= figures[key]["bound"] for v in rel.values())
 
 
-# Qwen2.5-VL-3B and -7B: the formula of tests/MACHINES.md ("Real architectures and GPU memory") --------------------
-QWEN3B_PARAMS = 3_754_622_976
-QWEN7B_PARAMS = 8_292_166_656
-EMBEDDING_PARAMS = 151936 * 2048  # tied to the LM head
-LORA_R128_PARAMS = 36 * 128 * (2 * (2048 + 2048) + 2 * (2048 + 256) + 3 * (2048 + 11008))  # 239,468,544 (3B)
-LORA_R128_PARAMS_7B = 28 * 128 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))  # 7B's
-PER_COMPLETION = 0.82 * GB  # activations of one completion of P 380 + T 256 tokens, 3B, checkpointed (MACHINES.md)
-
-
-def formula_gb(script: str, completions: int) -> float:
-    """M = S + n x 0.82 GB: S = 18 B a trained parameter (fp32 master, gradient, AdamW's two moments, autocast's bf16
-    copy; the fused AdamW holds no fp32 temporary, the foreach one 4 B more at the step), 2 B a frozen one (the LoRA
-    base, the reference; 4 B its embedding). MRG-R1: the 7B."""
-    if script == "mrg_r1":
-        states = 2 * QWEN7B_PARAMS + 18 * LORA_R128_PARAMS_7B
-    else:  # the reference's embedding in fp32, as the policy's (common.frozen_reference)
-        states = (18 + 2) * QWEN3B_PARAMS + 2 * EMBEDDING_PARAMS
-    return (states + completions * PER_COMPLETION) / GB
+def part_environment(work: Path):
+    """A part's settings: the scripts' cache in the work folder, no METEOR (Java), no figures."""
+    os.environ.update(RRG_CACHE=str(work / "cache"), RRG_METEOR="0", RRG_FIGURES="0", TOKENIZERS_PARALLELISM="false")
 
 
 def run_part(name: str, work: Path):
     figures = Figures(work / "parts" / f"{name.replace(':', '_')}.json")
     kind, _, arg = name.partition(":")
-    os.environ.update(RRG_CACHE=str(work / "cache"), RRG_METEOR="0", RRG_FIGURES="0", TOKENIZERS_PARALLELISM="false")
+    part_environment(work)
     try:
         if kind == "step":
             keep_policies()
@@ -462,7 +671,8 @@ def wait(proc: subprocess.Popen, limit: float) -> str:
 
 
 def summary_line(name: str, part: dict) -> str:
-    figures = {k: v for k, v in part["figures"].items() if k not in ("traceback", "error", "flags")}
+    skip = ("traceback", "error", "flags", "stands_for", "predicted_for", "parameters", "trained_parameters")
+    figures = {k: v for k, v in part["figures"].items() if k not in skip}
     shown = json.dumps(figures, default=str)
     shown = shown if len(shown) < 500 else shown[:500] + "..."
     error = f"  {part['figures']['error']}" if "error" in part["figures"] else ""
@@ -492,8 +702,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device (torch {torch.__version__}): prepared {work}, measured nothing")
         return 0
+    flop_s, hbm = device_peaks(device_name())
     result = {
-        "device": torch.cuda.get_device_name(0),
+        "device": device_name(),
+        "peak_dense_bf16_tflop_s": flop_s and flop_s / 1e12,  # None: not a card PEAKS knows
+        "peak_hbm_tb_s": hbm and hbm / 1e12,
         "device_memory_gb": round(torch.cuda.get_device_properties(0).total_memory / GB, 1),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -505,9 +718,9 @@ def main(argv=None):
     }
     with open(out / "gpu_check.log", "a") as log:
         for p in parts:
-            left = BUDGET_S - (time.time() - start)
+            left = BUDGET_S - (time.time() - start)  # a part never runs past the budget
             begun = time.time()
-            status = wait(launch(p, work, log), max(20, min(LIMITS_S[p], left)))
+            status = wait(launch(p, work, log), min(LIMITS_S[p], left)) if left >= 10 else "skipped: no time left"
             path = work / "parts" / f"{p.replace(':', '_')}.json"
             figures = json.loads(path.read_text()) if path.is_file() else {}
             result["parts"][p] = dict(status=status, seconds=round(time.time() - begun, 1), figures=figures)
