@@ -938,33 +938,41 @@ def noted_degenerate(exp: Experiment, results: dict, seeds: list, c: Claim) -> l
     ]
 
 
-def left_out(exp: Experiment, results: dict, seeds: list) -> dict:
-    """{seed: {(claim, column): word}}: the rule again on the other seeds, each seed left out in turn."""
+def left_out(exp, results: dict, seeds: list) -> dict:
+    """{seed: {(claim, column): Row}}: the rule again on the other seeds, each seed left out in turn."""
     out = {}
     for s in seeds:
         rows = claim_rows(exp, results, [x for x in seeds if x != s])
-        out[s] = {(id(r.claim), r.metric): r.word for r in rows}
+        out[s] = {(id(r.claim), r.metric): r for r in rows}
     return out
 
 
-def fragile(row: Row, without: dict) -> list[tuple]:
-    """(seed, word) for each seed whose leaving out changes the row's word."""
+def plain(row: Row) -> str:
+    """The row's word without the paper's effects beside it: 'smaller than the paper's', or its data sets' words in
+    turn where they differ ('smaller than the paper's / cannot tell')."""
+    return " / ".join(dict.fromkeys(row.words.values()))
+
+
+def fragile(row: Row, without: dict, short: bool = False) -> list[tuple]:
+    """(seed, word) for each seed whose leaving out changes the row's word: the word the other seeds read (short: as
+    plain() gives it)."""
     key = (id(row.claim), row.metric)
-    return [(s, w[key]) for s, w in without.items() if w[key] != row.word]
+    return [(s, plain(w[key]) if short else w[key].word) for s, w in without.items() if w[key].word != row.word]
 
 
 def fragility(changed: list[tuple]) -> str:
-    """'holds', or 'fragile: without 401 or 403 cannot tell' (the seeds whose leaving out gives each word)."""
+    """'holds', or 'fragile: cannot tell without 401 or 403' (each word the rule reads with one of those seeds left
+    out, and those seeds)."""
     if not changed:
         return "holds"
     words = {w: [str(s) for s, x in changed if x == w] for w in dict.fromkeys(w for _, w in changed)}
-    return "fragile: " + "; ".join(f"without {' or '.join(seeds)} {w}" for w, seeds in words.items())
+    return "fragile: " + "; ".join(f"{w} without {' or '.join(seeds)}" for w, seeds in words.items())
 
 
 def one_seed_out(exp, results: dict, seeds: list, r: Row) -> str:
-    """The summary's short form of leave-one-out: 'holds', or 'fragile (without 601 or 602)'."""
-    changed = [str(seed) for seed, _ in fragile(r, left_out(exp, results, seeds))]
-    return f"fragile (without {' or '.join(changed)})" if changed else "holds"
+    """The summary's form of leave-one-out: 'holds', or 'fragile: smaller than the paper's without 601 or 602' (the
+    words without the paper's effects, which the summary prints beside them)."""
+    return fragility(fragile(r, left_out(exp, results, seeds), short=True))
 
 
 def shown(c: Claim, word: str) -> str:

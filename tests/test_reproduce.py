@@ -216,7 +216,8 @@ def test_check_words():
 
 def test_one_seed_deciding_a_verdict_is_called_fragile():
     """Leaving each seed out in turn: a verdict that one seed carries says so and names the seed and the word without
-    it; a verdict every seven-seed table keeps "holds". The note never changes the word."""
+    it; a verdict every seven-seed table keeps "holds". The note never changes the word. The README's form says what
+    the word becomes too, without the paper's effects (the summary prints them beside it)."""
     exp = reproduce.EXPERIMENTS["orapo"]
     lift = dict(zip(exp.declared, [0.02, 0.021, 0.019, 0.02, 0.022, 0.018, 0.02, 0.02]))  # a steady -0.02
 
@@ -240,16 +241,47 @@ def test_one_seed_deciding_a_verdict_is_called_fragile():
             by_hand.append(s)
     assert row.word == "reproduced" and [s for s, _ in changed] == by_hand and len(by_hand) >= 4
     assert all(w == "no effect seen" for _, w in changed)  # Fig. 2 states no size
-    assert reproduce.fragility(changed[:1]) == f"fragile: without {by_hand[0]} no effect seen"
+    assert reproduce.fragility(changed[:1]) == f"fragile: no effect seen without {by_hand[0]}"
     results = reproduce.results_of(fake_results("orapo", exp.declared, value))
-    short = f"fragile (without {' or '.join(map(str, by_hand))})"  # the README's form, in the summary and the line
+    short = f"fragile: no effect seen without {' or '.join(map(str, by_hand))}"  # the README's, summary and line
     assert reproduce.one_seed_out(exp, results, exp.declared, row) == short
     assert (
         f"one seed out: {short}." in reproduce.verdict_line("orapo", fake_results("orapo", exp.declared, value), {})[0]
     )
     assert reproduce.fragility([(400, "reversed"), (402, "reversed"), (405, "cannot tell")]) == (
-        "fragile: without 400 or 402 reversed; without 405 cannot tell"
+        "fragile: reversed without 400 or 402; cannot tell without 405"
     )
+
+
+def test_the_readme_says_what_a_fragile_word_becomes_without_the_papers_effects():
+    """MRG-R1's paper states its effect on two data sets: the claims table names each data set's effect beside the
+    word a seed left out gives; the README's short form gives the word alone, once where the data sets agree and each
+    in turn where they differ."""
+    exp = reproduce.EXPERIMENTS["mrg_r1"]
+    c = exp.claims[0]  # + MCCS + format > + CE F1 + format on CE micro F1: +0.005 (IU X-Ray), +0.109 (MIMIC-CXR)
+    effects = c.effects_on(exp.primary)
+    assert effects == {"IU X-Ray": pytest.approx(0.005, abs=1e-3), "MIMIC-CXR": pytest.approx(0.109, abs=1e-3)}
+    spread = dict(zip(exp.declared, [0.004, -0.004, 0.003, -0.003, 0.002, -0.002, 0.001, -0.001]))
+
+    def value(s, arm, m):
+        return 0.5 + (spread[s] + 0.05 * (s == exp.declared[0])) * (arm == c.a and m == exp.primary)
+
+    results = reproduce.results_of(fake_results("mrg_r1", exp.declared, value))
+    row = reproduce.primary_row(exp, results, exp.declared)
+    # eight seeds: +0.006 [-0.010, +0.023], the first seed's +0.054 widening it: it holds IU X-Ray's +0.005 and rules
+    # out MIMIC-CXR's +0.109, a word each
+    assert row.words == {"IU X-Ray": "cannot tell", "MIMIC-CXR": "smaller than the paper's"}
+    without = reproduce.left_out(exp, results, exp.declared)
+    first = without[exp.declared[0]][id(c), exp.primary]  # the seven others: a mean of 0 +- 0.003, ruling both out
+    assert first.words == {"IU X-Ray": "smaller than the paper's", "MIMIC-CXR": "smaller than the paper's"}
+    assert reproduce.plain(first) == "smaller than the paper's"
+    assert reproduce.fragility(reproduce.fragile(row, without)) == (
+        f"fragile: smaller than the paper's (IU X-Ray +0.005, MIMIC-CXR +0.109) without {exp.declared[0]}"
+    )
+    short = reproduce.one_seed_out(exp, results, exp.declared, row)
+    assert short == f"fragile: smaller than the paper's without {exp.declared[0]}"
+    split = reproduce.Row(c, exp.primary, 1, row.p, True, words={"IU X-Ray": "cannot tell", "MIMIC-CXR": "smaller"})
+    assert reproduce.plain(split) == "cannot tell / smaller"
 
 
 def test_a_collapsed_arm_seed_is_marked_and_counted():
