@@ -18,10 +18,10 @@ tests/results/NAME.json gets every run's numbers and, per run, the machine (CPU 
 and Python versions, the numeric pins, the project's commit and the command line.
 
 Seeds, claims (each comparison a paper draws, with the sign its table gives every column) and criteria are declared in
-EXPERIMENTS below, before a sweep. The README leads with the primary verdict on the declared seeds; any other seeds are
-an extension, reported apart with their own verdicts, never pooled with the declared ones. A verdict is one of the words
-of `verdict()`, by the rule above it (a paired t-test at 5 %), or "degenerate" when an arm writes too few distinct
-reports.
+EXPERIMENTS below, before a sweep. The README leads with the primary verdict on the declared seeds; the replication
+seeds 800-803 re-test each reproduced or reversed word, printed beside it; any other seeds are an extension, reported
+apart with their own verdicts, never pooled with the declared ones. A verdict is one of the words of `words()`, by the
+rule above it (a paired t-test at 5 %); "degenerate" and the rest are notes beside it.
 
 Runs take one thread each (--jobs of them at once) under the PINS below, skip their own figures, and METEOR unless the
 paper's table has it. CPU-minutes per seed, as measured on the development machine, are in each results file.
@@ -1131,8 +1131,8 @@ EXPLORATORY_NOTE = (
 
 def report(name: str, data: dict, refs: dict) -> list[str]:
     """tests/RESULTS.md's section for one table, from its results file and the reference rows: the confirmatory
-    seeds' tables and verdicts (or what is left to run), then the exploratory seeds and any extension apart, then
-    where the runs ran."""
+    seeds' tables and verdicts (or what is left to run), their replication on seeds 800-803, then the exploratory
+    seeds and any extension apart, then where the runs ran."""
     exp = EXPERIMENTS[name]
     results = results_of(data)
     declared = [s for s in exp.declared if s in results]
@@ -1142,15 +1142,17 @@ def report(name: str, data: dict, refs: dict) -> list[str]:
         lines += tables(exp, results, declared, refs)
     else:
         lines += interim(name, exp, data, declared, refs)
+    if declared == exp.declared:
+        lines += [""] + replication_table(exp, results, refs)
     exploratory = [s for s in EXPLORATORY if s in results]
     if exploratory:
         lines += ["", f"Exploratory seeds {span(exploratory)}: {EXPLORATORY_NOTE}.", ""]
         lines += tables(exp, results, exploratory, refs)
-    extension = sorted(set(results) - set(exp.declared) - set(EXPLORATORY))
+    extension = sorted(set(results) - set(exp.declared) - set(EXPLORATORY) - set(REPLICATION))
     if extension:
         lines += ["", f"Extension, seeds {span(extension)} (added after the declaration; not pooled with it):", ""]
         lines += claims_table(exp, results, extension, refs)
-    ran = declared + exploratory + extension
+    ran = declared + [s for s in REPLICATION if s in results] + exploratory + extension
     lines += ([""] + machines(data["runs"], ran)) if ran else []
     if "recheck" in data:
         lines.append(recheck_line(data["recheck"]))
@@ -1161,17 +1163,91 @@ def primary_row(exp: Experiment, results: dict, seeds: list) -> Row:
     return next(r for r in claim_rows(exp, results, seeds) if r.primary)
 
 
+def replication(results: dict, r: Row) -> dict:
+    """A claim-column of the confirmatory seeds (`r`) on the replication seeds, by the declared replication rule:
+    how many of them have run, the side 600-607 read, the power of four seeds, and once all have run a - b paired on
+    them, its word and one-sided p. Only a word in REPLICATES is re-tested: an empty dict for any other."""
+    if r.word not in REPLICATES:
+        return {}
+    ran = [s for s in REPLICATION if s in results]
+    out = {"ran": len(ran), "side": replication_side(r.p["mean"]), "power": replication_power(r.p)}
+    if ran == REPLICATION:
+        out["p"] = paired(*(values(results, ran, arm, r.metric) for arm in (r.claim.a, r.claim.b)))
+        out["word"], out["one-sided p"] = replication_word(r.p, out["p"])
+    return out
+
+
+def replicated(x: dict) -> str:
+    """The replication in the summary's words: '**replicated**, -0.134 [-0.157, -0.111] (4 of 4 lower), p 0.001'
+    (a - b, the seeds that went the way 600-607 read, the one-sided p), or 'not yet run (2 of 4 have run)'; "—" for a
+    word the replication does not re-test."""
+    if not x:
+        return "—"
+    if "word" not in x:
+        return f"not yet run ({x['ran']} of {len(REPLICATION)} have run)"
+    return f"**{x['word']}**, {difference(x['p'], x['side'])}, p {x['one-sided p']:.3f}"
+
+
+REPLICATION_NOTE = (
+    "declared at {commit} before any run on them, never pooled with 600-607: each claim-column read reproduced or "
+    "reversed there, re-tested the way it read by a one-sided paired t-test at 5 % on the four seeds (replicated or "
+    "not replicated; no adjustment); the word on 600-607 stands as judged"
+)
+
+
+def replication_table(exp: Experiment, results: dict, refs: dict) -> list[str]:
+    """The confirmatory seeds' reproduced and reversed claim-columns on the replication seeds: the side re-tested,
+    a - b on 800-803 with its 95 % interval and the seeds that went that way, the one-sided p, the word, and the power
+    of four seeds (a design figure); once every seed has run, their headline per seed."""
+    head = f"Replication, seeds {span(REPLICATION)}: " + REPLICATION_NOTE.format(commit=REPLICATION_DECLARED_AT[:7])
+    rows = [(r, replication(results, r)) for r in claim_rows(exp, results, exp.declared)]
+    rows = [(r, x) for r, x in rows if x]
+    if not rows:
+        return [
+            head + f". No claim-column reads {' or '.join(REPLICATES)} on {span(exp.declared)}: nothing to re-test."
+        ]
+    without = left_out(exp, results, exp.declared)
+    lines = [head + ".", ""]
+    lines += [
+        (
+            f"| the paper's claim (a - b) | column | on {span(exp.declared)} | re-tested | a - b on "
+            f"{span(REPLICATION)}: mean [95 % interval] (seeds that way) | one-sided p | replication | power of "
+            f"{len(REPLICATION)} seeds |"
+        ),
+        "|---" * 8 + "|",
+    ]
+    for r, x in rows:
+        c = r.claim
+        cells = [f"{c.label}: {c.a} - {c.b}" + (" (primary)" if r.primary else ""), r.metric]
+        fragility_note = "; fragile" if fragile(r, without) else ""
+        cells += [f"{r.word}, {difference(r.p, r.sign)}{fragility_note}", claimed(x["side"])]
+        if "word" in x:
+            cells += [difference(x["p"], x["side"]), f"{x['one-sided p']:.3f}", f"**{x['word']}**"]
+        else:
+            cells += ["", "", f"not yet run on {span(REPLICATION)} ({x['ran']} of {len(REPLICATION)} have run)"]
+        lines.append("| " + " | ".join(cells + [f"{x['power']:.2f}"]) + " |")
+    power = (
+        f"Power of {len(REPLICATION)} seeds: the chance the one-sided test reads replicated were the true a - b the "
+        f"{span(exp.declared)} mean with their sd (a design figure, no verdict)."
+    )
+    lines += ["", power]
+    if rows[0][1].get("word"):
+        lines += ["", *seed_table(exp, results, REPLICATION, refs)]
+    return lines
+
+
 def summary(datas: dict, refs: dict) -> list[str]:
-    """The README's first table: each paper's primary claim on the confirmatory seeds, its verdict, and where its
-    arms sit on the table's headline CE metric, from the best image-blind report to the image ceiling; under it, every
-    comparison against an arm collapsed on most seeds."""
+    """The README's first table: each paper's primary claim on the confirmatory seeds, its verdict, its replication on
+    seeds 800-803 (where the word is reproduced or reversed), and where its arms sit on the table's headline CE
+    metric, from the best image-blind report to the image ceiling; under it, every comparison against an arm collapsed
+    on most seeds."""
     lines = [
         (
             "| paper | primary claim (its table) | verdict | the paper's a - b | a - b: mean [95 % interval] (seeds "
-            "the claimed way) | p | one seed left out | collapsed arm-seeds (a, b) | headline CE: blind / b / a / "
-            "image ceiling |"
+            "the claimed way) | p | one seed left out | replication on 800-803 (one-sided p; power) | collapsed "
+            "arm-seeds (a, b) | headline CE: blind / b / a / image ceiling |"
         ),
-        "|---" * 9 + "|",
+        "|---" * 10 + "|",
     ]
     against = []
     for name, exp in EXPERIMENTS.items():
@@ -1183,7 +1259,7 @@ def summary(datas: dict, refs: dict) -> list[str]:
             if seen:
                 r = primary_row(exp, results, EXPLORATORY)
                 before = f"; exploratory {span(EXPLORATORY)}: {r.word}, {difference(r.p, r.sign)}"
-            lines.append(f"| {name} | {c.label} | not yet measured on {span(exp.declared)}{before} | | | | | | |")
+            lines.append(f"| {name} | {c.label} | not yet measured on {span(exp.declared)}{before} | | | | | | | |")
             continue
         seeds, table_refs = exp.declared, refs.get(name, {})
         r = primary_row(exp, results, seeds)
@@ -1194,6 +1270,8 @@ def summary(datas: dict, refs: dict) -> list[str]:
         n_bad = [len(collapsed(exp, results, seeds, arm, table_refs)) for arm in (c.a, c.b)]
         cells = [name, f"{c.label}: {c.a} {RELATION[r.sign]} {c.b}, {r.metric}", shown(c, r.word)]
         cells += [paper_effect(c, r.metric), difference(r.p, r.sign), f"{r.raw[0]:.3f}", loo]
+        x = replication(results, r)
+        cells += [f"{replicated(x)}; power {x['power']:.2f}" if x else replicated(x)]
         cells += [f"{n_bad[0]}, {n_bad[1]} of {len(seeds)}"]
         lines.append("| " + " | ".join(cells) + f" | {head}: {blind:.3f} / {b:.3f} / {a:.3f} / {ceiling:.3f} |")
         arms = {arm for claim in exp.claims for arm in (claim.a, claim.b)} & set(report_arms(exp, results, seeds))
@@ -1437,6 +1515,9 @@ def replication_power(confirmatory: dict, n: int = len(REPLICATION)) -> float:
     if not sd > 0:
         return 1.0 if confirmatory["mean"] else math.nan
     return float(nct.sf(t_quantile(1 - ALPHA, n), n - 1, math.sqrt(n) * abs(confirmatory["mean"]) / sd))
+
+
+REPLICATION_DECLARED_AT = "36716730bdf5c9a1a101908095272c8baa263166"  # the commit that declared the replication
 
 
 CE_MICRO = ["CE micro precision", "CE micro recall", "CE micro F1"]
@@ -2351,7 +2432,8 @@ def draw(name: str, data: dict, folder: Path):
 
 def verdict_line(name: str, data: dict, refs: dict) -> list[str]:
     """The README's line for one paper: its primary claim's verdict on the confirmatory seeds, the table's mean and
-    95 % interval, and which seeds, left out one at a time, change the word (the summary gives the paper's effect)."""
+    95 % interval, which seeds, left out one at a time, change the word and to what (the summary gives the paper's
+    effect), and its replication on seeds 800-803 (or that its word is not re-tested)."""
     exp, results = EXPERIMENTS[name], results_of(data)
     if [s for s in exp.declared if s in results] != exp.declared:
         where = "[tests/RESULTS.md](tests/RESULTS.md) holds the exploratory seeds"
@@ -2359,9 +2441,17 @@ def verdict_line(name: str, data: dict, refs: dict) -> list[str]:
     r = primary_row(exp, results, exp.declared)
     c = r.claim
     loo = one_seed_out(exp, results, exp.declared, r)
-    line = f"Primary verdict, {c.label}: {c.a} {RELATION[r.sign]} {c.b} ({r.metric}): {shown(c, r.word)}, "
-    line += f"{difference(r.p, r.sign)}, p {r.raw[0]:.3f}; one seed out: {loo}."
-    return [line + " [All of it](tests/RESULTS.md)."]
+    where = c.label.split(" (")[0].split(":")[0]  # its table or figure: the summary gives the whole label
+    line = f"Primary verdict, {where}: {c.a} {RELATION[r.sign]} {c.b} ({r.metric}): {shown(c, r.word)}, "
+    line += f"{difference(r.p, r.sign)}, p {r.raw[0]:.3f}; {'one seed out: holds' if loo == 'holds' else loo}"
+    x = replication(results, r)
+    if not x:
+        again = f"Not re-tested on {span(REPLICATION)}"
+    elif "word" not in x:
+        again = f"On {span(REPLICATION)}: not yet run ({x['ran']} of {len(REPLICATION)}; power {x['power']:.2f})"
+    else:
+        again = f"On {span(REPLICATION)}: **{x['word']}** (one-sided p {x['one-sided p']:.3f}, power {x['power']:.2f})"
+    return [f"{line}. {again}."]
 
 
 def write_documents(datas: dict, refs: dict, readme: Path = ROOT / "README.md", results_doc: Path = RESULTS_DOC):
