@@ -480,6 +480,46 @@ def test_replication_power_of_four_seeds_by_hand():
     assert reproduce.replication_power(d(*(SPREAD / sd + 1.0))) == pytest.approx(found, abs=0.005)
 
 
+def test_orapo_row_1_is_the_papers_base_and_the_erratum_says_which_words_it_moves():
+    """Table 4's row 1 (Base) is 0.097 / 0.104 / 0.034 (P, R, F1); the declaration quoted row 2's 0.026 / 0.162 / 0.089.
+    Rows 6 - 1 and 3 - 1 are judged against the paper's effects from row 1 (row 6 0.237 / 0.832 / 0.341, row 3 0.204 /
+    0.605 / 0.291), the declared claims kept as they were; under the claims table a line says whether any word moved,
+    and names the ones that did (here, a difference whose interval holds row 2's effects but not row 1's)."""
+    exp = reproduce.EXPERIMENTS["orapo"]
+    claims = {c.label: c for c in exp.claims}
+    declared = {c.label: c for c in reproduce.DECLARED_CLAIMS["orapo"]}
+    row_6, row_3 = (0.237, 0.832, 0.341), (0.204, 0.605, 0.291)
+    for label, row, quote in (("Table 4, row 6 vs row 1", row_6, "0.341"), ("Table 4, row 3 vs row 1", row_3, "0.291")):
+        effects = claims[label].effects["CheXpert Plus"]
+        by_hand = [round(x - y, 3) for x, y in zip(row, (0.097, 0.104, 0.034))]
+        assert [effects[m] for m in ("CE macro precision", "CE macro recall", "CE macro F1")] == pytest.approx(by_hand)
+        before = declared[label].effects["CheXpert Plus"]
+        assert [before[m] for m in before] == pytest.approx(
+            [round(x - y, 3) for x, y in zip(row, (0.026, 0.162, 0.089))]
+        )
+        assert claims[label].paper == f"F1 {quote} vs 0.034" and declared[label].paper == f"F1 {quote} vs 0.089"
+    assert [c for c in exp.claims if c.label not in reproduce.ERRATA["orapo"][1]] == [
+        c for c in reproduce.DECLARED_CLAIMS["orapo"] if c.label not in reproduce.ERRATA["orapo"][1]
+    ]
+    flat = reproduce.results_of(fake_results("orapo", exp.declared, lambda s, a, m: 0.5))
+    line = reproduce.erratum(exp, flat, exp.declared)
+    same = "judged against the declared effects, every word is the same."
+    assert line == [f"Erratum (issue 71): {reproduce.ERRATA['orapo'][0]}; {same}"]
+    assert line[0] in reproduce.claims_table(exp, flat, exp.declared, REFS)
+    # Base's precision 0.02 below the others, +-2.365 x 0.048: the interval [-0.094, +0.134] excludes row 2's +0.211
+    # and +0.178 (smaller than the paper's) and holds row 1's +0.140 and +0.107 (cannot tell, after Holm)
+    lift = dict(zip(exp.declared, 0.6 * SPREAD + 0.02))
+    results = reproduce.results_of(
+        fake_results("orapo", exp.declared, lambda s, a, m: 0.5 - lift[s] * (a == "Base" and m == "CE macro precision"))
+    )
+    moved = reproduce.erratum(exp, results, exp.declared)[0]
+    for versus in ("row 6 vs row 1: OraPO + FactS", "row 3 vs row 1: GRPO + FactS"):
+        assert (
+            f"Table 4, {versus} - Base, CE macro precision, cannot tell (declared: smaller than the paper's)" in moved
+        )
+    assert moved.count("(declared:") == 2
+
+
 def test_a_claim_on_an_arm_that_writes_a_handful_of_reports_is_noted_degenerate():
     """Fewer than exp.min_distinct distinct reports on most seeds: a note beside the word, which it never changes."""
     exp = reproduce.EXPERIMENTS["orapo"]
