@@ -18,10 +18,10 @@ tests/results/NAME.json gets every run's numbers and, per run, the machine (CPU 
 and Python versions, the numeric pins, the project's commit and the command line.
 
 Seeds, claims (each comparison a paper draws, with the sign its table gives every column) and criteria are declared in
-EXPERIMENTS below, before a sweep. The README leads with the primary verdict on the declared seeds; any other seeds are
-an extension, reported apart with their own verdicts, never pooled with the declared ones. A verdict is one of the words
-of `verdict()`, by the rule above it (a paired t-test at 5 %), or "degenerate" when an arm writes too few distinct
-reports.
+EXPERIMENTS below, before a sweep. The README leads with the primary verdict on the declared seeds; the replication
+seeds 800-803 re-test each reproduced or reversed word, printed beside it; any other seeds are an extension, reported
+apart with their own verdicts, never pooled with the declared ones. A verdict is one of the words of `words()`, by the
+rule above it (a paired t-test at 5 %); "degenerate" and the rest are notes beside it.
 
 Runs take one thread each (--jobs of them at once) under the PINS below, skip their own figures, and METEOR unless the
 paper's table has it. CPU-minutes per seed, as measured on the development machine, are in each results file.
@@ -30,6 +30,7 @@ paper's table has it. CPU-minutes per seed, as measured on the development machi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -938,33 +939,41 @@ def noted_degenerate(exp: Experiment, results: dict, seeds: list, c: Claim) -> l
     ]
 
 
-def left_out(exp: Experiment, results: dict, seeds: list) -> dict:
-    """{seed: {(claim, column): word}}: the rule again on the other seeds, each seed left out in turn."""
+def left_out(exp, results: dict, seeds: list) -> dict:
+    """{seed: {(claim, column): Row}}: the rule again on the other seeds, each seed left out in turn."""
     out = {}
     for s in seeds:
         rows = claim_rows(exp, results, [x for x in seeds if x != s])
-        out[s] = {(id(r.claim), r.metric): r.word for r in rows}
+        out[s] = {(id(r.claim), r.metric): r for r in rows}
     return out
 
 
-def fragile(row: Row, without: dict) -> list[tuple]:
-    """(seed, word) for each seed whose leaving out changes the row's word."""
+def plain(row: Row) -> str:
+    """The row's word without the paper's effects beside it: 'smaller than the paper's', or its data sets' words in
+    turn where they differ ('smaller than the paper's / cannot tell')."""
+    return " / ".join(dict.fromkeys(row.words.values()))
+
+
+def fragile(row: Row, without: dict, short: bool = False) -> list[tuple]:
+    """(seed, word) for each seed whose leaving out changes the row's word: the word the other seeds read (short: as
+    plain() gives it)."""
     key = (id(row.claim), row.metric)
-    return [(s, w[key]) for s, w in without.items() if w[key] != row.word]
+    return [(s, plain(w[key]) if short else w[key].word) for s, w in without.items() if w[key].word != row.word]
 
 
 def fragility(changed: list[tuple]) -> str:
-    """'holds', or 'fragile: without 401 or 403 cannot tell' (the seeds whose leaving out gives each word)."""
+    """'holds', or 'fragile: cannot tell without 401 or 403' (each word the rule reads with one of those seeds left
+    out, and those seeds)."""
     if not changed:
         return "holds"
     words = {w: [str(s) for s, x in changed if x == w] for w in dict.fromkeys(w for _, w in changed)}
-    return "fragile: " + "; ".join(f"without {' or '.join(seeds)} {w}" for w, seeds in words.items())
+    return "fragile: " + "; ".join(f"{w} without {' or '.join(seeds)}" for w, seeds in words.items())
 
 
 def one_seed_out(exp, results: dict, seeds: list, r: Row) -> str:
-    """The summary's short form of leave-one-out: 'holds', or 'fragile (without 601 or 602)'."""
-    changed = [str(seed) for seed, _ in fragile(r, left_out(exp, results, seeds))]
-    return f"fragile (without {' or '.join(changed)})" if changed else "holds"
+    """The summary's form of leave-one-out: 'holds', or 'fragile: smaller than the paper's without 601 or 602' (the
+    words without the paper's effects, which the summary prints beside them)."""
+    return fragility(fragile(r, left_out(exp, results, seeds), short=True))
 
 
 def shown(c: Claim, word: str) -> str:
@@ -1042,6 +1051,7 @@ def claims_table(exp: Experiment, results: dict, seeds: list, refs: dict) -> lis
         f"Secondary rows: Holm-adjusted within the paper (family {family}). 80 % power at: the difference the "
         "two-sided t-test finds 80 % of the time at this SE (a design figure, no verdict)."
         + (f" Margins of a = b: {'; '.join(sources)}." if sources else ""),
+        *erratum(exp, results, seeds),
     ]
 
 
@@ -1123,8 +1133,8 @@ EXPLORATORY_NOTE = (
 
 def report(name: str, data: dict, refs: dict) -> list[str]:
     """tests/RESULTS.md's section for one table, from its results file and the reference rows: the confirmatory
-    seeds' tables and verdicts (or what is left to run), then the exploratory seeds and any extension apart, then
-    where the runs ran."""
+    seeds' tables and verdicts (or what is left to run), their replication on seeds 800-803, then the exploratory
+    seeds and any extension apart, then where the runs ran."""
     exp = EXPERIMENTS[name]
     results = results_of(data)
     declared = [s for s in exp.declared if s in results]
@@ -1134,15 +1144,17 @@ def report(name: str, data: dict, refs: dict) -> list[str]:
         lines += tables(exp, results, declared, refs)
     else:
         lines += interim(name, exp, data, declared, refs)
+    if declared == exp.declared:
+        lines += [""] + replication_table(exp, results, refs)
     exploratory = [s for s in EXPLORATORY if s in results]
     if exploratory:
         lines += ["", f"Exploratory seeds {span(exploratory)}: {EXPLORATORY_NOTE}.", ""]
         lines += tables(exp, results, exploratory, refs)
-    extension = sorted(set(results) - set(exp.declared) - set(EXPLORATORY))
+    extension = sorted(set(results) - set(exp.declared) - set(EXPLORATORY) - set(REPLICATION))
     if extension:
         lines += ["", f"Extension, seeds {span(extension)} (added after the declaration; not pooled with it):", ""]
         lines += claims_table(exp, results, extension, refs)
-    ran = declared + exploratory + extension
+    ran = declared + [s for s in REPLICATION if s in results] + exploratory + extension
     lines += ([""] + machines(data["runs"], ran)) if ran else []
     if "recheck" in data:
         lines.append(recheck_line(data["recheck"]))
@@ -1153,17 +1165,91 @@ def primary_row(exp: Experiment, results: dict, seeds: list) -> Row:
     return next(r for r in claim_rows(exp, results, seeds) if r.primary)
 
 
+def replication(results: dict, r: Row) -> dict:
+    """A claim-column of the confirmatory seeds (`r`) on the replication seeds, by the declared replication rule:
+    how many of them have run, the side 600-607 read, the power of four seeds, and once all have run a - b paired on
+    them, its word and one-sided p. Only a word in REPLICATES is re-tested: an empty dict for any other."""
+    if r.word not in REPLICATES:
+        return {}
+    ran = [s for s in REPLICATION if s in results]
+    out = {"ran": len(ran), "side": replication_side(r.p["mean"]), "power": replication_power(r.p)}
+    if ran == REPLICATION:
+        out["p"] = paired(*(values(results, ran, arm, r.metric) for arm in (r.claim.a, r.claim.b)))
+        out["word"], out["one-sided p"] = replication_word(r.p, out["p"])
+    return out
+
+
+def replicated(x: dict) -> str:
+    """The replication in the summary's words: '**replicated**, -0.134 [-0.157, -0.111] (4 of 4 lower), p 0.001'
+    (a - b, the seeds that went the way 600-607 read, the one-sided p), or 'not yet run (2 of 4 have run)'; "—" for a
+    word the replication does not re-test."""
+    if not x:
+        return "—"
+    if "word" not in x:
+        return f"not yet run ({x['ran']} of {len(REPLICATION)} have run)"
+    return f"**{x['word']}**, {difference(x['p'], x['side'])}, p {x['one-sided p']:.3f}"
+
+
+REPLICATION_NOTE = (
+    "declared at {commit} before any run on them, never pooled with 600-607: each claim-column read reproduced or "
+    "reversed there, re-tested the way it read by a one-sided paired t-test at 5 % on the four seeds (replicated or "
+    "not replicated; no adjustment); the word on 600-607 stands as judged"
+)
+
+
+def replication_table(exp: Experiment, results: dict, refs: dict) -> list[str]:
+    """The confirmatory seeds' reproduced and reversed claim-columns on the replication seeds: the side re-tested,
+    a - b on 800-803 with its 95 % interval and the seeds that went that way, the one-sided p, the word, and the power
+    of four seeds (a design figure); once every seed has run, their headline per seed."""
+    head = f"Replication, seeds {span(REPLICATION)}: " + REPLICATION_NOTE.format(commit=REPLICATION_DECLARED_AT[:7])
+    rows = [(r, replication(results, r)) for r in claim_rows(exp, results, exp.declared)]
+    rows = [(r, x) for r, x in rows if x]
+    if not rows:
+        return [
+            head + f". No claim-column reads {' or '.join(REPLICATES)} on {span(exp.declared)}: nothing to re-test."
+        ]
+    without = left_out(exp, results, exp.declared)
+    lines = [head + ".", ""]
+    lines += [
+        (
+            f"| the paper's claim (a - b) | column | on {span(exp.declared)} | re-tested | a - b on "
+            f"{span(REPLICATION)}: mean [95 % interval] (seeds that way) | one-sided p | replication | power of "
+            f"{len(REPLICATION)} seeds |"
+        ),
+        "|---" * 8 + "|",
+    ]
+    for r, x in rows:
+        c = r.claim
+        cells = [f"{c.label}: {c.a} - {c.b}" + (" (primary)" if r.primary else ""), r.metric]
+        fragility_note = "; fragile" if fragile(r, without) else ""
+        cells += [f"{r.word}, {difference(r.p, r.sign)}{fragility_note}", claimed(x["side"])]
+        if "word" in x:
+            cells += [difference(x["p"], x["side"]), f"{x['one-sided p']:.3f}", f"**{x['word']}**"]
+        else:
+            cells += ["", "", f"not yet run on {span(REPLICATION)} ({x['ran']} of {len(REPLICATION)} have run)"]
+        lines.append("| " + " | ".join(cells + [f"{x['power']:.2f}"]) + " |")
+    power = (
+        f"Power of {len(REPLICATION)} seeds: the chance the one-sided test reads replicated were the true a - b the "
+        f"{span(exp.declared)} mean with their sd (a design figure, no verdict)."
+    )
+    lines += ["", power]
+    if rows[0][1].get("word"):
+        lines += ["", *seed_table(exp, results, REPLICATION, refs)]
+    return lines
+
+
 def summary(datas: dict, refs: dict) -> list[str]:
-    """The README's first table: each paper's primary claim on the confirmatory seeds, its verdict, and where its
-    arms sit on the table's headline CE metric, from the best image-blind report to the image ceiling; under it, every
-    comparison against an arm collapsed on most seeds."""
+    """The README's first table: each paper's primary claim on the confirmatory seeds, its verdict, its replication on
+    seeds 800-803 (where the word is reproduced or reversed), and where its arms sit on the table's headline CE
+    metric, from the best image-blind report to the image ceiling; under it, every comparison against an arm collapsed
+    on most seeds."""
     lines = [
         (
             "| paper | primary claim (its table) | verdict | the paper's a - b | a - b: mean [95 % interval] (seeds "
-            "the claimed way) | p | one seed left out | collapsed arm-seeds (a, b) | headline CE: blind / b / a / "
-            "image ceiling |"
+            "the claimed way) | p | one seed left out | replication on 800-803 (one-sided p; power) | collapsed "
+            "arm-seeds (a, b) | headline CE: blind / b / a / image ceiling |"
         ),
-        "|---" * 9 + "|",
+        "|---" * 10 + "|",
     ]
     against = []
     for name, exp in EXPERIMENTS.items():
@@ -1175,7 +1261,7 @@ def summary(datas: dict, refs: dict) -> list[str]:
             if seen:
                 r = primary_row(exp, results, EXPLORATORY)
                 before = f"; exploratory {span(EXPLORATORY)}: {r.word}, {difference(r.p, r.sign)}"
-            lines.append(f"| {name} | {c.label} | not yet measured on {span(exp.declared)}{before} | | | | | | |")
+            lines.append(f"| {name} | {c.label} | not yet measured on {span(exp.declared)}{before} | | | | | | | |")
             continue
         seeds, table_refs = exp.declared, refs.get(name, {})
         r = primary_row(exp, results, seeds)
@@ -1186,6 +1272,8 @@ def summary(datas: dict, refs: dict) -> list[str]:
         n_bad = [len(collapsed(exp, results, seeds, arm, table_refs)) for arm in (c.a, c.b)]
         cells = [name, f"{c.label}: {c.a} {RELATION[r.sign]} {c.b}, {r.metric}", shown(c, r.word)]
         cells += [paper_effect(c, r.metric), difference(r.p, r.sign), f"{r.raw[0]:.3f}", loo]
+        x = replication(results, r)
+        cells += [f"{replicated(x)}; power {x['power']:.2f}" if x else replicated(x)]
         cells += [f"{n_bad[0]}, {n_bad[1]} of {len(seeds)}"]
         lines.append("| " + " | ".join(cells) + f" | {head}: {blind:.3f} / {b:.3f} / {a:.3f} / {ceiling:.3f} |")
         arms = {arm for claim in exp.claims for arm in (claim.a, claim.b)} & set(report_arms(exp, results, seeds))
@@ -1429,6 +1517,9 @@ def replication_power(confirmatory: dict, n: int = len(REPLICATION)) -> float:
     if not sd > 0:
         return 1.0 if confirmatory["mean"] else math.nan
     return float(nct.sf(t_quantile(1 - ALPHA, n), n - 1, math.sqrt(n) * abs(confirmatory["mean"]) / sd))
+
+
+REPLICATION_DECLARED_AT = "36716730bdf5c9a1a101908095272c8baa263166"  # the commit that declared the replication
 
 
 CE_MICRO = ["CE micro precision", "CE micro recall", "CE micro F1"]
@@ -2109,6 +2200,58 @@ EXPERIMENTS = {
 }
 
 
+# --- errata: the declaration's quotes of a paper, corrected after it (printed under the table's claims) ---------------
+# OraPO's Table 4, row 1 (Base, Qwen2.5-VL-3B before RL) is CE macro P 0.097, R 0.104, F1 0.034. The declaration quoted
+# row 2's numbers (GRPO with the accuracy reward, 0.026 / 0.162 / 0.089) as row 1's, in the quotes and the paper's
+# effects of rows 6 - 1 and 3 - 1 (issue 71). Those rows are judged against the effects so corrected (each declared
+# effect moved by the quoted row 2 - row 1); under the table a line says whether any word differs from the word the
+# declared effects give. EXPERIMENTS itself stays as declared (DECLARED_CLAIMS keeps its claims).
+ORAPO_TABLE_4 = {  # CE macro precision, recall, F1 as Table 4 prints them
+    "row 1": dict(zip(["CE macro precision", "CE macro recall", "CE macro F1"], (0.097, 0.104, 0.034))),
+    "row 2": dict(zip(["CE macro precision", "CE macro recall", "CE macro F1"], (0.026, 0.162, 0.089))),
+}
+ERRATA = {  # table -> (what was wrong, {claim label: the quote corrected})
+    "orapo": (
+        (
+            "Table 4's row 1 (Base) is P 0.097, R 0.104, F1 0.034; the declaration quoted row 2's 0.026 / 0.162 / "
+            "0.089 (GRPO, accuracy reward) for it, so rows 6 - 1 and 3 - 1 are judged against the paper's effects "
+            "corrected"
+        ),
+        {"Table 4, row 6 vs row 1": "F1 0.341 vs 0.034", "Table 4, row 3 vs row 1": "F1 0.291 vs 0.034"},
+    )
+}
+DECLARED_CLAIMS = {name: list(exp.claims) for name, exp in EXPERIMENTS.items()}  # as declared, before the errata
+
+
+def corrected(c: Claim) -> Claim:
+    """An OraPO claim on Table 4's row 1 with the paper's row 1: each effect a - row 1 moved by row 2 - row 1."""
+    row_1, row_2 = ORAPO_TABLE_4["row 1"], ORAPO_TABLE_4["row 2"]
+    effects = {ds: {m: round(e + row_2[m] - row_1[m], 4) for m, e in x.items()} for ds, x in c.effects.items()}
+    return dataclasses.replace(c, paper=ERRATA["orapo"][1][c.label], effects=effects)
+
+
+EXPERIMENTS["orapo"].claims = [corrected(c) if c.label in ERRATA["orapo"][1] else c for c in DECLARED_CLAIMS["orapo"]]
+
+
+def erratum(exp: Experiment, results: dict, seeds: list) -> list[str]:
+    """The table's erratum, and whether any word on these seeds differs from the word the declared claims give."""
+    name = next((n for n, e in EXPERIMENTS.items() if e is exp), "")
+    if name not in ERRATA:
+        return []
+
+    def judged(claims):
+        rows = claim_rows(dataclasses.replace(exp, claims=claims), results, seeds)
+        return {(r.claim.label, r.claim.a, r.claim.b, r.metric): r.word for r in rows}
+
+    now, then = judged(exp.claims), judged(DECLARED_CLAIMS[name])
+    moved = [f"{k[0]}: {k[1]} - {k[2]}, {k[3]}, {now[k]} (declared: {then[k]})" for k in now if now[k] != then[k]]
+    same = "; judged against the declared effects, every word is the same"
+    return [
+        f"Erratum (issue 71): {ERRATA[name][0]}"
+        + (f"; words that differ: {'; '.join(moved)}." if moved else same + ".")
+    ]
+
+
 # --- running ----------------------------------------------------------------------------------------------------------
 def parse_seeds(text: str) -> list[int]:
     """'100-107' or '1,3,5' (or both: '100-103,110')."""
@@ -2343,7 +2486,8 @@ def draw(name: str, data: dict, folder: Path):
 
 def verdict_line(name: str, data: dict, refs: dict) -> list[str]:
     """The README's line for one paper: its primary claim's verdict on the confirmatory seeds, the table's mean and
-    95 % interval, and which seeds, left out one at a time, change the word (the summary gives the paper's effect)."""
+    95 % interval, which seeds, left out one at a time, change the word and to what (the summary gives the paper's
+    effect), and its replication on seeds 800-803 (or that its word is not re-tested)."""
     exp, results = EXPERIMENTS[name], results_of(data)
     if [s for s in exp.declared if s in results] != exp.declared:
         where = "[tests/RESULTS.md](tests/RESULTS.md) holds the exploratory seeds"
@@ -2351,9 +2495,17 @@ def verdict_line(name: str, data: dict, refs: dict) -> list[str]:
     r = primary_row(exp, results, exp.declared)
     c = r.claim
     loo = one_seed_out(exp, results, exp.declared, r)
-    line = f"Primary verdict, {c.label}: {c.a} {RELATION[r.sign]} {c.b} ({r.metric}): {shown(c, r.word)}, "
-    line += f"{difference(r.p, r.sign)}, p {r.raw[0]:.3f}; one seed out: {loo}."
-    return [line + " [All of it](tests/RESULTS.md)."]
+    where = c.label.split(" (")[0].split(":")[0]  # its table or figure: the summary gives the whole label
+    line = f"Primary verdict, {where}: {c.a} {RELATION[r.sign]} {c.b} ({r.metric}): {shown(c, r.word)}, "
+    line += f"{difference(r.p, r.sign)}, p {r.raw[0]:.3f}; {'one seed out: holds' if loo == 'holds' else loo}"
+    x = replication(results, r)
+    if not x:
+        again = f"Not re-tested on {span(REPLICATION)}"
+    elif "word" not in x:
+        again = f"On {span(REPLICATION)}: not yet run ({x['ran']} of {len(REPLICATION)}; power {x['power']:.2f})"
+    else:
+        again = f"On {span(REPLICATION)}: **{x['word']}** (one-sided p {x['one-sided p']:.3f}, power {x['power']:.2f})"
+    return [f"{line}. {again}."]
 
 
 def write_documents(datas: dict, refs: dict, readme: Path = ROOT / "README.md", results_doc: Path = RESULTS_DOC):

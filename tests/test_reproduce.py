@@ -216,7 +216,8 @@ def test_check_words():
 
 def test_one_seed_deciding_a_verdict_is_called_fragile():
     """Leaving each seed out in turn: a verdict that one seed carries says so and names the seed and the word without
-    it; a verdict every seven-seed table keeps "holds". The note never changes the word."""
+    it; a verdict every seven-seed table keeps "holds". The note never changes the word. The README's form says what
+    the word becomes too, without the paper's effects (the summary prints them beside it)."""
     exp = reproduce.EXPERIMENTS["orapo"]
     lift = dict(zip(exp.declared, [0.02, 0.021, 0.019, 0.02, 0.022, 0.018, 0.02, 0.02]))  # a steady -0.02
 
@@ -240,16 +241,47 @@ def test_one_seed_deciding_a_verdict_is_called_fragile():
             by_hand.append(s)
     assert row.word == "reproduced" and [s for s, _ in changed] == by_hand and len(by_hand) >= 4
     assert all(w == "no effect seen" for _, w in changed)  # Fig. 2 states no size
-    assert reproduce.fragility(changed[:1]) == f"fragile: without {by_hand[0]} no effect seen"
+    assert reproduce.fragility(changed[:1]) == f"fragile: no effect seen without {by_hand[0]}"
     results = reproduce.results_of(fake_results("orapo", exp.declared, value))
-    short = f"fragile (without {' or '.join(map(str, by_hand))})"  # the README's form, in the summary and the line
+    short = f"fragile: no effect seen without {' or '.join(map(str, by_hand))}"  # the README's, summary and line
     assert reproduce.one_seed_out(exp, results, exp.declared, row) == short
     assert (
-        f"one seed out: {short}." in reproduce.verdict_line("orapo", fake_results("orapo", exp.declared, value), {})[0]
+        f"; {short}. On 800-803" in reproduce.verdict_line("orapo", fake_results("orapo", exp.declared, value), {})[0]
     )
     assert reproduce.fragility([(400, "reversed"), (402, "reversed"), (405, "cannot tell")]) == (
-        "fragile: without 400 or 402 reversed; without 405 cannot tell"
+        "fragile: reversed without 400 or 402; cannot tell without 405"
     )
+
+
+def test_the_readme_says_what_a_fragile_word_becomes_without_the_papers_effects():
+    """MRG-R1's paper states its effect on two data sets: the claims table names each data set's effect beside the
+    word a seed left out gives; the README's short form gives the word alone, once where the data sets agree and each
+    in turn where they differ."""
+    exp = reproduce.EXPERIMENTS["mrg_r1"]
+    c = exp.claims[0]  # + MCCS + format > + CE F1 + format on CE micro F1: +0.005 (IU X-Ray), +0.109 (MIMIC-CXR)
+    effects = c.effects_on(exp.primary)
+    assert effects == {"IU X-Ray": pytest.approx(0.005, abs=1e-3), "MIMIC-CXR": pytest.approx(0.109, abs=1e-3)}
+    spread = dict(zip(exp.declared, [0.004, -0.004, 0.003, -0.003, 0.002, -0.002, 0.001, -0.001]))
+
+    def value(s, arm, m):
+        return 0.5 + (spread[s] + 0.05 * (s == exp.declared[0])) * (arm == c.a and m == exp.primary)
+
+    results = reproduce.results_of(fake_results("mrg_r1", exp.declared, value))
+    row = reproduce.primary_row(exp, results, exp.declared)
+    # eight seeds: +0.006 [-0.010, +0.023], the first seed's +0.054 widening it: it holds IU X-Ray's +0.005 and rules
+    # out MIMIC-CXR's +0.109, a word each
+    assert row.words == {"IU X-Ray": "cannot tell", "MIMIC-CXR": "smaller than the paper's"}
+    without = reproduce.left_out(exp, results, exp.declared)
+    first = without[exp.declared[0]][id(c), exp.primary]  # the seven others: a mean of 0 +- 0.003, ruling both out
+    assert first.words == {"IU X-Ray": "smaller than the paper's", "MIMIC-CXR": "smaller than the paper's"}
+    assert reproduce.plain(first) == "smaller than the paper's"
+    assert reproduce.fragility(reproduce.fragile(row, without)) == (
+        f"fragile: smaller than the paper's (IU X-Ray +0.005, MIMIC-CXR +0.109) without {exp.declared[0]}"
+    )
+    short = reproduce.one_seed_out(exp, results, exp.declared, row)
+    assert short == f"fragile: smaller than the paper's without {exp.declared[0]}"
+    split = reproduce.Row(c, exp.primary, 1, row.p, True, words={"IU X-Ray": "cannot tell", "MIMIC-CXR": "smaller"})
+    assert reproduce.plain(split) == "cannot tell / smaller"
 
 
 def test_a_collapsed_arm_seed_is_marked_and_counted():
@@ -318,10 +350,174 @@ def test_report_leads_with_the_confirmatory_seeds_and_keeps_exploratory_and_exte
     assert len(nothing) == 2 and "(0 of 8 have run)" in nothing[1]
     line = reproduce.verdict_line("orapo", fake_results("orapo", exp.declared, value), REFS)
     assert len(line) == 1 and "**reproduced**" in line[0] and "-0.019 [-0.020, -0.018] (8 of 8 lower)" in line[0]
-    assert "tests/RESULTS.md" in line[0] and "one seed out: holds." in line[0]
+    assert "one seed out: holds. On 800-803: not yet run (0 of 4; power 1.00)." in line[0]
     waiting = reproduce.summary({"orapo": fake_results("orapo", reproduce.EXPLORATORY, value)}, {"orapo": REFS})
     orapo = next(x for x in waiting if x.startswith("| orapo |"))
     assert "| not yet measured on 600-607; exploratory 400-407: reversed, +0.051 [+0.050, +0.052]" in orapo
+
+
+REPLICATION_DIFFS = {  # a - b on 800-803 (b = the base value), by hand
+    "replicated": [-0.03, -0.02, -0.025, -0.01],  # mean -0.02125, every seed lower
+    "not replicated": [-0.03, 0.02, -0.025, 0.01],  # mean -0.00625, two of four lower
+    "reversed again": [-0.04, -0.03, -0.05, -0.035],  # a claim a > b read reversed on 600-607: lower again
+    "back the paper's way": [0.04, 0.03, 0.05, 0.035],
+}
+
+
+def replication_results(primary: str, f1: str, seeds=tuple(range(600, 608)) + tuple(range(800, 804))):
+    """OraPO's table on 600-607 (the primary, fewer zero-reward groups, reproduced: -0.02; Table 4's row 6 - row 3 in
+    CE macro F1, claimed a > b, reversed: -0.03) and on the replication seeds present, whose a - b are
+    REPLICATION_DIFFS[primary] and [f1]."""
+
+    def value(s, arm, m):
+        if arm != "OraPO + FactS" or m not in ("zero-reward groups", "CE macro F1"):
+            return 0.1 if m == "zero-reward groups" else 0.5
+        base, key = (0.1, primary) if m == "zero-reward groups" else (0.5, f1)
+        if s in reproduce.REPLICATION:
+            return base + REPLICATION_DIFFS[key][s - 800]
+        return base + (-0.02 if m == "zero-reward groups" else -0.03) + 0.001 * (s % 3)
+
+    return fake_results("orapo", list(seeds), value)
+
+
+def one_sided_p(diffs, side):
+    """The paired t-test's one-sided p on four seeds, from scipy's t directly."""
+    from scipy.stats import t
+
+    x = np.asarray(diffs)
+    return t.sf(side * x.mean() / (x.std(ddof=1) / 2), 3)
+
+
+def replication_table(lines):
+    """The report's replication section, to the exploratory seeds."""
+    start = next(i for i, x in enumerate(lines) if x.startswith("Replication, seeds 800-803"))
+    return lines[start : next((i for i, x in enumerate(lines) if x.startswith("Exploratory")), len(lines))]
+
+
+def replication_line(lines, label, metric):
+    return next(x for x in lines if x.startswith(f"| {label}") and f"| {metric} |" in x and "| a " in x)
+
+
+def test_replication_re_tests_each_reproduced_or_reversed_word_the_way_600_607_read_it():
+    """On 800-803 a claim-column reads replicated when its one-sided paired t-test at 5 % goes the way 600-607 read
+    (by hand: scipy's t on the four differences); a reversed claim is re-tested in the reversed direction, and going
+    the paper's way there reads not replicated. Only reproduced or reversed words are re-tested, the 600-607 words stand
+    as judged (never pooled), and the summary and the verdict line carry the primary's replication."""
+    primary, row_6_3 = "Fig. 2 (left): fewer zero-reward groups", "Table 4, row 6 vs row 3"
+    data = replication_results("replicated", "reversed again")
+    lines = reproduce.report("orapo", data, REFS)
+    table = replication_table(lines)
+    assert table[0].startswith("Replication, seeds 800-803: declared at 3671673 before any run on them")
+    first = replication_line(table, primary, "zero-reward groups")
+    p = one_sided_p(REPLICATION_DIFFS["replicated"], -1)
+    assert p < 0.05 and "(primary)" in first and "| a < b | -0.021 [" in first and "(4 of 4 lower)" in first
+    assert f"| {p:.3f} | **replicated** |" in first
+    reversed_f1 = replication_line(table, row_6_3, "CE macro F1")
+    assert "| reversed, -0.029 [" in reversed_f1 and "| a < b |" in reversed_f1  # claimed a > b: re-tested a < b
+    assert f"| {one_sided_p(REPLICATION_DIFFS['reversed again'], -1):.3f} | **replicated** |" in reversed_f1
+    assert not any(x.startswith(f"| {row_6_3}") and "| CE macro recall |" in x for x in table)  # not re-tested
+    # the 600-607 tables are the same with or without the replication seeds
+    alone = reproduce.report("orapo", replication_results("replicated", "reversed again", range(600, 608)), REFS)
+    assert lines[: lines.index(table[0])] == alone[: len(lines[: lines.index(table[0])])]
+    summary = next(x for x in reproduce.summary({"orapo": data}, {"orapo": REFS}) if x.startswith("| orapo |"))
+    assert "| **replicated**, -0.021 [" in summary and f"(4 of 4 lower), p {p:.3f}; power 1.00 |" in summary
+    verdict = reproduce.verdict_line("orapo", data, REFS)[0]
+    assert verdict.endswith(f"On 800-803: **replicated** (one-sided p {p:.3f}, power 1.00).")
+
+    data = replication_results("not replicated", "back the paper's way")
+    table = replication_table(reproduce.report("orapo", data, REFS))
+    p = one_sided_p(REPLICATION_DIFFS["not replicated"], -1)
+    assert p > 0.05 and f"| {p:.3f} | **not replicated** |" in replication_line(table, primary, "zero-reward groups")
+    back = replication_line(table, row_6_3, "CE macro F1")
+    assert "(0 of 4 lower)" in back and "| **not replicated** |" in back  # the paper's way is not 600-607's
+    assert one_sided_p(REPLICATION_DIFFS["back the paper's way"], -1) > 0.95
+    summary = reproduce.summary({"orapo": data}, {"orapo": REFS})
+    assert "| **not replicated**, -0.006 [" in next(x for x in summary if x.startswith("| orapo |"))
+    assert "On 800-803: **not replicated** (one-sided p" in reproduce.verdict_line("orapo", data, REFS)[0]
+
+
+def test_replication_not_yet_run_and_never_an_extension():
+    """Until all four replication seeds have run, every re-tested row, the summary and the verdict line say how many
+    have (no word, no interval); seeds 800-803 are never an extension, whatever else ran; a table whose 600-607 words
+    hold no reproduced or reversed column says there is nothing to re-test; a primary not re-tested shows "—"."""
+    two = replication_results("replicated", "reversed again", list(range(600, 608)) + [800, 801])
+    text = "\n".join(reproduce.report("orapo", two, REFS))
+    assert "Extension" not in text and "**replicated**" not in text
+    # three columns read reproduced or reversed: the primary, and CE macro F1 against row 3 and row 1 (reversed)
+    assert text.count("| not yet run on 800-803 (2 of 4 have run) |") == 3
+    summary = next(x for x in reproduce.summary({"orapo": two}, {"orapo": REFS}) if x.startswith("| orapo |"))
+    assert "| not yet run (2 of 4 have run); power 1.00 |" in summary
+    assert reproduce.verdict_line("orapo", two, REFS)[0].endswith("On 800-803: not yet run (2 of 4; power 1.00).")
+    more = replication_results("replicated", "reversed again", list(range(600, 608)) + [800, 801, 802, 803, 900, 901])
+    text = "\n".join(reproduce.report("orapo", more, REFS))
+    assert "Extension, seeds 900-901 (added after the declaration" in text and "Extension, seeds 80" not in text
+    assert "| CE macro F1 | 800 | 801 | 802 | 803 | mean ± sd |" in text  # the replication's own headline table
+    exp = reproduce.EXPERIMENTS["orapo"]
+    flat = fake_results("orapo", exp.declared + reproduce.REPLICATION, lambda s, a, m: 0.5 + 0.001 * (s % 3))
+    text = reproduce.report("orapo", flat, REFS)
+    assert any(x.startswith("Replication, seeds 800-803:") and x.endswith("nothing to re-test.") for x in text)
+    row = next(x for x in reproduce.summary({"orapo": flat}, {"orapo": REFS}) if x.startswith("| orapo |"))
+    assert "| **no effect seen** |" in row and "| holds | — |" in row
+    assert reproduce.verdict_line("orapo", flat, REFS)[0].endswith("Not re-tested on 800-803.")
+    waiting = reproduce.summary({}, {})
+    assert all(x.count("|") == waiting[0].count("|") for x in waiting[2:7])  # the rows not yet measured: every cell
+
+
+def test_replication_power_of_four_seeds_by_hand():
+    """The declared design figure: the one-sided t-test on four seeds (3 df) finds a - b with the 600-607 mean and sd
+    with the power of scipy's noncentral t at sqrt(4) |mean| / sd; 80 % at |mean| 1.65 sd and about 46 % at 1.0 sd,
+    as the declaration says; and 1.0 sd by simulation (four normal seeds, 200,000 times)."""
+    from scipy.stats import nct, t
+
+    sd = SPREAD.std(ddof=1)
+    for mean in (0.1, -0.3, 1.65 * sd):
+        by_hand = nct.sf(t.ppf(0.95, 3), 3, 2 * abs(mean) / sd)
+        assert reproduce.replication_power(at(mean)) == pytest.approx(by_hand, rel=1e-9)
+    assert reproduce.replication_power(at(1.65 * sd)) == pytest.approx(0.80, abs=0.01)
+    assert reproduce.replication_power(at(-sd)) == pytest.approx(0.46, abs=0.01)
+    x = np.random.default_rng(0).normal(1.0, 1.0, size=(200_000, 4))
+    found = (x.mean(1) / (x.std(1, ddof=1) / 2) > t.ppf(0.95, 3)).mean()
+    assert reproduce.replication_power(d(*(SPREAD / sd + 1.0))) == pytest.approx(found, abs=0.005)
+
+
+def test_orapo_row_1_is_the_papers_base_and_the_erratum_says_which_words_it_moves():
+    """Table 4's row 1 (Base) is 0.097 / 0.104 / 0.034 (P, R, F1); the declaration quoted row 2's 0.026 / 0.162 / 0.089.
+    Rows 6 - 1 and 3 - 1 are judged against the paper's effects from row 1 (row 6 0.237 / 0.832 / 0.341, row 3 0.204 /
+    0.605 / 0.291), the declared claims kept as they were; under the claims table a line says whether any word moved,
+    and names the ones that did (here, a difference whose interval holds row 2's effects but not row 1's)."""
+    exp = reproduce.EXPERIMENTS["orapo"]
+    claims = {c.label: c for c in exp.claims}
+    declared = {c.label: c for c in reproduce.DECLARED_CLAIMS["orapo"]}
+    row_6, row_3 = (0.237, 0.832, 0.341), (0.204, 0.605, 0.291)
+    for label, row, quote in (("Table 4, row 6 vs row 1", row_6, "0.341"), ("Table 4, row 3 vs row 1", row_3, "0.291")):
+        effects = claims[label].effects["CheXpert Plus"]
+        by_hand = [round(x - y, 3) for x, y in zip(row, (0.097, 0.104, 0.034))]
+        assert [effects[m] for m in ("CE macro precision", "CE macro recall", "CE macro F1")] == pytest.approx(by_hand)
+        before = declared[label].effects["CheXpert Plus"]
+        assert [before[m] for m in before] == pytest.approx(
+            [round(x - y, 3) for x, y in zip(row, (0.026, 0.162, 0.089))]
+        )
+        assert claims[label].paper == f"F1 {quote} vs 0.034" and declared[label].paper == f"F1 {quote} vs 0.089"
+    assert [c for c in exp.claims if c.label not in reproduce.ERRATA["orapo"][1]] == [
+        c for c in reproduce.DECLARED_CLAIMS["orapo"] if c.label not in reproduce.ERRATA["orapo"][1]
+    ]
+    flat = reproduce.results_of(fake_results("orapo", exp.declared, lambda s, a, m: 0.5))
+    line = reproduce.erratum(exp, flat, exp.declared)
+    same = "judged against the declared effects, every word is the same."
+    assert line == [f"Erratum (issue 71): {reproduce.ERRATA['orapo'][0]}; {same}"]
+    assert line[0] in reproduce.claims_table(exp, flat, exp.declared, REFS)
+    # Base's precision 0.02 below the others, +-2.365 x 0.048: the interval [-0.094, +0.134] excludes row 2's +0.211
+    # and +0.178 (smaller than the paper's) and holds row 1's +0.140 and +0.107 (cannot tell, after Holm)
+    lift = dict(zip(exp.declared, 0.6 * SPREAD + 0.02))
+    results = reproduce.results_of(
+        fake_results("orapo", exp.declared, lambda s, a, m: 0.5 - lift[s] * (a == "Base" and m == "CE macro precision"))
+    )
+    moved = reproduce.erratum(exp, results, exp.declared)[0]
+    for versus in ("row 6 vs row 1: OraPO + FactS", "row 3 vs row 1: GRPO + FactS"):
+        assert (
+            f"Table 4, {versus} - Base, CE macro precision, cannot tell (declared: smaller than the paper's)" in moved
+        )
+    assert moved.count("(declared:") == 2
 
 
 def test_a_claim_on_an_arm_that_writes_a_handful_of_reports_is_noted_degenerate():
@@ -841,24 +1037,24 @@ def git(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
 
 
-def declared_sources(source: str) -> dict:
-    """The source text of each name the declaration fixes (reproduce.RULE and reproduce.DECLARATION) in a version of
-    tests/reproduce.py."""
+def declared_sources(source: str, names=reproduce.RULE + reproduce.DECLARATION) -> dict:
+    """The source text of each name a declaration fixes (by default reproduce.RULE and reproduce.DECLARATION) in a
+    version of tests/reproduce.py."""
     tree = ast.parse(source)
     out = {}
     for node in tree.body:
-        names = [node.name] if isinstance(node, ast.FunctionDef | ast.ClassDef) else []
-        names += [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
-        for name in set(names) & set(reproduce.RULE + reproduce.DECLARATION):
+        found = [node.name] if isinstance(node, ast.FunctionDef | ast.ClassDef) else []
+        found += [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for name in set(found) & set(names):
             out[name] = ast.get_source_segment(source, node)
     return out
 
 
-def provenance_errors(datas: dict, declared_at: str) -> list[str]:
-    """Each confirmatory launch record that did not run at the declaration commit or a descendant of it, clean."""
+def provenance_errors(datas: dict, declared_at: str, seeds=reproduce.CONFIRMATORY) -> list[str]:
+    """Each launch record of these seeds that did not run at their declaration commit or a descendant of it, clean."""
     errors = []
     for name, data in datas.items():
-        for seed in reproduce.CONFIRMATORY:
+        for seed in seeds:
             for argv, launches in data.get("runs", {}).get(str(seed), {}).items():
                 for record in launches:
                     commit = record["commit"]
@@ -869,28 +1065,54 @@ def provenance_errors(datas: dict, declared_at: str) -> list[str]:
     return errors
 
 
+def declaration_holds(declared_at: str, names: tuple, seeds: list):
+    """The declaration commit is in this history (a full clone); there, each name it fixes reads as it does here, and
+    no results file held one of its seeds."""
+    assert git("rev-parse", "--is-shallow-repository").stdout.strip() == "false", "needs the full history"
+    assert git("cat-file", "-e", declared_at + "^{commit}").returncode == 0, declared_at
+    then = declared_sources(git("show", f"{declared_at}:tests/reproduce.py").stdout, names)
+    now = declared_sources((ROOT / "tests" / "reproduce.py").read_text(), names)
+    assert set(then) == set(now) == set(names)
+    assert [k for k in now if then[k] != now[k]] == []
+    for name in reproduce.EXPERIMENTS:
+        before = json.loads(git("show", f"{declared_at}:tests/results/{name}.json").stdout)
+        assert not set(map(str, seeds)) & set(before["seeds"]), name
+
+
+def planted_runs_are_caught(declared_at: str, seeds: list):
+    """A launch record of the declared seeds at the declaration's parent, or with uncommitted changes, is an error;
+    one at the declaration is not."""
+    parent = git("rev-parse", "--short=12", declared_at + "^").stdout.strip()
+    record, seed = {"commit": parent}, str(seeds[0])
+    planted = {"orapo": {"runs": {seed: {f"orapo.py --seed {seed}": [record, {"commit": declared_at[:12]}]}}}}
+    assert provenance_errors(planted, declared_at, seeds) == [
+        f"orapo {seed} orapo.py --seed {seed}: ran at {parent}, not at or after the declaration"
+    ]
+    record["commit"] = git("rev-parse", "--short=12", "HEAD").stdout.strip() + "+changes"
+    assert provenance_errors(planted, declared_at, seeds)[0].endswith("uncommitted changes at " + record["commit"])
+    assert provenance_errors(planted, declared_at, [int(seed) + 1]) == []  # another series' seeds are not its
+
+
 def test_every_confirmatory_run_ran_after_the_declaration_and_its_rule_is_unchanged():
     """The declaration commit is in this history (a full clone); there, the rule's functions, the seeds, the paper's
     tables and the claims read as they do here, and no results file held a confirmatory seed; every confirmatory
     launch record ran at that commit or a descendant, clean. A record before it, or with changes, fails."""
-    assert git("rev-parse", "--is-shallow-repository").stdout.strip() == "false", "needs the full history"
-    assert git("cat-file", "-e", reproduce.DECLARED_AT + "^{commit}").returncode == 0, reproduce.DECLARED_AT
-    then = declared_sources(git("show", f"{reproduce.DECLARED_AT}:tests/reproduce.py").stdout)
-    now = declared_sources((ROOT / "tests" / "reproduce.py").read_text())
-    assert set(then) == set(now) == set(reproduce.RULE + reproduce.DECLARATION)
-    assert [k for k in now if then[k] != now[k]] == []
-    for name in reproduce.EXPERIMENTS:
-        before = json.loads(git("show", f"{reproduce.DECLARED_AT}:tests/results/{name}.json").stdout)
-        assert not set(map(str, reproduce.CONFIRMATORY)) & set(before["seeds"]), name
+    declaration_holds(reproduce.DECLARED_AT, reproduce.RULE + reproduce.DECLARATION, reproduce.CONFIRMATORY)
     assert provenance_errors(reproduce.results_files(), reproduce.DECLARED_AT) == []
-    parent = git("rev-parse", "--short=12", reproduce.DECLARED_AT + "^").stdout.strip()
-    record = {"commit": parent}
-    planted = {"orapo": {"runs": {"600": {"orapo.py --seed 600": [record, {"commit": reproduce.DECLARED_AT[:12]}]}}}}
-    assert provenance_errors(planted, reproduce.DECLARED_AT) == [
-        f"orapo 600 orapo.py --seed 600: ran at {parent}, not at or after the declaration"
-    ]
-    record["commit"] = git("rev-parse", "--short=12", "HEAD").stdout.strip() + "+changes"
-    assert provenance_errors(planted, reproduce.DECLARED_AT)[0].endswith("uncommitted changes at " + record["commit"])
+    planted_runs_are_caught(reproduce.DECLARED_AT, reproduce.CONFIRMATORY)
+
+
+def test_every_replication_run_ran_after_its_declaration_and_its_rule_is_unchanged():
+    """As the confirmatory seeds': the replication's declaration commit is in this history, descends from the
+    confirmatory one, and declared what REPLICATION_RULE names as they read here, the seeds 800-803 among them; no
+    results file there held one of them; every launch record of 800-803 in tests/results ran at that commit or a
+    descendant, clean (none yet before the sweep). A record before it, or with changes, fails."""
+    assert git("merge-base", "--is-ancestor", reproduce.DECLARED_AT, reproduce.REPLICATION_DECLARED_AT).returncode == 0
+    declaration_holds(reproduce.REPLICATION_DECLARED_AT, reproduce.REPLICATION_RULE, reproduce.REPLICATION)
+    assert reproduce.REPLICATION == [800, 801, 802, 803] and reproduce.REPLICATES == ("reproduced", "reversed")
+    datas = reproduce.results_files()
+    assert provenance_errors(datas, reproduce.REPLICATION_DECLARED_AT, reproduce.REPLICATION) == []
+    planted_runs_are_caught(reproduce.REPLICATION_DECLARED_AT, reproduce.REPLICATION)
 
 
 def test_machines_line_groups_the_seeds_that_ran_alike():
