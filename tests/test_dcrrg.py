@@ -16,7 +16,7 @@ from transformers import BertTokenizerFast
 
 import common
 import dcrrg
-from conftest import Crash, metrics_rows
+from conftest import Crash, assert_applied, metrics_rows
 from dcrrg import (
     assign_sentences,
     csm_loss,
@@ -610,10 +610,12 @@ def states(path):
 
 
 def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_weights(
-    tmp_path, iu_xray, small_synthetic, fast, monkeypatch, caplog
+    tmp_path, iu_xray, small_synthetic, fast, monkeypatch, caplog, applied_updates
 ):
     """All four steps on IU X-Ray as users have it (R2GenGPT layout: 1-5 views a study, flat Open-i names), in a
-    folder where a start on other data failed after making its vocabulary; then other data there is refused."""
+    folder where a start on other data failed after making its vocabulary; then other data there is refused. Each
+    step's optimiser applied its constant lr (the tiny model's: 1e-3, Step 2 1e-4, P-Tuning v2 5e-3) at every step,
+    and the gradients as the backward left them (App. A gives no clipping)."""
     out = tmp_path / "run"
     with monkeypatch.context() as m:  # a start that fails after prepare(): nothing trained
 
@@ -625,6 +627,9 @@ def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_wei
             dcrrg.main(["all", "--data", str(small_synthetic), "--out", str(out)] + FAST)
     synthetic_vocab = (out / "tokenizer" / "vocab.txt").read_text()
     results = dcrrg.main(["all", "--data", str(iu_xray), "--out", str(out)] + FAST)
+    assert len(applied_updates) == 4  # the failed start made none
+    for seen, lr, steps in zip(applied_updates, (1e-3, 1e-4, 1e-3, 5e-3), (4, 2, 3, 3)):
+        assert_applied(seen, [lr] * steps, clip=None)
     vocab = (out / "tokenizer" / "vocab.txt").read_text().split()
     assert vocab != synthetic_vocab.split() and "xxxx" in vocab and "granuloma" in vocab  # made anew from IU X-Ray's
     assert set(results) == {"step1", "step2", "step3", "step4"}
