@@ -442,6 +442,37 @@ def test_checkpoint_of_the_trainable_part_and_clear_errors(tmp_path):
         common.load_checkpoint(tmp_path / "cut.pt", model)
 
 
+def test_a_checkpoint_of_a_partly_frozen_model_keeps_its_buffers(tmp_path):
+    """The BatchNorm statistics a run's forwards moved are in last.pt and come back on --resume, the frozen BatchNorm's
+    (its weight and bias frozen, as DCRRG's P-Tuning keeps a ResNet's) as much as the trained one's; the frozen weights
+    are not saved. The fresh model's statistics differ from the saved ones, so a checkpoint without buffers shows."""
+
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3))
+        m.append(torch.nn.BatchNorm1d(3))
+        m[:2].requires_grad_(False)  # the first Linear and BatchNorm frozen: the second pair trains
+        return m
+
+    trained = model(0)
+    for k in range(3):  # train mode: each forward moves both BatchNorms' running statistics
+        trained(torch.randn(8, 4) * (k + 2) + k)
+    run = common.Run(common.RunArgs(out=str(tmp_path / "run")), 0, 1, torch.device("cpu"), None, None)
+    run.restore(trained)
+    run.save_checkpoint(3)
+    saved = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["model"]
+    buffers = {"running_mean", "running_var", "num_batches_tracked"}
+    assert set(saved) == {f"{i}.{b}" for i in (1, 3) for b in buffers} | {
+        f"{i}.{p}" for i in (2, 3) for p in ("weight", "bias")
+    }
+    fresh = model(1)
+    assert all(not torch.equal(b, dict(trained.named_buffers())[n]) for n, b in fresh.named_buffers())
+    assert common.load_checkpoint(tmp_path / "run" / "last.pt", fresh) == (3, {})
+    for (n, b), (_, b_fresh) in zip(trained.named_buffers(), fresh.named_buffers()):
+        assert torch.equal(b, b_fresh), n
+    assert torch.equal(fresh[2].weight, trained[2].weight) and not torch.equal(fresh[0].weight, trained[0].weight)
+
+
 # --- flags ---------------------------------------------------------------------------------------
 def test_flags_from_the_args_dataclass(capsys):
     args = common.parse_args(ToyArgs, ["--lr", "0.5", "--no-resume", "--dtype", "bf16"])
