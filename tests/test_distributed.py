@@ -14,6 +14,7 @@ import torch
 
 import common
 import dcrrg
+import deer
 import orapo
 import rrgcl
 from conftest import ROOT, metrics_rows, torchrun_cases, update_relative_difference
@@ -62,6 +63,10 @@ orapo.main()
 ORAPO_FLAGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12"]
 ORAPO_FLAGS += ["--sft-steps", "2"]
 
+# DEER's stages shortened, DDSampling in chunks of 8: 5 chunks of the 40 studies, rank 0 scoring 0, 2, 4, rank 1 1, 3
+DEER_FLAGS = ["--max-new-tokens", "8", "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "2"]
+DEER_CHUNK = 8
+
 # DCRRG's steps and texts shortened as test_dcrrg.py's FAST and `fast` (no dropout: a step can be recomputed); RRGCL's
 # measurement as test_rrgcl.py's fast_measure, its training one epoch of 6 steps
 RRGCL_FLAGS = ["--epochs", "1", "--batch-size", "8", "--steps", "6"]
@@ -78,6 +83,7 @@ def launch(folder, small_synthetic) -> dict:
             [*data, "--out", str(folder / "measure"), "--measure-only", "--difficulty", str(folder / "dif.json")]
         )
     (folder / "orapo_under_torchrun.py").write_text(ORAPO_UNDER_TORCHRUN)
+    (folder / "deer_small_chunks.py").write_text(f"import deer\ndeer.DD_CHUNK = {DEER_CHUNK}\ndeer.main()\n")
     (folder / "dcrrg_fast.py").write_text(
         f"import dcrrg\nfor k, v in {DCRRG_CONSTANTS!r}.items():\n    setattr(dcrrg, k, v)\ndcrrg.main()\n"
     )
@@ -85,13 +91,12 @@ def launch(folder, small_synthetic) -> dict:
         (folder / notes).mkdir()
     orapo_script, fsdp = folder / "orapo_under_torchrun.py", ["--out", folder / "orapo_fsdp", "--fsdp"]
     mrg_r1_flags = ["--steps", "2", "--sft-steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "8"]
-    deer_flags = ["--max-new-tokens", "8", "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "2"]
     cases = [
         case("orapo", orapo_script, folder / "notes_ddp", *data, *ORAPO_FLAGS, "--out", folder / "orapo"),
         case("orapo_fsdp_stopped", orapo_script, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, STOP="1"),
         case("orapo_fsdp_resumed", orapo_script, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, "--resume"),
         case("mrg_r1", ROOT / "mrg_r1.py", *data, *mrg_r1_flags, "--out", folder / "mrg_r1"),
-        case("deer", ROOT / "deer.py", "all", *data, *deer_flags, "--out", folder / "deer"),
+        case("deer", folder / "deer_small_chunks.py", "all", *data, *DEER_FLAGS, "--out", folder / "deer"),
         case("dcrrg", folder / "dcrrg_fast.py", "all", *data, *DCRRG_FAST, "--out", folder / "dcrrg"),
         case(
             "rrgcl",
@@ -116,7 +121,7 @@ def test_each_script_under_torchrun(tmp_path, small_synthetic, starting_weights,
     assert status == dict(orapo=0, orapo_fsdp_stopped=130, orapo_fsdp_resumed=0, mrg_r1=0, deer=0, dcrrg=0, rrgcl=0)
     orapo_two_processes_and_fsdp(tmp_path, small_synthetic)
     mrg_r1_two_processes(tmp_path)
-    deer_two_processes(tmp_path)
+    deer_two_processes(tmp_path, small_synthetic, monkeypatch)
     starting_weights.clear()  # each check's one-process runs: the weights their steps start from, in order
     dcrrg_equals_one_process(tmp_path, small_synthetic, starting_weights, monkeypatch)
     starting_weights.clear()
@@ -188,14 +193,22 @@ def mrg_r1_two_processes(folder):
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
 
 
-def deer_two_processes(folder):
-    """All three stages under two processes: global batches split over the ranks, DDSampling's chunks shared.
-    (test_deer.py's test_torchrun_fsdp_equals_unsharded, slow, shards the RL stage against this unsharded run.)"""
+def deer_two_processes(folder, small_synthetic, monkeypatch):
+    """All three stages under two processes: global batches split over the ranks, DDSampling's chunks shared. Each
+    chunk's samples are seeded by the chunk: the two processes' scores (5 chunks, 2 or 3 a rank, so that a seed by
+    rank or by step would differ from it) equal, to the bit, those of one process scoring the same 5 chunks from the
+    same SFT model (the same shapes, the same kernels). (test_deer.py's test_torchrun_fsdp_equals_unsharded, slow,
+    shards the RL stage against this unsharded run.)"""
     out = folder / "deer"
     assert [x["step"] for x in read_jsonl(out / "sft" / "metrics.jsonl")] == [1, 2]
-    assert len(read_jsonl(out / "ddsampling" / "metrics.jsonl")) == 1  # 2 chunks of 32 (40 studies), one per rank
+    assert len(read_jsonl(out / "ddsampling" / "metrics.jsonl")) == 3  # chunks 0-1, 2-3, 4 (rank 1 idle)
     sel = json.loads((out / "ddsampling" / "selection.json").read_text())
     assert sel["n_pool"] == 40 and len(sel["ranked"]) == 40 and len(sel["ids"]) == 8
+    shutil.copytree(out / "sft", folder / "deer_one" / "sft")
+    monkeypatch.setattr(deer, "DD_CHUNK", DEER_CHUNK)
+    deer.main(["sample", "--data", str(small_synthetic), *DEER_FLAGS, "--out", str(folder / "deer_one")])
+    one = json.loads((folder / "deer_one" / "ddsampling" / "selection.json").read_text())
+    assert one["ranked"] == sel["ranked"] and one["ids"] == sel["ids"] and len({x["D"] for x in one["ranked"]}) > 1
     assert [x["step"] for x in read_jsonl(out / "rl_rule" / "metrics.jsonl")] == [1, 2]
     gens = read_jsonl(out / "rl_rule" / "generations_test.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]
