@@ -438,6 +438,59 @@ def built(monkeypatch):
     return seen
 
 
+def record_updates(mp) -> list:
+    """Patches common.adamw (with `mp`, a pytest.MonkeyPatch) so that each optimiser it makes notes, when its step()
+    runs, what that step applies: its parameter group's lr, and the total norm of its parameters' gradients then
+    (after any clipping), beside their raw norm (each gradient as its last backward left it: a hook on the parameter,
+    before anything the loop does to it). -> the optimisers' notes, in the order they were made, each a namespace of
+    three lists (lr, norm, raw) with an entry a step: what the loops apply, not what they log."""
+    from types import SimpleNamespace
+
+    import common
+
+    made, real = [], common.adamw
+
+    def adamw(params, *args, **kwargs):
+        params = list(params)
+        optimizer, scheduler = real(params, *args, **kwargs)
+        seen = SimpleNamespace(lr=[], norm=[], raw=[], last={})
+
+        def accumulated(p):  # after each backward's gradient is added to p.grad: p.grad's squared norm now
+            seen.last[p] = p.grad.detach().double().square().sum()
+
+        def stepping(optimizer, args, kwargs):
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            seen.lr.append(optimizer.param_groups[0]["lr"])
+            seen.norm.append(float(sum(g.detach().double().square().sum() for g in grads) ** 0.5))
+            seen.raw.append(float(sum(seen.last.values()) ** 0.5))
+            seen.last.clear()
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(accumulated)
+        optimizer.register_step_pre_hook(stepping)
+        made.append(seen)
+        return optimizer, scheduler
+
+    mp.setattr(common, "adamw", adamw)
+    return made
+
+
+@pytest.fixture
+def applied_updates(monkeypatch) -> list:
+    """conftest.record_updates for a test: each optimiser's lr and gradient norms at each step()."""
+    return record_updates(monkeypatch)
+
+
+def assert_applied(seen, lrs: list[float], clip: float | None):
+    """An optimiser's steps (record_updates' notes) applied the learning rates `lrs` (the schedule's formula worked
+    by hand) and gradients of total norm min(raw, clip) (clip None: the raw ones, untouched); at least one step's raw
+    norm is above `clip` (so that a loop that never clips, or clips elsewhere, shows)."""
+    assert seen.lr == pytest.approx(lrs, rel=1e-9, abs=0), "the lr each step applied"
+    expected = [raw if clip is None else min(raw, clip) for raw in seen.raw]
+    assert seen.norm == pytest.approx(expected, rel=1e-5), (seen.raw, seen.norm)  # clip_grad_norm_: clip / (raw + 1e-6)
+    assert clip is None or max(seen.raw) > clip, f"no step's gradient norm reaches the clip {clip}: {seen.raw}"
+
+
 def lr_factors(scheduler, steps) -> list[float]:
     """The schedule's lr multiplier at each of `steps` (LambdaLR's function), rounded to 6 places."""
     return [round(scheduler.lr_lambdas[0](k), 6) for k in steps]

@@ -16,7 +16,7 @@ from transformers import BertTokenizerFast
 
 import common
 import dcrrg
-from conftest import Crash, metrics_rows
+from conftest import Crash, assert_applied, metrics_rows
 from dcrrg import (
     assign_sentences,
     csm_loss,
@@ -610,10 +610,13 @@ def states(path):
 
 
 def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_weights(
-    tmp_path, iu_xray, small_synthetic, fast, monkeypatch, caplog
+    tmp_path, iu_xray, small_synthetic, fast, monkeypatch, caplog, applied_updates
 ):
     """All four steps on IU X-Ray as users have it (R2GenGPT layout: 1-5 views a study, flat Open-i names), in a
-    folder where a start on other data failed after making its vocabulary; then other data there is refused."""
+    folder where a start on other data failed after making its vocabulary; then other data there is refused. Step 3's
+    per-view validation losses recomputed by hand (step3_validation_by_hand). Each step's optimiser applied its
+    constant lr (the tiny model's: 1e-3, Step 2 1e-4, P-Tuning v2 5e-3) at every step, and the gradients as the
+    backward left them (App. A gives no clipping)."""
     out = tmp_path / "run"
     with monkeypatch.context() as m:  # a start that fails after prepare(): nothing trained
 
@@ -624,7 +627,14 @@ def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_wei
         with pytest.raises(SystemExit, match="no model today"):
             dcrrg.main(["all", "--data", str(small_synthetic), "--out", str(out)] + FAST)
     synthetic_vocab = (out / "tokenizer" / "vocab.txt").read_text()
+    envs, models, prepare, init = [], [], dcrrg.prepare, dcrrg.DCRRG.__init__
+    monkeypatch.setattr(dcrrg, "prepare", lambda *a: envs.append(prepare(*a)) or envs[-1])
+    monkeypatch.setattr(dcrrg.DCRRG, "__init__", lambda self, *a: models.append(self) or init(self, *a))
     results = dcrrg.main(["all", "--data", str(iu_xray), "--out", str(out)] + FAST)
+    step3_validation_by_hand(results["step3"], models[-1], out / "step3" / "model.pt", envs[-1])
+    assert len(applied_updates) == 4  # the failed start made none
+    for seen, lr, steps in zip(applied_updates, (1e-3, 1e-4, 1e-3, 5e-3), (4, 2, 3, 3)):
+        assert_applied(seen, [lr] * steps, clip=None)
     vocab = (out / "tokenizer" / "vocab.txt").read_text().split()
     assert vocab != synthetic_vocab.split() and "xxxx" in vocab and "granuloma" in vocab  # made anew from IU X-Ray's
     assert set(results) == {"step1", "step2", "step3", "step4"}
@@ -659,6 +669,30 @@ def test_all_steps_on_iu_xray_after_a_failed_start_and_p_tuning_keeps_frozen_wei
         dcrrg.main(["step1", "--data", str(iu_xray), "--out", str(out)] + FAST)
     with pytest.raises(SystemExit, match="vocab.txt was made from other training reports"):  # nor does another data set
         dcrrg.main(["step2", "--resume", "--data", str(small_synthetic), "--out", str(out)] + FAST)
+
+
+@torch.no_grad()
+def step3_validation_by_hand(results: dict, model, weights, env):
+    """Step 3's per-view validation losses (Eq. 14 on the first 64 val studies' descriptions), each recomputed from its
+    named view: the image view's f_v(E_img(views)) or the text view's f_t(E_txt(the study's report)), with each
+    description's own observation prompt. The two views' losses differ, and so do the losses without the prompts or
+    with another row's, so that a view named for the other, or a prompt lost, shows."""
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    model.eval()
+    val = dcrrg.description_records(env["val"][:64], env["labeler"])
+    obs = torch.tensor([r.meta["obs"] for r in val])
+    views = {
+        "image": model.f_v(model.embed_images(dcrrg.load_images(val, env["transform"]))),
+        "text": model.f_t(model.embed_texts([r.meta["study_report"] for r in val])),
+    }
+    descriptions, tok, n = [r.report for r in val], env["tokenizer"], dcrrg.MAX_DESCRIPTION_TOKENS
+    assert len(val) > 1 and len(set(obs.tolist())) > 1
+    for name, f_I in views.items():
+        expected = dcrrg.lm_loss(model.decoder, f_I, descriptions, tok, n, obs=obs).item()
+        assert results[f"val_loss_{name}_view"] == pytest.approx(expected, rel=1e-5), name
+        for other in (None, obs.roll(1)):  # no prompt, or the next row's
+            assert abs(dcrrg.lm_loss(model.decoder, f_I, descriptions, tok, n, obs=other).item() - expected) > 1e-3
+    assert abs(results["val_loss_image_view"] - results["val_loss_text_view"]) > 1e-3
 
 
 def test_one_step2_step_feeds_eq3_to_9_the_global_batch(tmp_path, small_synthetic, fast, monkeypatch, tmp_path_factory):

@@ -16,7 +16,17 @@ import torch
 import common
 import deer
 import test_chexbert
-from conftest import Crash, Stop, labels, metrics_rows, one_step_in_micro_batches, qwen_flags, torchrun
+from conftest import (
+    Crash,
+    Stop,
+    assert_applied,
+    labels,
+    metrics_rows,
+    one_step_in_micro_batches,
+    qwen_flags,
+    record_updates,
+    torchrun,
+)
 from deer import (
     align_to_tokens,
     diagnostic_diversity,
@@ -373,7 +383,13 @@ SMALL = dict(K=3, DD_CHUNK=8, SFT=dict(deer.SFT, batch_tiny=8))
 
 
 @pytest.fixture(scope="module")
-def staged(tmp_path_factory, small_synthetic):
+def staged_updates():
+    """What the SFT stage of `staged` applied at each optimiser step (conftest.record_updates)."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory, small_synthetic, staged_updates):
     """SFT (6 steps) and DDSampling once for the tests below: (out folder, common flags)."""
     out = tmp_path_factory.mktemp("deer")
     base = ["--data", str(small_synthetic), "--out", str(out), "--max-new-tokens", "16", "--sft-steps", "6"]
@@ -381,8 +397,10 @@ def staged(tmp_path_factory, small_synthetic):
         for k, v in SMALL.items():
             mp.setattr(deer, k, v)
         mp.setattr(common, "CHECKPOINT_EVERY", 3)
+        made = record_updates(mp)
         deer.main(["sft", *base])
         deer.main(["sample", *base])
+    staged_updates.extend(made)
     return out, base
 
 
@@ -392,10 +410,12 @@ def small(monkeypatch):
         monkeypatch.setattr(deer, k, v)
 
 
-def test_sft_and_sample_stages(staged, small):
+def test_sft_and_sample_stages(staged, staged_updates, small):
     out, base = staged
     losses = [x["sft_loss"] for x in metrics(out / "sft" / "metrics.jsonl")]
     assert len(losses) == 6 and losses[-1] < losses[0]
+    (sft,) = staged_updates  # the SFT stage's optimiser (DDSampling trains nothing): a constant lr, no clip
+    assert_applied(sft, [deer.SFT["lr_tiny"]] * 6, clip=None)
     assert (out / "sft" / "final" / "tiny_policy.pt").is_file() and "ce" in json.loads(
         (out / "sft" / "eval.json").read_text()
     )["test"]
@@ -530,7 +550,10 @@ def test_rl_resume_exact_and_refuses_changed_steps(tmp_path, staged, small, monk
         flags = ["--prompts-per-step", "2", "--grad-accum", "2", "--steps", "4"]
         return ["rl", *base[:2], "--out", str(tmp_path / d), *base[4:], *flags]
 
+    made = record_updates(monkeypatch)
     deer.main(rl("full"))
+    (full,) = made  # what the RL steps applied: the tiny model's constant 1e-4, gradients (both micro-batches'
+    assert_applied(full, [1e-4] * 4, clip=1.0)  # sum) clipped to verl's 1.0
     crash_after_checkpoint(2)
     with pytest.raises(Crash):
         deer.main(rl("part"))

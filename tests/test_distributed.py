@@ -14,6 +14,7 @@ import torch
 
 import common
 import dcrrg
+import deer
 import orapo
 import rrgcl
 from conftest import ROOT, metrics_rows, torchrun_cases, update_relative_difference
@@ -24,8 +25,8 @@ from test_rrgcl import FAST_MEASURE as RRGCL_MEASURE
 # orapo.main under torchrun with the warm start shortened (as `fast`), a checkpoint every step and, with STOP=k, Ctrl-C
 # right after RL's step-k checkpoint (not the warm start stage's; rank 0 keeps a copy of that last.pt as
 # stopped_last.pt); an odd number of val studies checked after step 1 (rank 1 pads its share: under FSDP every rank
-# makes as many generate() calls); each rank notes in DIR whether it read RL's last.pt, and the sharded reference's
-# parameters (local and full sizes)
+# makes as many generate() calls); each rank notes in DIR whether it read RL's last.pt, the sharded reference's
+# parameters (local and full sizes), and after each rollout the policy's (whether all are DTensors, local, full sizes)
 ORAPO_UNDER_TORCHRUN = """
 import os, shutil, sys, torch
 import common, orapo
@@ -35,6 +36,11 @@ orapo.N_EVAL, orapo.EVAL_EVERY = 5, 1
 common.CHECKPOINT_EVERY = 1
 save, load, build, notes = common.Run.checkpoint, torch.load, common.for_training, sys.argv.pop(1)
 rank = os.environ["RANK"]
+
+def sizes(params):
+    params = list(params)
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    return all(isinstance(p, DTensor) for p in params), local, sum(p.numel() for p in params)
 
 def stop(run, step):
     save(run, step)
@@ -50,17 +56,66 @@ def reading(path, *args, **kwargs):
 
 def noting_the_reference(run, *args, **kwargs):
     policy, ref = build(run, *args, **kwargs)
-    params = list(ref.model.parameters())
-    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
-    full, dtensors = sum(p.numel() for p in params), all(isinstance(p, DTensor) for p in params)
+    dtensors, local, full = sizes(ref.model.parameters())
     torch.save(dict(dtensors=dtensors, local=local, full=full), f"{notes}/rank{rank}_reference.pt")
     return policy, ref
 
+def noting_the_rollout(policy, *args, **kwargs):
+    roll = rollout(policy, *args, **kwargs)
+    path = f"{notes}/rank{rank}_rollouts.pt"
+    torch.save([*(torch.load(path) if os.path.exists(path) else []), sizes(policy.model.parameters())], path)
+    return roll
+
+rollout = common.rollout
 common.Run.checkpoint, torch.load, common.for_training = stop, reading, noting_the_reference
+common.rollout = noting_the_rollout
 orapo.main()
 """
 ORAPO_FLAGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12"]
-ORAPO_FLAGS += ["--sft-steps", "2"]
+ORAPO_FLAGS += ["--sft-steps", "2", "--grad-accum", "2"]  # 2 studies a rank, one a micro-batch
+
+# `python REDUCTIONS SCRIPT DIR ARGS...`: SCRIPT with ARGS, each rank noting in DIR, at each optimiser step, the
+# gradient buckets that DistributedDataParallel all-reduced since the step before (a communication hook that counts,
+# then all-reduces as DDP's own does: the mean, divided by the ranks before the sum, exact for 2) and a digest of the
+# gradients the step applies
+REDUCTIONS = """
+import hashlib, os, runpy, sys, torch
+import common
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+target, notes = sys.argv.pop(1), sys.argv.pop(1)
+sys.argv[0] = target
+data_parallel, adamw, reduced, steps = common.data_parallel, common.adamw, [], []
+
+def counted(state, bucket):
+    reduced.append(bucket.index())
+    return allreduce_hook(state, bucket)
+
+def data_parallel_counted(module, world_size):
+    wrapped = data_parallel(module, world_size)
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        wrapped.register_comm_hook(None, counted)
+    return wrapped
+
+def noted(optimizer, args, kwargs):
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    steps.append((sorted(reduced), hashlib.sha256(b"".join(g.numpy().tobytes() for g in grads)).hexdigest()))
+    reduced.clear()
+    torch.save(steps, f"{notes}/reduced_rank{os.environ['RANK']}.pt")
+
+def adamw_noted(*args, **kwargs):
+    optimizer, scheduler = adamw(*args, **kwargs)
+    optimizer.register_step_pre_hook(noted)
+    return optimizer, scheduler
+
+common.data_parallel, common.adamw = data_parallel_counted, adamw_noted
+runpy.run_path(target, run_name="__main__")
+"""
+
+# DEER's stages shortened, under --grad-accum 2 (RL: 2 studies a rank, one a micro-batch); DDSampling in chunks of 8:
+# 5 chunks of the 40 studies, rank 0 scoring 0, 2, 4 and rank 1 1, 3
+DEER_FLAGS = ["--max-new-tokens", "8", "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "4"]
+DEER_FLAGS += ["--grad-accum", "2"]
+DEER_CHUNK = 8
 
 # DCRRG's steps and texts shortened as test_dcrrg.py's FAST and `fast` (no dropout: a step can be recomputed); RRGCL's
 # measurement as test_rrgcl.py's fast_measure, its training one epoch of 6 steps
@@ -78,20 +133,24 @@ def launch(folder, small_synthetic) -> dict:
             [*data, "--out", str(folder / "measure"), "--measure-only", "--difficulty", str(folder / "dif.json")]
         )
     (folder / "orapo_under_torchrun.py").write_text(ORAPO_UNDER_TORCHRUN)
+    (folder / "reductions.py").write_text(REDUCTIONS)
+    (folder / "deer_small_chunks.py").write_text(f"import deer\ndeer.DD_CHUNK = {DEER_CHUNK}\ndeer.main()\n")
     (folder / "dcrrg_fast.py").write_text(
         f"import dcrrg\nfor k, v in {DCRRG_CONSTANTS!r}.items():\n    setattr(dcrrg, k, v)\ndcrrg.main()\n"
     )
-    for notes in ("notes_ddp", "notes_fsdp"):
+    for notes in ("notes_ddp", "notes_fsdp", "notes_mrg_r1", "notes_deer"):
         (folder / notes).mkdir()
     orapo_script, fsdp = folder / "orapo_under_torchrun.py", ["--out", folder / "orapo_fsdp", "--fsdp"]
     mrg_r1_flags = ["--steps", "2", "--sft-steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "8"]
-    deer_flags = ["--max-new-tokens", "8", "--sft-steps", "2", "--steps", "2", "--prompts-per-step", "2"]
+    mrg_r1_flags += ["--grad-accum", "2"]
+    reductions, deer_script = folder / "reductions.py", folder / "deer_small_chunks.py"
+    notes_ddp, notes_mrg_r1, notes_deer = (folder / f"notes_{x}" for x in ("ddp", "mrg_r1", "deer"))
     cases = [
-        case("orapo", orapo_script, folder / "notes_ddp", *data, *ORAPO_FLAGS, "--out", folder / "orapo"),
+        case("orapo", reductions, orapo_script, notes_ddp, notes_ddp, *data, *ORAPO_FLAGS, "--out", folder / "orapo"),
         case("orapo_fsdp_stopped", orapo_script, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, STOP="1"),
         case("orapo_fsdp_resumed", orapo_script, folder / "notes_fsdp", *data, *ORAPO_FLAGS, *fsdp, "--resume"),
-        case("mrg_r1", ROOT / "mrg_r1.py", *data, *mrg_r1_flags, "--out", folder / "mrg_r1"),
-        case("deer", ROOT / "deer.py", "all", *data, *deer_flags, "--out", folder / "deer"),
+        case("mrg_r1", reductions, ROOT / "mrg_r1.py", notes_mrg_r1, *data, *mrg_r1_flags, "--out", folder / "mrg_r1"),
+        case("deer", reductions, deer_script, notes_deer, "all", *data, *DEER_FLAGS, "--out", folder / "deer"),
         case("dcrrg", folder / "dcrrg_fast.py", "all", *data, *DCRRG_FAST, "--out", folder / "dcrrg"),
         case(
             "rrgcl",
@@ -116,7 +175,7 @@ def test_each_script_under_torchrun(tmp_path, small_synthetic, starting_weights,
     assert status == dict(orapo=0, orapo_fsdp_stopped=130, orapo_fsdp_resumed=0, mrg_r1=0, deer=0, dcrrg=0, rrgcl=0)
     orapo_two_processes_and_fsdp(tmp_path, small_synthetic)
     mrg_r1_two_processes(tmp_path)
-    deer_two_processes(tmp_path)
+    deer_two_processes(tmp_path, small_synthetic, monkeypatch)
     starting_weights.clear()  # each check's one-process runs: the weights their steps start from, in order
     dcrrg_equals_one_process(tmp_path, small_synthetic, starting_weights, monkeypatch)
     starting_weights.clear()
@@ -165,6 +224,11 @@ def orapo_two_processes_and_fsdp(folder, small_synthetic):
     for rank in (0, 1):  # each rank holds half of the reference (one unit per block, the rest another)
         ref = torch.load(notes / f"rank{rank}_reference.pt", weights_only=True)
         assert ref["dtensors"] and ref["local"] == pytest.approx(ref["full"] / 2, rel=0.01)
+        # and after each rollout (step 1's, stopped, then the resumed step 2's), half of the policy again: the modules
+        # generate() gathered (common.gathered) are resharded, every parameter a DTensor of this rank's shard
+        rollouts = torch.load(notes / f"rank{rank}_rollouts.pt", weights_only=True)
+        assert len(rollouts) == 2 and all(d and n == pytest.approx(full / 2, rel=0.01) for d, n, full in rollouts)
+    reduced_once_a_step(folder / "notes_ddp", 2 + 2)  # the warm start's steps, then RL's under --grad-accum 2
     # the val check after step 1, against one process generating from the step-1 weights in each rank's batch: rank 0
     # studies 0, 2, 4, rank 1 studies 1, 3 and study 0 as padding (the same batches, so the same padding and kernels)
     policy = common.load_policy(fsdp / "warm_start" / "final")
@@ -180,22 +244,46 @@ def orapo_two_processes_and_fsdp(folder, small_synthetic):
     assert [r["id"] for r in rows] == [r.id for r in val] and [r["generated"] for r in rows] == expected
 
 
+def reduced_once_a_step(notes, steps: int):
+    """Every optimiser step of a DDP run (`notes`: REDUCTIONS) all-reduced each of DDP's gradient buckets once, on
+    both ranks: under --grad-accum 2 in the last micro-batch's backward alone (no_sync before it), as
+    common.gradient_sync and tests/MACHINES.md say, so both ranks step with the same gradients (the average of their
+    sums, to the bit: one all-reduce of 2 ranks adds a + b on both). A loop that syncs every micro-batch reduces each
+    bucket twice, one that never syncs none, and one that syncs an earlier micro-batch leaves the ranks' gradients
+    apart."""
+    r0, r1 = (torch.load(notes / f"reduced_rank{rank}.pt", weights_only=True) for rank in (0, 1))
+    assert len(r0) == len(r1) == steps and r0 == r1, (r0, r1)
+    assert all(buckets and buckets == list(range(len(buckets))) for buckets, _ in r0), r0
+
+
 def mrg_r1_two_processes(folder):
-    """--prompts-per-step counts studies over all ranks: 2 per rank, 8 completions each; both ranks' test reports."""
+    """--prompts-per-step counts studies over all ranks: 2 per rank, 8 completions each; both ranks' test reports. The
+    warm start's 2 steps and RL's 2 under --grad-accum 2 each reduce every gradient bucket once."""
     out = folder / "mrg_r1"
     assert [x["step"] for x in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    reduced_once_a_step(folder / "notes_mrg_r1", 2 + 2)
     gens = read_jsonl(out / "generations_test_after.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]  # both ranks' shares, in order
 
 
-def deer_two_processes(folder):
-    """All three stages under two processes: global batches split over the ranks, DDSampling's chunks shared.
-    (test_deer.py's test_torchrun_fsdp_equals_unsharded, slow, shards the RL stage against this unsharded run.)"""
+def deer_two_processes(folder, small_synthetic, monkeypatch):
+    """All three stages under two processes, --grad-accum 2: global batches split over the ranks, DDSampling's chunks
+    shared, every gradient bucket reduced once a step (reduced_once_a_step). Each chunk's samples are seeded by the
+    chunk: the two processes' scores (5 chunks, 2 or 3 a rank, so that a seed by rank or by step would differ from it)
+    equal, to the bit, those of one process scoring the same 5 chunks from the same SFT model (the same shapes, the
+    same kernels). (test_deer.py's test_torchrun_fsdp_equals_unsharded, slow, shards the RL stage against this
+    unsharded run.)"""
     out = folder / "deer"
     assert [x["step"] for x in read_jsonl(out / "sft" / "metrics.jsonl")] == [1, 2]
-    assert len(read_jsonl(out / "ddsampling" / "metrics.jsonl")) == 1  # 2 chunks of 32 (40 studies), one per rank
+    reduced_once_a_step(folder / "notes_deer", 2 + 2)  # SFT's 2 steps and RL's 2, both under --grad-accum 2
+    assert len(read_jsonl(out / "ddsampling" / "metrics.jsonl")) == 3  # chunks 0-1, 2-3, 4 (rank 1 idle)
     sel = json.loads((out / "ddsampling" / "selection.json").read_text())
     assert sel["n_pool"] == 40 and len(sel["ranked"]) == 40 and len(sel["ids"]) == 8
+    shutil.copytree(out / "sft", folder / "deer_one" / "sft")
+    monkeypatch.setattr(deer, "DD_CHUNK", DEER_CHUNK)
+    deer.main(["sample", "--data", str(small_synthetic), *DEER_FLAGS, "--out", str(folder / "deer_one")])
+    one = json.loads((folder / "deer_one" / "ddsampling" / "selection.json").read_text())
+    assert one["ranked"] == sel["ranked"] and one["ids"] == sel["ids"] and len({x["D"] for x in one["ranked"]}) > 1
     assert [x["step"] for x in read_jsonl(out / "rl_rule" / "metrics.jsonl")] == [1, 2]
     gens = read_jsonl(out / "rl_rule" / "generations_test.jsonl")
     assert [g["id"] for g in gens] == [f"test_{k:05d}" for k in range(12)]

@@ -72,6 +72,28 @@ def test_generate_writes_the_report_the_run_evaluated_with(real_data_run, small_
     assert all(w["report"] == rows[w["id"]]["generated"] for w in written)
 
 
+def test_generate_takes_the_length_the_run_resolved_not_its_flag(real_data_run, small_synthetic, tmp_path, monkeypatch):
+    """`generate` writes reports as long as final/generation.json says the run evaluated with (its flags resolved),
+    never config.json's --max-new-tokens: a copy of the run (generation.json: 8) whose flag is left to the default
+    (None: what a run without it records) or names another length."""
+    run = tmp_path / "run"
+    shutil.copytree(real_data_run[0], run)
+    config = json.loads((run / "config.json").read_text())
+    lengths, real = [], common.TinyPolicy.generate
+
+    def generate(self, prompts, max_new_tokens, *args, **kwargs):
+        lengths.append(max_new_tokens)
+        return real(self, prompts, max_new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(common.TinyPolicy, "generate", generate)
+    image = common.load_annotation(small_synthetic)["test"][0].image_paths[0]
+    for flag in (None, 3):
+        (run / "config.json").write_text(json.dumps(config | {"max_new_tokens": flag}))
+        common.main(["generate", str(run), image])
+    assert json.loads((run / "final" / "generation.json").read_text())["max_new_tokens"] == 8
+    assert lengths == [8, 8]
+
+
 def test_generate_from_the_command_line(real_data_run, small_synthetic):
     """`python common.py generate` in a process of its own (common.py as __main__ imports mrg_r1 for the report)."""
     out, study = real_data_run[0], common.load_annotation(small_synthetic)["test"][0]
@@ -127,6 +149,21 @@ def test_a_changed_shipped_file_is_an_error_naming_it(tmp_path, monkeypatch):
     assert sandbox.synthetic_chexbert().is_file()  # the other model is untouched
     with pytest.raises(ValueError, match="vlm/tiny_policy.pt"):
         sandbox.synthetic_foundation()
+
+
+def test_a_model_folder_the_manifest_does_not_list_is_an_error_naming_it(tmp_path, monkeypatch):
+    """A folder of tests/sandbox_models whose files MANIFEST.json does not list (here CheXbert's, its entries
+    dropped) is not loaded as shipped, though every file in it is unchanged; the listed foundation still loads."""
+    shutil.copytree(sandbox.SHIPPED, tmp_path / "shipped")
+    monkeypatch.setattr(sandbox, "SHIPPED", tmp_path / "shipped")
+    manifest = json.loads((tmp_path / "shipped" / "MANIFEST.json").read_text())
+    chexbert = f"chexbert-v{sandbox.SANDBOX_CHEXBERT_VERSION}"
+    manifest["files"] = {f: d for f, d in manifest["files"].items() if not f.startswith(chexbert + "/")}
+    (tmp_path / "shipped" / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert (tmp_path / "shipped" / chexbert / "chexbert.pth").is_file()  # on disk, as shipped, but not listed
+    assert sandbox.synthetic_foundation() == tmp_path / "shipped" / f"foundation-v{sandbox.FOUNDATION_VERSION}"
+    with pytest.raises(ValueError, match=chexbert):
+        sandbox.synthetic_chexbert()
 
 
 def test_the_shipped_models_keep_their_quality(small_synthetic):

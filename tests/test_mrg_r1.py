@@ -11,7 +11,15 @@ import torch
 
 import common
 import mrg_r1
-from conftest import Crash, fake_eval, labels, metrics_rows, one_step_in_micro_batches, qwen_flags
+from conftest import (
+    Crash,
+    assert_applied,
+    fake_eval,
+    labels,
+    metrics_rows,
+    one_step_in_micro_batches,
+    qwen_flags,
+)
 from mrg_r1 import extract_report, format_reward, grpo_advantages, mccs, signed_label_vectors
 
 L = common.LABEL_INDEX
@@ -320,11 +328,19 @@ def test_policy_gradient_raises_the_best_completion(small_synthetic):
     assert after[1] > before[1] and after[0] < before[0]
 
 
-def test_end_to_end_tiny_run_learns_the_format(tmp_path, small_synthetic, fast):
+def test_end_to_end_tiny_run_learns_the_format(tmp_path, small_synthetic, fast, monkeypatch, applied_updates):
     """A short run whose warm start is too short to write the tags well: the sampled reward is non-zero, varies,
-    and the policy moves; the files a user plots are there; --steps 0 is Table II's Base + SFT row."""
+    and the policy moves; the files a user plots are there; --steps 0 is Table II's Base + SFT row. What each
+    optimiser step applied: the warm start's constant lr, gradients as the backward left them; RL's cosine schedule
+    after a linear warm-up, gradients clipped to 0.1 (Sec. IV-B). The warm-up share is half here: 10 % of 4 steps
+    rounds to none (test_paper_settings holds the 10 %), half is 2 steps, lr x 1/2, 1, then cos from 1 down."""
+    monkeypatch.setattr(mrg_r1, "WARMUP", 0.5)
     out = tmp_path / "run"
     mrg_r1.main(["--data", str(small_synthetic), "--out", str(out), "--steps", "4", "--sft-steps", "40"] + fast)
+    warm, rl = applied_updates
+    assert_applied(warm, [3e-3] * 40, clip=None)
+    cosine = [0.5 * (1 + math.cos(math.pi * (k - 2) / (4 - 2))) for k in (2, 3)]
+    assert_applied(rl, [1e-4 * f for f in (1 / 2, 2 / 2, *cosine)], clip=0.1)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert {"reward", "reward_mccs", "reward_format", "kl", "loss", "lr", "grad_norm", "length"} <= set(lines[0])

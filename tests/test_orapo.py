@@ -12,7 +12,16 @@ import torch
 
 import common
 import orapo
-from conftest import Crash, fake_eval, labels, metrics_rows, one_step_in_micro_batches, qwen_flags, torchrun
+from conftest import (
+    Crash,
+    assert_applied,
+    fake_eval,
+    labels,
+    metrics_rows,
+    one_step_in_micro_batches,
+    qwen_flags,
+    torchrun,
+)
 from orapo import (
     SentenceFacts,
     ZeroRewardRate,
@@ -446,12 +455,19 @@ def test_one_step_feeds_the_losses_the_paper_quantities(tmp_path, small_syntheti
     assert logged["lambda"] == pytest.approx(lam.mean()) and logged["zero_group_ratio"] == z.mean()
 
 
-def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch):
+def test_end_to_end_tiny_run(tmp_path, small_synthetic, fast, monkeypatch, applied_updates):
     """A short run: the files a user plots, Fig. 2's columns in metrics.jsonl, the val checks of Fig. 2 (right),
-    the ZRR state in the checkpoint; --lambda-max 0 is vanilla GRPO; --steps 0 evaluates only."""
+    the ZRR state in the checkpoint; --lambda-max 0 is vanilla GRPO; --steps 0 evaluates only. What each optimiser
+    step applied: the warm start's constant lr, gradients as the backward left them; RL's lr decaying linearly from
+    the tiny model's 5e-4 to 0 over --steps (no warm-up), gradients clipped to MAX_GRAD_NORM (lowered to 0.25 here:
+    the tiny run's raw norms are 0.3-1.1, so that every step's shows; test_paper_settings holds TRL's 1.0)."""
     monkeypatch.setattr(orapo, "EVAL_EVERY", 2)
+    monkeypatch.setattr(orapo, "MAX_GRAD_NORM", 0.25)
     out = tmp_path / "run"
     orapo.main(["--data", str(small_synthetic), "--out", str(out), "--steps", "4"] + fast)
+    warm, rl = applied_updates
+    assert_applied(warm, [3e-3] * 40, clip=None)
+    assert_applied(rl, [5e-4 * (4 - k) / 4 for k in range(4)], clip=0.25)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert {

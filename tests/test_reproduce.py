@@ -762,6 +762,44 @@ def test_tables_read_the_evaluation_after_training(tmp_path):
     assert out["DPO, first 50 steps"]["accuracy on zero-reward groups"] == 0.5  # 0.25 of the steps' 0.5 zero groups
 
 
+def test_rrgcl_measurer_agreement_reads_each_seeds_own_file_against_its_series_first(tmp_path):
+    """The measurer's agreement across seeds (RRGCL's table): a seed's difficulty file against its series' first
+    seed's (the first against the second), Spearman over the studies' Eq. 10 difficulty and the classes' diff_C. Five
+    seeds' files all differ, so that each pairing has Spearman values of its own and reading another seed's file
+    (or the same one twice: 1.0) shows."""
+    from scipy.stats import spearmanr
+
+    import rrgcl
+
+    rng, root, files = np.random.default_rng(3), tmp_path / "rrgcl", {}
+    labels = np.where(rng.random((40, 14)) < 0.3, 1.0, np.nan)
+    for seed in (600, 601, 602, 800, 801):
+        folder = root / f"s{seed}"
+        for run in reproduce.RRGCL_ARMS.values():
+            (folder / run).mkdir(parents=True)
+            (folder / run / "eval.json").write_text(json.dumps({"test": evaluation(0.5), "steps": 1000}))
+        (folder / "rrgcl" / "schedule.json").write_text(json.dumps({"subset_sizes": [10, 20, 40]}))
+        files[seed] = {"dif1": rng.random(40).tolist(), "dif2": rng.random(40).tolist(), "labels": labels.tolist()}
+        (folder / "measure").mkdir()
+        (folder / "measure" / "difficulty.json").write_text(json.dumps(files[seed]))
+
+    def agreement(a, b):  # by hand, from the files' contents in memory
+        dif = {s: rrgcl.sample_difficulty(np.array(files[s]["dif1"]), np.array(files[s]["dif2"])) for s in (a, b)}
+        classes = {s: [c["difficulty"] for c in rrgcl.curriculum_plan(dif[s], labels)["table"]] for s in (a, b)}
+        return {
+            "Spearman, studies": float(spearmanr(dif[a], dif[b])[0]),
+            "Spearman, classes": float(spearmanr(classes[a], classes[b])[0]),
+        }
+
+    pairs = {600: 601, 601: 600, 602: 600, 800: 801, 801: 800}  # a confirmatory or replication seed: its series' first
+    wrong = [(602, 601), (801, 600), (602, 602)]  # another seed's file, another series' first, its own twice
+    apart = {tuple(sorted(p)) for p in [*pairs.items(), *wrong]}  # Spearman is symmetric
+    values = [agreement(*p)["Spearman, studies"] for p in apart]
+    assert len(set(values)) == len(values) == 6 and sorted(values)[-2] < 0.9  # each pairing its own value; 1: itself
+    for seed, first in pairs.items():
+        assert reproduce.EXPERIMENTS["rrgcl"].read(root, seed)["measurer"] == pytest.approx(agreement(seed, first))
+
+
 def test_every_claim_reads_numbers_the_tables_produce(tmp_path):
     """Each claim's and check's arms and metrics are among those the experiment's read() returns from its runs'
     files (a misspelt arm or column fails here, not after a sweep)."""

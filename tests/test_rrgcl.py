@@ -17,7 +17,7 @@ import torch
 
 import common
 import rrgcl
-from conftest import Crash, fake_eval, metrics_rows, qwen_flags
+from conftest import Crash, assert_applied, fake_eval, metrics_rows, qwen_flags
 from rrgcl import (
     class_difficulty,
     class_members,
@@ -483,8 +483,11 @@ def test_the_mine_line_says_what_a_negative_bound_means(small_synthetic, fast_me
 
 
 def test_measure_only_writes_the_file_and_training_reads_it(
-    tmp_path, small_synthetic, difficulty_file, monkeypatch, capsys
+    tmp_path, small_synthetic, difficulty_file, monkeypatch, capsys, applied_updates
 ):
+    """--measure-only writes the difficulty file, training reads it (a wrong or absent one is refused) and follows
+    Algorithm 1's epochs; each optimiser step of the run applied the tiny model's constant lr 1e-3 and gradients
+    clipped to MAX_GRAD_NORM (1.0)."""
     m = json.loads(difficulty_file.read_text())
     assert (
         len(m["ids"]) == len(m["dif1"]) == len(m["dif2"]) == len(m["labels"]) == 40
@@ -506,6 +509,7 @@ def test_measure_only_writes_the_file_and_training_reads_it(
     monkeypatch.setattr(rrgcl, "measure", lambda *a: pytest.fail("measured again: the file must be read"))
     out = tmp_path / "run"
     rrgcl.main(base + ["--out", str(out), "--difficulty", str(difficulty_file)])
+    (trained,) = applied_updates  # the generator's optimiser (the measurer's networks have their own)
     schedule = json.loads((out / "schedule.json").read_text())
     epochs = [x for x in read_jsonl(out / "metrics.jsonl") if "epoch" in x]
     assert [x["epoch"] for x in epochs] == schedule["t"] == [0, 1, 2]  # t = 0..T: the lambda_n(0) subset trains
@@ -517,6 +521,7 @@ def test_measure_only_writes_the_file_and_training_reads_it(
         1 + np.cumsum([0] + steps[:-1])
     ).tolist()  # logged at each epoch's first step
     assert read_jsonl(out / "metrics.jsonl")[-1]["step"] == sum(steps)
+    assert_applied(trained, [1e-3] * sum(steps), clip=1.0)
     assert all(
         c["lambda"][0] == pytest.approx(c["lambda0"]) and c["lambda"][-1] == pytest.approx(1)
         for c in schedule["classes"]

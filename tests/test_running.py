@@ -151,7 +151,7 @@ def _grpo_gradient(model, ids, mask, rewards, scale=1.0):
 
 
 TORCHRUN_SCRIPT = """
-import os, sys, torch
+import copy, os, sys, torch
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
@@ -182,6 +182,17 @@ with torch.profiler.profile() as accum_prof:
         with common.gradient_sync(ddp, last=k == 1):
             _grpo_gradient(ddp, ids[part], mask[part], rewards[part], scale=0.5)
 accumulated = {{n: p.grad.clone() for n, p in model.named_parameters()}}
+# DDP keeps each rank's buffers: a BatchNorm's running statistics of its own rank's batches, as the same module
+# computes them outside DDP (a broadcast of rank 0's before each forward would carry rank 0's into rank 1's)
+torch.manual_seed(0)
+norm = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+alone = copy.deepcopy(norm)
+norm_ddp = common.data_parallel(norm, world)
+for k in range(3):
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(10 * rank + k), dtype=torch.float64) * (1 + rank)
+    norm_ddp(x + rank).sum().backward()
+    alone(x + rank)
+buffers = {{n: (b.clone(), dict(alone.named_buffers())[n]) for n, b in norm.named_buffers()}}
 # FSDP2: generate() gathers each sharded module once (gathered), not once per new token
 gathers = {{}}
 for gather in (False, True):
@@ -206,7 +217,7 @@ step, extra = common.load_checkpoint(run.out / "last.pt", model, opt)
 redraws = torch.rand(3)
 run.log(rank=rank)
 torch.save({{"env": [rank, world, int(os.environ["LOCAL_RANK"]), str(device)], "grads": grads,
-            "accumulated": accumulated, "counts": counts,
+            "accumulated": accumulated, "counts": counts, "buffers": buffers,
             "mean": common.all_reduce_mean(float(rank)), "dict_mean": common.all_reduce_mean({{"a": rank, "b": 2}}),
             "bcast": common.broadcast_object({{"from": rank}}), "draws": draws, "redraws": redraws,
             "step": step, "extra": extra, "files": sorted(p.name for p in run.out.iterdir())}},
@@ -239,6 +250,11 @@ def _check_two_ranks(tmp_path):
     # (4 new tokens: 9 gathers without gathered(), 12: 25)
     counts = r0["counts"]
     assert counts["step"] == counts["accumulated"] == 1 and counts["parameters"] == 28
+    # DDP (common.data_parallel) leaves each rank its own BatchNorm statistics, those of its own batches
+    for r in (r0, r1):
+        assert set(r["buffers"]) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+        assert all(torch.equal(mine, alone) for mine, alone in r["buffers"].values())
+    assert not torch.allclose(r0["buffers"]["1.running_mean"][0], r1["buffers"]["1.running_mean"][0])
     assert counts["gathers"] == {"False 4": 9, "False 12": 25, "True 4": 3, "True 12": 3}
     assert counts["sharded modules"] == 3 and r1["counts"] == counts
     return r0, r1
@@ -259,8 +275,8 @@ def _launch(tmp_path, *torchrun_flags):
 
 def test_two_nodes_through_the_c10d_rendezvous_equal_one_process(tmp_path):
     """The README's multi-node command on one machine: two one-process "nodes" meet at a c10d endpoint. The gradient
-    of two ranks equals one process's, and the collectives, checkpoints and RNG streams behave (two processes of one
-    node, `--standalone`, run in each script's own torchrun test)."""
+    of two ranks equals one process's, and the collectives, checkpoints, RNG streams and each rank's BatchNorm
+    statistics behave (two processes of one node, `--standalone`, run in each script's own torchrun test)."""
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -440,6 +456,37 @@ def test_checkpoint_of_the_trainable_part_and_clear_errors(tmp_path):
     (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="cut.pt is not a readable checkpoint"):
         common.load_checkpoint(tmp_path / "cut.pt", model)
+
+
+def test_a_checkpoint_of_a_partly_frozen_model_keeps_its_buffers(tmp_path):
+    """The BatchNorm statistics a run's forwards moved are in last.pt and come back on --resume, the frozen BatchNorm's
+    (its weight and bias frozen, as DCRRG's P-Tuning keeps a ResNet's) as much as the trained one's; the frozen weights
+    are not saved. The fresh model's statistics differ from the saved ones, so a checkpoint without buffers shows."""
+
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3))
+        m.append(torch.nn.BatchNorm1d(3))
+        m[:2].requires_grad_(False)  # the first Linear and BatchNorm frozen: the second pair trains
+        return m
+
+    trained = model(0)
+    for k in range(3):  # train mode: each forward moves both BatchNorms' running statistics
+        trained(torch.randn(8, 4) * (k + 2) + k)
+    run = common.Run(common.RunArgs(out=str(tmp_path / "run")), 0, 1, torch.device("cpu"), None, None)
+    run.restore(trained)
+    run.save_checkpoint(3)
+    saved = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["model"]
+    buffers = {"running_mean", "running_var", "num_batches_tracked"}
+    assert set(saved) == {f"{i}.{b}" for i in (1, 3) for b in buffers} | {
+        f"{i}.{p}" for i in (2, 3) for p in ("weight", "bias")
+    }
+    fresh = model(1)
+    assert all(not torch.equal(b, dict(trained.named_buffers())[n]) for n, b in fresh.named_buffers())
+    assert common.load_checkpoint(tmp_path / "run" / "last.pt", fresh) == (3, {})
+    for (n, b), (_, b_fresh) in zip(trained.named_buffers(), fresh.named_buffers()):
+        assert torch.equal(b, b_fresh), n
+    assert torch.equal(fresh[2].weight, trained[2].weight) and not torch.equal(fresh[0].weight, trained[0].weight)
 
 
 # --- flags ---------------------------------------------------------------------------------------
