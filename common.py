@@ -1844,8 +1844,9 @@ def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, 
     reference = before + gathered + micro_rows * shape.tokens * V * 2 + shape.tokens * V * 4  # no graph: row by row
     phases = dict(rollout=rollout if shape.rollout else 0, reference=reference if shape.reference or shape.lora else 0)
     temporaries = 8 * embed / k if trained == N else 0  # AdamW's step: the largest trained tensor's, twice in fp32
-    phases |= dict(update=update, optimizer=states + temporaries)
-    return {name: round(b / GiB, 1) for name, b in phases.items()}
+    root = 2 * embed if shape.fsdp and k > 1 else 0  # FSDP2's root keeps its own weights (the embedding) gathered
+    phases |= dict(update=update, optimizer=states + temporaries + root)
+    return {name: b / GiB for name, b in phases.items()}
 
 
 def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: float = 0.0, **kwargs):

@@ -54,9 +54,12 @@ from hub_layout import QWEN3B_IDS, QWEN3B_TEXT, QWEN3B_VISION, QWEN7B_TEXT, QWEN
 
 GiB = 2**30
 aten = torch.ops.aten
-MODELS = {"3b": (QWEN3B_TEXT, QWEN3B_VISION), "7b": (QWEN7B_TEXT, QWEN7B_VISION)}
-IMAGE_TOKENS = 320  # one MIMIC-CXR view (2544 x 3056) at --max-pixels 512 x 512: a 32 x 40 patch grid, merged 2 x 2
-GRID = (1, 32, 40)
+# the tests' tiny shape: the 3B's vocabulary and special ids, small widths (real tensors fit on a CPU in seconds)
+TINY_TEXT = dict(QWEN3B_TEXT, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+TINY_TEXT |= dict(rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+TINY_VISION = dict(QWEN3B_VISION, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+TINY_VISION |= dict(fullatt_block_indexes=[1])
+MODELS = {"3b": (QWEN3B_TEXT, QWEN3B_VISION), "7b": (QWEN7B_TEXT, QWEN7B_VISION), "tiny": (TINY_TEXT, TINY_VISION)}
 PROMPT_TEXT = 60  # the chat template's text tokens around the image (system turn, instruction, generation prompt)
 PHASES = ("load", "rollout", "reference", "update", "optimizer")
 
@@ -80,6 +83,7 @@ class Setting:
     new_tokens: int = 256  # generated (RL), max_new_tokens
     target_tokens: int = 160  # an SFT target or OraPO's chosen (ground-truth) report, EOS included
     flags: str = ""  # the command line it stands for
+    grid: tuple = (1, 32, 40)  # a view's patches (t, h, w): a MIMIC-CXR view (2544 x 3056) at --max-pixels 512 x 512
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -264,7 +268,8 @@ def shape_policy(common, mode, model, setting: Setting, dtype):
     """An HFPolicy (the project's own methods) whose inputs are the setting's shapes: B studies of one MIMIC-size view,
     a P-token prompt, T-token completions and targets; generate() fills the KV cache to P + T (module docstring)."""
     cfg = model.config
-    P = IMAGE_TOKENS + PROMPT_TEXT
+    grid, image_tokens = setting.grid, math.prod(setting.grid) // 4  # 2 x 2 patches merged into a token
+    P = image_tokens + PROMPT_TEXT
 
     class ShapePolicy(common.HFPolicy):
         def __init__(self):
@@ -283,15 +288,15 @@ def shape_policy(common, mode, model, setting: Setting, dtype):
             n = len(images)
             with unset_fake_temporarily():
                 ids = torch.full((n, P), 100)
-                ids[:, 4], ids[:, 5 : 5 + IMAGE_TOKENS] = cfg.vision_start_token_id, cfg.image_token_id
-                ids[:, 5 + IMAGE_TOKENS] = cfg.vision_end_token_id
+                ids[:, 4], ids[:, 5 : 5 + image_tokens] = cfg.vision_start_token_id, cfg.image_token_id
+                ids[:, 5 + image_tokens] = cfg.vision_end_token_id
                 fixed = dict(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), image_grid_thw=torch.tensor([GRID] * n)
+                    input_ids=ids, attention_mask=torch.ones_like(ids), image_grid_thw=torch.tensor([grid] * n)
                 )
                 fixed["n_images"] = torch.ones(n, dtype=torch.long)
                 prompts = {k: mode.constant(v) for k, v in fixed.items()}
             with mode:
-                prompts["pixel_values"] = torch.randn(n * math.prod(GRID), 3 * 2 * 14 * 14, dtype=torch.float32)
+                prompts["pixel_values"] = torch.randn(n * math.prod(grid), 3 * 2 * 14 * 14, dtype=torch.float32)
             return prompts
 
         def encode_targets(self, texts):
@@ -427,7 +432,8 @@ def estimate(setting: Setting, layers=None, root: Path = ROOT) -> dict:
     shape = dataclasses.replace(shape, trained=trained, fsdp=setting.fsdp)
     with tempfile.TemporaryDirectory() as folder:
         qwen_config(text, vision, QWEN3B_IDS, **cut)[0].save_pretrained(folder)
-        return common.memory_estimate(folder, shape, setting.world)
+        pixels = setting.grid[1] * setting.grid[2] * 14**2
+        return common.memory_estimate(folder, shape, setting.world, max_pixels=pixels)
 
 
 def ddp_buckets(common, trained: int) -> int:
