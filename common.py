@@ -1601,9 +1601,10 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
 
 
 def end_block(out) -> str:
-    """Where a run wrote, a line each: its folder, results and test generations (its stages' too)."""
+    """Where a run wrote, a line each: its folder, results, test generations and learning curves (its stages' too)."""
     out, lines = Path(out), [f"{'run folder':<12}{out}"]
-    for kind, glob in {"results": "eval.json", "generations": "generations_test*.jsonl"}.items():
+    files = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/training.png"}
+    for kind, glob in files.items():
         found = sorted([*out.glob(glob), *out.glob(f"*/{glob}")], key=os.path.getmtime)
         if found:
             lines.append(f"{kind:<12}{', '.join(str(f.relative_to(out)) for f in found)}")

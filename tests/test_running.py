@@ -630,6 +630,17 @@ def test_the_end_names_the_run_folder_and_its_main_files(tmp_path):
     ]
 
 
+def test_a_finished_run_names_its_learning_curve_at_the_end(small_synthetic, tmp_path, monkeypatch, capsys):
+    """The quick start's picture: a run draws figures/training.png (matplotlib is a requirement) and its end block
+    names it beside its results (RRG_FIGURES=0, as the tests set it, draws none)."""
+    monkeypatch.setenv("RRG_FIGURES", "1")
+    out = tmp_path / "toy"
+    common.run_main(toy_train, ToyArgs, ["--data", str(small_synthetic), "--out", str(out), "--steps", "2"])
+    end = capsys.readouterr().out.splitlines()[-3:]
+    assert end == [f"run folder  {out}", "results     eval.json", "figures     figures/training.png"]
+    assert (out / "figures" / "training.png").stat().st_size > 0
+
+
 # --- the optimiser step and the schedule --------------------------------------------------------------
 def _run(tmp_path, rank=0, world_size=1, labeler=None):
     return common.Run(common.RunArgs(out=str(tmp_path / "run")), rank, world_size, torch.device("cpu"), None, labeler)
