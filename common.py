@@ -7,7 +7,6 @@ synthetic`, its CheXbert, its foundation) is tests/sandbox.py, imported only whe
 from __future__ import annotations
 
 import argparse
-import ast
 import bisect
 import contextlib
 import copy
@@ -15,8 +14,6 @@ import dataclasses
 import difflib
 import importlib.metadata
 import importlib.util
-import inspect
-import itertools
 import json
 import logging
 import math
@@ -29,7 +26,6 @@ import shutil
 import signal
 import socket
 import sys
-import textwrap
 import threading
 import time
 import warnings
@@ -38,8 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, get_args, get_origin, get_type_hints
 
+import docstring_parser
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -1604,9 +1601,10 @@ def run_main(train, args_class, argv=None, doc=None, commands: tuple = ()):
 
 
 def end_block(out) -> str:
-    """Where a run wrote, a line each: its folder, results and test generations (its stages' too)."""
+    """Where a run wrote, a line each: its folder, results, test generations and learning curves (its stages' too)."""
     out, lines = Path(out), [f"{'run folder':<12}{out}"]
-    for kind, glob in {"results": "eval.json", "generations": "generations_test*.jsonl"}.items():
+    files = {"results": "eval.json", "generations": "generations_test*.jsonl", "figures": "figures/training.png"}
+    for kind, glob in files.items():
         found = sorted([*out.glob(glob), *out.glob(f"*/{glob}")], key=os.path.getmtime)
         if found:
             lines.append(f"{kind:<12}{', '.join(str(f.relative_to(out)) for f in found)}")
@@ -2152,65 +2150,47 @@ def read_generations(path) -> list[dict]:
 
 
 # ==== 8. The command line: flags from an Args dataclass; python common.py evaluate | generate=========================
-def field_helps(args_class) -> dict[str, str]:
-    """{field: help} from each class of args_class: the string under a field (CleanRL's attribute doc strings), so a
-    knob is written once, with its help and its source beside it. A subclass's help wins."""
-    helps = {}
-    for cls in reversed(args_class.__mro__[:-1]):
-        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-        for node, after in itertools.pairwise(body):
-            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-            if isinstance(node, ast.AnnAssign) and is_doc and isinstance(after.value.value, str):
-                helps[node.target.id] = " ".join(after.value.value.split())
-    return helps
-
-
-def flag_type(f) -> tuple[str, str | None]:
-    """A field's type and the range beside it: Annotated[int | None, "[0, inf)"] -> ("int | None", "[0, inf)")."""
-    annotated = re.fullmatch(r"Annotated\[(.+), ['\"](.+)['\"]\]", f.type)
-    return annotated.groups() if annotated else (f.type, None)
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block): an unknown flag gets the closest known one."""
-
-    def error(self, message):
-        unknown = re.match(r"unrecognized arguments: (\S+)", message)
-        flags = [o for action in self._actions for o in action.option_strings]
-        close = difflib.get_close_matches(unknown.group(1).split("=")[0], flags, n=1) if unknown else []
-        hint = f" (did you mean {close[0]}?)" if close else " (--help lists every flag)"
-        self.exit(2, f"error: {message}{hint}\n")
-
-
 def parse_args(args_class, argv=None, description: str | None = None):
-    """Flags from an Args dataclass: `--flag-name` per field, typed by its (string) annotation: a bool as --flag /
-    --no-flag, Literal[...] as choices, a number checked against the range Annotated beside it; its help the doc
-    string under the field. --out defaults to runs/<script>-<data name>; --resume: the flags not given are the run's."""
-    helps = field_helps(args_class)
-    p = FlagParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = {
-        "paper": p.add_argument_group("the paper's settings (and ours where it gives none)"),
-        "run": p.add_argument_group("the run, its data and model (every script's)"),
-    }
-    casts = {"int": int, "float": float, "str": str}
-    fields = dataclasses.fields(args_class)
-    shared = {f.name for f in dataclasses.fields(RunArgs)}
+    """Flags from an Args dataclass, `--flag-name` per field: its help the string under the field (docstring_parser
+    reads it), a bool as --flag / --no-flag, Literal[...] as choices, a number checked against the range Annotated
+    beside it. A bad flag is one line (an unknown one names the closest). --out defaults to runs/<script>-<data name>;
+    --resume: the flags not given are the run's."""
+    helps = {}
+    for cls in reversed(args_class.__mro__[:-1]):  # a subclass's help wins
+        helps |= {d.arg_name: " ".join(d.description.split()) for d in docstring_parser.parse_from_object(cls).params}
+    hints = get_type_hints(args_class, include_extras=True)  # Annotated[int | None, "[0, inf)"] -> int | None, range
+    ranges = {k: get_args(t)[1] for k, t in hints.items() if get_origin(t) is Annotated}
+    p = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        exit_on_error=False,  # a bad value raises: one line below, no usage block
+        allow_abbrev=False,  # --ste is no --steps: an unknown flag
+        argument_default=argparse.SUPPRESS,  # a flag not given stays out of the result
+    )
+    paper = p.add_argument_group("the paper's settings (and ours where it gives none)")
+    run = p.add_argument_group("the run, its data and model (every script's)")
+    fields, shared = dataclasses.fields(args_class), {f.name for f in dataclasses.fields(RunArgs)}
     for f in fields:
-        group = groups["run" if f.name in shared else "paper"]
-        kind, interval = flag_type(f)
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f"{helps.get(f.name, '')} (default: {f.default}{'; in ' + interval if interval else ''})"
-        help_ = help_.replace("%", "%%")
-        if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        elif kind.startswith("Literal["):
-            choices = ast.literal_eval("(" + kind[len("Literal[") : kind.rindex("]")] + ",)")  # Literal[a, b] -> (a, b)
-            group.add_argument(flag, choices=choices, default=f.default, type=type(choices[0]), help=help_)
+        kind = get_args(hints[f.name])[0] if f.name in ranges else hints[f.name]
+        kind = get_args(kind)[0] if type(None) in get_args(kind) else kind  # int | None -> int
+        in_range = f"; in {ranges[f.name]}" if f.name in ranges else ""
+        how = {"help": f"{helps.get(f.name, '')} (default: {f.default}{in_range})".replace("%", "%%")}
+        if kind is bool:
+            how |= {"action": argparse.BooleanOptionalAction}
+        elif get_origin(kind) is Literal:
+            how |= {"choices": get_args(kind), "type": type(get_args(kind)[0])}
         else:
-            group.add_argument(flag, type=casts[kind.replace("| None", "").strip()], default=f.default, help=help_)
-    unset = object()  # argparse keeps what the namespace holds: a flag still unset was not given
-    parsed = vars(p.parse_args(argv, argparse.Namespace(**{f.name: unset for f in fields})))
-    given = {k: v for k, v in parsed.items() if v is not unset}
+            how |= {"type": kind}
+        (run if f.name in shared else paper).add_argument("--" + f.name.replace("_", "-"), **how)
+    try:
+        given, unknown = p.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        p.exit(2, f"error: {e} (--help lists every flag)\n")
+    if unknown:
+        close = difflib.get_close_matches(unknown[0].split("=")[0], ["--" + f.name.replace("_", "-") for f in fields])
+        hint = f"did you mean {close[0]}?" if close else "--help lists every flag"
+        p.exit(2, f"error: unrecognized arguments: {' '.join(unknown)} ({hint})\n")
+    given = vars(given)
     flags = {f.name: f.default for f in fields} | given
     if flags["out"] is None:  # runs/<script>-<"synthetic", an annotation.json's folder (or given), another file's name>
         data = Path(flags["data"]).parent if Path(flags["data"]).name == "annotation.json" else Path(flags["data"])
@@ -2221,13 +2201,10 @@ def parse_args(args_class, argv=None, description: str | None = None):
     if flags["resume"] and configs:  # the flags not given: the run's (of stages: the newest stage's)
         saved = json.loads(max(configs, key=os.path.getmtime).read_text())
         flags |= {k: saved[k] for k in flags.keys() & saved.keys() - given.keys() - set(MAY_CHANGE_ON_RESUME)}
-    for f in fields:  # each number in the range beside it: [ ] take their end, ( ) do not
-        interval, value = flag_type(f)[1], flags[f.name]
-        if interval is None or value is None:
-            continue
-        lo, hi = map(float, interval[1:-1].split(","))
-        if not (lo < value < hi or value == lo and interval[0] == "[" or value == hi and interval[-1] == "]"):
-            raise SystemExit(f"error: --{f.name.replace('_', '-')} {value}: out of range, it must lie in {interval}")
+    for name, interval in ranges.items():  # each number in the range beside it: [ ] take their end, ( ) do not
+        (lo, hi), v = map(float, interval[1:-1].split(",")), flags[name]
+        if not (v is None or lo < v < hi or (v == lo and interval[0] == "[") or (v == hi and interval[-1] == "]")):
+            raise SystemExit(f"error: --{name.replace('_', '-')} {v}: out of range, it must lie in {interval}")
     return args_class(**flags | {"out": str(out)})
 
 

@@ -6,7 +6,9 @@ labels and pair each completion with its own study; the degenerate-output thresh
 import dataclasses
 import importlib
 import json
+import typing
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import pytest
@@ -210,6 +212,7 @@ STEPS, COUNT, LR, PIXELS = "[0, inf)", "[1, inf)", "[0, 1]", "[784, inf)"  # PIX
 RANGES = {  # (script, field): the range, and why its ends are where they are; every ranged flag of every script
     ("common", "seed"): "[0, 2e9]",  # numpy's and torch's seeds are unsigned 32-bit; + rank stays inside
     ("common", "eval_batch_size"): COUNT,
+    ("common", "gpu_memory"): "(0, inf)",  # a card's GiB, more than none
     ("mrg_r1", "margin"): "(-1, 1)",  # Eq. 6 states m in (-1, 1) and divides by 1 - m
     ("mrg_r1", "group_size"): "[2, inf)",  # group-relative advantages need 2
     ("mrg_r1", "beta"): "[0, inf)",  # Eq. 1's KL weight, beta >= 0
@@ -249,7 +252,8 @@ def ranged_flags(script: str) -> dict:
     fields = [
         f for f in dataclasses.fields(args_class) if f.name not in inherited or f.name in args_class.__annotations__
     ]
-    return {f.name: common.flag_type(f)[1] for f in fields if common.flag_type(f)[1]}
+    hints = typing.get_type_hints(args_class, include_extras=True)  # Annotated[int, "[0, inf)"]: its range
+    return {f.name: typing.get_args(hints[f.name])[1] for f in fields if typing.get_origin(hints[f.name]) is Annotated}
 
 
 @pytest.mark.parametrize("script", ["common", "mrg_r1", "orapo", "deer", "rrgcl", "dcrrg"])

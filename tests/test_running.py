@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import hashlib
 import importlib
@@ -21,10 +20,12 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+import docstring_parser
 import numpy as np
 import pytest
 import torch
@@ -507,24 +508,34 @@ def test_flags_from_the_args_dataclass(capsys):
 SCRIPTS = ("mrg_r1", "deer", "orapo", "rrgcl", "dcrrg")
 
 
+def number_flags(args_class) -> dict:
+    """{field: (int or float, the range Annotated beside it, or None)} of each number field."""
+    numbers = {}
+    for name, hint in typing.get_type_hints(args_class, include_extras=True).items():
+        kind, *interval = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint,)
+        kind = typing.get_args(kind)[0] if type(None) in typing.get_args(kind) else kind  # int | None -> int
+        if kind in (int, float):
+            numbers[name] = (kind, interval[0] if interval else None)
+    return numbers
+
+
 @pytest.mark.parametrize("name", ("common", *SCRIPTS))
 def test_every_number_flag_has_a_range_checked_when_parsed(name, monkeypatch):
     """Each int and float field of every Args declares its range beside it; parse_args takes both ends where they are
     in it and refuses a value past each end with one line naming the flag and the range."""
-    monkeypatch.setattr(common, "field_helps", functools.cache(common.field_helps))  # the helps, read once
+    monkeypatch.setattr(docstring_parser, "parse_from_object", functools.cache(docstring_parser.parse_from_object))
     args_class = common.RunArgs if name == "common" else importlib.import_module(name).Args
-    numbers = [f for f in dataclasses.fields(args_class) if common.flag_type(f)[0].split(" |")[0] in ("int", "float")]
-    assert numbers and [f.name for f in numbers if common.flag_type(f)[1] is None] == []  # declare it beside the field
-    for f in numbers:
-        kind, interval = common.flag_type(f)
-        cast, flag = (int if kind.startswith("int") else float), "--" + f.name.replace("_", "-")
+    numbers = number_flags(args_class)
+    assert numbers and [k for k, (_, interval) in numbers.items() if interval is None] == []  # declared beside it
+    for key, (cast, interval) in numbers.items():
+        flag = "--" + key.replace("_", "-")
         lo, hi = (float(x) for x in interval[1:-1].split(","))
         closed = interval[0] == "[", interval[-1] == "]"
         for value, inside in ((lo, closed[0]), (lo - 1, False), (hi, closed[1]), (hi + 1, False)):
             if not math.isfinite(value):
                 continue
             if inside:
-                assert getattr(common.parse_args(args_class, [flag, str(cast(value))]), f.name) == cast(value)
+                assert getattr(common.parse_args(args_class, [flag, str(cast(value))]), key) == cast(value)
             else:
                 with pytest.raises(
                     SystemExit, match=rf"^error: {flag} \S+: out of range, it must lie in {re.escape(interval)}$"
@@ -617,6 +628,17 @@ def test_the_end_names_the_run_folder_and_its_main_files(tmp_path):
         "results     sft/eval.json, rl/eval.json",
         "generations sft/generations_test_before.jsonl",
     ]
+
+
+def test_a_finished_run_names_its_learning_curve_at_the_end(small_synthetic, tmp_path, monkeypatch, capsys):
+    """The quick start's picture: a run draws figures/training.png (matplotlib is a requirement) and its end block
+    names it beside its results (RRG_FIGURES=0, as the tests set it, draws none)."""
+    monkeypatch.setenv("RRG_FIGURES", "1")
+    out = tmp_path / "toy"
+    common.run_main(toy_train, ToyArgs, ["--data", str(small_synthetic), "--out", str(out), "--steps", "2"])
+    end = capsys.readouterr().out.splitlines()[-3:]
+    assert end == [f"run folder  {out}", "results     eval.json", "figures     figures/training.png"]
+    assert (out / "figures" / "training.png").stat().st_size > 0
 
 
 # --- the optimiser step and the schedule --------------------------------------------------------------
@@ -827,6 +849,7 @@ def test_argument_errors_are_one_line_with_the_closest_flag_and_help_has_groups(
     for argv, line in (
         (["--stpes", "5"], "error: unrecognized arguments: --stpes 5 (did you mean --steps?)"),
         (["--lr", "abc"], "error: argument --lr: invalid float value: 'abc' (--help lists every flag)"),
+        (["--ste", "5"], "error: unrecognized arguments: --ste 5 (did you mean --steps?)"),  # no abbreviations
     ):
         with pytest.raises(SystemExit) as stop:
             common.parse_args(orapo.Args, argv)
@@ -834,6 +857,7 @@ def test_argument_errors_are_one_line_with_the_closest_flag_and_help_has_groups(
     with pytest.raises(SystemExit):
         common.parse_args(orapo.Args, ["--help"])
     text = capsys.readouterr().out
+    assert "balanced training studies (Sec. 4.1); None:" in text  # each flag's help names its source
     paper, run = text.index("the paper's settings"), text.index("the run, its data and model")
     usage = text.index("\n\n")  # the usage block lists every flag first
     assert usage < paper < text.index("  --lambda-min", usage) < run < text.index("  --tiny-start {", usage)
