@@ -209,12 +209,13 @@ def parameter_groups(model) -> dict:
 
 def pass_tokens(prompts: dict, completion_mask, image_token_id: int) -> dict:
     """The tokens a log-prob pass (HFPolicy.completion_logprobs) puts through each group, padding left out: the
-    patches, the image tokens, the prompts' and completions' tokens, the completions' (each predicted once)."""
-    completion = int(completion_mask.sum())
+    patches and image tokens of each study once (views_once), the prompts' tokens once a row and the completions'
+    tokens, the completions' (each predicted once)."""
+    completion, rows = int(completion_mask.sum()), len(completion_mask) // len(prompts["input_ids"])
     return {
         "vision": int(prompts["pixel_values"].shape[0]),  # a row of pixel_values is a patch
         "merger": int((prompts["input_ids"] == image_token_id).sum()),
-        "lm": int(prompts["attention_mask"].sum()) + completion,
+        "lm": rows * int(prompts["attention_mask"].sum()) + completion,
         "head": completion,
     }
 
@@ -399,8 +400,13 @@ def part_generation(work: Path, figures: Figures, model: str = "qwen3b", new_tok
     length = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, pad_token_id=0)
     sweep = {}
     for n in (rows[0], *rows):  # the first: warm-up
-        inputs = {k: v for k, v in policy.repeat(prompt, n).items() if k in policy.MODEL_KEYS}
-        with torch.no_grad(), common.autocast(policy.device, policy.dtype), PrefillClock(policy.model) as clock:
+        shared = policy.views_once(prompt, n)  # n rows of the study, its view encoded once
+        with (
+            torch.no_grad(),
+            common.autocast(policy.device, policy.dtype),
+            shared as inputs,
+            PrefillClock(policy.model) as clock,
+        ):
             policy.model.generate(**inputs, **length)
         call = clock.figures(n, inputs["input_ids"].shape[1])
         sweep[n] = dict(prompt=call["prompt"], decode_steps=call["decode_steps"])
@@ -479,7 +485,7 @@ def instrument(phases: Phases):
     def generate(self, prompts, *args, **kwargs):
         with PrefillClock(self.model) as clock:
             out = real_generate(self, prompts, *args, **kwargs)
-        phases.record("generate", clock.figures(prompts["input_ids"].shape[0], prompts["input_ids"].shape[1]))
+        phases.record("generate", clock.figures(len(out[0]), prompts["input_ids"].shape[1]))  # rows: n a study
         return out
 
     def completion_logprobs(self, prompts, ids, mask, *args, **kwargs):

@@ -228,7 +228,7 @@ def test_parts_run_on_the_cpu_without_pytest(prepared, tmp_path):
         tokens = step[phase]["tokens"]
         assert step[phase]["model_flops"] == per_token * sum(tokens[g] * params[g] for g in gpu_check.GROUPS)
         assert step[phase]["mfu"] is None
-    assert step["update"]["passes"] == 2  # the completions' and the ground truth's (DPO)
+    assert step["update"]["passes"] == 1  # the completions and the ground truth (DPO) in one pass (with_chosen)
     tokens = step["update"]["tokens"]
     assert tokens["lm"] > 8 * 6 and tokens["vision"] == 4 * tokens["merger"] > 0  # 2 x 2 patches an image token
     lines = [json.loads(x) for x in (work / "runs" / "orapo" / "metrics.jsonl").read_text().splitlines()]
