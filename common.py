@@ -708,7 +708,7 @@ def generate_completions(policy, model, inputs, P, max_new_tokens, temperature, 
     stop = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id)
     output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
     fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
-    with gathered(policy.model):
+    with gathered(policy.model, once=policy.vision_and_language()[0]):
         out = model.generate(**inputs, **stop, **output, do_sample=do_sample, **sampling, synced_gpus=fsdp)
     policy.model.train(was_training)
     ids = out.sequences[:, P:]  # (N, T) the completion only
@@ -2617,11 +2617,13 @@ def gradient_sync(module: torch.nn.Module, last: bool):
 
 
 @contextlib.contextmanager
-def gathered(model: torch.nn.Module):
+def gathered(model: torch.nn.Module, once=None):
     """FSDP2 around generate(): every sharded module's weights gathered once (at the first token) and kept for all the
     new tokens, then resharded (by default each forward, one per token, would gather them again). Holds the unsharded
-    weights in --dtype for the whole rollout (tests/MACHINES.md). Not sharded: nothing."""
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    weights in --dtype for the whole rollout (tests/MACHINES.md), but those of `once` (the vision tower: it runs at
+    the first token alone), gathered and freed block by block as usual. Not sharded: nothing."""
+    skip = {id(m) for m in once.modules()} if once is not None else set()
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in skip]
     for m in modules:  # the first token's forward gathers each module, and each keeps its weights to the end
         m.set_reshard_after_forward(False, recurse=False)
     try:

@@ -412,10 +412,13 @@ def with_chosen(policy, roll: common.Rollout, reports: list[str], G: int) -> com
     return common.Rollout(prompts, ids, mask, texts, rewards)
 
 
-def samples_and_chosen(x, G: int):
-    """(B*(G+1), ...) rows of with_chosen -> the completions' (B*G, ...) and the ground truths' (B, ...)."""
-    x = x.view(-1, G + 1, *x.shape[1:])
-    return x[:, :G].reshape(-1, *x.shape[2:]), x[:, G]
+def samples_and_chosen(x, mask, G: int):
+    """(B*(G+1), T) rows of with_chosen -> the completions' (B*G, T1) and the ground truths' (B, T2), each as wide as
+    its longest (as before with_chosen padded them to one width: the losses then sum the same numbers in the same
+    order, and the sandbox's numbers do not move)."""
+    x, mask = x.view(-1, G + 1, x.shape[-1]), mask.view(-1, G + 1, mask.shape[-1])
+    widths = int(mask[:, :G].sum(-1).max()), int(mask[:, G].sum(-1).max())
+    return x[:, :G, : widths[0]].reshape(-1, widths[0]), x[:, G, : widths[1]]
 
 
 def orapo_step(policy, rows: common.Rollout, ref_logp, lam, z, G: int, dpo: bool, **loss_settings):
@@ -426,9 +429,9 @@ def orapo_step(policy, rows: common.Rollout, ref_logp, lam, z, G: int, dpo: bool
     logp = policy.completion_logprobs(rows.prompts, rows.completion_ids, rows.completion_mask, TEMPERATURE)  # (N, T)
     mask, rewards, chosen = rows.completion_mask, rows.rewards, {}
     if dpo:  # Eq. 12: the ground-truth report is the preferred answer (the prompt asks for it)
-        (logp, chosen_logp), (mask, chosen_mask) = samples_and_chosen(logp, G), samples_and_chosen(mask, G)
-        ref_logp, ref_chosen_logp = samples_and_chosen(ref_logp, G)
-        rewards = samples_and_chosen(rewards, G)[0]
+        (logp, chosen_logp), (ref_logp, ref_chosen_logp) = (samples_and_chosen(x, mask, G) for x in (logp, ref_logp))
+        mask, chosen_mask = samples_and_chosen(mask, mask, G)
+        rewards = rewards.view(-1, G + 1)[:, :G].reshape(-1)
         chosen = dict(chosen_logp=chosen_logp, chosen_mask=chosen_mask, ref_chosen_logp=ref_chosen_logp)  # (B, T)
     A = common.group_advantages(rewards, G, scale="none")  # Eq. 1-2 as Dr. GRPO (App. A): r - mean, (B*G,)
     loss, stats = orapo_loss(logp, ref_logp, A, mask, lam, G, **chosen, **loss_settings)  # Eq. 11

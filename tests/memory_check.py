@@ -312,7 +312,13 @@ def shape_policy(common, mode, model, setting: Setting, dtype):
             rows = share(prompts, n) if share else contextlib.nullcontext(prompts)
             was_training = self.model.training
             self.model.eval()
-            with rows as inputs, torch.no_grad(), common.gathered(self.model), common.autocast(self.device, dtype):
+            once = (
+                {"once": self.vision_and_language()[0]}
+                if "once" in inspect.signature(common.gathered).parameters
+                else {}
+            )
+            gathered = common.gathered(self.model, **once)  # (before: the vision tower gathered for the whole rollout)
+            with rows as inputs, torch.no_grad(), gathered, common.autocast(self.device, dtype):
                 inputs = {k: v for k, v in inputs.items() if k in self.MODEL_KEYS}
                 N = inputs["input_ids"].shape[0]
                 with unset_fake_temporarily():
