@@ -342,19 +342,16 @@ class Rollout:
     completion_ids: torch.Tensor  # (N, T)
     completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
     texts: list  # N decoded completions
-    rewards: torch.Tensor  # (N,)
+    rewards: torch.Tensor | None = None  # (N,), the script's scores of the texts
 
 
-def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0) -> Rollout:
-    """Sample G completions per study and score them: reward_fn(texts, owners) -> N rewards, owners[n] = n // G the
-    study completion n answers. Once a step, whatever --grad-accum: one generate() call costs about the same for 8 or
-    64 rows (decoding is bound by launches and weight reads, not by rows)."""
+def rollout(policy, images, text, G, max_new_tokens, temperature=1.0) -> Rollout:
+    """Sample G completions per study, rows iG .. iG + G - 1 study i's; the script scores them (rewards). Once a step,
+    whatever --grad-accum: one generate() call costs about the same for 8 or 64 rows (decoding is bound by launches
+    and weight reads, not by rows)."""
     prompts = policy.prompt_batch(images, text)  # B studies, once each
     ids, mask = policy.generate(prompts, max_new_tokens, temperature, n=G)  # (N, T), (N, T): G rows a study
-    texts = policy.decode(ids, mask)
-    owners = [n // G for n in range(len(texts))]
-    rewards = torch.as_tensor(reward_fn(texts, owners), dtype=torch.float32, device=ids.device)  # (N,)
-    return Rollout(prompts, ids, mask, texts, rewards)
+    return Rollout(prompts, ids, mask, policy.decode(ids, mask))
 
 
 def micro_batches(policy, roll: Rollout, k: int, G: int) -> list[Rollout]:

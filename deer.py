@@ -489,17 +489,14 @@ def ditpo(run: common.Run, args: Args, s) -> dict:
     ):
         gamma = gamma_at(step, total, args.gamma)  # Sec. 3.1: F1 first, then + gamma BLEU-2
         ref_labels = run.labeler(batch["report"])  # (B, 14) C(y)
-
-        def reward_fn(texts, owners, refs=batch["report"], ref_labels=ref_labels, gamma=gamma):
-            """Eq. 1 for the rollouts, owners[n] the study of rollout n; logs each term's mean."""
-            r, terms = reward(texts, [refs[o] for o in owners], ref_labels[owners], run.labeler, gamma, args.clean)
-            run.log(**terms)
-            return r
-
         with run.autocast():
-            roll = common.rollout(policy, batch["images"], PROMPT, G, reward_fn, s.max_new, TEMPERATURE)  # once a step
+            roll = common.rollout(policy, batch["images"], PROMPT, G, s.max_new, TEMPERATURE)  # once a step
         ids, mask = roll.completion_ids, roll.completion_mask  # (N, T) each
         group_labels = np.repeat(ref_labels, G, axis=0)  # (N, 14) each reference's labels, G times
+        refs = [r for r in batch["report"] for _ in range(G)]
+        rewards, terms = reward(roll.texts, refs, group_labels, run.labeler, gamma, args.clean)  # Eq. 1
+        run.log(**terms)
+        roll.rewards = torch.as_tensor(rewards, dtype=torch.float32, device=ids.device)  # (N,)
         w = token_weights(args.weighting, policy, run.labeler, ids, mask, group_labels, G, args.alpha, premise["beta"])
         micros = common.micro_batches(policy, roll, args.grad_accum, G)  # --grad-accum: the passes in parts
         n = len(ids) // len(micros)  # rows of a micro-batch

@@ -312,17 +312,14 @@ def train(args: Args) -> dict:
     G = args.group_size
     for step, batch in run.steps(total, batches, "MRG-R1", bar=("reward", "reward_mccs", "reward_format", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct text labelled once this step
-
-        def reward_fn(texts, owners, references=batch["report"], labels=labels):
-            """common.rollout's: each completion's total_reward against its study's reference, logged."""
-            r, terms = total_reward(texts, [references[o] for o in owners], labels, args.reward, args.margin, cider_df)
-            run.log(**terms)
-            return r
-
         # separate autocast blocks: bf16 copies of the weights cast under the rollout's no_grad must not serve the
         # loss's forward (autocast caches them per block; torch <= 2.9 reuses them there, pytorch#112583: no gradient)
         with run.autocast():
-            roll = common.rollout(policy, batch["images"], prompt, G, reward_fn, max_new, TEMPERATURE)  # once a step
+            roll = common.rollout(policy, batch["images"], prompt, G, max_new, TEMPERATURE)  # once a step
+        references = [r for r in batch["report"] for _ in range(G)]  # each completion's study's report
+        rewards, terms = total_reward(roll.texts, references, labels, args.reward, args.margin, cider_df)  # Table II
+        run.log(**terms)
+        roll.rewards = torch.as_tensor(rewards, dtype=torch.float32, device=roll.completion_ids.device)  # (N,)
         micros = common.micro_batches(policy, roll, args.grad_accum, G)  # --grad-accum: the passes in parts
         for k, micro in enumerate(micros):
             with common.gradient_sync(policy.forward_module, last=k == len(micros) - 1):

@@ -525,15 +525,12 @@ def train(args: Args) -> dict:
     settings = dict(beta=args.beta, loss_type=args.loss_type, max_len=max_new, dpo_beta=args.dpo_beta)  # Eq. 4, 11, 5
     for step, batch in run.steps(total, batches, "OraPO", bar=("reward", "zero_group_ratio", "lambda", "loss")):
         labels = common.LabelCache(run.labeler)  # each distinct fact labelled once this step
-        y_batch = np.stack([gt[i] for i in batch["id"]])  # (B, 14)
-
-        def reward_fn(texts, owners, y_batch=y_batch, labels=labels):
-            """common.rollout's: FactS (Eq. 13-15) of each completion against its study's ground truth."""
-            return facts_reward(texts, y_batch[owners], extractor, labels)[0]
-
         # separate autocast blocks, as mrg_r1.py says why: the rollout's no_grad casts must not serve the loss's forward
         with run.autocast():
-            roll = common.rollout(policy, batch["images"], PROMPT, G, reward_fn, max_new, TEMPERATURE)  # once a step
+            roll = common.rollout(policy, batch["images"], PROMPT, G, max_new, TEMPERATURE)  # once a step
+        y = np.repeat(np.stack([gt[i] for i in batch["id"]]), G, axis=0)  # (B*G, 14) each completion's study's
+        rewards = facts_reward(roll.texts, y, extractor, labels)[0]  # Eq. 13-15: FactS against the ground truth
+        roll.rewards = torch.as_tensor(rewards, dtype=torch.float32, device=roll.completion_ids.device)  # (B*G,)
         z = zero_reward_indicator(roll.rewards, G)  # Eq. 8, (B,)
         zrr_q = zrr.update(batch["id"], z)  # Eq. 9, (B,) with every rank's studies
         lam = mixing_weight(zrr_q, args.lambda_min, args.lambda_max, ZRR_POWER)  # Eq. 10, (B,)

@@ -423,7 +423,7 @@ def built(monkeypatch):
         seen.steps[self.out.name] = SimpleNamespace(total=total, batch=next(batches(0)))
         return iter(()) if self.out.name in seen.skip else real.steps(self, total, batches, *a, **k)
 
-    def rollout(policy, images, text, G, reward_fn, max_new_tokens, temperature=1.0):
+    def rollout(policy, images, text, G, max_new_tokens, temperature=1.0):
         seen.rollout = SimpleNamespace(policy=policy, studies=len(images), G=G, max_new_tokens=max_new_tokens)
         seen.rollout.temperature = temperature
         raise Stop("read the first rollout")

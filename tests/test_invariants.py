@@ -461,8 +461,9 @@ def test_every_reward_counts_an_uncertain_finding_as_present():
 
 @pytest.mark.parametrize("script", ["mrg_r1", "deer", "orapo"])
 def test_each_completion_is_scored_against_its_own_studys_reference(tmp_path, small_synthetic, monkeypatch, script):
-    """The rollout's reward function, captured in a real step on two studies with different findings: completions that
-    are the two references, scored with owners in order (each its own study's) and crossed."""
+    """The rewards a real step gives two studies with different findings: each study's first half of its G rows
+    writes its own reference, the second half the other study's; every row is scored against its own study's
+    (the own rows above the crossed)."""
     module = importlib.import_module(script)
     train = common.load_annotation(small_synthetic)["train"]
     a = next(
@@ -473,10 +474,16 @@ def test_each_completion_is_scored_against_its_own_studys_reference(tmp_path, sm
     b = next(r for r in train if r.labels[common.LABEL_INDEX["No Finding"]] == 1)
     batch = common.collate([common.ReportDataset([r])[0] for r in (a, b)])
     monkeypatch.setattr(common.Run, "study_batches", lambda self, *args, **kwargs: lambda start: iter([batch] * 10))
-    captured = []
+    texts, captured = [a.report, b.report], []
+    if script == "mrg_r1":
+        texts = [f"<think> x </think> <report> {t} </report>" for t in texts]
 
-    def rollout(policy, images, text, G, reward_fn, *args, **kwargs):
-        captured.append(reward_fn)
+    def rollout(policy, images, text, G, *args, **kwargs):
+        rows = [texts[(i + (j >= G // 2)) % 2] for i in range(2) for j in range(G)]  # own, then the other's
+        return common.Rollout(policy.prompt_batch(images, text), *policy.encode_targets(rows), rows)
+
+    def micro_batches(policy, roll, k, G):
+        captured.append((roll.rewards.view(2, G), G))
         raise Crash("captured")
 
     flags = ["--data", str(small_synthetic), "--labeler", "rule", "--out", str(tmp_path), "--max-new-tokens", "4"]
@@ -488,13 +495,12 @@ def test_each_completion_is_scored_against_its_own_studys_reference(tmp_path, sm
     if script == "orapo":
         flags += ["--train-size", "0"]
     monkeypatch.setattr(common, "rollout", rollout)
+    monkeypatch.setattr(common, "micro_batches", micro_batches)
     with pytest.raises(Crash):
         module.main(flags)
-    texts = [a.report, b.report]
-    if script == "mrg_r1":
-        texts = [f"<think> x </think> <report> {t} </report>" for t in texts]
-    own, crossed = (np.asarray(captured[0](texts, owners), float) for owners in ([0, 1], [1, 0]))
-    assert own.min() > crossed.max(), (own, crossed)
+    rewards, G = captured[0]
+    own, crossed = rewards[:, : G // 2], rewards[:, G // 2 :]
+    assert own.min() > crossed.max(), rewards
 
 
 # --- the degenerate-output warning ----------------------------------------------------------------------------------

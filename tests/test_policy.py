@@ -147,19 +147,12 @@ def test_save_and_load_round_trip(policy, tmp_path):
     assert again.tokenizer.vocab == policy.tokenizer.vocab
 
 
-def test_rollout_records_rewards_owners_and_logprobs(policy):
+def test_rollout_samples_g_rows_a_study_and_logprobs(policy):
     import copy
 
-    seen = {}
-
-    def reward_fn(texts, owners):
-        seen["owners"] = owners
-        return [float(len(t)) for t in texts]
-
     ref = copy.deepcopy(policy)
-    r = rollout(policy, images(2), "", G=3, reward_fn=reward_fn, max_new_tokens=8)
-    assert seen["owners"] == [0, 0, 0, 1, 1, 1]
-    assert r.rewards.tolist() == [float(len(t)) for t in r.texts]
+    r = rollout(policy, images(2), "", G=3, max_new_tokens=8)
+    assert r.completion_ids.shape[0] == 6 and r.rewards is None  # the script scores them
     assert r.texts == policy.decode(r.completion_ids, r.completion_mask)
     ref_logp = common.reference_logprobs(ref, r)  # the copy's weights still require gradients: no graph all the same
     assert not ref_logp.requires_grad  # (a graph per reference pass holds a second model's activations)
@@ -175,12 +168,10 @@ def test_grpo_steps_raise_the_reward(policy):
     opt = torch.optim.Adam(policy.model.parameters(), lr=3e-3)
     imgs = images(4)
 
-    def reward_fn(texts, owners):
-        return [t.split().count("effusion") / max(1, len(t.split())) for t in texts]
-
     means = []
     for step in range(25):
-        r = rollout(policy, imgs, "", G=4, reward_fn=reward_fn, max_new_tokens=6)
+        r = rollout(policy, imgs, "", G=4, max_new_tokens=6)
+        r.rewards = torch.tensor([t.split().count("effusion") / max(1, len(t.split())) for t in r.texts])
         A = group_advantages(r.rewards, 4)
         logp = policy.completion_logprobs(r.prompts, r.completion_ids, r.completion_mask)
         loss, _ = grpo_loss(logp, None, A, r.completion_mask)  # one update per rollout
