@@ -22,7 +22,11 @@ def pytest_configure(config):
 # Tests that launch torchrun or two JVMs (8-60 s each) go first: pytest-xdist hands tests out in collection order, so
 # the two workers then end together rather than one waiting on a long test at the end (-n 2: the suite's wall time).
 LONG_FIRST = {
-    ("test_distributed.py", "test_each_script_under_torchrun"),
+    ("test_distributed.py", "test_orapo_under_two_processes"),
+    ("test_distributed.py", "test_mrg_r1_under_two_processes"),
+    ("test_distributed.py", "test_deer_under_two_processes"),
+    ("test_distributed.py", "test_dcrrg_two_processes_equal_one"),
+    ("test_distributed.py", "test_rrgcl_two_processes_equal_one"),
     ("test_running.py", "test_two_nodes_through_the_c10d_rendezvous_equal_one_process"),
     ("test_running.py", "test_an_error_on_one_rank_ends_the_job_at_once"),
     ("test_metrics.py", "test_meteor_equals_pycocoevalcap"),
@@ -237,19 +241,6 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: int = 300, ok: b
     )
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc
-
-
-def torchrun_cases(folder, cases: list[dict], timeout: int = 600) -> dict:
-    """`cases` ({"name", "script", "argv", "env"}: tests/torchrun_cases.py) run in turn in one two-process launch:
-    each case's exit status by name, the same on both ranks."""
-    import json
-
-    folder = Path(folder)
-    (folder / "cases.json").write_text(json.dumps(cases))
-    torchrun("tests/torchrun_cases.py", str(folder / "cases.json"), timeout=timeout)
-    rank0, rank1 = (json.loads((folder / f"status_rank{r}.json").read_text()) for r in (0, 1))
-    assert rank0 == rank1, (rank0, rank1)
-    return rank0
 
 
 # Real IU X-Ray as users have it, written by the tests (the text is ours, never Open-i's). The R2GenGPT layout that

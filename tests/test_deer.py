@@ -644,10 +644,10 @@ def test_grad_weighting_with_chexbert(tmp_path, staged, small, chexbert, monkeyp
 
 @pytest.mark.slow
 def test_torchrun_fsdp_equals_unsharded(tmp_path, small_synthetic):
-    """All three stages under two processes (as test_distributed.py's deer_two_processes), then the RL stage again
-    from the same SFT model and subset with --fsdp: the same steps within rel 1e-4 (test_distributed.py's
-    orapo_two_processes_and_fsdp says why that bound holds on any CPU; deer passes the flag through the same
-    common.for_training)."""
+    """All three stages under two processes (as test_distributed.py's test_deer_under_two_processes), then the RL
+    stage again from the same SFT model and subset with --fsdp: the same steps within rel 1e-4 (test_distributed.py's
+    test_orapo_fsdp_stopped_and_resumed_equals_two_processes says why that bound holds on any CPU; deer passes the
+    flag through the same common.for_training)."""
     out, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     rl = ["--data", str(small_synthetic), "--max-new-tokens", "8", "--steps", "2", "--prompts-per-step", "2"]
     torchrun("deer.py", "all", *rl, "--sft-steps", "2", "--out", str(out))

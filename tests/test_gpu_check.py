@@ -166,26 +166,6 @@ def test_unknown_part_is_an_error(tmp_path):
         gpu_check.main(["--parts", "gpu", "--out", str(tmp_path)])
 
 
-CPU_PARTS = """# the parts on the CPU: python cpu_parts.py ROOT WORK MEMORY_JSON
-import sys
-from pathlib import Path
-
-root, work, memory = (Path(a) for a in sys.argv[1:4])
-sys.path[:0] = [str(root / "tests"), str(root)]
-import gpu_check
-
-gpu_check.DEVICE, gpu_check.MEMORY_JSON = "cpu", memory
-gpu_check.part_environment(work)
-parts = ("processor", "rl_core", "generation", "step")
-figures = {n: gpu_check.Figures(work / "parts" / f"cpu_{n}.json") for n in parts}
-gpu_check.part_processor(work, figures["processor"])
-gpu_check.part_rl_core(work, figures["rl_core"])
-gpu_check.part_generation(work, figures["generation"], model="qwen_tiny", new_tokens=4, rows=(2, 3))
-gpu_check.keep_policies()
-gpu_check.part_step("orapo", work, figures["step"], model="qwen_tiny", new_tokens=6)
-"""
-
-
 def test_parts_run_on_the_cpu_without_pytest(prepared, tmp_path):
     """The parts with the CPU as their device (a CPU run of the CUDA check checks the check) in a process that cannot
     import pytest, the tiny Qwen2.5-VL in place of the 3B: the processor's 320 tokens; the RL core's CPU-against-CPU
@@ -196,12 +176,11 @@ def test_parts_run_on_the_cpu_without_pytest(prepared, tmp_path):
     without); no utilisation or HBM bound (no GPU's peaks)."""
     _, out = prepared
     work = out / "work"
-    (tmp_path / "cpu_parts.py").write_text(CPU_PARTS)
     peak = {"load": 1e9, "rollout": 2e9, "reference": 3e9, "update": 4e9, "optimizer": 5e9}
     memory = {"gpu_orapo": {"setting": {"script": "orapo"}, "counts": {}, "peak": peak}}
     (tmp_path / "memory.json").write_text(json.dumps(memory))
     args = (str(ROOT), str(work), str(tmp_path / "memory.json"))
-    proc = run_python(tmp_path / "cpu_parts.py", *args, env=without_pytest(tmp_path))
+    proc = run_python(ROOT / "tests" / "cpu_parts.py", *args, env=without_pytest(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     parts = ("processor", "rl_core", "generation", "step")
     figures = {n: json.loads((work / "parts" / f"cpu_{n}.json").read_text()) for n in parts}

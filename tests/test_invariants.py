@@ -337,12 +337,8 @@ def test_a_sweeps_run_reads_the_pins_in_its_own_process(tmp_path, monkeypatch):
 
     for k, v in OTHERS.items():
         monkeypatch.setenv(k, v)
-    (tmp_path / "dump.py").write_text(
-        "import os, sys, json, pathlib; out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1]); out.mkdir(); "
-        "(out / 'env.json').write_text(json.dumps(dict(os.environ)))"
-    )
     monkeypatch.setattr(reproduce, "ROOT", tmp_path)
-    job = reproduce.Job("r", ["dump.py"], done="env.json")
+    job = reproduce.Job("r", [str(ROOT / "tests" / "stand_in.py"), "env"], done="env.json")
     reproduce.run_all([job], tmp_path, 1, dry_run=False)
     env = json.loads((tmp_path / "r" / "env.json").read_text())
     assert {k: env[k] for k in sandbox.NUMERIC_PINS} == sandbox.NUMERIC_PINS

@@ -870,18 +870,12 @@ def write_runs(name: str, root: Path, seed: int):
 def test_runner_order_skips_finished_and_resumes_started(tmp_path, monkeypatch):
     """Each job runs after the folders it needs; a finished one is skipped; a folder already holding a run gets
     --resume; every launch is recorded with the machine, the pins and the commit."""
-    order = tmp_path / "order.txt"
-    script = (
-        "import sys, pathlib; out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1]); out.mkdir(parents=True, "
-        "exist_ok=True); (out / sys.argv[1]).write_text('x'); open(sys.argv[2], 'a').write(sys.argv[1] + "
-        "(' resume' if '--resume' in sys.argv else '') + '\\n')"
-    )
-    (tmp_path / "stand_in.py").write_text(script)
+    order, stand_in = tmp_path / "order.txt", str(ROOT / "tests" / "stand_in.py")
     monkeypatch.setattr(reproduce, "ROOT", tmp_path)
     jobs = [
-        reproduce.Job("m", ["stand_in.py", "measure", str(order)], done="measure"),
-        reproduce.Job("x", ["stand_in.py", "train", str(order)], done="train", after=("m",)),
-        reproduce.Job("x", ["stand_in.py", "table", str(order)], done="table"),
+        reproduce.Job("m", [stand_in, "order", "measure", str(order)], done="measure"),
+        reproduce.Job("x", [stand_in, "order", "train", str(order)], done="train", after=("m",)),
+        reproduce.Job("x", [stand_in, "order", "table", str(order)], done="table"),
     ]
     reproduce.run_all(jobs, tmp_path, 2, dry_run=False)
     lines = order.read_text().splitlines()
@@ -893,21 +887,18 @@ def test_runner_order_skips_finished_and_resumes_started(tmp_path, monkeypatch):
     order.write_text("")
     reproduce.run_all(jobs, tmp_path, 2, dry_run=False)  # all finished, and ran these flags: nothing runs
     assert order.read_text() == ""
-    changed = [reproduce.Job("m", ["stand_in.py", "measure", str(order), "--other"], done="measure")]
+    changed = [reproduce.Job("m", [stand_in, "order", "measure", str(order), "--other"], done="measure")]
     with pytest.raises(SystemExit, match="the definition changed"):
         reproduce.run_all(changed, tmp_path, 2, dry_run=False)
 
 
 def test_runner_never_runs_two_jobs_of_one_folder_at_once(tmp_path, monkeypatch):
     """DEER's stages share a folder (sft, then rl, then the tables): with free slots, they still run one at a time."""
-    log = tmp_path / "log.txt"
-    script = (
-        "import sys, time; log = open(sys.argv[2], 'a', buffering=1); log.write('start ' + sys.argv[1] + '\\n'); "
-        "time.sleep(0.3); log.write('end ' + sys.argv[1] + '\\n')"
-    )
-    (tmp_path / "stand_in.py").write_text(script)
+    log, stand_in = tmp_path / "log.txt", str(ROOT / "tests" / "stand_in.py")
     monkeypatch.setattr(reproduce, "ROOT", tmp_path)
-    jobs = [reproduce.Job("s1", ["stand_in.py", stage, str(log)], done=stage) for stage in ("all", "rl", "table6")]
+    jobs = [
+        reproduce.Job("s1", [stand_in, "overlap", stage, str(log)], done=stage) for stage in ("all", "rl", "table6")
+    ]
     reproduce.run_all(jobs, tmp_path, 3, dry_run=False)
     lines = log.read_text().splitlines()
     assert [x.split()[0] for x in lines] == ["start", "end"] * 3, lines

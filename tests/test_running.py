@@ -151,82 +151,6 @@ def _grpo_gradient(model, ids, mask, rewards, scale=1.0):
     (loss * scale).backward()
 
 
-TORCHRUN_SCRIPT = """
-import copy, os, sys, torch
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {tests!r})
-torch.set_num_threads(1)
-import common
-from test_running import _grpo_batch, _grpo_gradient, tiny_gpt2
-
-out = sys.argv[1]
-rank, world, device = common.setup_distributed()
-args = common.RunArgs(out=out + "/run")
-run = common.Run(args, rank, world, device, data=None, labeler=None)
-model = tiny_gpt2(seed=rank).double()  # different inits on purpose: rank 0's must reach every rank
-ddp = common.data_parallel(model, world)  # PyTorch's DDP: it starts from rank 0's weights
-ids, mask, rewards = _grpo_batch()
-rows = slice(4 * rank, 4 * rank + 4)  # 2 prompts x G=2
-
-
-def collectives(prof, kind):
-    return sum(e.name == "gloo:" + kind for e in prof.events())
-
-
-with torch.profiler.profile() as prof:
-    _grpo_gradient(ddp, ids[rows], mask[rows], rewards[rows])
-grads = {{n: p.grad.clone() for n, p in model.named_parameters()}}
-# --grad-accum 2: the same rows in two micro-batches, ranks averaging in the second's backward alone
-model.zero_grad(set_to_none=True)
-with torch.profiler.profile() as accum_prof:
-    for k, part in enumerate((slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4))):
-        with common.gradient_sync(ddp, last=k == 1):
-            _grpo_gradient(ddp, ids[part], mask[part], rewards[part], scale=0.5)
-accumulated = {{n: p.grad.clone() for n, p in model.named_parameters()}}
-# DDP keeps each rank's buffers: a BatchNorm's running statistics of its own rank's batches, as the same module
-# computes them outside DDP (a broadcast of rank 0's before each forward would carry rank 0's into rank 1's)
-torch.manual_seed(0)
-norm = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
-alone = copy.deepcopy(norm)
-norm_ddp = common.data_parallel(norm, world)
-for k in range(3):
-    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(10 * rank + k), dtype=torch.float64) * (1 + rank)
-    norm_ddp(x + rank).sum().backward()
-    alone(x + rank)
-buffers = {{n: (b.clone(), dict(alone.named_buffers())[n]) for n, b in norm.named_buffers()}}
-# FSDP2: generate() gathers each sharded module once (gathered), not once per new token
-gathers = {{}}
-for gather in (False, True):
-    for n in (4, 12):
-        sharded = tiny_gpt2(seed=0)
-        common.shard(sharded)
-        length = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        with torch.profiler.profile() as gen_prof, torch.no_grad():
-            with common.gathered(sharded) if gather else torch.no_grad():
-                sharded.generate(torch.tensor([[5, 6, 7]]), **length)
-        gathers[f"{{gather}} {{n}}"] = collectives(gen_prof, "all_gather")
-counts = {{"step": collectives(prof, "all_reduce"), "accumulated": collectives(accum_prof, "all_reduce"),
-          "parameters": len(list(model.parameters())), "gathers": gathers,
-          "sharded modules": sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in sharded.modules())}}
-# each rank's RNG stream survives a checkpoint round trip
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-common.seed_everything(0, rank)  # as a script does before restore: ranks draw apart
-run.restore(model, opt, state={{"rank0_only": rank}})
-run.save_checkpoint(1)
-draws = torch.rand(3)
-step, extra = common.load_checkpoint(run.out / "last.pt", model, opt)
-redraws = torch.rand(3)
-run.log(rank=rank)
-torch.save({{"env": [rank, world, int(os.environ["LOCAL_RANK"]), str(device)], "grads": grads,
-            "accumulated": accumulated, "counts": counts, "buffers": buffers,
-            "mean": common.all_reduce_mean(float(rank)), "dict_mean": common.all_reduce_mean({{"a": rank, "b": 2}}),
-            "bcast": common.broadcast_object({{"from": rank}}), "draws": draws, "redraws": redraws,
-            "step": step, "extra": extra, "files": sorted(p.name for p in run.out.iterdir())}},
-           out + f"/rank{{rank}}.pt")
-common.end_process()
-"""
-
-
 def _check_two_ranks(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert r0["mean"] == r1["mean"] == 0.5 and r1["dict_mean"] == {"a": 0.5, "b": 2.0}
@@ -262,11 +186,17 @@ def _check_two_ranks(tmp_path):
 
 
 def _launch(tmp_path, *torchrun_flags):
-    script = tmp_path / "torchrun_grpo.py"
-    script.write_text(TORCHRUN_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    """tests/two_ranks.py under `python -m torch.distributed.run torchrun_flags`, writing to tmp_path."""
     env = dict(os.environ, **TORCHRUN_ENV)
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *torchrun_flags, str(script), str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *torchrun_flags,
+            str(ROOT / "tests" / "two_ranks.py"),
+            str(tmp_path),
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -747,30 +677,14 @@ def test_evaluation_pairs_each_report_with_its_own_reference_under_two_ranks(tmp
     ]
 
 
-ONE_RANK_FAILS = """
-import sys, torch
-sys.path.insert(0, {root!r})
-import common
-
-def train(args):
-    rank, world, device = common.setup_distributed()
-    if rank == 1:
-        raise {error}("rank 1 alone cannot read its input")
-    return common.broadcast_object("rank 0 waits here for rank 1")
-
-common.run_main(train, common.RunArgs, [])
-"""
-
-
 @pytest.mark.parametrize("error", ["ValueError", "RuntimeError"])
 def test_an_error_on_one_rank_ends_the_job_at_once(tmp_path, error):
     """Rank 1 fails (bad input: one error line; a bug: its traceback) while rank 0 waits in a collective: the rank that
     failed exits at once, torchrun stops the other, and the job ends non-zero in seconds, not after
     $RRG_DIST_TIMEOUT_MIN (set to 10 here; the test allows 120 s). Waiting for the other ranks first hung there."""
-    script = tmp_path / "one_rank_fails.py"
-    script.write_text(ONE_RANK_FAILS.format(root=str(ROOT), error=error))
+    script = ROOT / "tests" / "one_rank_fails.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", RRG_DIST_TIMEOUT_MIN="10")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script), error]
     proc = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
