@@ -1,7 +1,8 @@
 """A CPU benchmark of one RL step on the Hugging Face path (not a test: it times): MRG-R1 and OraPO on the tiny random
 Qwen2.5-VL saved as Qwen2.5-VL-3B-Instruct is published, one 2544 x 3056 view a study (MIMIC-CXR's size), 8 studies
-x G 2 a step, 16 new tokens, --grad-accum 4; in one process and in two (torchrun, gloo). Per script: image tokens per
-view, generate() calls in the step, the step's seconds (one process), collectives in the step (two processes).
+x G 4 a step, 16 new tokens, --grad-accum 4; in one process and in two (torchrun, gloo). Per script: image tokens per
+view, patches through the vision tower in the step (a study's view is 1,280), generate() calls in the step, the step's
+seconds (one process), collectives in the step (two processes).
 
     python tests/bench_update.py --out bench.json                  # this tree
     python tests/bench_update.py --out before.json --root OLD_TREE  # another checkout's scripts and common.py
@@ -21,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-FLAGS = ["--steps", "1", "--sft-steps", "0", "--prompts-per-step", "8", "--group-size", "2", "--max-new-tokens", "16"]
+FLAGS = ["--steps", "1", "--sft-steps", "0", "--prompts-per-step", "8", "--group-size", "4", "--max-new-tokens", "16"]
 
 
 def prepare(folder: Path):
@@ -49,12 +50,13 @@ def one_step(root: Path, script: str, folder: Path, rank_file: Path):
     import common
 
     module = __import__(script)
-    counts = {"image_tokens": set(), "generate": 0, "collectives": collections.Counter()}
+    counts = {"image_tokens": set(), "patches": 0, "generate": 0, "collectives": collections.Counter()}
     real_vision, real_generate, real_steps = Vision.forward, common.HFPolicy.generate, common.Run.steps
 
     @functools.wraps(real_vision)
     def vision(self, hidden_states, grid_thw, **kw):
         counts["image_tokens"] |= set((grid_thw.prod(-1) // 4).tolist())
+        counts["patches"] += hidden_states.shape[0]  # through the vision tower this step (a patch a row)
         return real_vision(self, hidden_states, grid_thw, **kw)
 
     def generate(self, *a, **kw):

@@ -633,6 +633,15 @@ def table(results: dict) -> list[str]:
     return lines
 
 
+def compared(after: dict, before: dict, key: str, unit: float, phases) -> list[str]:
+    """A table of `key` (peak bytes or FLOPs) per phase, before and after, for the settings measured both ways."""
+    lines = ["| setting | | " + " | ".join(phases) + " |", "|---" * (len(phases) + 2) + "|"]
+    for name in [n for n in after if key in after[n] and key in before.get(n, {})]:
+        for label, r in (("before", before[name]), ("after", after[name])):
+            lines.append(f"| {name} | {label} | " + " | ".join(f"{r[key].get(p, 0) / unit:.1f}" for p in phases) + " |")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("settings", nargs="*", default=list(SETTINGS), help=f"default: all ({', '.join(SETTINGS)})")
@@ -640,7 +649,13 @@ def main(argv=None):
     p.add_argument("--root", default=str(ROOT), help="the checkout whose code runs (default: this one)")
     p.add_argument("--out", default=str(ROOT / "tests" / "results" / "memory.json"))
     p.add_argument("--flops", action="store_true", help="count a step's FLOPs per phase instead (at full depth)")
+    p.add_argument("--report", metavar="BEFORE_JSON", help="print the tables only: --out's, and beside BEFORE_JSON's")
     args = p.parse_args(argv)
+    if args.report:
+        after, before = json.loads(Path(args.out).read_text()), json.loads(Path(args.report).read_text())
+        print("\n".join(table(after)), "", sep="\n")
+        print("\n".join(compared(after, before, "peak", GiB, PHASES)), "", sep="\n")
+        return print("\n".join(compared(after, before, "flops", 1e12, PHASES[1:4])))
     torch.set_num_threads(1)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.is_file() else {}
@@ -652,7 +667,7 @@ def main(argv=None):
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1) + "\n")
             continue
-        results[name] = measure(SETTINGS[name], args.layers, Path(args.root))
+        results[name] = results.get(name, {}) | measure(SETTINGS[name], args.layers, Path(args.root))
         results[name]["estimate"] = estimate(SETTINGS[name], args.layers)
         results[name]["seconds"] = round(time.time() - start, 1)
         print(
