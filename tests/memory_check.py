@@ -668,7 +668,8 @@ def main(argv=None):
             out.write_text(json.dumps(results, indent=1) + "\n")
             continue
         results[name] = results.get(name, {}) | measure(SETTINGS[name], args.layers, Path(args.root))
-        results[name]["estimate"] = estimate(SETTINGS[name], args.layers)
+        if Path(args.root).resolve() == ROOT:  # the estimate this tree's runs print
+            results[name]["estimate"] = estimate(SETTINGS[name], args.layers)
         results[name]["seconds"] = round(time.time() - start, 1)
         print(
             f"{name}: peak {max(results[name]['peak'].values()) / GiB:.1f} GiB ({results[name]['seconds']} s)",
