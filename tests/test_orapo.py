@@ -202,6 +202,33 @@ def test_mixed_loss_mixes_per_prompt():
         orapo_loss(logp, ref, A, mask, lam, G)
 
 
+def test_one_pass_rows_carry_each_studys_samples_then_its_ground_truth(small_synthetic):
+    """with_chosen: row q (G + 1) + G is study q's ground truth, the rows before it its samples (not another study's);
+    samples_and_chosen gives both back at their own widths. The tiny model scores such rows in two passes, bit for bit
+    the two passes scored before the one-pass rows (the sandbox's committed numbers), gradients too."""
+    torch.manual_seed(0)
+    records = common.load_data(str(small_synthetic))["train"][:3]
+    policy = common.make_policy("tiny", [r.report for r in records], "cpu", max_new_tokens=12)
+    prompts = policy.prompt_batch([[common.load_image(p) for p in r.image_paths] for r in records])
+    G, reports = 2, ["no effusion.", records[1].report, "heart size is normal."]
+    ids, mask = policy.generate(prompts, 12, n=G)
+    roll = common.Rollout(prompts, ids, mask, policy.decode(ids, mask), torch.arange(6.0))
+    rows = orapo.with_chosen(policy, roll, reports, G)
+    assert rows.texts[G :: G + 1] == reports and rows.texts[0] == roll.texts[0] and rows.texts[G + 1] == roll.texts[G]
+    c_ids, c_mask = policy.encode_targets(reports)
+    logp = policy.completion_logprobs(rows.prompts, rows.completion_ids, rows.completion_mask)
+    (samples, chosen), (s_mask, c_mask_back) = (
+        orapo.samples_and_chosen(x, rows.completion_mask, G) for x in (logp, rows.completion_mask)
+    )
+    apart = policy.completion_logprobs(prompts, ids, mask), policy.completion_logprobs(prompts, c_ids, c_mask)
+    assert torch.equal(samples, apart[0]) and torch.equal(chosen, apart[1])  # the same bits
+    assert torch.equal(s_mask, mask) and torch.equal(c_mask_back, c_mask)
+    weights = [p for p in policy.model.parameters() if p.requires_grad]
+    one = torch.autograd.grad(samples.sum() + 2 * chosen.sum(), weights)
+    two = torch.autograd.grad(apart[0].sum() + 2 * apart[1].sum(), weights)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
 def test_dpo_step_raises_the_ground_truth_over_the_samples(small_synthetic):
     torch.manual_seed(0)
     records = common.load_data(str(small_synthetic))["train"][:2]

@@ -23,6 +23,7 @@ import time
 import typing
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated
 
 import docstring_parser
@@ -894,3 +895,39 @@ def test_evaluation_generates_eval_batch_size_studies_a_call(tmp_path, small_syn
     policy = ImageEcho()
     common.Run(args, 0, 1, torch.device("cpu"), None, common.RuleLabeler()).evaluate(policy, records, "test", "", 8)
     assert policy.calls == [3, 3, 1]
+
+
+def test_under_fsdp_a_hugging_face_model_is_read_into_host_memory(tiny_qwen_dir, monkeypatch):
+    """initial_policy(fsdp=True) under several processes reads a Hugging Face model's weights into host memory (shard()
+    then moves each rank's part to its GPU, block by block); without --fsdp, or alone, straight onto the device."""
+    seen = []
+    real = common.HFPolicy.__init__
+
+    def init(self, *args, host=False, **kwargs):
+        seen.append(host)
+        real(self, *args, host=host, **kwargs)
+
+    monkeypatch.setattr(common.HFPolicy, "__init__", init)
+    for world, fsdp in ((2, True), (2, False), (1, True)):
+        run = SimpleNamespace(world_size=world, args=SimpleNamespace(model=str(tiny_qwen_dir)), foundation=None)
+        run.device, run.dtype = torch.device("cpu"), torch.float32
+        common.initial_policy(run, [], 4, fsdp=fsdp)
+    assert seen == [True, False, False]
+
+
+def test_ddp_keeps_gradients_in_its_buckets(tmp_path, monkeypatch):
+    """common.data_parallel: DistributedDataParallel with gradient_as_bucket_view, so the gradients are views into
+    its buckets (one storage for the parameters of a bucket), not a second gradient-sized copy."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as free:  # a free port
+        free.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(free.getsockname()[1]))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        ddp = common.data_parallel(model, 2)  # as under torchrun with two processes
+        ddp(torch.randn(3, 4)).sum().backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and len(storages) == 1
+    finally:
+        torch.distributed.destroy_process_group()
