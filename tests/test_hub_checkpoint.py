@@ -104,13 +104,15 @@ def test_a_mimic_view_is_320_tokens_in_every_pass_of_a_run(tmp_path, mimic_views
     monkeypatch.setattr(Vision, "forward", spy)
     monkeypatch.setitem(orapo.WARM_START, "batch_size", 2)  # the warm start's batch: the 2 training studies
     out = tmp_path / "run"
-    short = ["--steps", "1", "--sft-steps", "1", "--prompts-per-step", "1", "--group-size", "2"]
+    short = ["--steps", "1", "--sft-steps", "1", "--prompts-per-step", "1", "--group-size", "4"]
     orapo.main(qwen_flags(mimic_views, tiny_qwen_dir, out, *short, "--max-new-tokens", "4", "--train-size", "0"))
     passes = [len(views) for views in seen]  # views per pass
     # SFT (2 studies); test_before (1); the RL step: the rollout's generate, the reference's and the policy's passes,
-    # each the study's view once for its 2 samples and its ground-truth report (4 and 2 passes of 2, 2 and 1 before
-    # issue "Each study's images once a pass"); test_after (1)
+    # each the study's view once for its 4 samples and its ground-truth report (before issue "Each study's images once
+    # a pass": 3 passes of 4 views and 2 of 1); test_after (1)
     assert passes == [2, 1, 1, 1, 1, 1], passes
+    rl_step = sum(passes[2:5])  # views through the tower in the RL step, 1 study x G 4: once a pass, 3 passes
+    assert rl_step <= 3.5 * 1, rl_step  # (before: 4 + 4 + 4 + 1 + 1 = 14, a copy a row and the ground truth's 2)
     lengths, real_generate = [], common.HFPolicy.generate
     monkeypatch.setattr(
         common.HFPolicy, "generate", lambda self, p, n, *a, **k: lengths.append(n) or real_generate(self, p, n, *a, **k)
