@@ -1823,9 +1823,9 @@ def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, 
     states = (16 * trained + 2 * (N - trained) + (2 * (N - embed) + 4 * embed if shape.reference else 0)) / k
     gathered = 2 * (2 * block + embed) if shape.fsdp and k > 1 else 0
     cast = 0 if shape.fsdp and k > 1 else 2 * trained  # autocast's bf16 copies of fp32 weights (FSDP2 gathers bf16)
-    # generate: the KV cache at its full length, bf16, and under FSDP2 the whole policy gathered (common.gathered)
+    # generate: the KV cache at its full length, bf16, and under FSDP2 the language model gathered (common.gathered)
     cache = studies * shape.rows * (P + shape.tokens) * L * 2 * kv * 2
-    rollout = states - 4 * trained / k + cast + cache + (2 * N if shape.fsdp and k > 1 else 0)  # no gradients yet
+    rollout = states - 4 * trained / k + cast + cache + (2 * (N - vision) if shape.fsdp and k > 1 else 0)  # no grads
     # a micro-batch's forward and backward: each layer's input kept (checkpointing), the views' through the tower
     # once a study, bf16 logits with each row's fp32 log-softmax saved and the logits' bf16 gradient
     layers = (

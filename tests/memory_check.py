@@ -622,12 +622,12 @@ def table(results: dict) -> list[str]:
     for name, r in results.items():
         if "peak" not in r:
             continue
-        s = Setting(**r["setting"])
+        s = SETTINGS.get(name) or Setting(**r["setting"])
         shape = f"{s.studies} x G {s.G}" if s.script != "sft" else f"{s.studies} studies"
         shape += f", {s.micro} micro-batches" if s.micro > 1 else ""
         peak = max(r["peak"].values())
         cells = [f"{r['peak'][p] / GiB:.1f}" for p in PHASES]
-        estimate = max(r.get("estimate", {"": math.nan}).values())
+        estimate = max(globals()["estimate"](s).values()) if name in SETTINGS else math.nan  # what a run prints
         row = f"| {name}: {s.paper} | {shape} | " + " | ".join(cells) + f" | **{peak / GiB:.1f}** | {estimate:.1f} |"
         lines.append(row + f" {verdict(s, peak)} |")
     return lines
@@ -668,8 +668,6 @@ def main(argv=None):
             out.write_text(json.dumps(results, indent=1) + "\n")
             continue
         results[name] = results.get(name, {}) | measure(SETTINGS[name], args.layers, Path(args.root))
-        if Path(args.root).resolve() == ROOT:  # the estimate this tree's runs print
-            results[name]["estimate"] = estimate(SETTINGS[name], args.layers)
         results[name]["seconds"] = round(time.time() - start, 1)
         print(
             f"{name}: peak {max(results[name]['peak'].values()) / GiB:.1f} GiB ({results[name]['seconds']} s)",
