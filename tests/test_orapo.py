@@ -208,10 +208,11 @@ def test_one_pass_rows_carry_each_studys_samples_then_its_ground_truth(small_syn
     the two passes scored before the one-pass rows (the sandbox's committed numbers), gradients too."""
     torch.manual_seed(0)
     records = common.load_data(str(small_synthetic))["train"][:3]
-    policy = common.make_policy("tiny", [r.report for r in records], "cpu", max_new_tokens=12)
+    policy = common.make_policy("tiny", [r.report for r in records], "cpu", max_new_tokens=24)
     prompts = policy.prompt_batch([[common.load_image(p) for p in r.image_paths] for r in records])
-    G, reports = 2, ["no effusion.", records[1].report, "heart size is normal."]
-    ids, mask = policy.generate(prompts, 12, n=G)
+    G, reports = 2, ["no effusion.", "mild edema.", "heart size is normal."]
+    ids, mask = policy.generate(prompts, 24, n=G)
+    assert ids.shape[1] > policy.encode_targets(reports)[0].shape[1]  # the two kinds of rows of other widths
     roll = common.Rollout(prompts, ids, mask, policy.decode(ids, mask), torch.arange(6.0))
     rows = orapo.with_chosen(policy, roll, reports, G)
     assert rows.texts[G :: G + 1] == reports and rows.texts[0] == roll.texts[0] and rows.texts[G + 1] == roll.texts[G]
