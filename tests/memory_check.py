@@ -477,7 +477,8 @@ def one_step(common, mode, setting, policy, ref, optimizer, scheduler, phase):
             roll = common.rollout(policy, images, "x", G, lambda texts, owners: [0.0] * len(texts), T)
         else:
             roll = common.rollout(policy, images, "x", G, T)
-            roll.rewards = torch.zeros(len(roll.texts))
+            with unset_fake_temporarily():  # as the scripts' rewards: real numbers (advantages index by them)
+                roll.rewards = mode.constant(torch.zeros(len(roll.texts)))
         phase("rollout")
         micros = common.micro_batches(policy, roll, setting.micro, G)
         parts = common.split_batch(studies, setting.micro)
