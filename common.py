@@ -1052,7 +1052,7 @@ class CheXbertLabeler:
         return out
 
 
-# ==== 4. The RL core: group advantages, the GRPO loss (three normalisations); DPO is OraPO's (orapo.py) ==============
+# ==== 4. The RL core: group advantages, the GRPO loss, the gradient average and clip; DPO is OraPO's (orapo.py) =======
 # Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N rows and T tokens as in Policy; (loss, stats) out.
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
@@ -1103,6 +1103,24 @@ def grpo_loss(logp, ref_logp, advantages, mask, beta=0.0, loss_type="grpo", max_
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
     kl_per_token = ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0  # logged
     return loss, {"kl": kl_per_token}
+
+
+@contextlib.contextmanager
+def gradient_sync(module: torch.nn.Module, last: bool):
+    """--grad-accum under DDP: gradients are averaged over ranks in the backward of the last micro-batch only
+    (no_sync); before it, each rank sums its own. FSDP2 reduce-scatters every micro-batch's into the shards: no
+    unsharded gradients kept between micro-batches (4 B a parameter, 15 GB at 3B), for k reductions a step, not 1."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last:
+        with module.no_sync():
+            yield
+        return
+    yield
+
+
+def clip_gradients(params, max_norm: float | None) -> float:
+    """The gradient norm over ranks (a sharded one gathered) before clipping to max_norm (None: no clipping)."""
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm or float("inf"))
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 # ==== 5. What one step writes and when: Run's steps, log line, optimizer step, checkpoint; its set-up and end =========
@@ -2602,18 +2620,6 @@ def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def gradient_sync(module: torch.nn.Module, last: bool):
-    """--grad-accum under DDP: gradients are averaged over ranks in the backward of the last micro-batch only
-    (no_sync); before it, each rank sums its own. FSDP2 reduce-scatters every micro-batch's into the shards: no
-    unsharded gradients kept between micro-batches (4 B a parameter, 15 GB at 3B), for k reductions a step, not 1."""
-    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last:
-        with module.no_sync():
-            yield
-        return
-    yield
-
-
-@contextlib.contextmanager
 def gathered(model: torch.nn.Module, once=None):
     """FSDP2 around generate(): every sharded module's weights gathered once (at the first token) and kept for all the
     new tokens, then resharded (by default each forward, one per token, would gather them again). Holds the unsharded
@@ -2629,12 +2635,6 @@ def gathered(model: torch.nn.Module, once=None):
         for m in modules:
             m.reshard()
             m.set_reshard_after_forward(m is not model, recurse=False)  # FSDP2's own: the root keeps its weights
-
-
-def clip_gradients(params, max_norm: float | None) -> float:
-    """The gradient norm over ranks (a sharded one gathered) before clipping to max_norm (None: no clipping)."""
-    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm or float("inf"))
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 def shard(model: torch.nn.Module, dtype=torch.float32):
