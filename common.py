@@ -1052,7 +1052,7 @@ class CheXbertLabeler:
         return out
 
 
-# ==== 4. The RL core: group advantages, the GRPO loss, the gradient average and clip; DPO is OraPO's (orapo.py) =======
+# ==== 4. The RL core: group advantages, the GRPO loss, the gradient average and clip; DPO is in orapo.py ===========
 # Checked against TRL's GRPOTrainer._compute_loss and DPOTrainer; N rows and T tokens as in Policy; (loss, stats) out.
 def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 1e-4):
     """Group-relative advantages (DeepSeekMath 4.1.2), (B*G,) -> (B*G,): "std" (r - mean_g) / (std_g + eps), Bessel's
