@@ -227,7 +227,7 @@ def test_lora_reference_save_merged_and_reload(tiny_qwen_dir, studies, tmp_path)
     assert (adapted - base).abs().max() > 1e-3
     torch.testing.assert_close(reference, base)
     # the LoRA-off reference of a rollout: the model without its adapters
-    roll = common.rollout(pol, views[:2], PROMPT, 2, lambda texts, owners: [0.0] * len(texts), 6)
+    roll = common.rollout(pol, views[:2], PROMPT, 2, 6)
     ref_logp = common.reference_logprobs(common.LoRAOff(pol), roll)
     assert ref_logp.shape == roll.completion_ids.shape and not ref_logp.requires_grad
     with torch.no_grad(), common.lora_disabled(pol.model):
@@ -277,7 +277,8 @@ def test_gpu_grpo_step_speed_and_memory(small_synthetic):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
-        roll = common.rollout(pol, views, PROMPT, 8, lambda texts, owners: [float(len(t) % 3) for t in texts], 256)
+        roll = common.rollout(pol, views, PROMPT, 8, 256)
+        roll.rewards = torch.tensor([float(len(t) % 3) for t in roll.texts])
         torch.cuda.synchronize()
         t1 = time.time()
         opt.zero_grad(set_to_none=True)
