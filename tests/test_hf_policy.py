@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+from conftest import torchrun
 
 PROMPT = "You are a radiologist. Describe the chest X-ray."
 
@@ -106,6 +107,28 @@ def test_views_once_a_study_give_the_per_row_logprobs_and_gradients(tiny_qwen_di
     }
     swapped["image_grid_thw"] = prompts["image_grid_thw"]
     assert (per_row_logprobs(pol, swapped, ids, mask, 4) - per_row).abs().max() > 1e-3  # the test can see a mix-up
+
+
+@pytest.mark.slow
+def test_views_once_under_fsdp_give_the_per_row_gradients(tiny_qwen_dir, tmp_path):
+    """--fsdp on 2 gloo processes, G = 4 rows of each of two studies a rank (of one view and two), each study's views
+    through the tower once: every parameter's gradient (gathered from the shards, averaged over the ranks) equals one
+    process's with every row carrying its own copy of its views, the two ranks' losses averaged."""
+    import fsdp_views_once as ranks
+
+    torchrun("tests/fsdp_views_once.py", str(tiny_qwen_dir), str(tmp_path), timeout=300)
+    sharded = torch.load(tmp_path / "grads.pt", weights_only=True)
+    pol = common.HFPolicy(str(tiny_qwen_dir), device="cpu")
+    loss = 0.0
+    for rank in (0, 1):
+        prompts = pol.prompt_batch(ranks.studies(rank), ranks.PROMPT)
+        ids, mask = ranks.rows(pol, rank)
+        per_row = per_row_logprobs(pol, prompts, ids, mask, ranks.G)
+        loss = loss + (per_row * ranks.weights(per_row)).sum() / 2  # FSDP2 averages over the 2 ranks
+    params = dict(pol.model.named_parameters())
+    assert sharded.keys() == params.keys()
+    for name, g in zip(params, torch.autograd.grad(loss, list(params.values())), strict=True):
+        torch.testing.assert_close(sharded[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_generate_encodes_each_studys_views_once(policy, studies):
