@@ -1,8 +1,7 @@
 """common.py: what a real run shares, in the order of one training step: 1 data; 2 the policy, its rollout, LoRA;
-3 labels and CheXbert; 4 the RL core (advantages, GRPO, DPO); 5 what a step writes (Run); 6 set-up (flags, start_run,
-the policy and its reference, warm starts, AdamW, resume); 7 metrics; 8 the commands (`python common.py evaluate |
-generate`); 9 the insides a reader skips (the CheXpert rules, the collectives). The synthetic sandbox (`--data
-synthetic`, its CheXbert, its foundation) is tests/sandbox.py, imported only when asked for."""
+3 labels and CheXbert; 4 the RL core (advantages, GRPO); 5 what a step writes (Run); 6 set-up (flags, start_run, the
+policy and its reference, warm starts, AdamW, resume); 7 metrics; 8 `python common.py evaluate | generate`; 9 what a
+reader skips (CheXpert's rules, collectives). The sandbox (`--data synthetic`) is tests/sandbox.py, read on demand."""
 
 from __future__ import annotations
 
@@ -82,14 +81,12 @@ R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: se
 def clean_report(report: str, style: str = "mimic_cxr") -> str:
     """R2Gen's clean_report_mimic_cxr (style "mimic_cxr") or clean_report_iu_xray ("iu_xray")."""
 
-    def collapse(t, old, new, times):
-        """R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes."""
+    def collapse(t, old, new, times):  # R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes
         for _ in range(times):
             t = t.replace(old, new)
         return t
 
-    def sent_cleaner(s):
-        """R2Gen's, per sentence: quotes and slashes out, then R2GEN_PUNCT."""
+    def sent_cleaner(s):  # R2Gen's, per sentence: quotes and slashes out, then R2GEN_PUNCT
         s = s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
         return R2GEN_PUNCT.sub("", s.strip().lower())
 
@@ -196,8 +193,7 @@ def load_image(path: str, record_id: str = "?"):
 
 def default_transform(size: int = 224, channels: int = 3):
     """R2Gen's test transform, grey over `channels` (its training flip would swap the sides the reports name)."""
-    import torchvision.transforms as T
-
+    T = torchvision.transforms
     mean, std = [0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]  # ImageNet's
     return T.Compose([T.Grayscale(channels), T.Resize((size, size)), T.ToTensor(), T.Normalize(mean, std)])
 
@@ -347,24 +343,21 @@ class Rollout:
 
 def rollout(policy, images, text, G, max_new_tokens, temperature=1.0) -> Rollout:
     """Sample G completions per study, rows iG .. iG + G - 1 study i's; the script scores them (rewards). Once a step,
-    whatever --grad-accum: one generate() call costs about the same for 8 or 64 rows (decoding is bound by launches
-    and weight reads, not by rows)."""
+    whatever --grad-accum: a generate() call costs about the same for 8 or 64 rows (weight reads bound decoding)."""
     prompts = policy.prompt_batch(images, text)  # B studies, once each
     ids, mask = policy.generate(prompts, max_new_tokens, temperature, n=G)  # (N, T), (N, T): G rows a study
     return Rollout(prompts, ids, mask, policy.decode(ids, mask))
 
 
 def micro_batches(policy, roll: Rollout, k: int, G: int) -> list[Rollout]:
-    """--grad-accum k: the rollout as k micro-batches of whole groups, in order. The log-prob passes, the loss and its
-    backward run one micro-batch at a time (TRL's gradient accumulation); the completions were sampled once."""
+    """--grad-accum k: the rollout as k micro-batches of whole groups, in order; the log-prob passes, the loss and its
+    backward run one at a time (TRL's gradient accumulation)."""
     if k == 1:
         return [roll]
     b = exact_div(len(roll.texts) // G, k, "studies per process / --grad-accum")  # studies a micro-batch
     rows = (roll.completion_ids, roll.completion_mask, roll.texts, roll.rewards)
-    return [
-        Rollout(policy.rows(roll.prompts, i, i + b), *(x[i * G : (i + b) * G] for x in rows))
-        for i in range(0, len(roll.texts) // G, b)
-    ]
+    firsts = range(0, len(roll.texts) // G, b)  # each micro-batch's first study
+    return [Rollout(policy.rows(roll.prompts, i, i + b), *(x[i * G : (i + b) * G] for x in rows)) for i in firsts]
 
 
 class LoRAOff:
@@ -394,14 +387,11 @@ class Policy:
       rows(prompts, start, stop)                 studies start .. stop - 1 of a batch of prompts
       generate(prompts, max_new_tokens, temperature, n=G) -> ids (N, T), mask (N, T): rows iG .. iG + G - 1 study
                                                  i's samples; mask 1 up to AND including the first EOS
-      completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0; N a multiple of B:
-                                                 N / B rows a study, in order (a HF model encodes each study's
-                                                 views once and repeats their features to its rows)
+      completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0; N / B rows a study
       decode(ids, mask) -> N texts; encode_targets(texts) -> ids, mask: right-padded, EOS last
       save(dir), read back by load_policy(dir); vision_and_language() -> (vision modules, language modules)
-    and both compute the SFT loss below from them. completion_logprobs runs `forward_module`: the model, or under
-    torchrun without --fsdp the model in PyTorch's DistributedDataParallel (data_parallel), which averages the
-    gradients over ranks in backward; generate() runs the model itself (no gradient)."""
+    and both compute the SFT loss below from them. completion_logprobs runs `forward_module` (the model, or under
+    torchrun without --fsdp its DistributedDataParallel: data_parallel); generate() runs the model (no gradient)."""
 
     forward_module: torch.nn.Module
     ROW_KEY: str  # a key of prompts with one entry per study
@@ -434,8 +424,7 @@ class TinyPolicy(Policy):
 
     def prompt_batch(self, images, text=None) -> dict:
         """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
-        import torchvision.transforms.functional as F
-
+        F = torchvision.transforms.functional
         views = [
             torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
             for study in images
@@ -581,8 +570,7 @@ class HFPolicy(Policy):
         n_images = prompts["n_images"].tolist()
         first, last = sum(n_images[:start]), sum(n_images[:stop])  # the rows' images
         patches = prompts["image_grid_thw"].prod(-1).tolist()  # patch rows per image
-        per_image = ("pixel_values", "image_grid_thw")
-        out = {k: v[start:stop] for k, v in prompts.items() if k not in per_image}
+        out = {k: v[start:stop] for k, v in prompts.items() if k not in ("pixel_values", "image_grid_thw")}
         out["pixel_values"] = prompts["pixel_values"][sum(patches[:first]) : sum(patches[:last])]
         out["image_grid_thw"] = prompts["image_grid_thw"][first:last]
         return out
@@ -600,11 +588,9 @@ class HFPolicy(Policy):
 
         def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
             out = encode(pixel_values, prompts["image_grid_thw"], **kwargs)  # the studies' views, once each
-            per_view = out.pooler_output if hasattr(out, "pooler_output") else out  # transformers >= 5.x: an output
-            rows = tuple(per_view[k] for k in index)
-            if not hasattr(out, "pooler_output"):
-                return rows
-            out.pooler_output = rows
+            if not hasattr(out, "pooler_output"):  # transformers < 5: the features; 5.x: an output holding them
+                return tuple(out[k] for k in index)
+            out.pooler_output = tuple(out.pooler_output[k] for k in index)
             return out
 
         text = [k for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in prompts]  # a row each
@@ -660,9 +646,7 @@ class HFPolicy(Policy):
 
 def autocast(device: torch.device, dtype: torch.dtype):
     """bf16 matmuls under torch.autocast (also mixing bf16 weights with fp32 parts: fp32_trainable, LoRA); fp32: off."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype)
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype)
 
 
 def make_policy(
@@ -848,13 +832,8 @@ def apply_lora(model, target_modules, r=8, alpha=16.0, dropout=0.0, exclude=None
     """Wrap every nn.Linear named ...<target> (["q_proj", "v_proj"]) outside `exclude` (the vision tower,
     whose MLP shares the language model's names) in a LoRALinear, freeze the rest; the wrapped names."""
     skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
-    matched = [
-        (n, m)
-        for n, m in model.named_modules()
-        if id(m) not in skip
-        and isinstance(m, torch.nn.Linear)
-        and any(n == t or n.endswith("." + t) for t in target_modules)
-    ]
+    linear = [(n, m) for n, m in model.named_modules() if id(m) not in skip and isinstance(m, torch.nn.Linear)]
+    matched = [(n, m) for n, m in linear if any(n == t or n.endswith("." + t) for t in target_modules)]
     if not matched:
         raise ValueError(f"no nn.Linear layer name ends with one of the LoRA targets {target_modules}")
     model.requires_grad_(False)
@@ -1110,11 +1089,9 @@ def gradient_sync(module: torch.nn.Module, last: bool):
     """--grad-accum under DDP: gradients are averaged over ranks in the backward of the last micro-batch only
     (no_sync); before it, each rank sums its own. FSDP2 reduce-scatters every micro-batch's into the shards: no
     unsharded gradients kept between micro-batches (4 B a parameter, 15 GB at 3B), for k reductions a step, not 1."""
-    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last:
-        with module.no_sync():
-            yield
-        return
-    yield
+    accumulate = isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last
+    with module.no_sync() if accumulate else contextlib.nullcontext():
+        yield
 
 
 def clip_gradients(params, max_norm: float | None) -> float:
@@ -1214,16 +1191,13 @@ class Run:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         states = all_gather_objects(rng)
-        params = dict(model.named_parameters())
-        partial = not all(p.requires_grad for p in params.values())
+        frozen = {k for k, p in model.named_parameters() if not p.requires_grad}  # not saved: the start holds them
         weights, optim = full_state_dicts(model, optimizer) if isinstance(model, FSDPModule) else (None, None)
         if self.is_main:
-            weights = weights or {
-                k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad
-            }
+            weights = weights or {k: v for k, v in model.state_dict().items() if k not in frozen}
             if optim is None and optimizer is not None:  # not sharded
                 optim = optimizer.state_dict()
-            checkpoint = {"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {}}
+            checkpoint = {"step": step, "model": weights, "partial": bool(frozen), "rng": states, "extra": state or {}}
             schedule = scheduler.state_dict() if scheduler is not None else None
             checkpoint |= {"optimizer": optim, "scheduler": schedule, "config": asdict(self.args)}
             atomic_save(checkpoint, self.out / "last.pt")
@@ -2090,17 +2064,9 @@ def evaluate_generations(
         log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
     cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
     hyp_labels, inner = labeler(hyps), getattr(labeler, "labeler", labeler)  # inside a LabelCache, the labeler
-    out = {
-        "n": len(rows),
-        "n_empty_generations": n_empty,
-        "degenerate": degenerate_output(hyps, refs, name),
-        "clean": clean,
-        "labeler": type(inner).__name__,
-        "uncertain_as": uncertain_as,
-        "headline": headline,
-        "nlg": nlg_metrics(*cleaned, meteor=meteor),
-        "ce": ce_metrics(hyp_labels, labeler(refs), uncertain_as=uncertain_as),
-    }
+    out = {"n": len(rows), "n_empty_generations": n_empty, "degenerate": degenerate_output(hyps, refs, name)}
+    out |= {"clean": clean, "labeler": type(inner).__name__, "uncertain_as": uncertain_as, "headline": headline}
+    out |= {"nlg": nlg_metrics(*cleaned, meteor=meteor), "ce": ce_metrics(hyp_labels, labeler(refs), uncertain_as)}
     if gold is not None:
         out["ce_gold"] = ce_metrics(hyp_labels, gold, uncertain_as=uncertain_as)
     if isinstance(inner, CheXbertLabeler):
@@ -2515,10 +2481,8 @@ class RuleLabeler:
             or (lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach)
             or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)
         }
-        for kind, label in (("pre_neg_unc", UNCERTAIN), ("neg", NEGATIVE), ("unc", UNCERTAIN)):
-            if kind in kinds:
-                return label
-        return POSITIVE
+        order = (("pre_neg_unc", UNCERTAIN), ("neg", NEGATIVE), ("unc", UNCERTAIN))  # the first found decides
+        return next((label for kind, label in order if kind in kinds), POSITIVE)
 
     def __call__(self, reports: list[str]) -> np.ndarray:
         """(N, 14) float labels, 1 / 0 / -1 / NaN, in CHEXPERT_LABELS order."""
