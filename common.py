@@ -445,16 +445,12 @@ class TinyPolicy(Policy):
         """The model's inputs for n rows a study (row i n + j: study i), each row its own copy of the views."""
         return tuple(prompts[k].repeat_interleave(n, 0) for k in ("pixel_values", "view_mask", "start_ids"))
 
-    def generate(
-        self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0, n=1
-    ):
+    def generate(self, prompts, max_new_tokens=80, temperature=1.0, n=1, **sampling):  # generate_completions' options
         embeds = self.model.prefix(*self.repeated(prompts, n))  # (N, P, D)
         attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
         inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask)
         max_new_tokens = min(max_new_tokens, self.model.hparams["max_len"])
-        return generate_completions(
-            self, self.model.decoder, inputs, 0, max_new_tokens, temperature, do_sample, return_logprobs, top_p
-        )
+        return generate_completions(self, self.model.decoder, inputs, 0, max_new_tokens, temperature, **sampling)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
@@ -602,14 +598,10 @@ class HFPolicy(Policy):
         finally:
             del vision.get_image_features
 
-    def generate(
-        self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0, n=1
-    ):
+    def generate(self, prompts, max_new_tokens=256, temperature=1.0, n=1, **sampling):  # as TinyPolicy's
         P = prompts["input_ids"].shape[1]
         with autocast(self.device, self.dtype), self.views_once(prompts, n) as inputs:
-            return generate_completions(
-                self, self.model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p
-            )
+            return generate_completions(self, self.model, inputs, P, max_new_tokens, temperature, **sampling)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
@@ -678,7 +670,9 @@ def fp32_trainable(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def generate_completions(policy, model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p):
+def generate_completions(
+    policy, model, inputs, P, max_new_tokens, temperature, do_sample=True, return_logprobs=False, top_p=1.0
+):
     """model.generate (KV cache, eval mode) after P prompt tokens -> ids (N, T) padded after the first EOS, mask (N, T)
     and the log-probs under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not
     RL losses). The policy gives the stop ids (eos_token_ids), padding and the ids never sampled (suppressed)."""
@@ -1052,10 +1046,9 @@ def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 
 def grpo_loss(logp, ref_logp, advantages, mask, beta=0.0, loss_type="grpo", max_completion_length=None):
     """GRPO's loss for one update per rollout, plus the k3 KL -> (loss, stats): TRL's GRPOTrainer loss with
     num_iterations 1 (use_bias_correction_kl=False). One update per rollout makes pi_old the policy itself, so
-    DeepSeekMath Eq. 3's ratio pi_theta / pi_old is exactly 1 (exp(logp - logp.detach()): 1, with logp's gradient)
-    and its clip to [1 - eps, 1 + eps] never acts: the loss per token is -A, its gradient -A grad log pi. This is why
-    no script has a --clip-eps. logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp None without a
-    reference (then beta must be 0). Normalisation of the masked per-token loss L_it, where they differ:
+    DeepSeekMath Eq. 3's ratio pi_theta / pi_old is exactly 1 (with logp's gradient) and its clip never acts: the loss
+    per token is -A, its gradient -A grad log pi (so no script has a --clip-eps). logp, ref_logp, mask: (N, T);
+    advantages: (N,) or (N, T); ref_logp None without a reference (then beta 0). The normalisations of L_it differ:
       "grpo":    mean over each sequence's tokens, then over the N sequences
       "bnpo":    sum over all tokens / number of completion tokens in the batch
       "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
@@ -1116,8 +1109,7 @@ class Run:
         self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
         self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
         self.start, self._saved = 0, None  # the first step and what checkpoints hold: restore() sets both
-        self.trained = 0  # steps done (log_step), the step an evaluation's numbers are reported at
-        self.done = None  # a finished run's results (eval.json)
+        self.trained, self.done = 0, None  # steps done (log_step: an evaluation's step); a finished run's eval.json
         self._stats = defaultdict(list)  # log()'s numbers of this step
         problem = self._check_folder() if check and self.is_main else None
         problem, self.done = broadcast_object((problem, self.done))
@@ -1175,9 +1167,8 @@ class Run:
             self._progress.set_postfix({k: f"{row[k]:.3g}" for k in self._bar[:4] if k in row}, refresh=False)
 
     def checkpoint(self, step: int):
-        """out/last.pt after `step`, atomically, when due: every CHECKPOINT_EVERY steps, at the last step, and after
-        Ctrl-C (then steps() stops the run). Every rank calls it: its RNG state goes in, a resume draws as if never
-        stopped."""
+        """out/last.pt after `step` when due: every CHECKPOINT_EVERY steps, at the last, after Ctrl-C (then steps()
+        stops the run). Every rank calls it: its RNG state goes in, a resume draws as if never stopped."""
         self._stopped = all_reduce_mean(float(bool(self._stop))) > 0  # every rank stops at the same step
         if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == self._total or self._stopped):
             self.save_checkpoint(step + 1)
@@ -1976,20 +1967,17 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     # hypothesis's n-grams in their order, as CiderScorer's: a set's order would move the last digit with the hash seed
     df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
     log_n = math.log(n_docs)
-    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}
-
-    def idf2_of(g):
-        """The squared idf; an n-gram no document holds counts as in one (CiderScorer's max(1, df)): log(N)^2."""
-        return idf2.get(g, log_n**2)
+    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf
+    unseen = log_n**2  # an n-gram no document holds counts as in one (CiderScorer's max(1, df))
 
     def norm(counts):
-        return [math.sqrt(sum(tf * tf * idf2_of(g) for g, tf in c.items())) for c in counts]
+        return [math.sqrt(sum(tf * tf * idf2.get(g, unseen) for g, tf in c.items())) for c in counts]
 
     each["CIDEr"] = []
     for h, r in zip(hyp_counts, ref_counts):
         penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
         sims = [
-            sum(min(hc[g], rc[g]) * rc[g] * idf2_of(g) for g in hc if g in rc) / (hn * rn if hn and rn else 1)
+            sum(min(hc[g], rc[g]) * rc[g] * idf2.get(g, unseen) for g in hc if g in rc) / (hn * rn if hn and rn else 1)
             for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))
         ]
         each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
@@ -2001,12 +1989,8 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
             from pycocoevalcap.meteor.meteor import Meteor
 
             _METEOR_SCORER = Meteor()
-
-        def one_line(t):
-            """A newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)."""
-            return " ".join(t.replace("|||", " ").split())
-
-        by_id = [{i: [one_line(t)] for i, t in enumerate(texts)} for texts in (refs, hyps)]  # references first
+        # references first, a line each (a newline ends a jar command, "|||" splits fields; pycocoevalcap cleans hyps)
+        by_id = [{i: [" ".join(t.replace("|||", " ").split())] for i, t in enumerate(texts)} for texts in (refs, hyps)]
         score, scores = _METEOR_SCORER.compute_score(*by_id)
         out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
     elif meteor:
