@@ -350,8 +350,7 @@ def rollout(policy, images, text, G, max_new_tokens, temperature=1.0) -> Rollout
 
 
 def micro_batches(policy, roll: Rollout, k: int, G: int) -> list[Rollout]:
-    """--grad-accum k: the rollout as k micro-batches of whole groups, in order; the log-prob passes, the loss and its
-    backward run one at a time (TRL's gradient accumulation)."""
+    """--grad-accum k: the rollout as k micro-batches of whole groups, in order (TRL's gradient accumulation)."""
     if k == 1:
         return [roll]
     b = exact_div(len(roll.texts) // G, k, "studies per process / --grad-accum")  # studies a micro-batch
@@ -372,8 +371,7 @@ class LoRAOff:
 
 
 def reference_logprobs(ref, roll: Rollout, temperature: float = 1.0):
-    """log pi_ref of the sampled completions (N, T), no gradient; None without a reference. ref: a frozen copy of the
-    policy (frozen_reference), LoRAOff(policy), or None."""
+    """log pi_ref (N, T) of the sampled completions, no gradient: ref a frozen_reference or LoRAOff; None without."""
     if ref is None:
         return None
     with torch.no_grad():
@@ -707,8 +705,7 @@ def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
 
 
 def completion_mask(ids, eos_id):
-    """(N, T) float: 1 up to and including the first EOS (an id, or any of a list: chat models end a turn with
-    <|im_end|> but may stop on <|endoftext|>), 0 after; all 1 without one."""
+    """(N, T) float: 1 up to and including the first EOS (any of eos_id: <|im_end|>, <|endoftext|>), 0 after."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_id, device=ids.device)).int()  # (N, T)
     return ((is_eos.cumsum(1) - is_eos) == 0).float()  # (N, T) no EOS strictly before
 
@@ -1463,8 +1460,7 @@ def resolve_defaults(args):
 def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
     """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
     --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
-    `notes`: what this run cannot do as the paper does, one line each at start and in config.json. `memory`: the
-    StepShape of each kind of step the run takes (a Hugging Face model's peak per GPU is checked against the GPU's)."""
+    `notes`: what the run cannot do as the paper does (logged, config.json); `memory`: its steps' StepShapes."""
     rank, world_size, device = setup_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
@@ -1504,9 +1500,8 @@ GPU_RESERVE_GIB = 2.0  # kept free of the estimate: the CUDA context, NCCL's buf
 
 
 def check_memory(args, shapes, world: int, device, views: float):
-    """The line a Hugging Face run prints before it loads weights: its peak GiB per GPU (memory_estimate, the largest
-    over its kinds of step) beside the GPU's (--gpu-memory, else the device's); beyond it, one error naming what
-    would fit (--grad-accum, --fsdp, LoRA), before anything is written or loaded."""
+    """A Hugging Face run's peak GiB per GPU (memory_estimate, the largest over its kinds of step), logged beside the
+    GPU's (--gpu-memory, else the device's); beyond it, one error naming what would fit (--grad-accum, --fsdp, LoRA)."""
     pixels = getattr(args, "max_pixels", 512 * 512)
 
     def need(change=None) -> float:
@@ -1641,11 +1636,10 @@ def sft_stage(
     grad_accum=1,
     extra=None,
 ):
-    """SFT in a run (or stage) of its own: the teacher-forced likelihood of targets(batch) (default: the reports) on
-    what requires grad, AdamW at a constant lr, `grad_accum` micro-batches a step; `blind`: each view a blank image (the
-    report text alone: a fluent, task-naive start). `steps` steps, or with `converge` until validate(stage, policy,
-    step) stops improving, the best weights kept; extra(stage, policy) adds to its results (a test split's metrics).
-    Stopped, --resume continues it; finished, its results are read back. -> the results (final/: the policy)."""
+    """SFT in a stage of its own: the teacher-forced likelihood of targets(batch) (default: the reports) on what
+    requires grad, AdamW at a constant lr, `grad_accum` micro-batches a step; `blind`: each view a blank image (a
+    fluent, task-naive start). `steps` steps, or with `converge` until validate(stage, policy, step) stops improving,
+    the best weights kept; extra(stage, policy) adds to its results. --resume continues it, or reads it back."""
     if stage.done is not None:
         return stage.done
     fp32_trainable(policy.model)
@@ -1692,9 +1686,8 @@ def sft_stage(
 def initial_policy(
     run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512, init=None, fsdp=False
 ):
-    """--model's policy before the paper trains it, equal on every rank: `init` (a saved policy), the sandbox's
-    foundation (--tiny-start foundation), a random tiny model on the reports' words, or the HF model's own weights.
-    fsdp (for_training shards it next): a HF model's weights stay in host memory, shard() moves each rank's part."""
+    """--model's policy before training, equal on every rank: `init` (a saved policy), the sandbox's foundation, a
+    random tiny model on the reports' words, or the HF model's own weights (fsdp: kept in host memory, for shard())."""
     host = fsdp and run.world_size > 1 and run.args.model != "tiny"
     if init is not None or run.foundation is not None:
         policy = load_policy(init or run.foundation / "vlm", run.device, run.dtype, max_pixels=max_pixels, host=host)
@@ -2038,10 +2031,9 @@ def evaluate_generations(
     rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None, name=""
 ) -> dict:
     """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
-    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number); an empty report scores 0 on each.
-    Degenerate output is called out in a warning naming the evaluation, `name`. `gold` (N, 14), the annotation's own
-    labels: "ce_gold" scores against them. With CheXbert, "labelers_agree": how often the rules read the generated
-    reports as it does (each report's 14 labels, binarised as CE counts them)."""
+    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number); an empty report scores 0 on each. A
+    warning names degenerate output (and the evaluation, `name`). `gold` (N, 14), the annotation's labels: "ce_gold"
+    scores against them. With CheXbert, "labelers_agree": how often the rules read the generated reports as it does."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
     n_empty = sum(not h.strip() for h in hyps)
     if n_empty:
@@ -2116,10 +2108,9 @@ def read_generations(path) -> list[dict]:
 
 # ==== 8. The command line: flags from an Args dataclass; python common.py evaluate | generate=========================
 def parse_args(args_class, argv=None, description: str | None = None):
-    """Flags from an Args dataclass, `--flag-name` per field: its help the string under the field (docstring_parser
-    reads it), a bool as --flag / --no-flag, Literal[...] as choices, a number checked against the range Annotated
-    beside it. A bad flag is one line (an unknown one names the closest). --out defaults to runs/<script>-<data name>;
-    --resume: the flags not given are the run's."""
+    """Flags from an Args dataclass, `--flag-name` per field: its help the string under the field, a bool as --flag /
+    --no-flag, Literal[...] as choices, a number checked against its Annotated range. A bad flag is one line (an unknown
+    one names the closest). --out defaults to runs/<script>-<data name>; --resume: the flags not given are the run's."""
     helps = {}
     for cls in reversed(args_class.__mro__[:-1]):  # a subclass's help wins
         helps |= {d.arg_name: " ".join(d.description.split()) for d in docstring_parser.parse_from_object(cls).params}
@@ -2558,10 +2549,9 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 
 
 def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    """Several processes without --fsdp: PyTorch's DistributedDataParallel around what trains (called after the last
-    change to its parameters: LoRA, fp32_trainable). Its backward averages the gradients over ranks in buckets as they
-    are ready, into its buckets (gradient_as_bucket_view: no second gradient-sized copy); each rank keeps its own
-    buffers (BatchNorm statistics). One process, or FSDP2: the module itself."""
+    """Several processes without --fsdp: DistributedDataParallel around what trains (after the last change to its
+    parameters: LoRA, fp32_trainable); its backward averages gradients in buckets as they are ready
+    (gradient_as_bucket_view: no second gradient-sized copy); each rank keeps its buffers. One process, FSDP2: as is."""
     if world_size == 1 or isinstance(module, FSDPModule):
         return module
     return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
@@ -2569,10 +2559,9 @@ def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module, once=None):
-    """FSDP2 around generate(): every sharded module's weights gathered once (at the first token) and kept for all the
-    new tokens, then resharded (by default each forward, one per token, would gather them again). Holds the unsharded
-    weights in --dtype for the whole rollout (tests/MACHINES.md), but those of `once` (the vision tower: it runs at
-    the first token alone), gathered and freed block by block as usual. Not sharded: nothing."""
+    """FSDP2 around generate(): each sharded module's weights gathered at the first token, kept for the rest, then
+    resharded (not regathered each token): the unsharded weights in --dtype for the rollout (tests/MACHINES.md), but
+    `once`'s (the vision tower, run at the first token alone) as usual. Not sharded: nothing."""
     skip = {id(m) for m in once.modules()} if once is not None else set()
     modules = [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in skip]
     for m in modules:  # the first token's forward gathers each module, and each keeps its weights to the end
