@@ -732,14 +732,10 @@ class TinyVLM(torch.nn.Module):
 
         gpt2_size = dict(n_embd=n_embd, n_layer=n_layer, n_head=n_head)
         self.hparams = dict(vocab_size=vocab_size, grid=grid, **gpt2_size, max_len=max_len, channels=channels)
-        c = channels
-
-        def block(i, o):
-            return [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
-
-        self.encoder = torch.nn.Sequential(
-            *block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c), torch.nn.AdaptiveAvgPool2d(grid)
-        )
+        c, blocks = channels, []
+        for i, o in [(1, c), (c, c), (c, 2 * c), (2 * c, 2 * c)]:
+            blocks += [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+        self.encoder = torch.nn.Sequential(*blocks, torch.nn.AdaptiveAvgPool2d(grid))
         self.project = torch.nn.Linear(2 * c, n_embd)
         # No dropout, GroupNorm not BatchNorm: log-probs must not depend on train/eval mode or the batch (GRPO's ratio)
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -1277,11 +1273,9 @@ class Run:
         completions = gather_strided(completions[: len(mine)], self.world_size)
         results = None
         if self.is_main:
-            rows = [
-                {"id": r.id, "reference": r.report, "generated": report(c) if report else c}
-                | ({"completion": c} if report else {})
-                for r, c in zip(records, completions)
-            ]
+            rows = [{"id": r.id, "reference": r.report, "generated": c} for r, c in zip(records, completions)]
+            if report:  # the report taken from the completion, the completion beside it
+                rows = [row | {"generated": report(row["generated"]), "completion": row["generated"]} for row in rows]
             labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
             gold = np.stack([r.labels for r in records]) if all(r.labels is not None for r in records) else None
             ce = dict(ce or {}, gold=gold, name=name)
@@ -1504,11 +1498,9 @@ def check_memory(args, shapes, world: int, device, views: float):
     GPU's (--gpu-memory, else the device's); beyond it, one error naming what would fit (--grad-accum, --fsdp, LoRA)."""
     pixels = getattr(args, "max_pixels", 512 * 512)
 
-    def need(change=None) -> float:
-        return max(
-            max(memory_estimate(args.model, dataclasses.replace(s, **change or {}), world, views, pixels).values())
-            for s in shapes
-        )
+    def need(change=None) -> float:  # the peak over the kinds of step, each changed by `change`
+        steps = [dataclasses.replace(s, **change or {}) for s in shapes]
+        return max(max(memory_estimate(args.model, s, world, views, pixels).values()) for s in steps)
 
     have = args.gpu_memory
     if have is None and device.type == "cuda":
@@ -1683,9 +1675,7 @@ def sft_stage(
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
-def initial_policy(
-    run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512, init=None, fsdp=False
-):
+def initial_policy(run, reports, max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512, init=None, fsdp=False):
     """--model's policy before training, equal on every rank: `init` (a saved policy), the sandbox's foundation, a
     random tiny model on the reports' words, or the HF model's own weights (fsdp: kept in host memory, for shard())."""
     host = fsdp and run.world_size > 1 and run.args.model != "tiny"
@@ -1706,9 +1696,7 @@ def add_lora(policy, lora: dict):
     apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"], exclude=vision)
 
 
-def warm_start(
-    run: Run, policy, records: list, settings: dict, lora: dict | None = None, max_pixels=512 * 512, fsdp=False
-):
+def warm_start(run, policy, records: list, settings: dict, lora: dict | None = None, max_pixels=512 * 512, fsdp=False):
     """SFT before RL (sft_stage's `settings`) in out/warm_start, on `lora`'s adapters if given, the model whole on
     each GPU; the policy it saved (LoRA folded in), loaded back: the RL's start (fsdp: kept in host memory)."""
     if lora:
@@ -1786,9 +1774,8 @@ def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, 
     k, GiB = (world if shape.fsdp else 1), 2**30
     d, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
     kv = text.num_key_value_heads * (d // text.num_attention_heads)
-    block = max(
-        sum(p.numel() for p in m.parameters()) for m in net.modules() if type(m).__name__ in net._no_split_modules
-    )
+    blocks = [m for m in net.modules() if type(m).__name__ in net._no_split_modules]
+    block = max(sum(p.numel() for p in m.parameters()) for m in blocks)
     tokens_per_view = max_pixels // 28**2  # Qwen2-VL: a token per 28 x 28 pixels after the 2 x 2 merge
     P = math.ceil(views) * tokens_per_view + 60  # the chat template's text around the views
     studies = math.ceil(shape.studies / world)  # (a script checks that they divide)
@@ -1804,10 +1791,8 @@ def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, 
     rollout = states - 4 * trained / k + cast + cache + (2 * (N - vision) if shape.fsdp and k > 1 else 0)  # no grads
     # a micro-batch's forward and backward: each layer's input kept (checkpointing), the views' through the tower
     # once a study, bf16 logits with each row's fp32 log-softmax saved and the logits' bf16 gradient
-    layers = (
-        micro_rows * (P + shape.tokens) * d * 2 * L
-        + micro_studies * views * 4 * tokens_per_view * vis.hidden_size * 2 * vis.depth
-    )
+    layers = micro_rows * (P + shape.tokens) * d * 2 * L
+    layers += micro_studies * views * 4 * tokens_per_view * vis.hidden_size * 2 * vis.depth
     logits = micro_rows * shape.tokens * V * (2 + 4 + 2)
     # the first micro-batch's forward has no gradients yet; its backward ends with them and few activations left
     before = states - (4 * trained / k if shape.grad_accum == 1 else 0)
@@ -1829,11 +1814,9 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
     w = int(warmup * total)  # warm-up steps
 
     def factor(step):
-        decay = {
-            "linear": (total - step) / max(1, total - w),
-            "constant": 1.0,
-            "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w))),
-        }
+        span = max(1, total - w)  # steps after the warm-up
+        cosine = 0.5 * (1 + math.cos(math.pi * (step - w) / span))
+        decay = {"linear": (total - step) / span, "constant": 1.0, "cosine": cosine}
         return (step + 1) / w if step < w else decay[schedule]
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -1995,11 +1978,8 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
 
 def _prf(tp, fp, fn):
     """Precision, recall, F1 = 2TP / (2TP + FP + FN); 0 where undefined (scikit-learn's zero_division=0)."""
-
-    def div(a, b):
-        return np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)
-
-    return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
+    pairs = ((tp, tp + fp), (tp, tp + fn), (2 * tp, 2 * tp + fp + fn))  # (numerator, denominator) of each
+    return tuple(np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0) for a, b in pairs)
 
 
 def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
@@ -2020,10 +2000,8 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
     p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
     out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
-    per_label = {}
-    for i, name in enumerate(CHEXPERT_LABELS):
-        p, r, f, support = float(p_lab[i]), float(r_lab[i]), float(f_lab[i]), int(ref[:, i].sum())
-        per_label[name] = {"precision": p, "recall": r, "f1": f, "support": support}
+    scores = zip(CHEXPERT_LABELS, p_lab, r_lab, f_lab, ref.sum(0))
+    per_label = {n: dict(precision=float(p), recall=float(r), f1=float(f), support=int(s)) for n, p, r, f, s in scores}
     return {k: float(v) for k, v in out.items()} | {"per_label": per_label}
 
 
@@ -2280,8 +2258,8 @@ class RuleLabeler:
     uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
     cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
 
-    # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
-    # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
+    # Mention phrases (CheXpert's phrases/mention/*.txt), a pattern or a list. Organ words count with their qualifier
+    # ("heart ... enlarged", "heart size is normal"): the span covers both, so a cue between ("is not enlarged") acts.
     MENTIONS: ClassVar[dict] = {
         "Enlarged Cardiomediastinum": [
             _words(
@@ -2299,57 +2277,46 @@ class RuleLabeler:
             _HEART + r"\b" + _GAP + r"{0,30}?\b" + _words(r"enlarged", r"increased", r"large", r"borderline", _NORMAL),
             _words("normal") + " " + _HEART + r"\b",
         ],
-        "Lung Opacity": [
-            _words(
-                r"opacit(?:y|ies)|opacification|opacified|infiltrat(?:e|es|ion)|haziness|hazy"
-                r"|air ?space (?:disease|process)|ground[- ]glass|scar(?:s|ring)?|interstitial (?:markings?|pattern)"
-                r"|reticular (?:pattern|markings?)|reticulation|(?:peribronchial|wall) thickening|increased density"
-            )
-        ],
-        "Lung Lesion": [
-            _words(
-                r"mass(?:es)?|mass-?like|nodules?|lumps?|cavitary lesions?|carcinoma"
-                r"|nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)|neoplasms?|tumou?rs?"
-            )
-        ],
-        "Edema": [_words(r"edema", r"heart failure", r"chf")],
-        "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
+        "Lung Opacity": _words(
+            r"opacit(?:y|ies)|opacification|opacified|infiltrat(?:e|es|ion)|haziness|hazy"
+            r"|air ?space (?:disease|process)|ground[- ]glass|scar(?:s|ring)?|interstitial (?:markings?|pattern)"
+            r"|reticular (?:pattern|markings?)|reticulation|(?:peribronchial|wall) thickening|increased density"
+        ),
+        "Lung Lesion": _words(
+            r"mass(?:es)?|mass-?like|nodules?|lumps?|cavitary lesions?|carcinoma"
+            r"|nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)|neoplasms?|tumou?rs?"
+        ),
+        "Edema": _words(r"edema", r"heart failure", r"chf"),
+        "Consolidation": _words(r"consolidat(?:ion|ions|ive|ed)"),
         # CheXpert also lists "infection" and "infectious": the radiologists' gold rarely reads them as pneumonia (ours)
-        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infectious process")],
-        "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
-        "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
-        "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
-        "Pleural Other": [
-            _words(
-                r"pleural (?:thickening|plaques?|calcifications?)|fibrothorax|fibrosis"
-                r"|pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?"
-            )
-        ],
-        "Fracture": [_words(r"fractur(?:e|es|ed)")],
-        "Support Devices": [
-            _words(
-                r"endotracheal tube|et tube|ett|tracheostomy(?: tube)?|(?:naso|oro)gastric tube|ng tube|og tube"
-                r"|enteric tube|feeding tube|dobhoff(?: tube)?|chest tubes?"
-                r"|(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?"
-                r"|central (?:venous )?line|picc(?: line)?|port-a-cath|portacath|mediport|pacemaker|pacer|icd"
-                r"|defibrillator|pacing leads?|sternotomy wires|intra-aortic balloon pump|iabp|stents?|drains?"
-                r"|prosthetic valve|valve replacement|lvad"
-            )
-        ],
+        "Pneumonia": _words(r"pneumonias?", r"bronchopneumonia", r"infectious process"),
+        "Atelectasis": _words(r"atelecta(?:sis|ses|tic)", r"collapse"),
+        "Pneumothorax": _words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx"),
+        "Pleural Effusion": _words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax"),
+        "Pleural Other": _words(
+            r"pleural (?:thickening|plaques?|calcifications?)|fibrothorax|fibrosis"
+            r"|pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?"
+        ),
+        "Fracture": _words(r"fractur(?:e|es|ed)"),
+        "Support Devices": _words(
+            r"endotracheal tube|et tube|ett|tracheostomy(?: tube)?|(?:naso|oro)gastric tube|ng tube|og tube"
+            r"|enteric tube|feeding tube|dobhoff(?: tube)?|chest tubes?"
+            r"|(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?|central (?:venous )?line"
+            r"|picc(?: line)?|port-a-cath|portacath|mediport|pacemaker|pacer|icd|defibrillator|pacing leads?"
+            r"|sternotomy wires|intra-aortic balloon pump|iabp|stents?|drains?|prosthetic valve|valve replacement|lvad"
+        ),
         # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
         # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
-        "No Finding": [
-            (
-                r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
-                r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
-                r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
-                r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
-                r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
-                r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
-                r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
-                r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
-            )
-        ],
+        "No Finding": (
+            r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
+            r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
+            r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
+            r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
+            r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
+            r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
+            r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
+            r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
+        ),
     }
     # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
     # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
@@ -2413,7 +2380,7 @@ class RuleLabeler:
     def __init__(self):
         self.mentions = []  # (label index, mention pattern, unmention pattern), one per label
         for name, phrases in self.MENTIONS.items():
-            alternatives = [f"(?:{p})" for p in phrases]
+            alternatives = [f"(?:{p})" for p in ([phrases] if isinstance(phrases, str) else phrases)]
             if hedged := self.HEDGED.get(name):
                 alternatives.append(f"(?P<hedged>{'|'.join(hedged)})")
             word_start = "" if name == "No Finding" else r"\b"  # No Finding's phrases match inside words
