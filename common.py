@@ -220,8 +220,7 @@ class ReportDataset(torch.utils.data.Dataset):
 def pad_views(studies: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """B studies' views (V_i, C, H, W) -> (B, V, C, H, W) zero-padded to the most views, view_mask (B, V): 1 if real."""
     images = torch.nn.utils.rnn.pad_sequence(studies, batch_first=True)
-    view_mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in studies], batch_first=True)
-    return images, view_mask
+    return images, torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in studies], batch_first=True)
 
 
 def collate(batch: list[dict]) -> dict:
@@ -509,8 +508,7 @@ class HFPolicy(Policy):
             self.processor = AutoProcessor.from_pretrained(name_or_path)
         except OSError as e:  # no such folder, hub id or cached download
             raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
-        # set on the loaded processor: the hub's top-level min/max_pixels win over from_pretrained's size=
-        if max_pixels:
+        if max_pixels:  # on the loaded processor: the hub's top-level min/max_pixels win over from_pretrained's size=
             bounds = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
             self.processor.image_processor.size = bounds  # a 2544 x 3056 view: 320 tokens at 512^2, not 9,919
         self.tokenizer = self.processor.tokenizer
@@ -855,8 +853,7 @@ def lora_disabled(model: torch.nn.Module):
 
 
 # ==== 3. Labels: the 14 observations, the label cache, the labelers a reward calls (CheXbert; the rules: part 9) ======
-# CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
-CHEXPERT_LABELS = [
+CHEXPERT_LABELS = [  # CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first)
     "Enlarged Cardiomediastinum",
     "Cardiomegaly",
     "Lung Opacity",
@@ -1066,8 +1063,7 @@ def grpo_loss(logp, ref_logp, advantages, mask, beta=0.0, loss_type="grpo", max_
         loss = (per_token * mask).sum() / n_tokens  # ()
     else:
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
-    kl_per_token = ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0  # logged
-    return loss, {"kl": kl_per_token}
+    return loss, {"kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0}  # KL per token, logged
 
 
 @contextlib.contextmanager
@@ -1675,16 +1671,14 @@ def sft_stage(
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
-def initial_policy(run, reports, max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512, init=None, fsdp=False):
+def initial_policy(run, reports, max_new: int, extra_tokens=(), max_pixels=512 * 512, init=None, fsdp=False):
     """--model's policy before training, equal on every rank: `init` (a saved policy), the sandbox's foundation, a
     random tiny model on the reports' words, or the HF model's own weights (fsdp: kept in host memory, for shard())."""
     host = fsdp and run.world_size > 1 and run.args.model != "tiny"
     if init is not None or run.foundation is not None:
         policy = load_policy(init or run.foundation / "vlm", run.device, run.dtype, max_pixels=max_pixels, host=host)
     else:
-        policy = make_policy(
-            run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels, host
-        )
+        policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new, extra_tokens, max_pixels, host)
     if run.args.model == "tiny":  # random weights drawn alike on every rank, or not: rank 0's (a HF model's are read)
         broadcast_parameters(policy.model)
     return policy
@@ -1914,8 +1908,7 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
 
     # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
-    def bleu(correct, guess, hyp_len, ref_len):
-        """BLEU-1..4 per row (N, 4), in BleuScorer.compute_score()'s order of operations."""
+    def bleu(correct, guess, hyp_len, ref_len):  # BLEU-1..4 per row (N, 4), in BleuScorer.compute_score()'s order
         tiny, small = 1e-15, 1e-9  # its smoothing: an empty hypothesis gives 0, not NaN
         # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
         b = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
@@ -2370,8 +2363,7 @@ class RuleLabeler:
         (UNCERTAINTY_BEFORE, "unc", "pre", CLAUSE),
         (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
     )
-    # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
-    TERMINATORS = (
+    TERMINATORS = (  # clause ends: the negation of "No effusion, but a small pneumothorax" stops at "but"
         r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
         r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b"
     )
@@ -2385,8 +2377,7 @@ class RuleLabeler:
                 alternatives.append(f"(?P<hedged>{'|'.join(hedged)})")
             word_start = "" if name == "No Finding" else r"\b"  # No Finding's phrases match inside words
             pattern = re.compile(word_start + "(?:" + "|".join(alternatives) + ")")
-            unmention = re.compile(self.UNMENTIONS.get(name, "(?!)"))
-            self.mentions.append((LABEL_INDEX[name], pattern, unmention))
+            self.mentions.append((LABEL_INDEX[name], pattern, re.compile(self.UNMENTIONS.get(name, "(?!)"))))
         # One pass over the text finds every cue; group i+1 is CUES[i].
         words = "|".join(f"({pattern})" for pattern, *_ in self.CUES[:-1])
         self.cues = re.compile(rf"(?<!\w)(?:{words})(?!\w)|({self.CUES[-1][0]})")
