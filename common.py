@@ -853,22 +853,10 @@ def lora_disabled(model: torch.nn.Module):
 
 
 # ==== 3. Labels: the 14 observations, the label cache, the labelers a reward calls (CheXbert; the rules: part 9) ======
-CHEXPERT_LABELS = [  # CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first)
-    "Enlarged Cardiomediastinum",
-    "Cardiomegaly",
-    "Lung Opacity",
-    "Lung Lesion",
-    "Edema",
-    "Consolidation",
-    "Pneumonia",
-    "Atelectasis",
-    "Pneumothorax",
-    "Pleural Effusion",
-    "Pleural Other",
-    "Fracture",
-    "Support Devices",
-    "No Finding",
-]
+# CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first)
+CHEXPERT_LABELS = ["Enlarged Cardiomediastinum", "Cardiomegaly", "Lung Opacity", "Lung Lesion", "Edema"]
+CHEXPERT_LABELS += ["Consolidation", "Pneumonia", "Atelectasis", "Pneumothorax", "Pleural Effusion", "Pleural Other"]
+CHEXPERT_LABELS += ["Fracture", "Support Devices", "No Finding"]
 FINDINGS = CHEXPERT_LABELS[:13]  # the 13 observations other than No Finding
 LABEL_INDEX = {name: i for i, name in enumerate(CHEXPERT_LABELS)}
 POSITIVE, NEGATIVE, UNCERTAIN, BLANK = 1.0, 0.0, -1.0, float("nan")
@@ -2087,13 +2075,9 @@ def parse_args(args_class, argv=None, description: str | None = None):
         helps |= {d.arg_name: " ".join(d.description.split()) for d in docstring_parser.parse_from_object(cls).params}
     hints = get_type_hints(args_class, include_extras=True)  # Annotated[int | None, "[0, inf)"] -> int | None, range
     ranges = {k: get_args(t)[1] for k, t in hints.items() if get_origin(t) is Annotated}
-    p = argparse.ArgumentParser(
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        exit_on_error=False,  # a bad value raises: one line below, no usage block
-        allow_abbrev=False,  # --ste is no --steps: an unknown flag
-        argument_default=argparse.SUPPRESS,  # a flag not given stays out of the result
-    )
+    # a bad value raises (one line below, no usage block); --ste is no --steps; a flag not given stays out of the result
+    strict = dict(exit_on_error=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **strict)
     paper = p.add_argument_group("the paper's settings (and ours where it gives none)")
     run = p.add_argument_group("the run, its data and model (every script's)")
     fields, shared = dataclasses.fields(args_class), {f.name for f in dataclasses.fields(RunArgs)}
@@ -2335,9 +2319,8 @@ class RuleLabeler:
         r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)"
     )
     NEGATION_AFTER = (  # "the effusion has resolved"
-        r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
-        r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
-        r"|widened)"
+        r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent|are absent"
+        r"|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged|widened)"
     )
     NEGATION_BEFORE = (  # "no effusion"
         r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
