@@ -569,9 +569,8 @@ class HFPolicy(Policy):
 
     @contextlib.contextmanager
     def views_once(self, prompts: dict, n: int):
-        """The model's inputs for n rows a study (row i n + j: study i): the text repeated to the rows, each study's
-        views through the vision tower once, their features repeated to its rows where the model asks for them
-        (get_image_features; autograd sums the rows' gradients back into each view's features)."""
+        """The model's inputs for n rows a study: the text repeated to the rows, each study's views through the vision
+        tower once, their features repeated to its rows (get_image_features; autograd sums the rows' gradients back)."""
         vision = self.model.model  # Qwen2-VL's: its forward calls self.get_image_features(pixel_values, grid)
         views = prompts["n_images"].tolist()
         first = np.cumsum([0, *views])
@@ -669,9 +668,8 @@ def fp32_trainable(model: torch.nn.Module):
 def generate_completions(
     policy, model, inputs, P, max_new_tokens, temperature, do_sample=True, return_logprobs=False, top_p=1.0
 ):
-    """model.generate (KV cache, eval mode) after P prompt tokens -> ids (N, T) padded after the first EOS, mask (N, T)
-    and the log-probs under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not
-    RL losses). The policy gives the stop ids (eos_token_ids), padding and the ids never sampled (suppressed)."""
+    """model.generate after P prompt tokens -> ids (N, T) padded after the first EOS, mask (N, T) and the log-probs
+    under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses)."""
     eos_ids = policy.eos_token_ids
     was_training = policy.model.training
     policy.model.eval()
@@ -754,8 +752,7 @@ class TinyVLM(torch.nn.Module):
         return torch.cat([feats, self.decoder.transformer.wte(start)], dim=1)
 
     def forward(self, pixel_values, view_mask, start_ids, completion_ids):
-        """Teacher-forced: the prefix, then the (right-padded) completion (N, T) -> (N, T, V) the logits predicting
-        each completion token (the last prefix position predicts the first)."""
+        """Teacher-forced: the prefix, then the right-padded completion (N, T) -> (N, T, V), each token's logits."""
         prefix = self.prefix(pixel_values, view_mask, start_ids)  # (N, P, D)
         P, T = prefix.shape[1], completion_ids.shape[1]
         embeds = torch.cat([prefix, self.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
@@ -1056,9 +1053,8 @@ def grpo_loss(logp, ref_logp, advantages, mask, beta=0.0, loss_type="grpo", max_
 
 @contextlib.contextmanager
 def gradient_sync(module: torch.nn.Module, last: bool):
-    """--grad-accum under DDP: gradients are averaged over ranks in the backward of the last micro-batch only
-    (no_sync); before it, each rank sums its own. FSDP2 reduce-scatters every micro-batch's into the shards: no
-    unsharded gradients kept between micro-batches (4 B a parameter, 15 GB at 3B), for k reductions a step, not 1."""
+    """--grad-accum under DDP: gradients averaged over ranks in the last micro-batch's backward only (no_sync). FSDP2
+    reduce-scatters each micro-batch's (no unsharded gradients kept: 15 GB at 3B; k reductions a step, not 1)."""
     accumulate = isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last
     with module.no_sync() if accumulate else contextlib.nullcontext():
         yield
@@ -1129,8 +1125,7 @@ class Run:
             self._stats[k].append(float(v))
 
     def log_step(self, step: int):
-        """metrics.jsonl's line of `step` (written as step + 1): the time so far, the lr the step used and the means of
-        what log() was given, averaged over ranks; the progress bar moves. Every rank calls it."""
+        """metrics.jsonl's line of `step` (as step + 1): time, lr, log()'s means over ranks. Every rank calls it."""
         stats = all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())})
         row = {"step": step + 1, "time": round(time.time() - self._clock, 2), **self._lr, **stats}
         self.trained = step + 1
@@ -1215,8 +1210,7 @@ class Run:
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
 
     def restore(self, model, optimizer=None, scheduler=None, state: dict | None = None) -> int:
-        """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's
-        `state`); --resume loads out/last.pt, each rank's RNG states too. -> the start step."""
+        """Checkpoints hold the trainable weights, buffers, optimiser, schedule, `state`; --resume loads them."""
         self._saved = (model, optimizer, scheduler, state)
         if self.resuming and (self.out / "last.pt").is_file():
             self.start, extra = load_checkpoint(self.out / "last.pt", model, optimizer, scheduler)
@@ -1239,9 +1233,8 @@ class Run:
 
     # The end: evaluation, the trained model, the results -------------------------------------------------
     def evaluate(self, policy, records, name, prompt, max_new_tokens, report=None, score=None, meteor=False, ce=None):
-        """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
-        NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
-        to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
+        """Greedy reports for `records`, shared over ranks; rank 0 scores report(completion) by NLG, CE (`ce`: the
+        paper's convention), score(rows, labeler) -> eval_<name>.json, generations_<name>.jsonl (--resume: read)."""
         module = getattr(report, "__module__", "builtins")  # "module:name" of report(), for `common.py generate`
         module = Path(sys.argv[0]).stem if module == "__main__" else module  # `python mrg_r1.py`: mrg_r1
         report_fn = None if report is None else f"{module}:{report.__qualname__}"
@@ -1290,8 +1283,7 @@ class Run:
 
 
 class Reporter:
-    """--report-to: each metrics.jsonl line and each evaluation's headline numbers, live, in TensorBoard
-    (out/tensorboard) or Weights & Biases (project rrg-from-scratch, the run named by its folder)."""
+    """--report-to: metrics.jsonl's lines and each evaluation's headline numbers, live, in TensorBoard or W&B."""
 
     def __init__(self, kind: str, out: Path, config: dict):
         if importlib.util.find_spec(kind) is None:
@@ -1564,9 +1556,8 @@ def end_block(out) -> str:
 
 @dataclass
 class Convergence:
-    """A stopping rule for SFT, declared before any run: every `every` steps a validation score (higher is better);
-    the best weights are kept; training stops after `patience` validations without a gain of at least `min_gain` over
-    the best, or at `max_steps`. The fields after max_steps are its state, which checkpoints hold."""
+    """A stopping rule declared before any run: every `every` steps a validation score (higher: better), the best
+    weights kept; it stops after `patience` without a `min_gain` gain, or at `max_steps`. Checkpoints hold its state."""
 
     every: int
     patience: int
@@ -1690,9 +1681,8 @@ def warm_start(run, policy, records: list, settings: dict, lora: dict | None = N
 
 
 def for_training(run: Run, policy, *, lora: dict | None = None, reference: bool = True, fsdp: bool = False):
-    """(policy, reference) ready to train: with `lora`, fresh adapters on the LM and the reference them off
-    (LoRAOff); else a frozen copy, or None (reference=False). What trains keeps fp32 weights, and under torchrun
-    FSDP2 shards it (fsdp) or DDP averages its gradients."""
+    """(policy, reference) to train: `lora`: fresh LM adapters, the reference them off (LoRAOff); else a frozen copy, or
+    None (reference=False). What trains keeps fp32 weights; under torchrun FSDP2 shards it (fsdp), or DDP."""
     if lora:
         add_lora(policy, lora)
     ref = LoRAOff(policy) if lora else (frozen_reference(policy) if reference else None)
@@ -2229,11 +2219,10 @@ _STABLE = r"(?:stable|unchanged)\b"
 
 
 class RuleLabeler:
-    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
-    expressions: its mention phrases, negation and uncertainty cues, aggregation and No Finding rule; offline, fast, not
-    CheXbert (tests/RESULTS.md, last section). A mention (CheXpert's order) is uncertain with a pre-negation
-    uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
-    cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
+    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regexes:
+    its phrases, cues, aggregation, No Finding rule; not CheXbert (tests/RESULTS.md). A mention is uncertain with a
+    pre-negation uncertainty cue in reach, else negative with a negation cue, else uncertain with an uncertainty cue,
+    else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
 
     # Mention phrases (CheXpert's phrases/mention/*.txt), a pattern or a list. Organ words count with their qualifier
     # ("heart ... enlarged", "heart size is normal"): the span covers both, so a cue between ("is not enlarged") acts.
