@@ -603,8 +603,7 @@ class HFPolicy(Policy):
         return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
-        """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T); each
-        study's views encoded once for its N / B rows (views_once)."""
+        """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T) (views_once)."""
         T = completion_ids.shape[1]
         with self.views_once(prompts, self.rows_per_study(prompts, completion_ids)) as inputs:
             inputs["input_ids"] = torch.cat([inputs["input_ids"], completion_ids], dim=1)  # (N, P+T)
@@ -1022,8 +1021,7 @@ def grpo_loss(logp, ref_logp, advantages, mask, beta=0.0, loss_type="grpo", max_
     """GRPO's loss for one update per rollout, plus the k3 KL -> (loss, stats): TRL's GRPOTrainer loss with
     num_iterations 1 (use_bias_correction_kl=False). One update per rollout makes pi_old the policy itself, so
     DeepSeekMath Eq. 3's ratio pi_theta / pi_old is exactly 1 (with logp's gradient) and its clip never acts: the loss
-    per token is -A, its gradient -A grad log pi (so no script has a --clip-eps). logp, ref_logp, mask: (N, T);
-    advantages: (N,) or (N, T); ref_logp None without a reference (then beta 0). The normalisations of L_it differ:
+    per token is -A, its gradient -A grad log pi (so no --clip-eps). ref_logp None: no reference (beta 0). By loss_type:
       "grpo":    mean over each sequence's tokens, then over the N sequences
       "bnpo":    sum over all tokens / number of completion tokens in the batch
       "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
