@@ -108,11 +108,10 @@ def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Rec
     """R2Gen's image input: n views per study (IU X-Ray: 2), the first n of the record; a study with fewer repeats
     its last (R2Gen's own IU file keeps 2-view studies only); n = 1 when no study has more (MIMIC-CXR's file)."""
     n = min(n, max(len(r.image_paths) for records in data.values() for r in records))
-
-    def views(r):
-        return dataclasses.replace(r, image_paths=(r.image_paths + [r.image_paths[-1]] * n)[:n])
-
-    return {split: [views(r) for r in records] for split, records in data.items()}
+    return {
+        split: [dataclasses.replace(r, image_paths=(r.image_paths + [r.image_paths[-1]] * n)[:n]) for r in records]
+        for split, records in data.items()
+    }
 
 
 def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
@@ -422,10 +421,8 @@ class TinyPolicy(Policy):
     def prompt_batch(self, images, text=None) -> dict:
         """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
         F = torchvision.transforms.functional
-        views = [
-            torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
-            for study in images
-        ]  # (V, 1, S, S) each
+        S = [self.image_size] * 2  # each view S x S, (V, 1, S, S) a study
+        views = [torch.stack([F.to_tensor(F.resize(im.convert("L"), S)) * 2 - 1 for im in study]) for study in images]
         pixel_values, view_mask = pad_views(views)
         start_ids = torch.full((len(views),), self.tokenizer.bos_id)  # (B,) a report's start token
         prompts = {"pixel_values": pixel_values, "view_mask": view_mask, "start_ids": start_ids}
@@ -516,8 +513,7 @@ class HFPolicy(Policy):
         onto, load = torch.device("cpu") if host else self.device, dict(dtype=dtype)
         if onto.type == "cuda" and importlib.util.find_spec("accelerate"):  # transformers' device_map needs it
             load["device_map"] = onto  # straight onto this GPU, not through host memory
-        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, **load).to(onto)
-        self.forward_module = self.model
+        self.model = self.forward_module = AutoModelForImageTextToText.from_pretrained(name_or_path, **load).to(onto)
         if not hasattr(getattr(self.model, "model", None), "visual"):
             raise ValueError(f"--model {name_or_path}: a {type(self.model).__name__}, not of the Qwen2-VL family")
         gen, cfg = self.model.generation_config, self.model.config
