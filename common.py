@@ -429,7 +429,6 @@ class TinyPolicy(Policy):
         return {k: v.to(self.device) for k, v in prompts.items()}
 
     def vision_and_language(self):
-        """(the CNN and its projection, the GPT-2 decoder) as modules, as HFPolicy's."""
         return torch.nn.ModuleList([self.model.encoder, self.model.project]), self.model.decoder
 
     def rows(self, prompts: dict, start: int, stop: int) -> dict:
@@ -536,7 +535,6 @@ class HFPolicy(Policy):
         self.model.train()  # from_pretrained gives eval mode (no checkpointing, no LoRA dropout); generate() toggles it
 
     def vision_and_language(self):
-        """(the vision tower and merger, the LM with its head) as modules."""
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
 
     def prompt_batch(self, images, text) -> dict:
@@ -665,18 +663,17 @@ def generate_completions(
 ):
     """model.generate after P prompt tokens -> ids (N, T) padded after the first EOS, mask (N, T) and the log-probs
     under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses)."""
-    eos_ids = policy.eos_token_ids
     was_training = policy.model.training
     policy.model.eval()
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if do_sample else {}  # greedy: none
-    stop = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id)
+    stop = dict(max_new_tokens=max_new_tokens, eos_token_id=policy.eos_token_ids, pad_token_id=policy.pad_token_id)
     output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
     fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
     with gathered(policy.model, once=policy.vision_and_language()[0]):
         out = model.generate(**inputs, **stop, **output, do_sample=do_sample, **sampling, synced_gpus=fsdp)
     policy.model.train(was_training)
     ids = out.sequences[:, P:]  # (N, T) the completion only
-    mask = completion_mask(ids, eos_ids)  # (N, T)
+    mask = completion_mask(ids, policy.eos_token_ids)  # (N, T)
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, policy.pad_token_id))
     if not return_logprobs:
         return ids, mask
@@ -792,7 +789,6 @@ class LoRALinear(torch.nn.Module):
         base.requires_grad_(False)
 
     def forward(self, x):
-        """x (..., in) -> (..., out)."""
         out = self.base(x)
         if not self.enabled:
             return out
@@ -1400,8 +1396,7 @@ class RunArgs:
     gpu_memory: Annotated[float | None, "(0, inf)"] = None
     """GiB a GPU holds, for the memory check a Hugging Face run makes before it loads weights; None: the GPU's own"""
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
-    """mirror each metrics.jsonl line and each evaluation's headline numbers to TensorBoard (out/tensorboard) or
-    Weights & Biases: `pip install tensorboard` or `wandb` first (neither is a requirement)"""
+    """mirror metrics.jsonl and evaluations' headline numbers to TensorBoard (out/tensorboard) or W&B (pip it)"""
 
 
 MAY_CHANGE_ON_RESUME = ("resume", "out", "report_to")  # another --steps would move the lr schedule: another run
@@ -2457,7 +2452,6 @@ def all_gather_objects(obj) -> list:
 
 
 def broadcast_object(obj, src: int = 0):
-    """Rank src's object on every rank."""
     box = [obj]
     if _distributed():
         torch.distributed.broadcast_object_list(box, src=src)
@@ -2517,8 +2511,7 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
-    return model_state, optimizer_state
+    return model_state, get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
 
 
 def gather_strided(mine: list, world_size: int) -> list:
