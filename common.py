@@ -1396,7 +1396,7 @@ class RunArgs:
     gpu_memory: Annotated[float | None, "(0, inf)"] = None
     """GiB a GPU holds, for the memory check a Hugging Face run makes before it loads weights; None: the GPU's own"""
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
-    """mirror metrics.jsonl and evaluations' headline numbers to TensorBoard (out/tensorboard) or W&B (pip it)"""
+    """mirror metrics.jsonl and each evaluation's headline numbers to TensorBoard or W&B (pip install it first)"""
 
 
 MAY_CHANGE_ON_RESUME = ("resume", "out", "report_to")  # another --steps would move the lr schedule: another run
