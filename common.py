@@ -802,8 +802,7 @@ class LoRALinear(torch.nn.Module):
 
 
 def apply_lora(model, target_modules, r=8, alpha=16.0, dropout=0.0, exclude=None) -> list[str]:
-    """Wrap every nn.Linear named ...<target> (["q_proj", "v_proj"]) outside `exclude` (the vision tower,
-    whose MLP shares the language model's names) in a LoRALinear, freeze the rest; the wrapped names."""
+    """Every nn.Linear named ...<target> ("q_proj") outside `exclude` a LoRALinear, the rest frozen -> their names."""
     skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
     linear = [(n, m) for n, m in model.named_modules() if id(m) not in skip and isinstance(m, torch.nn.Linear)]
     matched = [(n, m) for n, m in linear if any(n == t or n.endswith("." + t) for t in target_modules)]
@@ -2142,8 +2141,27 @@ def main(argv=None):
     g.add_argument("--json", help="write {id, views, report} per line to this file (else print the reports)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.command == "generate":
-        return generate_command(args)
+    if args.command == "generate":  # the studies its arguments name, their reports printed or written
+        try:
+            if args.data:
+                studies = [(r.id, r.image_paths) for r in load_data(args.data, splits=(args.split,))[args.split]]
+            elif len(args.images) == 1 and Path(args.images[0]).is_dir():
+                files = sorted(Path(args.images[0]).iterdir())  # each image a study
+                studies = [(p.stem, [str(p)]) for p in files if p.suffix.lower() in (".png", ".jpg", ".jpeg")]
+            else:
+                studies = [(Path(args.images[0]).stem if args.images else "", args.images)]
+            missing = [v for _, views in studies for v in views if not Path(v).is_file()]
+            if missing:
+                raise FileNotFoundError(f"image not found: {missing[0]}")
+            if not studies or not studies[0][1]:
+                raise FileNotFoundError("no image given: IMAGE [IMAGE ...], a folder of images, or --data FILE")
+            rows = generate_reports(args.run, studies)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from None
+        if args.json:
+            Path(args.json).write_text("".join(json.dumps(row) + "\n" for row in rows))
+            return print(f"wrote {args.json}: {len(rows)} reports")
+        return print("\n".join(row["report"] if len(rows) == 1 else f"{row['id']}: {row['report']}" for row in rows))
     rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
     path = Path(args.generations)  # the run that wrote it: its config.json (or its stage's), its eval JSON
     found = [p for p in (path.with_name("config.json"), path.parent.with_name("config.json")) if p.is_file()][:1]
@@ -2168,30 +2186,6 @@ def main(argv=None):
     out.write_text(json.dumps(result, indent=2))
     scores = {**result["nlg"], **{k: v for k, v in result["ce"].items() if k != "per_label"}}
     print(json.dumps(scores, indent=1), f"\n{summary(result)}\nwrote {out}")
-
-
-def generate_command(args):
-    """The studies of `generate`'s arguments, their reports printed or written; bad input: one line."""
-    try:
-        if args.data:
-            studies = [(r.id, r.image_paths) for r in load_data(args.data, splits=(args.split,))[args.split]]
-        elif len(args.images) == 1 and Path(args.images[0]).is_dir():
-            files = sorted(p for p in Path(args.images[0]).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-            studies = [(p.stem, [str(p)]) for p in files]
-        else:
-            studies = [(Path(args.images[0]).stem if args.images else "", args.images)]
-        missing = [v for _, views in studies for v in views if not Path(v).is_file()]
-        if missing:
-            raise FileNotFoundError(f"image not found: {missing[0]}")
-        if not studies or not studies[0][1]:
-            raise FileNotFoundError("no image given: IMAGE [IMAGE ...], a folder of images, or --data FILE")
-        rows = generate_reports(args.run, studies)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(row) + "\n" for row in rows))
-        return print(f"wrote {args.json}: {len(rows)} reports")
-    print("\n".join(row["report"] if len(rows) == 1 else f"{row['id']}: {row['report']}" for row in rows))
 
 
 # ==== 9. The insides a reader skips: the rule labeler's phrase lists, the collectives =================================
@@ -2358,9 +2352,8 @@ class RuleLabeler:
                     unmentions = [u.span() for u in unmention.finditer(text)]
                 if any(a < m.end() and m.start() < b for a, b in unmentions):
                     continue
-                # the clause around a mention: the last boundary before it, the first after it
-                lo = ends[bisect.bisect_right(ends, m.start()) - 1]
-                hi = starts[bisect.bisect_left(starts, m.end())]
+                lo = ends[bisect.bisect_right(ends, m.start()) - 1]  # the clause: from the last boundary before it
+                hi = starts[bisect.bisect_left(starts, m.end())]  # to the first after it
                 state = self._state(*m.span(), lo, hi, cues)
                 found.add(UNCERTAIN if m.lastgroup == "hedged" and state == POSITIVE else state)
             labels[idx] = next((s for s in (POSITIVE, UNCERTAIN, NEGATIVE) if s in found), BLANK)
