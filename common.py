@@ -377,12 +377,10 @@ def reference_logprobs(ref, roll: Rollout, temperature: float = 1.0):
 
 
 class Policy:
-    """What every script calls on a policy (N = B prompts x G samples, groups contiguous; T tokens). TinyPolicy and
-    HFPolicy each implement
+    """What scripts call on a policy (N = B prompts x G samples, groups contiguous; T tokens); TinyPolicy, HFPolicy have
       prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views), once each
       rows(prompts, start, stop)                 studies start .. stop - 1 of a batch of prompts
-      generate(prompts, max_new_tokens, temperature, n=G) -> ids (N, T), mask (N, T): rows iG .. iG + G - 1 study
-                                                 i's samples; mask 1 up to AND including the first EOS
+      generate(prompts, max_new_tokens, temperature, n=G) -> ids (N, T), mask (N, T) 1 up to AND including the first EOS
       completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0; N / B rows a study
       decode(ids, mask) -> N texts; encode_targets(texts) -> ids, mask: right-padded, EOS last
       save(dir), read back by load_policy(dir); vision_and_language() -> (vision modules, language modules)
@@ -1416,9 +1414,8 @@ def resolve_defaults(args):
 
 
 def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
-    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
-    --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
-    `notes`: what the run cannot do as the paper does (logged, config.json); `memory`: its steps' StepShapes."""
+    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (Run checks it); the seed, equal on all
+    ranks. Nothing is written before inputs are checked. `notes`: what the run cannot do as the paper does."""
     rank, world_size, device = setup_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
@@ -1715,8 +1712,7 @@ class StepShape:
 
 def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, max_pixels: int = 512 * 512) -> dict:
     """Peak GiB per GPU of each phase of a Qwen2-VL-family step (bf16 compute, fp32 master weights, AdamW, activation
-    checkpointing), from the config alone (the model built on the meta device: no weights). The terms are those
-    tests/memory_check.py measures with PyTorch's MemTracker at the papers' shapes (tests/MACHINES.md compares)."""
+    checkpointing), from the config, by the terms tests/memory_check.py measures with MemTracker."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     with torch.device("meta"):
@@ -1967,10 +1963,9 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
 def evaluate_generations(
     rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None, name=""
 ) -> dict:
-    """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
-    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number); an empty report scores 0 on each. A
-    warning names degenerate output (and the evaluation, `name`). `gold` (N, 14), the annotation's labels: "ce_gold"
-    scores against them. With CheXbert, "labelers_agree": how often the rules read the generated reports as it does."""
+    """NLG metrics on R2Gen-cleaned text, CE from the labels of the raw generated and reference reports (`headline`: the
+    paper's CE number); an empty report scores 0. "degenerate": signs the numbers say nothing (warned, naming `name`);
+    "ce_gold": against `gold`, its labels; with CheXbert, "labelers_agree": how often the rules agree."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
     n_empty = sum(not h.strip() for h in hyps)
     if n_empty:
@@ -2460,9 +2455,8 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 
 
 def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    """Several processes without --fsdp: DistributedDataParallel around what trains (after the last change to its
-    parameters: LoRA, fp32_trainable); its backward averages gradients in buckets as they are ready
-    (gradient_as_bucket_view: no second gradient-sized copy); each rank keeps its buffers. One process, FSDP2: as is."""
+    """Several processes without --fsdp: DistributedDataParallel around what trains (after LoRA, fp32_trainable),
+    averaging gradients in buckets as ready, the buckets the gradients (no second copy). One process, FSDP2: as is."""
     if world_size == 1 or isinstance(module, FSDPModule):
         return module
     return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
@@ -2471,8 +2465,7 @@ def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module, once=None):
     """FSDP2 around generate(): each sharded module's weights gathered at the first token, kept for the rest, then
-    resharded (not regathered each token): the unsharded weights in --dtype for the rollout (tests/MACHINES.md), but
-    `once`'s (the vision tower, run at the first token alone) as usual. Not sharded: nothing."""
+    resharded: unsharded in --dtype through the rollout, but `once`'s (the vision tower: one forward) as usual."""
     skip = {id(m) for m in once.modules()} if once is not None else set()
     modules = [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in skip]
     for m in modules:  # the first token's forward gathers each module, and each keeps its weights to the end
@@ -2486,9 +2479,8 @@ def gathered(model: torch.nn.Module, once=None):
 
 
 def shard(model: torch.nn.Module, dtype=torch.float32):
-    """FSDP2 (PyTorch's fully_shard) for full fine-tuning beyond one GPU: each block (HF's _no_split_modules), then
-    the rest, split over the ranks; a rank keeps 1/world of the weights, gradients and AdamW states, gathers a block's
-    weights (in `dtype`) as it runs, averages gradients in fp32. Ranks run as many forwards: generate() syncs them."""
+    """FSDP2 for full fine-tuning beyond one GPU: each block (HF's _no_split_modules), then the rest; a rank keeps
+    1/world of the weights, gradients and AdamW states, averages gradients in fp32 (generate() syncs ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
