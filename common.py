@@ -800,7 +800,7 @@ class LoRALinear(torch.nn.Module):
 
 
 def apply_lora(model, target_modules, r=8, alpha=16.0, dropout=0.0, exclude=None) -> list[str]:
-    """Every nn.Linear named ...<target> ("q_proj") outside `exclude` a LoRALinear, the rest frozen -> their names."""
+    """Wraps each nn.Linear named ...<target> outside `exclude` in a LoRALinear, freezes the rest -> their names."""
     skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
     linear = [(n, m) for n, m in model.named_modules() if id(m) not in skip and isinstance(m, torch.nn.Linear)]
     matched = [(n, m) for n, m in linear if any(n == t or n.endswith("." + t) for t in target_modules)]
