@@ -1,8 +1,7 @@
 """common.py: what a real run shares, in the order of one training step: 1 data; 2 the policy, its rollout, LoRA;
-3 labels and CheXbert; 4 the RL core (advantages, GRPO, DPO); 5 what a step writes (Run); 6 set-up (flags, start_run,
-the policy and its reference, warm starts, AdamW, resume); 7 metrics; 8 the commands (`python common.py evaluate |
-generate`); 9 the insides a reader skips (the CheXpert rules, the collectives). The synthetic sandbox (`--data
-synthetic`, its CheXbert, its foundation) is tests/sandbox.py, imported only when asked for."""
+3 labels and CheXbert; 4 the RL core (advantages, GRPO); 5 what a step writes (Run); 6 set-up (flags, start_run, the
+policy and its reference, warm starts, AdamW, resume); 7 metrics; 8 `python common.py evaluate | generate`; 9 what a
+reader skips (CheXpert's rules, collectives). The sandbox (`--data synthetic`) is tests/sandbox.py, read on demand."""
 
 from __future__ import annotations
 
@@ -82,14 +81,12 @@ R2GEN_PUNCT = re.compile(r"[.,?;*!%^&_+():-\[\]{}]")  # the range is R2Gen's: se
 def clean_report(report: str, style: str = "mimic_cxr") -> str:
     """R2Gen's clean_report_mimic_cxr (style "mimic_cxr") or clean_report_iu_xray ("iu_xray")."""
 
-    def collapse(t, old, new, times):
-        """R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes."""
+    def collapse(t, old, new, times):  # R2Gen collapses runs ("__", "  ", "..") with a fixed number of passes
         for _ in range(times):
             t = t.replace(old, new)
         return t
 
-    def sent_cleaner(s):
-        """R2Gen's, per sentence: quotes and slashes out, then R2GEN_PUNCT."""
+    def sent_cleaner(s):  # R2Gen's, per sentence: quotes and slashes out, then R2GEN_PUNCT
         s = s.replace('"', "").replace("/", "").replace("\\", "").replace("'", "")
         return R2GEN_PUNCT.sub("", s.strip().lower())
 
@@ -111,11 +108,10 @@ def r2gen_views(data: dict[str, list[Record]], n: int = 2) -> dict[str, list[Rec
     """R2Gen's image input: n views per study (IU X-Ray: 2), the first n of the record; a study with fewer repeats
     its last (R2Gen's own IU file keeps 2-view studies only); n = 1 when no study has more (MIMIC-CXR's file)."""
     n = min(n, max(len(r.image_paths) for records in data.values() for r in records))
-
-    def views(r):
-        return dataclasses.replace(r, image_paths=(r.image_paths + [r.image_paths[-1]] * n)[:n])
-
-    return {split: [views(r) for r in records] for split, records in data.items()}
+    return {
+        split: [dataclasses.replace(r, image_paths=(r.image_paths + [r.image_paths[-1]] * n)[:n]) for r in records]
+        for split, records in data.items()
+    }
 
 
 def load_annotation(path, splits=("train", "val", "test"), drop_invalid: bool = False) -> dict[str, list[Record]]:
@@ -196,8 +192,7 @@ def load_image(path: str, record_id: str = "?"):
 
 def default_transform(size: int = 224, channels: int = 3):
     """R2Gen's test transform, grey over `channels` (its training flip would swap the sides the reports name)."""
-    import torchvision.transforms as T
-
+    T = torchvision.transforms
     mean, std = [0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]  # ImageNet's
     return T.Compose([T.Grayscale(channels), T.Resize((size, size)), T.ToTensor(), T.Normalize(mean, std)])
 
@@ -224,8 +219,7 @@ class ReportDataset(torch.utils.data.Dataset):
 def pad_views(studies: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """B studies' views (V_i, C, H, W) -> (B, V, C, H, W) zero-padded to the most views, view_mask (B, V): 1 if real."""
     images = torch.nn.utils.rnn.pad_sequence(studies, batch_first=True)
-    view_mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in studies], batch_first=True)
-    return images, view_mask
+    return images, torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in studies], batch_first=True)
 
 
 def collate(batch: list[dict]) -> dict:
@@ -347,24 +341,20 @@ class Rollout:
 
 def rollout(policy, images, text, G, max_new_tokens, temperature=1.0) -> Rollout:
     """Sample G completions per study, rows iG .. iG + G - 1 study i's; the script scores them (rewards). Once a step,
-    whatever --grad-accum: one generate() call costs about the same for 8 or 64 rows (decoding is bound by launches
-    and weight reads, not by rows)."""
+    whatever --grad-accum: a generate() call costs about the same for 8 or 64 rows (weight reads bound decoding)."""
     prompts = policy.prompt_batch(images, text)  # B studies, once each
     ids, mask = policy.generate(prompts, max_new_tokens, temperature, n=G)  # (N, T), (N, T): G rows a study
     return Rollout(prompts, ids, mask, policy.decode(ids, mask))
 
 
 def micro_batches(policy, roll: Rollout, k: int, G: int) -> list[Rollout]:
-    """--grad-accum k: the rollout as k micro-batches of whole groups, in order. The log-prob passes, the loss and its
-    backward run one micro-batch at a time (TRL's gradient accumulation); the completions were sampled once."""
+    """--grad-accum k: the rollout as k micro-batches of whole groups, in order (TRL's gradient accumulation)."""
     if k == 1:
         return [roll]
     b = exact_div(len(roll.texts) // G, k, "studies per process / --grad-accum")  # studies a micro-batch
     rows = (roll.completion_ids, roll.completion_mask, roll.texts, roll.rewards)
-    return [
-        Rollout(policy.rows(roll.prompts, i, i + b), *(x[i * G : (i + b) * G] for x in rows))
-        for i in range(0, len(roll.texts) // G, b)
-    ]
+    firsts = range(0, len(roll.texts) // G, b)  # each micro-batch's first study
+    return [Rollout(policy.rows(roll.prompts, i, i + b), *(x[i * G : (i + b) * G] for x in rows)) for i in firsts]
 
 
 class LoRAOff:
@@ -379,8 +369,7 @@ class LoRAOff:
 
 
 def reference_logprobs(ref, roll: Rollout, temperature: float = 1.0):
-    """log pi_ref of the sampled completions (N, T), no gradient; None without a reference. ref: a frozen copy of the
-    policy (frozen_reference), LoRAOff(policy), or None."""
+    """log pi_ref (N, T) of the sampled completions, no gradient: ref a frozen_reference or LoRAOff; None without."""
     if ref is None:
         return None
     with torch.no_grad():
@@ -388,20 +377,15 @@ def reference_logprobs(ref, roll: Rollout, temperature: float = 1.0):
 
 
 class Policy:
-    """What every script calls on a policy (N = B prompts x G samples, groups contiguous; T tokens). TinyPolicy and
-    HFPolicy each implement
+    """What scripts call on a policy (N = B prompts x G samples, groups contiguous; T tokens); TinyPolicy, HFPolicy have
       prompt_batch(images, text) -> prompts      model inputs of B studies (lists of PIL views), once each
       rows(prompts, start, stop)                 studies start .. stop - 1 of a batch of prompts
-      generate(prompts, max_new_tokens, temperature, n=G) -> ids (N, T), mask (N, T): rows iG .. iG + G - 1 study
-                                                 i's samples; mask 1 up to AND including the first EOS
-      completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0; N a multiple of B:
-                                                 N / B rows a study, in order (a HF model encodes each study's
-                                                 views once and repeats their features to its rows)
+      generate(prompts, max_new_tokens, temperature, n=G) -> ids (N, T), mask (N, T) 1 up to AND including the first EOS
+      completion_logprobs(prompts, ids, mask, temperature) -> (N, T) float32, 0 where mask is 0; N / B rows a study
       decode(ids, mask) -> N texts; encode_targets(texts) -> ids, mask: right-padded, EOS last
       save(dir), read back by load_policy(dir); vision_and_language() -> (vision modules, language modules)
-    and both compute the SFT loss below from them. completion_logprobs runs `forward_module`: the model, or under
-    torchrun without --fsdp the model in PyTorch's DistributedDataParallel (data_parallel), which averages the
-    gradients over ranks in backward; generate() runs the model itself (no gradient)."""
+    and both compute the SFT loss below from them. completion_logprobs runs `forward_module` (the model, or under
+    torchrun without --fsdp its DistributedDataParallel: data_parallel); generate() runs the model (no gradient)."""
 
     forward_module: torch.nn.Module
     ROW_KEY: str  # a key of prompts with one entry per study
@@ -434,19 +418,15 @@ class TinyPolicy(Policy):
 
     def prompt_batch(self, images, text=None) -> dict:
         """PIL views per study -> {"pixel_values": (B, V, 1, S, S) in [-1, 1] zero-padded, "view_mask": (B, V)}."""
-        import torchvision.transforms.functional as F
-
-        views = [
-            torch.stack([F.to_tensor(F.resize(im.convert("L"), [self.image_size] * 2)) * 2 - 1 for im in study])
-            for study in images
-        ]  # (V, 1, S, S) each
+        F = torchvision.transforms.functional
+        S = [self.image_size] * 2  # each view S x S, (V, 1, S, S) a study
+        views = [torch.stack([F.to_tensor(F.resize(im.convert("L"), S)) * 2 - 1 for im in study]) for study in images]
         pixel_values, view_mask = pad_views(views)
         start_ids = torch.full((len(views),), self.tokenizer.bos_id)  # (B,) a report's start token
         prompts = {"pixel_values": pixel_values, "view_mask": view_mask, "start_ids": start_ids}
         return {k: v.to(self.device) for k, v in prompts.items()}
 
     def vision_and_language(self):
-        """(the CNN and its projection, the GPT-2 decoder) as modules, as HFPolicy's."""
         return torch.nn.ModuleList([self.model.encoder, self.model.project]), self.model.decoder
 
     def rows(self, prompts: dict, start: int, stop: int) -> dict:
@@ -456,16 +436,12 @@ class TinyPolicy(Policy):
         """The model's inputs for n rows a study (row i n + j: study i), each row its own copy of the views."""
         return tuple(prompts[k].repeat_interleave(n, 0) for k in ("pixel_values", "view_mask", "start_ids"))
 
-    def generate(
-        self, prompts, max_new_tokens=80, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0, n=1
-    ):
+    def generate(self, prompts, max_new_tokens=80, temperature=1.0, n=1, **sampling):  # generate_completions' options
         embeds = self.model.prefix(*self.repeated(prompts, n))  # (N, P, D)
         attention_mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
         inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask)
         max_new_tokens = min(max_new_tokens, self.model.hparams["max_len"])
-        return generate_completions(
-            self, self.model.decoder, inputs, 0, max_new_tokens, temperature, do_sample, return_logprobs, top_p
-        )
+        return generate_completions(self, self.model.decoder, inputs, 0, max_new_tokens, temperature, **sampling)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion_ids, completion_mask)]
@@ -526,8 +502,7 @@ class HFPolicy(Policy):
             self.processor = AutoProcessor.from_pretrained(name_or_path)
         except OSError as e:  # no such folder, hub id or cached download
             raise ValueError(f"--model {name_or_path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
-        # set on the loaded processor: the hub's top-level min/max_pixels win over from_pretrained's size=
-        if max_pixels:
+        if max_pixels:  # on the loaded processor: the hub's top-level min/max_pixels win over from_pretrained's size=
             bounds = {"longest_edge": max_pixels, "shortest_edge": min(max_pixels, 56 * 56)}
             self.processor.image_processor.size = bounds  # a 2544 x 3056 view: 320 tokens at 512^2, not 9,919
         self.tokenizer = self.processor.tokenizer
@@ -535,8 +510,7 @@ class HFPolicy(Policy):
         onto, load = torch.device("cpu") if host else self.device, dict(dtype=dtype)
         if onto.type == "cuda" and importlib.util.find_spec("accelerate"):  # transformers' device_map needs it
             load["device_map"] = onto  # straight onto this GPU, not through host memory
-        self.model = AutoModelForImageTextToText.from_pretrained(name_or_path, **load).to(onto)
-        self.forward_module = self.model
+        self.model = self.forward_module = AutoModelForImageTextToText.from_pretrained(name_or_path, **load).to(onto)
         if not hasattr(getattr(self.model, "model", None), "visual"):
             raise ValueError(f"--model {name_or_path}: a {type(self.model).__name__}, not of the Qwen2-VL family")
         gen, cfg = self.model.generation_config, self.model.config
@@ -559,7 +533,6 @@ class HFPolicy(Policy):
         self.model.train()  # from_pretrained gives eval mode (no checkpointing, no LoRA dropout); generate() toggles it
 
     def vision_and_language(self):
-        """(the vision tower and merger, the LM with its head) as modules."""
         return self.model.model.visual, torch.nn.ModuleList([self.model.model.language_model, self.model.lm_head])
 
     def prompt_batch(self, images, text) -> dict:
@@ -581,17 +554,15 @@ class HFPolicy(Policy):
         n_images = prompts["n_images"].tolist()
         first, last = sum(n_images[:start]), sum(n_images[:stop])  # the rows' images
         patches = prompts["image_grid_thw"].prod(-1).tolist()  # patch rows per image
-        per_image = ("pixel_values", "image_grid_thw")
-        out = {k: v[start:stop] for k, v in prompts.items() if k not in per_image}
+        out = {k: v[start:stop] for k, v in prompts.items() if k not in ("pixel_values", "image_grid_thw")}
         out["pixel_values"] = prompts["pixel_values"][sum(patches[:first]) : sum(patches[:last])]
         out["image_grid_thw"] = prompts["image_grid_thw"][first:last]
         return out
 
     @contextlib.contextmanager
     def views_once(self, prompts: dict, n: int):
-        """The model's inputs for n rows a study (row i n + j: study i): the text repeated to the rows, each study's
-        views through the vision tower once, their features repeated to its rows where the model asks for them
-        (get_image_features; autograd sums the rows' gradients back into each view's features)."""
+        """The model's inputs for n rows a study: the text repeated to the rows, each study's views through the vision
+        tower once, their features repeated to its rows (get_image_features; autograd sums the rows' gradients back)."""
         vision = self.model.model  # Qwen2-VL's: its forward calls self.get_image_features(pixel_values, grid)
         views = prompts["n_images"].tolist()
         first = np.cumsum([0, *views])
@@ -600,11 +571,9 @@ class HFPolicy(Policy):
 
         def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
             out = encode(pixel_values, prompts["image_grid_thw"], **kwargs)  # the studies' views, once each
-            per_view = out.pooler_output if hasattr(out, "pooler_output") else out  # transformers >= 5.x: an output
-            rows = tuple(per_view[k] for k in index)
-            if not hasattr(out, "pooler_output"):
-                return rows
-            out.pooler_output = rows
+            if not hasattr(out, "pooler_output"):  # transformers < 5: the features; 5.x: an output holding them
+                return tuple(out[k] for k in index)
+            out.pooler_output = tuple(out.pooler_output[k] for k in index)
             return out
 
         text = [k for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in prompts]  # a row each
@@ -616,22 +585,17 @@ class HFPolicy(Policy):
         finally:
             del vision.get_image_features
 
-    def generate(
-        self, prompts, max_new_tokens=256, temperature=1.0, do_sample=True, return_logprobs=False, top_p=1.0, n=1
-    ):
+    def generate(self, prompts, max_new_tokens=256, temperature=1.0, n=1, **sampling):  # as TinyPolicy's
         P = prompts["input_ids"].shape[1]
         with autocast(self.device, self.dtype), self.views_once(prompts, n) as inputs:
-            return generate_completions(
-                self, self.model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p
-            )
+            return generate_completions(self, self.model, inputs, P, max_new_tokens, temperature, **sampling)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
         return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
-        """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T); each
-        study's views encoded once for its N / B rows (views_once)."""
+        """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T) (views_once)."""
         T = completion_ids.shape[1]
         with self.views_once(prompts, self.rows_per_study(prompts, completion_ids)) as inputs:
             inputs["input_ids"] = torch.cat([inputs["input_ids"], completion_ids], dim=1)  # (N, P+T)
@@ -660,9 +624,7 @@ class HFPolicy(Policy):
 
 def autocast(device: torch.device, dtype: torch.dtype):
     """bf16 matmuls under torch.autocast (also mixing bf16 weights with fp32 parts: fp32_trainable, LoRA); fp32: off."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype)
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype)
 
 
 def make_policy(
@@ -694,22 +656,22 @@ def fp32_trainable(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def generate_completions(policy, model, inputs, P, max_new_tokens, temperature, do_sample, return_logprobs, top_p):
-    """model.generate (KV cache, eval mode) after P prompt tokens -> ids (N, T) padded after the first EOS, mask (N, T)
-    and the log-probs under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not
-    RL losses). The policy gives the stop ids (eos_token_ids), padding and the ids never sampled (suppressed)."""
-    eos_ids = policy.eos_token_ids
+def generate_completions(
+    policy, model, inputs, P, max_new_tokens, temperature, do_sample=True, return_logprobs=False, top_p=1.0
+):
+    """model.generate after P prompt tokens -> ids (N, T) padded after the first EOS, mask (N, T) and the log-probs
+    under logits / temperature. Plain temperature sampling unless top_p < 1 (DEER's DDSampling, not RL losses)."""
     was_training = policy.model.training
     policy.model.eval()
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if do_sample else {}  # greedy: none
-    stop = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=policy.pad_token_id)
+    stop = dict(max_new_tokens=max_new_tokens, eos_token_id=policy.eos_token_ids, pad_token_id=policy.pad_token_id)
     output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
     fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
     with gathered(policy.model, once=policy.vision_and_language()[0]):
         out = model.generate(**inputs, **stop, **output, do_sample=do_sample, **sampling, synced_gpus=fsdp)
     policy.model.train(was_training)
     ids = out.sequences[:, P:]  # (N, T) the completion only
-    mask = completion_mask(ids, eos_ids)  # (N, T)
+    mask = completion_mask(ids, policy.eos_token_ids)  # (N, T)
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, policy.pad_token_id))
     if not return_logprobs:
         return ids, mask
@@ -729,8 +691,7 @@ def token_logprobs(logits, ids, temperature: float = 1.0, suppressed=()):
 
 
 def completion_mask(ids, eos_id):
-    """(N, T) float: 1 up to and including the first EOS (an id, or any of a list: chat models end a turn with
-    <|im_end|> but may stop on <|endoftext|>), 0 after; all 1 without one."""
+    """(N, T) float: 1 up to and including the first EOS (any of eos_id: <|im_end|>, <|endoftext|>), 0 after."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_id, device=ids.device)).int()  # (N, T)
     return ((is_eos.cumsum(1) - is_eos) == 0).float()  # (N, T) no EOS strictly before
 
@@ -757,14 +718,10 @@ class TinyVLM(torch.nn.Module):
 
         gpt2_size = dict(n_embd=n_embd, n_layer=n_layer, n_head=n_head)
         self.hparams = dict(vocab_size=vocab_size, grid=grid, **gpt2_size, max_len=max_len, channels=channels)
-        c = channels
-
-        def block(i, o):
-            return [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
-
-        self.encoder = torch.nn.Sequential(
-            *block(1, c), *block(c, c), *block(c, 2 * c), *block(2 * c, 2 * c), torch.nn.AdaptiveAvgPool2d(grid)
-        )
+        c, blocks = channels, []
+        for i, o in [(1, c), (c, c), (c, 2 * c), (2 * c, 2 * c)]:
+            blocks += [torch.nn.Conv2d(i, o, 3, stride=2, padding=1), torch.nn.GroupNorm(8, o), torch.nn.ReLU()]
+        self.encoder = torch.nn.Sequential(*blocks, torch.nn.AdaptiveAvgPool2d(grid))
         self.project = torch.nn.Linear(2 * c, n_embd)
         # No dropout, GroupNorm not BatchNorm: log-probs must not depend on train/eval mode or the batch (GRPO's ratio)
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -785,8 +742,7 @@ class TinyVLM(torch.nn.Module):
         return torch.cat([feats, self.decoder.transformer.wte(start)], dim=1)
 
     def forward(self, pixel_values, view_mask, start_ids, completion_ids):
-        """Teacher-forced: the prefix, then the (right-padded) completion (N, T) -> (N, T, V) the logits predicting
-        each completion token (the last prefix position predicts the first)."""
+        """Teacher-forced: the prefix, then the right-padded completion (N, T) -> (N, T, V), each token's logits."""
         prefix = self.prefix(pixel_values, view_mask, start_ids)  # (N, P, D)
         P, T = prefix.shape[1], completion_ids.shape[1]
         embeds = torch.cat([prefix, self.decoder.transformer.wte(completion_ids)], dim=1)  # (N, P+T, D)
@@ -831,7 +787,6 @@ class LoRALinear(torch.nn.Module):
         base.requires_grad_(False)
 
     def forward(self, x):
-        """x (..., in) -> (..., out)."""
         out = self.base(x)
         if not self.enabled:
             return out
@@ -845,16 +800,10 @@ class LoRALinear(torch.nn.Module):
 
 
 def apply_lora(model, target_modules, r=8, alpha=16.0, dropout=0.0, exclude=None) -> list[str]:
-    """Wrap every nn.Linear named ...<target> (["q_proj", "v_proj"]) outside `exclude` (the vision tower,
-    whose MLP shares the language model's names) in a LoRALinear, freeze the rest; the wrapped names."""
+    """Wraps each nn.Linear named ...<target> outside `exclude` in a LoRALinear, freezes the rest -> their names."""
     skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
-    matched = [
-        (n, m)
-        for n, m in model.named_modules()
-        if id(m) not in skip
-        and isinstance(m, torch.nn.Linear)
-        and any(n == t or n.endswith("." + t) for t in target_modules)
-    ]
+    linear = [(n, m) for n, m in model.named_modules() if id(m) not in skip and isinstance(m, torch.nn.Linear)]
+    matched = [(n, m) for n, m in linear if any(n == t or n.endswith("." + t) for t in target_modules)]
     if not matched:
         raise ValueError(f"no nn.Linear layer name ends with one of the LoRA targets {target_modules}")
     model.requires_grad_(False)
@@ -889,23 +838,10 @@ def lora_disabled(model: torch.nn.Module):
 
 
 # ==== 3. Labels: the 14 observations, the label cache, the labelers a reward calls (CheXbert; the rules: part 9) ======
-# CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first).
-CHEXPERT_LABELS = [
-    "Enlarged Cardiomediastinum",
-    "Cardiomegaly",
-    "Lung Opacity",
-    "Lung Lesion",
-    "Edema",
-    "Consolidation",
-    "Pneumonia",
-    "Atelectasis",
-    "Pneumothorax",
-    "Pleural Effusion",
-    "Pleural Other",
-    "Fracture",
-    "Support Devices",
-    "No Finding",
-]
+# CheXbert's output order (No Finding last; the CheXpert labeler's CSV puts it first)
+CHEXPERT_LABELS = ["Enlarged Cardiomediastinum", "Cardiomegaly", "Lung Opacity", "Lung Lesion", "Edema"]
+CHEXPERT_LABELS += ["Consolidation", "Pneumonia", "Atelectasis", "Pneumothorax", "Pleural Effusion", "Pleural Other"]
+CHEXPERT_LABELS += ["Fracture", "Support Devices", "No Finding"]
 FINDINGS = CHEXPERT_LABELS[:13]  # the 13 observations other than No Finding
 LABEL_INDEX = {name: i for i, name in enumerate(CHEXPERT_LABELS)}
 POSITIVE, NEGATIVE, UNCERTAIN, BLANK = 1.0, 0.0, -1.0, float("nan")
@@ -1073,10 +1009,8 @@ def group_advantages(rewards, group_size: int, scale: str = "std", eps: float = 
 def grpo_loss(logp, ref_logp, advantages, mask, beta=0.0, loss_type="grpo", max_completion_length=None):
     """GRPO's loss for one update per rollout, plus the k3 KL -> (loss, stats): TRL's GRPOTrainer loss with
     num_iterations 1 (use_bias_correction_kl=False). One update per rollout makes pi_old the policy itself, so
-    DeepSeekMath Eq. 3's ratio pi_theta / pi_old is exactly 1 (exp(logp - logp.detach()): 1, with logp's gradient)
-    and its clip to [1 - eps, 1 + eps] never acts: the loss per token is -A, its gradient -A grad log pi. This is why
-    no script has a --clip-eps. logp, ref_logp, mask: (N, T); advantages: (N,) or (N, T); ref_logp None without a
-    reference (then beta must be 0). Normalisation of the masked per-token loss L_it, where they differ:
+    DeepSeekMath Eq. 3's ratio pi_theta / pi_old is exactly 1 (with logp's gradient) and its clip never acts: the loss
+    per token is -A, its gradient -A grad log pi (so no --clip-eps). ref_logp None: no reference (beta 0). By loss_type:
       "grpo":    mean over each sequence's tokens, then over the N sequences
       "bnpo":    sum over all tokens / number of completion tokens in the batch
       "dr_grpo": sum over all tokens / (N * max_completion_length), a constant: a token weighs the same at any length
@@ -1101,20 +1035,16 @@ def grpo_loss(logp, ref_logp, advantages, mask, beta=0.0, loss_type="grpo", max_
         loss = (per_token * mask).sum() / n_tokens  # ()
     else:
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)  # ()
-    kl_per_token = ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0  # logged
-    return loss, {"kl": kl_per_token}
+    return loss, {"kl": ((kl * mask).sum() / n_tokens).item() if kl is not None else 0.0}  # KL per token, logged
 
 
 @contextlib.contextmanager
 def gradient_sync(module: torch.nn.Module, last: bool):
-    """--grad-accum under DDP: gradients are averaged over ranks in the backward of the last micro-batch only
-    (no_sync); before it, each rank sums its own. FSDP2 reduce-scatters every micro-batch's into the shards: no
-    unsharded gradients kept between micro-batches (4 B a parameter, 15 GB at 3B), for k reductions a step, not 1."""
-    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last:
-        with module.no_sync():
-            yield
-        return
-    yield
+    """--grad-accum under DDP: gradients averaged over ranks in the last micro-batch's backward only (no_sync). FSDP2
+    reduce-scatters each micro-batch's (no unsharded gradients kept: 15 GB at 3B; k reductions a step, not 1)."""
+    accumulate = isinstance(module, torch.nn.parallel.DistributedDataParallel) and not last
+    with module.no_sync() if accumulate else contextlib.nullcontext():
+        yield
 
 
 def clip_gradients(params, max_norm: float | None) -> float:
@@ -1139,8 +1069,7 @@ class Run:
         self.dtype = torch.bfloat16 if resolve_defaults(args).dtype == "bf16" else torch.float32
         self.resume_flags = resume_flags  # the flags a resume must keep; None: all but MAY_CHANGE_ON_RESUME
         self.start, self._saved = 0, None  # the first step and what checkpoints hold: restore() sets both
-        self.trained = 0  # steps done (log_step), the step an evaluation's numbers are reported at
-        self.done = None  # a finished run's results (eval.json)
+        self.trained, self.done = 0, None  # steps done (log_step: an evaluation's step); a finished run's eval.json
         self._stats = defaultdict(list)  # log()'s numbers of this step
         problem = self._check_folder() if check and self.is_main else None
         problem, self.done = broadcast_object((problem, self.done))
@@ -1183,8 +1112,7 @@ class Run:
             self._stats[k].append(float(v))
 
     def log_step(self, step: int):
-        """metrics.jsonl's line of `step` (written as step + 1): the time so far, the lr the step used and the means of
-        what log() was given, averaged over ranks; the progress bar moves. Every rank calls it."""
+        """metrics.jsonl's line of `step` (as step + 1): time, lr, log()'s means over ranks. Every rank calls it."""
         stats = all_reduce_mean({k: float(np.mean(v)) for k, v in sorted(self._stats.items())})
         row = {"step": step + 1, "time": round(time.time() - self._clock, 2), **self._lr, **stats}
         self.trained = step + 1
@@ -1198,9 +1126,8 @@ class Run:
             self._progress.set_postfix({k: f"{row[k]:.3g}" for k in self._bar[:4] if k in row}, refresh=False)
 
     def checkpoint(self, step: int):
-        """out/last.pt after `step`, atomically, when due: every CHECKPOINT_EVERY steps, at the last step, and after
-        Ctrl-C (then steps() stops the run). Every rank calls it: its RNG state goes in, a resume draws as if never
-        stopped."""
+        """out/last.pt after `step` when due: every CHECKPOINT_EVERY steps, at the last, after Ctrl-C (then steps()
+        stops the run). Every rank calls it: its RNG state goes in, a resume draws as if never stopped."""
         self._stopped = all_reduce_mean(float(bool(self._stop))) > 0  # every rank stops at the same step
         if self._saved and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == self._total or self._stopped):
             self.save_checkpoint(step + 1)
@@ -1214,16 +1141,13 @@ class Run:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         states = all_gather_objects(rng)
-        params = dict(model.named_parameters())
-        partial = not all(p.requires_grad for p in params.values())
+        frozen = {k for k, p in model.named_parameters() if not p.requires_grad}  # not saved: the start holds them
         weights, optim = full_state_dicts(model, optimizer) if isinstance(model, FSDPModule) else (None, None)
         if self.is_main:
-            weights = weights or {
-                k: v for k, v in model.state_dict().items() if not partial or k not in params or params[k].requires_grad
-            }
+            weights = weights or {k: v for k, v in model.state_dict().items() if k not in frozen}
             if optim is None and optimizer is not None:  # not sharded
                 optim = optimizer.state_dict()
-            checkpoint = {"step": step, "model": weights, "partial": partial, "rng": states, "extra": state or {}}
+            checkpoint = {"step": step, "model": weights, "partial": bool(frozen), "rng": states, "extra": state or {}}
             schedule = scheduler.state_dict() if scheduler is not None else None
             checkpoint |= {"optimizer": optim, "scheduler": schedule, "config": asdict(self.args)}
             atomic_save(checkpoint, self.out / "last.pt")
@@ -1273,8 +1197,7 @@ class Run:
         return exact_div(batch_size, self.world_size, f"{flag} over {self.world_size} processes")
 
     def restore(self, model, optimizer=None, scheduler=None, state: dict | None = None) -> int:
-        """Name what checkpoints hold (the model's trainable part and buffers, optimiser, schedule, the method's
-        `state`); --resume loads out/last.pt, each rank's RNG states too. -> the start step."""
+        """Checkpoints hold the trainable weights, buffers, optimiser, schedule, `state`; --resume loads them."""
         self._saved = (model, optimizer, scheduler, state)
         if self.resuming and (self.out / "last.pt").is_file():
             self.start, extra = load_checkpoint(self.out / "last.pt", model, optimizer, scheduler)
@@ -1297,9 +1220,8 @@ class Run:
 
     # The end: evaluation, the trained model, the results -------------------------------------------------
     def evaluate(self, policy, records, name, prompt, max_new_tokens, report=None, score=None, meteor=False, ce=None):
-        """Greedy reports for `records`, shared over ranks; rank 0 takes report(completion) (default: all of it), the
-        NLG and CE metrics (`ce`: the paper's convention) and score(rows, labeler) (the method's numbers; may add fields
-        to rows) into out/eval_<name>.json and generations_<name>.jsonl. A resumed run reads back what it wrote."""
+        """Greedy reports for `records`, shared over ranks; rank 0 scores report(completion) by NLG, CE (`ce`: the
+        paper's convention), score(rows, labeler) -> eval_<name>.json, generations_<name>.jsonl (--resume: read)."""
         module = getattr(report, "__module__", "builtins")  # "module:name" of report(), for `common.py generate`
         module = Path(sys.argv[0]).stem if module == "__main__" else module  # `python mrg_r1.py`: mrg_r1
         report_fn = None if report is None else f"{module}:{report.__qualname__}"
@@ -1315,11 +1237,9 @@ class Run:
         completions = gather_strided(completions[: len(mine)], self.world_size)
         results = None
         if self.is_main:
-            rows = [
-                {"id": r.id, "reference": r.report, "generated": report(c) if report else c}
-                | ({"completion": c} if report else {})
-                for r, c in zip(records, completions)
-            ]
+            rows = [{"id": r.id, "reference": r.report, "generated": c} for r, c in zip(records, completions)]
+            if report:  # the report taken from the completion, the completion beside it
+                rows = [row | {"generated": report(row["generated"]), "completion": row["generated"]} for row in rows]
             labeler = LabelCache(self.labeler)  # the method's score and the CE metrics label the same texts
             gold = np.stack([r.labels for r in records]) if all(r.labels is not None for r in records) else None
             ce = dict(ce or {}, gold=gold, name=name)
@@ -1350,8 +1270,7 @@ class Run:
 
 
 class Reporter:
-    """--report-to: each metrics.jsonl line and each evaluation's headline numbers, live, in TensorBoard
-    (out/tensorboard) or Weights & Biases (project rrg-from-scratch, the run named by its folder)."""
+    """--report-to: metrics.jsonl's lines and each evaluation's headline numbers, live, in TensorBoard or W&B."""
 
     def __init__(self, kind: str, out: Path, config: dict):
         if importlib.util.find_spec(kind) is None:
@@ -1474,8 +1393,7 @@ class RunArgs:
     gpu_memory: Annotated[float | None, "(0, inf)"] = None
     """GiB a GPU holds, for the memory check a Hugging Face run makes before it loads weights; None: the GPU's own"""
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
-    """mirror each metrics.jsonl line and each evaluation's headline numbers to TensorBoard (out/tensorboard) or
-    Weights & Biases: `pip install tensorboard` or `wandb` first (neither is a requirement)"""
+    """mirror metrics.jsonl and each evaluation's headline numbers to TensorBoard or W&B (pip install it first)"""
 
 
 MAY_CHANGE_ON_RESUME = ("resume", "out", "report_to")  # another --steps would move the lr schedule: another run
@@ -1496,10 +1414,8 @@ def resolve_defaults(args):
 
 
 def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
-    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (empty, or the run's flags under
-    --resume; with stages, each stage's); the seed, equal on all ranks. Nothing is written before inputs are checked.
-    `notes`: what this run cannot do as the paper does, one line each at start and in config.json. `memory`: the
-    StepShape of each kind of step the run takes (a Hugging Face model's peak per GPU is checked against the GPU's)."""
+    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (Run checks it); the seed, equal on all
+    ranks. Nothing is written before inputs are checked. `notes`: what the run cannot do as the paper does."""
     rank, world_size, device = setup_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
@@ -1539,16 +1455,13 @@ GPU_RESERVE_GIB = 2.0  # kept free of the estimate: the CUDA context, NCCL's buf
 
 
 def check_memory(args, shapes, world: int, device, views: float):
-    """The line a Hugging Face run prints before it loads weights: its peak GiB per GPU (memory_estimate, the largest
-    over its kinds of step) beside the GPU's (--gpu-memory, else the device's); beyond it, one error naming what
-    would fit (--grad-accum, --fsdp, LoRA), before anything is written or loaded."""
+    """A Hugging Face run's peak GiB per GPU (memory_estimate, the largest over its kinds of step), logged beside the
+    GPU's (--gpu-memory, else the device's); beyond it, one error naming what would fit (--grad-accum, --fsdp, LoRA)."""
     pixels = getattr(args, "max_pixels", 512 * 512)
 
-    def need(change=None) -> float:
-        return max(
-            max(memory_estimate(args.model, dataclasses.replace(s, **change or {}), world, views, pixels).values())
-            for s in shapes
-        )
+    def need(change=None) -> float:  # the peak over the kinds of step, each changed by `change`
+        steps = [dataclasses.replace(s, **change or {}) for s in shapes]
+        return max(max(memory_estimate(args.model, s, world, views, pixels).values()) for s in steps)
 
     have = args.gpu_memory
     if have is None and device.type == "cuda":
@@ -1628,9 +1541,8 @@ def end_block(out) -> str:
 
 @dataclass
 class Convergence:
-    """A stopping rule for SFT, declared before any run: every `every` steps a validation score (higher is better);
-    the best weights are kept; training stops after `patience` validations without a gain of at least `min_gain` over
-    the best, or at `max_steps`. The fields after max_steps are its state, which checkpoints hold."""
+    """A stopping rule declared before any run: every `every` steps a validation score (higher: better), the best
+    weights kept; it stops after `patience` without a `min_gain` gain, or at `max_steps`. Checkpoints hold its state."""
 
     every: int
     patience: int
@@ -1676,11 +1588,10 @@ def sft_stage(
     grad_accum=1,
     extra=None,
 ):
-    """SFT in a run (or stage) of its own: the teacher-forced likelihood of targets(batch) (default: the reports) on
-    what requires grad, AdamW at a constant lr, `grad_accum` micro-batches a step; `blind`: each view a blank image (the
-    report text alone: a fluent, task-naive start). `steps` steps, or with `converge` until validate(stage, policy,
-    step) stops improving, the best weights kept; extra(stage, policy) adds to its results (a test split's metrics).
-    Stopped, --resume continues it; finished, its results are read back. -> the results (final/: the policy)."""
+    """SFT in a stage of its own: the teacher-forced likelihood of targets(batch) (default: the reports) on what
+    requires grad, AdamW at a constant lr, `grad_accum` micro-batches a step; `blind`: each view a blank image (a
+    fluent, task-naive start). `steps` steps, or with `converge` until validate(stage, policy, step) stops improving,
+    the best weights kept; extra(stage, policy) adds to its results. --resume continues it, or reads it back."""
     if stage.done is not None:
         return stage.done
     fp32_trainable(policy.model)
@@ -1724,19 +1635,14 @@ def sft_stage(
 
 
 # The RL scripts' policy, optimiser and schedule --------------------------------------------------
-def initial_policy(
-    run: Run, reports: list[str], max_new_tokens: int, extra_tokens=(), max_pixels=512 * 512, init=None, fsdp=False
-):
-    """--model's policy before the paper trains it, equal on every rank: `init` (a saved policy), the sandbox's
-    foundation (--tiny-start foundation), a random tiny model on the reports' words, or the HF model's own weights.
-    fsdp (for_training shards it next): a HF model's weights stay in host memory, shard() moves each rank's part."""
+def initial_policy(run, reports, max_new: int, extra_tokens=(), max_pixels=512 * 512, init=None, fsdp=False):
+    """--model's policy before training, equal on every rank: `init` (a saved policy), the sandbox's foundation, a
+    random tiny model on the reports' words, or the HF model's own weights (fsdp: kept in host memory, for shard())."""
     host = fsdp and run.world_size > 1 and run.args.model != "tiny"
     if init is not None or run.foundation is not None:
         policy = load_policy(init or run.foundation / "vlm", run.device, run.dtype, max_pixels=max_pixels, host=host)
     else:
-        policy = make_policy(
-            run.args.model, reports, run.device, run.dtype, max_new_tokens, extra_tokens, max_pixels, host
-        )
+        policy = make_policy(run.args.model, reports, run.device, run.dtype, max_new, extra_tokens, max_pixels, host)
     if run.args.model == "tiny":  # random weights drawn alike on every rank, or not: rank 0's (a HF model's are read)
         broadcast_parameters(policy.model)
     return policy
@@ -1748,9 +1654,7 @@ def add_lora(policy, lora: dict):
     apply_lora(policy.model, lora["targets"], lora["r"], lora["alpha"], lora["dropout"], exclude=vision)
 
 
-def warm_start(
-    run: Run, policy, records: list, settings: dict, lora: dict | None = None, max_pixels=512 * 512, fsdp=False
-):
+def warm_start(run, policy, records: list, settings: dict, lora: dict | None = None, max_pixels=512 * 512, fsdp=False):
     """SFT before RL (sft_stage's `settings`) in out/warm_start, on `lora`'s adapters if given, the model whole on
     each GPU; the policy it saved (LoRA folded in), loaded back: the RL's start (fsdp: kept in host memory)."""
     if lora:
@@ -1762,9 +1666,8 @@ def warm_start(
 
 
 def for_training(run: Run, policy, *, lora: dict | None = None, reference: bool = True, fsdp: bool = False):
-    """(policy, reference) ready to train: with `lora`, fresh adapters on the LM and the reference them off
-    (LoRAOff); else a frozen copy, or None (reference=False). What trains keeps fp32 weights, and under torchrun
-    FSDP2 shards it (fsdp) or DDP averages its gradients."""
+    """(policy, reference) to train: `lora`: fresh LM adapters, the reference them off (LoRAOff); else a frozen copy, or
+    None (reference=False). What trains keeps fp32 weights; under torchrun FSDP2 shards it (fsdp), or DDP."""
     if lora:
         add_lora(policy, lora)
     ref = LoRAOff(policy) if lora else (frozen_reference(policy) if reference else None)
@@ -1809,8 +1712,7 @@ class StepShape:
 
 def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, max_pixels: int = 512 * 512) -> dict:
     """Peak GiB per GPU of each phase of a Qwen2-VL-family step (bf16 compute, fp32 master weights, AdamW, activation
-    checkpointing), from the config alone (the model built on the meta device: no weights). The terms are those
-    tests/memory_check.py measures with PyTorch's MemTracker at the papers' shapes (tests/MACHINES.md compares)."""
+    checkpointing), from the config, by the terms tests/memory_check.py measures with MemTracker."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     with torch.device("meta"):
@@ -1828,9 +1730,8 @@ def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, 
     k, GiB = (world if shape.fsdp else 1), 2**30
     d, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
     kv = text.num_key_value_heads * (d // text.num_attention_heads)
-    block = max(
-        sum(p.numel() for p in m.parameters()) for m in net.modules() if type(m).__name__ in net._no_split_modules
-    )
+    blocks = [m for m in net.modules() if type(m).__name__ in net._no_split_modules]
+    block = max(sum(p.numel() for p in m.parameters()) for m in blocks)
     tokens_per_view = max_pixels // 28**2  # Qwen2-VL: a token per 28 x 28 pixels after the 2 x 2 merge
     P = math.ceil(views) * tokens_per_view + 60  # the chat template's text around the views
     studies = math.ceil(shape.studies / world)  # (a script checks that they divide)
@@ -1846,10 +1747,8 @@ def memory_estimate(model: str, shape: StepShape, world: int, views: float = 1, 
     rollout = states - 4 * trained / k + cast + cache + (2 * (N - vision) if shape.fsdp and k > 1 else 0)  # no grads
     # a micro-batch's forward and backward: each layer's input kept (checkpointing), the views' through the tower
     # once a study, bf16 logits with each row's fp32 log-softmax saved and the logits' bf16 gradient
-    layers = (
-        micro_rows * (P + shape.tokens) * d * 2 * L
-        + micro_studies * views * 4 * tokens_per_view * vis.hidden_size * 2 * vis.depth
-    )
+    layers = micro_rows * (P + shape.tokens) * d * 2 * L
+    layers += micro_studies * views * 4 * tokens_per_view * vis.hidden_size * 2 * vis.depth
     logits = micro_rows * shape.tokens * V * (2 + 4 + 2)
     # the first micro-batch's forward has no gradients yet; its backward ends with them and few activations left
     before = states - (4 * trained / k if shape.grad_accum == 1 else 0)
@@ -1871,11 +1770,9 @@ def adamw(params, lr: float, total: int, schedule: str = "constant", warmup: flo
     w = int(warmup * total)  # warm-up steps
 
     def factor(step):
-        decay = {
-            "linear": (total - step) / max(1, total - w),
-            "constant": 1.0,
-            "cosine": 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w))),
-        }
+        span = max(1, total - w)  # steps after the warm-up
+        cosine = 0.5 * (1 + math.cos(math.pi * (step - w) / span))
+        decay = {"linear": (total - step) / span, "constant": 1.0, "cosine": cosine}
         return (step + 1) / w if step < w else decay[schedule]
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -1973,8 +1870,7 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     hyp_counts, ref_counts = [ngram_counts(t) for t in hyp_toks], [ngram_counts(t) for t in ref_toks]
 
     # BLEU (cook_test of bleu_scorer.py): matches clipped by the reference's counts; corpus BLEU from their sums
-    def bleu(correct, guess, hyp_len, ref_len):
-        """BLEU-1..4 per row (N, 4), in BleuScorer.compute_score()'s order of operations."""
+    def bleu(correct, guess, hyp_len, ref_len):  # BLEU-1..4 per row (N, 4), in BleuScorer.compute_score()'s order
         tiny, small = 1e-15, 1e-9  # its smoothing: an empty hypothesis gives 0, not NaN
         # BLEU-k = (prod_{j<=k} p_j)^(1/k), p_j = clipped matches / guesses
         b = np.cumprod((correct + tiny) / (guess + small), axis=1) ** (1.0 / np.arange(1, NGRAM_N + 1))  # (N, 4)
@@ -2002,20 +1898,17 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
     # hypothesis's n-grams in their order, as CiderScorer's: a set's order would move the last digit with the hash seed
     df, n_docs = cider_df or (Counter(g for ref in ref_counts for c in ref for g in c), len(ref_counts))
     log_n = math.log(n_docs)
-    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}
-
-    def idf2_of(g):
-        """The squared idf; an n-gram no document holds counts as in one (CiderScorer's max(1, df)): log(N)^2."""
-        return idf2.get(g, log_n**2)
+    idf2 = {g: (log_n - math.log(d)) ** 2 for g, d in df.items()}  # squared idf
+    unseen = log_n**2  # an n-gram no document holds counts as in one (CiderScorer's max(1, df))
 
     def norm(counts):
-        return [math.sqrt(sum(tf * tf * idf2_of(g) for g, tf in c.items())) for c in counts]
+        return [math.sqrt(sum(tf * tf * idf2.get(g, unseen) for g, tf in c.items())) for c in counts]
 
     each["CIDEr"] = []
     for h, r in zip(hyp_counts, ref_counts):
         penalty = math.exp(-((sum(h[1].values()) - sum(r[1].values())) ** 2) / (2 * CIDER_SIGMA**2))
         sims = [
-            sum(min(hc[g], rc[g]) * rc[g] * idf2_of(g) for g in hc if g in rc) / (hn * rn if hn and rn else 1)
+            sum(min(hc[g], rc[g]) * rc[g] * idf2.get(g, unseen) for g in hc if g in rc) / (hn * rn if hn and rn else 1)
             for hc, rc, hn, rn in zip(h, r, norm(h), norm(r))
         ]
         each["CIDEr"].append(10.0 * np.mean(sims) * penalty)
@@ -2027,12 +1920,8 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
             from pycocoevalcap.meteor.meteor import Meteor
 
             _METEOR_SCORER = Meteor()
-
-        def one_line(t):
-            """A newline ends a jar command, "|||" separates fields (pycocoevalcap cleans hypotheses only)."""
-            return " ".join(t.replace("|||", " ").split())
-
-        by_id = [{i: [one_line(t)] for i, t in enumerate(texts)} for texts in (refs, hyps)]  # references first
+        # references first, a line each (a newline ends a jar command, "|||" splits fields; pycocoevalcap cleans hyps)
+        by_id = [{i: [" ".join(t.replace("|||", " ").split())] for i, t in enumerate(texts)} for texts in (refs, hyps)]
         score, scores = _METEOR_SCORER.compute_score(*by_id)
         out["METEOR"], each["METEOR"] = float(score), [float(s) for s in scores]
     elif meteor:
@@ -2044,11 +1933,8 @@ def nlg_metrics(hyps: list[str], refs: list[str], meteor=True, per_sample: bool 
 
 def _prf(tp, fp, fn):
     """Precision, recall, F1 = 2TP / (2TP + FP + FN); 0 where undefined (scikit-learn's zero_division=0)."""
-
-    def div(a, b):
-        return np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0)
-
-    return div(tp, tp + fp), div(tp, tp + fn), div(2 * tp, 2 * tp + fp + fn)
+    pairs = ((tp, tp + fp), (tp, tp + fn), (2 * tp, 2 * tp + fp + fn))  # (numerator, denominator) of each
+    return tuple(np.divide(a, b, out=np.zeros_like(np.asarray(a, float)), where=np.asarray(b) != 0) for a, b in pairs)
 
 
 def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
@@ -2069,38 +1955,26 @@ def ce_metrics(hyp_labels, ref_labels, uncertain_as: int = 1) -> dict:
     cols = [LABEL_INDEX[name] for name in ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")]
     p, r, f = _prf(tp[:, cols].sum(), fp[:, cols].sum(), fn[:, cols].sum())
     out.update({"5label_micro_precision": p, "5label_micro_recall": r, "5label_micro_f1": f})
-    per_label = {}
-    for i, name in enumerate(CHEXPERT_LABELS):
-        p, r, f, support = float(p_lab[i]), float(r_lab[i]), float(f_lab[i]), int(ref[:, i].sum())
-        per_label[name] = {"precision": p, "recall": r, "f1": f, "support": support}
+    scores = zip(CHEXPERT_LABELS, p_lab, r_lab, f_lab, ref.sum(0))
+    per_label = {n: dict(precision=float(p), recall=float(r), f1=float(f), support=int(s)) for n, p, r, f, s in scores}
     return {k: float(v) for k, v in out.items()} | {"per_label": per_label}
 
 
 def evaluate_generations(
     rows, labeler, clean="mimic_cxr", uncertain_as=1, meteor=True, headline="micro_f1", gold=None, name=""
 ) -> dict:
-    """NLG metrics on R2Gen-cleaned text, CE metrics from the labels of the raw generated and reference reports
-    (uncertain positive with uncertain_as=1; `headline`: the paper's CE number); an empty report scores 0 on each.
-    Degenerate output is called out in a warning naming the evaluation, `name`. `gold` (N, 14), the annotation's own
-    labels: "ce_gold" scores against them. With CheXbert, "labelers_agree": how often the rules read the generated
-    reports as it does (each report's 14 labels, binarised as CE counts them)."""
+    """NLG metrics on R2Gen-cleaned text, CE from the labels of the raw generated and reference reports (`headline`: the
+    paper's CE number); an empty report scores 0. "degenerate": signs the numbers say nothing (warned, naming `name`);
+    "ce_gold": against `gold`, its labels; with CheXbert, "labelers_agree": how often the rules agree."""
     hyps, refs = [r["generated"] for r in rows], [r["reference"] for r in rows]
     n_empty = sum(not h.strip() for h in hyps)
     if n_empty:
         log.warning("%d of %d generated reports are empty: they score 0 on every metric", n_empty, len(hyps))
     cleaned = [[clean_report(t, clean) if clean and t.strip() else t for t in texts] for texts in (hyps, refs)]
     hyp_labels, inner = labeler(hyps), getattr(labeler, "labeler", labeler)  # inside a LabelCache, the labeler
-    out = {
-        "n": len(rows),
-        "n_empty_generations": n_empty,
-        "degenerate": degenerate_output(hyps, refs, name),
-        "clean": clean,
-        "labeler": type(inner).__name__,
-        "uncertain_as": uncertain_as,
-        "headline": headline,
-        "nlg": nlg_metrics(*cleaned, meteor=meteor),
-        "ce": ce_metrics(hyp_labels, labeler(refs), uncertain_as=uncertain_as),
-    }
+    out = {"n": len(rows), "n_empty_generations": n_empty, "degenerate": degenerate_output(hyps, refs, name)}
+    out |= {"clean": clean, "labeler": type(inner).__name__, "uncertain_as": uncertain_as, "headline": headline}
+    out |= {"nlg": nlg_metrics(*cleaned, meteor=meteor), "ce": ce_metrics(hyp_labels, labeler(refs), uncertain_as)}
     if gold is not None:
         out["ce_gold"] = ce_metrics(hyp_labels, gold, uncertain_as=uncertain_as)
     if isinstance(inner, CheXbertLabeler):
@@ -2166,22 +2040,17 @@ def read_generations(path) -> list[dict]:
 
 # ==== 8. The command line: flags from an Args dataclass; python common.py evaluate | generate=========================
 def parse_args(args_class, argv=None, description: str | None = None):
-    """Flags from an Args dataclass, `--flag-name` per field: its help the string under the field (docstring_parser
-    reads it), a bool as --flag / --no-flag, Literal[...] as choices, a number checked against the range Annotated
-    beside it. A bad flag is one line (an unknown one names the closest). --out defaults to runs/<script>-<data name>;
-    --resume: the flags not given are the run's."""
+    """Flags from an Args dataclass, `--flag-name` per field: its help the string under the field, a bool as --flag /
+    --no-flag, Literal[...] as choices, a number checked against its Annotated range. A bad flag is one line (an unknown
+    one names the closest). --out defaults to runs/<script>-<data name>; --resume: the flags not given are the run's."""
     helps = {}
     for cls in reversed(args_class.__mro__[:-1]):  # a subclass's help wins
         helps |= {d.arg_name: " ".join(d.description.split()) for d in docstring_parser.parse_from_object(cls).params}
     hints = get_type_hints(args_class, include_extras=True)  # Annotated[int | None, "[0, inf)"] -> int | None, range
     ranges = {k: get_args(t)[1] for k, t in hints.items() if get_origin(t) is Annotated}
-    p = argparse.ArgumentParser(
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        exit_on_error=False,  # a bad value raises: one line below, no usage block
-        allow_abbrev=False,  # --ste is no --steps: an unknown flag
-        argument_default=argparse.SUPPRESS,  # a flag not given stays out of the result
-    )
+    # a bad value raises (one line below, no usage block); --ste is no --steps; a flag not given stays out of the result
+    strict = dict(exit_on_error=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **strict)
     paper = p.add_argument_group("the paper's settings (and ours where it gives none)")
     run = p.add_argument_group("the run, its data and model (every script's)")
     fields, shared = dataclasses.fields(args_class), {f.name for f in dataclasses.fields(RunArgs)}
@@ -2267,8 +2136,27 @@ def main(argv=None):
     g.add_argument("--json", help="write {id, views, report} per line to this file (else print the reports)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.command == "generate":
-        return generate_command(args)
+    if args.command == "generate":  # the studies its arguments name, their reports printed or written
+        try:
+            if args.data:
+                studies = [(r.id, r.image_paths) for r in load_data(args.data, splits=(args.split,))[args.split]]
+            elif len(args.images) == 1 and Path(args.images[0]).is_dir():
+                files = sorted(Path(args.images[0]).iterdir())  # each image a study
+                studies = [(p.stem, [str(p)]) for p in files if p.suffix.lower() in (".png", ".jpg", ".jpeg")]
+            else:
+                studies = [(Path(args.images[0]).stem if args.images else "", args.images)]
+            missing = [v for _, views in studies for v in views if not Path(v).is_file()]
+            if missing:
+                raise FileNotFoundError(f"image not found: {missing[0]}")
+            if not studies or not studies[0][1]:
+                raise FileNotFoundError("no image given: IMAGE [IMAGE ...], a folder of images, or --data FILE")
+            rows = generate_reports(args.run, studies)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from None
+        if args.json:
+            Path(args.json).write_text("".join(json.dumps(row) + "\n" for row in rows))
+            return print(f"wrote {args.json}: {len(rows)} reports")
+        return print("\n".join(row["report"] if len(rows) == 1 else f"{row['id']}: {row['report']}" for row in rows))
     rules = dict(labeler="rule", chexbert_weights=None, clean="mimic_cxr", uncertain_as=0, headline="micro_f1")
     path = Path(args.generations)  # the run that wrote it: its config.json (or its stage's), its eval JSON
     found = [p for p in (path.with_name("config.json"), path.parent.with_name("config.json")) if p.is_file()][:1]
@@ -2295,30 +2183,6 @@ def main(argv=None):
     print(json.dumps(scores, indent=1), f"\n{summary(result)}\nwrote {out}")
 
 
-def generate_command(args):
-    """The studies of `generate`'s arguments, their reports printed or written; bad input: one line."""
-    try:
-        if args.data:
-            studies = [(r.id, r.image_paths) for r in load_data(args.data, splits=(args.split,))[args.split]]
-        elif len(args.images) == 1 and Path(args.images[0]).is_dir():
-            files = sorted(p for p in Path(args.images[0]).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-            studies = [(p.stem, [str(p)]) for p in files]
-        else:
-            studies = [(Path(args.images[0]).stem if args.images else "", args.images)]
-        missing = [v for _, views in studies for v in views if not Path(v).is_file()]
-        if missing:
-            raise FileNotFoundError(f"image not found: {missing[0]}")
-        if not studies or not studies[0][1]:
-            raise FileNotFoundError("no image given: IMAGE [IMAGE ...], a folder of images, or --data FILE")
-        rows = generate_reports(args.run, studies)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(row) + "\n" for row in rows))
-        return print(f"wrote {args.json}: {len(rows)} reports")
-    print("\n".join(row["report"] if len(rows) == 1 else f"{row['id']}: {row['report']}" for row in rows))
-
-
 # ==== 9. The insides a reader skips: the rule labeler's phrase lists, the collectives =================================
 def _words(*phrases: str) -> str:
     """The phrases as one group that ends a word (RuleLabeler puts one word start before all of a label's phrases)."""
@@ -2333,14 +2197,13 @@ _STABLE = r"(?:stable|unchanged)\b"
 
 
 class RuleLabeler:
-    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regular
-    expressions: its mention phrases, negation and uncertainty cues, aggregation and No Finding rule; offline, fast, not
-    CheXbert (tests/RESULTS.md, last section). A mention (CheXpert's order) is uncertain with a pre-negation
-    uncertainty cue ("cannot exclude") in reach, else negative with a negation cue, else uncertain with an uncertainty
-    cue, else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
+    """The CheXpert labeler's rules (Irvin et al. 2019, github.com/stanfordmlgroup/chexpert-labeler, MIT) as regexes:
+    its phrases, cues, aggregation, No Finding rule; not CheXbert (tests/RESULTS.md). A mention is uncertain with a
+    pre-negation uncertainty cue in reach, else negative with a negation cue, else uncertain with an uncertainty cue,
+    else positive. A report: 1 if a mention is positive, else -1 if one is uncertain, 0 if any, else blank."""
 
-    # Mention phrases (CheXpert's phrases/mention/*.txt). Organ words only count with their qualifier ("heart ...
-    # enlarged", "heart size is normal"): the span covers both, so a cue between them ("is not enlarged") applies.
+    # Mention phrases (CheXpert's phrases/mention/*.txt), a pattern or a list. Organ words count with their qualifier
+    # ("heart ... enlarged", "heart size is normal"): the span covers both, so a cue between ("is not enlarged") acts.
     MENTIONS: ClassVar[dict] = {
         "Enlarged Cardiomediastinum": [
             _words(
@@ -2358,57 +2221,46 @@ class RuleLabeler:
             _HEART + r"\b" + _GAP + r"{0,30}?\b" + _words(r"enlarged", r"increased", r"large", r"borderline", _NORMAL),
             _words("normal") + " " + _HEART + r"\b",
         ],
-        "Lung Opacity": [
-            _words(
-                r"opacit(?:y|ies)|opacification|opacified|infiltrat(?:e|es|ion)|haziness|hazy"
-                r"|air ?space (?:disease|process)|ground[- ]glass|scar(?:s|ring)?|interstitial (?:markings?|pattern)"
-                r"|reticular (?:pattern|markings?)|reticulation|(?:peribronchial|wall) thickening|increased density"
-            )
-        ],
-        "Lung Lesion": [
-            _words(
-                r"mass(?:es)?|mass-?like|nodules?|lumps?|cavitary lesions?|carcinoma"
-                r"|nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)|neoplasms?|tumou?rs?"
-            )
-        ],
-        "Edema": [_words(r"edema", r"heart failure", r"chf")],
-        "Consolidation": [_words(r"consolidat(?:ion|ions|ive|ed)")],
+        "Lung Opacity": _words(
+            r"opacit(?:y|ies)|opacification|opacified|infiltrat(?:e|es|ion)|haziness|hazy"
+            r"|air ?space (?:disease|process)|ground[- ]glass|scar(?:s|ring)?|interstitial (?:markings?|pattern)"
+            r"|reticular (?:pattern|markings?)|reticulation|(?:peribronchial|wall) thickening|increased density"
+        ),
+        "Lung Lesion": _words(
+            r"mass(?:es)?|mass-?like|nodules?|lumps?|cavitary lesions?|carcinoma"
+            r"|nodular (?:densit(?:y|ies)|opacit(?:y|ies)|opacification)|neoplasms?|tumou?rs?"
+        ),
+        "Edema": _words(r"edema", r"heart failure", r"chf"),
+        "Consolidation": _words(r"consolidat(?:ion|ions|ive|ed)"),
         # CheXpert also lists "infection" and "infectious": the radiologists' gold rarely reads them as pneumonia (ours)
-        "Pneumonia": [_words(r"pneumonias?", r"bronchopneumonia", r"infectious process")],
-        "Atelectasis": [_words(r"atelecta(?:sis|ses|tic)", r"collapse")],
-        "Pneumothorax": [_words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx")],
-        "Pleural Effusion": [_words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax")],
-        "Pleural Other": [
-            _words(
-                r"pleural (?:thickening|plaques?|calcifications?)|fibrothorax|fibrosis"
-                r"|pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?"
-            )
-        ],
-        "Fracture": [_words(r"fractur(?:e|es|ed)")],
-        "Support Devices": [
-            _words(
-                r"endotracheal tube|et tube|ett|tracheostomy(?: tube)?|(?:naso|oro)gastric tube|ng tube|og tube"
-                r"|enteric tube|feeding tube|dobhoff(?: tube)?|chest tubes?"
-                r"|(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?"
-                r"|central (?:venous )?line|picc(?: line)?|port-a-cath|portacath|mediport|pacemaker|pacer|icd"
-                r"|defibrillator|pacing leads?|sternotomy wires|intra-aortic balloon pump|iabp|stents?|drains?"
-                r"|prosthetic valve|valve replacement|lvad"
-            )
-        ],
+        "Pneumonia": _words(r"pneumonias?", r"bronchopneumonia", r"infectious process"),
+        "Atelectasis": _words(r"atelecta(?:sis|ses|tic)", r"collapse"),
+        "Pneumothorax": _words(r"(?:hydro)?pneumothora(?:x|ces)", r"ptx"),
+        "Pleural Effusion": _words(r"(?:pleural )?effusions?", r"pleural fluid", r"hydrothorax"),
+        "Pleural Other": _words(
+            r"pleural (?:thickening|plaques?|calcifications?)|fibrothorax|fibrosis"
+            r"|pleur(?:al|o)[- ]?(?:(?:parenchymal|pericardial) )?scar(?:s|ring)?"
+        ),
+        "Fracture": _words(r"fractur(?:e|es|ed)"),
+        "Support Devices": _words(
+            r"endotracheal tube|et tube|ett|tracheostomy(?: tube)?|(?:naso|oro)gastric tube|ng tube|og tube"
+            r"|enteric tube|feeding tube|dobhoff(?: tube)?|chest tubes?"
+            r"|(?:central venous |central |pigtail |swan-ganz |pulmonary artery )?catheters?|central (?:venous )?line"
+            r"|picc(?: line)?|port-a-cath|portacath|mediport|pacemaker|pacer|icd|defibrillator|pacing leads?"
+            r"|sternotomy wires|intra-aortic balloon pump|iabp|stents?|drains?|prosthetic valve|valve replacement|lvad"
+        ),
         # CheXpert's No Finding mentions (phrases/mention/no_finding.txt), matched inside words as there: abnormal
         # findings outside the 13 observations. One not negated turns No Finding off (stages/aggregate.py).
-        "No Finding": [
-            (
-                r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
-                r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
-                r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
-                r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
-                r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
-                r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
-                r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
-                r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
-            )
-        ],
+        "No Finding": (
+            r"emphysema|blunt|densit(?:y|ies)|elevation|eventration|scoliosis|degenera|calcifi|hyperinflat"
+            r"|bronchospasm|asthma|hernia|copd|interstitial markings|plaque|osteophytosis|aortic disease"
+            r"|bronchiolitis|airways? disease|thickening|cephalization|aspiration|bullae|contusion"
+            r"|atherosclero|osteopenia|metastas|granuloma|pneumomediastinum|pneumoperitoneum|osteodystrophy"
+            r"|cuffing|irregular lucency|inflam|fissure|hypertension|prominen|kyphosis|defib|hyperexpan"
+            r"|bullet|reticula|thoracentesis|bronchitis|volume loss|deformit|hemorrhage|hematoma|radiopaque"
+            r"|aerophagia|arthropathy|tracheostomy"  # CheXpert's list ends; ours (synonyms of its entries):
+            r"|spondyl|osteophyt|arthrit|curvature|tortu|ecta(?:tic|sia)|unfold|elevated|hypoinflat|low lung volume"
+        ),
     }
     # Not a mention where one of these overlaps it (CheXpert's phrases/unmention/*.txt; CheXpert's "calcified nodule"
     # is left out: the radiologists' gold counts it a nodule, while a calcified granuloma is no lesion in either)
@@ -2434,9 +2286,8 @@ class RuleLabeler:
         r"(?:excluded|ruled out)|difficult to (?:entirely |completely )?(?:exclude|rule out)"
     )
     NEGATION_AFTER = (  # "the effusion has resolved"
-        r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent"
-        r"|are absent|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged"
-        r"|widened)"
+        r"no longer|(?:has|have) (?:resolved|cleared)|resolved|(?:has|have) been removed|removed|is absent|are absent"
+        r"|not (?:seen|identified|present|appreciated|visualized|demonstrated|evident|detected|enlarged|widened)"
     )
     NEGATION_BEFORE = (  # "no effusion"
         r"no evidence of|no signs? of|negative for|free of|clear of|absence of|resolution of|removal of"
@@ -2462,8 +2313,7 @@ class RuleLabeler:
         (UNCERTAINTY_BEFORE, "unc", "pre", CLAUSE),
         (r"\?", "unc", "both", CLAUSE),  # last: the one cue that need not start a word
     )
-    # Clause ends: a negation "No effusion, but a small pneumothorax" stops at "but".
-    TERMINATORS = (
+    TERMINATORS = (  # clause ends: the negation of "No effusion, but a small pneumothorax" stops at "but"
         r"\b(?:but|however|although|though|whereas|while|except|apart from|aside from|other than"
         r"|which|with the exception of|yet)\b|,\s*(?:and )?there (?:is|are)\b"
     )
@@ -2472,13 +2322,12 @@ class RuleLabeler:
     def __init__(self):
         self.mentions = []  # (label index, mention pattern, unmention pattern), one per label
         for name, phrases in self.MENTIONS.items():
-            alternatives = [f"(?:{p})" for p in phrases]
+            alternatives = [f"(?:{p})" for p in ([phrases] if isinstance(phrases, str) else phrases)]
             if hedged := self.HEDGED.get(name):
                 alternatives.append(f"(?P<hedged>{'|'.join(hedged)})")
             word_start = "" if name == "No Finding" else r"\b"  # No Finding's phrases match inside words
             pattern = re.compile(word_start + "(?:" + "|".join(alternatives) + ")")
-            unmention = re.compile(self.UNMENTIONS.get(name, "(?!)"))
-            self.mentions.append((LABEL_INDEX[name], pattern, unmention))
+            self.mentions.append((LABEL_INDEX[name], pattern, re.compile(self.UNMENTIONS.get(name, "(?!)"))))
         # One pass over the text finds every cue; group i+1 is CUES[i].
         words = "|".join(f"({pattern})" for pattern, *_ in self.CUES[:-1])
         self.cues = re.compile(rf"(?<!\w)(?:{words})(?!\w)|({self.CUES[-1][0]})")
@@ -2498,9 +2347,8 @@ class RuleLabeler:
                     unmentions = [u.span() for u in unmention.finditer(text)]
                 if any(a < m.end() and m.start() < b for a, b in unmentions):
                     continue
-                # the clause around a mention: the last boundary before it, the first after it
-                lo = ends[bisect.bisect_right(ends, m.start()) - 1]
-                hi = starts[bisect.bisect_left(starts, m.end())]
+                lo = ends[bisect.bisect_right(ends, m.start()) - 1]  # the clause: from the last boundary before it
+                hi = starts[bisect.bisect_left(starts, m.end())]  # to the first after it
                 state = self._state(*m.span(), lo, hi, cues)
                 found.add(UNCERTAIN if m.lastgroup == "hedged" and state == POSITIVE else state)
             labels[idx] = next((s for s in (POSITIVE, UNCERTAIN, NEGATIVE) if s in found), BLANK)
@@ -2515,10 +2363,8 @@ class RuleLabeler:
             or (lo <= c_start and c_end <= start and direction in ("pre", "both") and start - c_end <= reach)
             or (end <= c_start and c_end <= hi and direction in ("post", "both") and c_start - end <= reach)
         }
-        for kind, label in (("pre_neg_unc", UNCERTAIN), ("neg", NEGATIVE), ("unc", UNCERTAIN)):
-            if kind in kinds:
-                return label
-        return POSITIVE
+        order = (("pre_neg_unc", UNCERTAIN), ("neg", NEGATIVE), ("unc", UNCERTAIN))  # the first found decides
+        return next((label for kind, label in order if kind in kinds), POSITIVE)
 
     def __call__(self, reports: list[str]) -> np.ndarray:
         """(N, 14) float labels, 1 / 0 / -1 / NaN, in CHEXPERT_LABELS order."""
@@ -2594,7 +2440,6 @@ def all_gather_objects(obj) -> list:
 
 
 def broadcast_object(obj, src: int = 0):
-    """Rank src's object on every rank."""
     box = [obj]
     if _distributed():
         torch.distributed.broadcast_object_list(box, src=src)
@@ -2610,10 +2455,8 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 
 
 def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    """Several processes without --fsdp: PyTorch's DistributedDataParallel around what trains (called after the last
-    change to its parameters: LoRA, fp32_trainable). Its backward averages the gradients over ranks in buckets as they
-    are ready, into its buckets (gradient_as_bucket_view: no second gradient-sized copy); each rank keeps its own
-    buffers (BatchNorm statistics). One process, or FSDP2: the module itself."""
+    """Several processes without --fsdp: DistributedDataParallel around what trains (after LoRA, fp32_trainable),
+    averaging gradients in buckets as ready, the buckets the gradients (no second copy). One process, FSDP2: as is."""
     if world_size == 1 or isinstance(module, FSDPModule):
         return module
     return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
@@ -2621,10 +2464,8 @@ def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module, once=None):
-    """FSDP2 around generate(): every sharded module's weights gathered once (at the first token) and kept for all the
-    new tokens, then resharded (by default each forward, one per token, would gather them again). Holds the unsharded
-    weights in --dtype for the whole rollout (tests/MACHINES.md), but those of `once` (the vision tower: it runs at
-    the first token alone), gathered and freed block by block as usual. Not sharded: nothing."""
+    """FSDP2 around generate(): each sharded module's weights gathered at the first token, kept for the rest, then
+    resharded: unsharded in --dtype through the rollout, but `once`'s (the vision tower: one forward) as usual."""
     skip = {id(m) for m in once.modules()} if once is not None else set()
     modules = [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in skip]
     for m in modules:  # the first token's forward gathers each module, and each keeps its weights to the end
@@ -2638,9 +2479,8 @@ def gathered(model: torch.nn.Module, once=None):
 
 
 def shard(model: torch.nn.Module, dtype=torch.float32):
-    """FSDP2 (PyTorch's fully_shard) for full fine-tuning beyond one GPU: each block (HF's _no_split_modules), then
-    the rest, split over the ranks; a rank keeps 1/world of the weights, gradients and AdamW states, gathers a block's
-    weights (in `dtype`) as it runs, averages gradients in fp32. Ranks run as many forwards: generate() syncs them."""
+    """FSDP2 for full fine-tuning beyond one GPU: each block (HF's _no_split_modules), then the rest; a rank keeps
+    1/world of the weights, gradients and AdamW states, averages gradients in fp32 (generate() syncs ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:
@@ -2656,8 +2496,7 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, dict | None]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
-    return model_state, optimizer_state
+    return model_state, get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
 
 
 def gather_strided(mine: list, world_size: int) -> list:

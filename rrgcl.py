@@ -271,8 +271,7 @@ def pacing(name: str, t: int, T: int, c0: float = C0, buckets: int = BUCKETS) ->
 
 
 def epoch_subset(scheduler: str, t: int, T: int, plan: dict) -> np.ndarray:
-    """D_sub(t) under any scheduler (all studies at t = T, except One Pass's last bucket); train() writes
-    RRGCL's out."""
+    """D_sub(t) under any scheduler (all studies at t = T but One Pass's last bucket); train() writes RRGCL's out."""
     if scheduler == "rrgcl":
         return rrgcl_subset(plan["class_orders"], rrgcl_lambda(t, T, plan["gamma"], plan["lambda0"]))
     lo, hi = pacing(scheduler, t, T)
