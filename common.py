@@ -1435,7 +1435,7 @@ def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
     if args.clean == "auto":
         args.clean = clean_style([r for records in data.values() for r in records])
     if args.model != "tiny" and memory:  # before the weights load, and before anything is written
-        check_memory(args, memory, world_size, device, np.mean([len(r.image_paths) for r in data["train"]]))
+        check_memory(args, memory, rank, world_size, device, np.mean([len(r.image_paths) for r in data["train"]]))
     labeler = make_labeler(args.labeler, args.chexbert_weights, device)
     rule = (
         "labels from the rule labeler (offline CheXpert-style rules), not CheXbert as in the papers: rewards and "
@@ -1454,7 +1454,7 @@ def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
 GPU_RESERVE_GIB = 2.0  # kept free of the estimate: the CUDA context, NCCL's buffers, the allocator's slack (ours)
 
 
-def check_memory(args, shapes, world: int, device, views: float):
+def check_memory(args, shapes, rank: int, world: int, device, views: float):
     """A Hugging Face run's peak GiB per GPU (memory_estimate, the largest over its kinds of step), logged beside the
     GPU's (--gpu-memory, else the device's); beyond it, one error naming what would fit (--grad-accum, --fsdp, LoRA)."""
     pixels = getattr(args, "max_pixels", 512 * 512)
@@ -1467,7 +1467,7 @@ def check_memory(args, shapes, world: int, device, views: float):
     if have is None and device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory / 2**30
     peak = need()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank == 0:
         log.info("%-12s~%.1f GiB per GPU at the step's peak%s", "memory", peak, f", of {have:.1f}" if have else "")
     if have is None or peak <= have - GPU_RESERVE_GIB:
         return
@@ -2455,8 +2455,8 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0):
 
 
 def data_parallel(module: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    """Several processes without --fsdp: DistributedDataParallel around what trains (after LoRA, fp32_trainable),
-    averaging gradients in buckets as ready, the buckets the gradients (no second copy). One process, FSDP2: as is."""
+    """Several processes without --fsdp: DistributedDataParallel around what trains (after LoRA, fp32_trainable): the
+    gradients averaged in its buckets (no second copy), each rank's own buffers kept. One process, FSDP2: as is."""
     if world_size == 1 or isinstance(module, FSDPModule):
         return module
     return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
