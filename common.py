@@ -1414,8 +1414,8 @@ def resolve_defaults(args):
 
 
 def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
-    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (Run checks it); the seed, equal on all
-    ranks. Nothing is written before inputs are checked. `notes`: what the run cannot do as the paper does."""
+    """torchrun, device, threads; the "auto" flags; data and labeler; the folder (Run checks it). Nothing is written
+    before inputs are checked. `notes`: what the run cannot do as the paper does. The script seeds, in view."""
     rank, world_size, device = setup_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
@@ -1442,7 +1442,6 @@ def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
         "CE numbers do not compare with published ones (--labeler chexbert)"
     )
     notes = [rule, *notes] if args.labeler == "rule" else list(notes)
-    seed_everything(args.seed)
     run = Run(args, rank, world_size, device, data, labeler, check=not stages, notes=notes, foundation=foundation)
     if rank == 0:
         log.info(start_block(run))

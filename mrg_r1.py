@@ -243,6 +243,7 @@ def train(args: Args) -> dict:
     step = dataclasses.replace(step, lora=LORA, trained="lora")  # the reference: the adapters off, no copy
     warm = dataclasses.replace(step, studies=WARM_START["batch_size"], rows=1, grad_accum=1, rollout=False)
     run = common.start_run(args, memory=(step, warm) if args.sft_steps else (step,))
+    common.seed_everything(args.seed)  # the same initial weights and draws on every rank
     per_process = run.per_rank(args.prompts_per_step, "--prompts-per-step")  # fail now, not after a warm start
     common.exact_div(per_process, args.grad_accum, "--prompts-per-step per process / --grad-accum")
     tiny = args.model == "tiny"

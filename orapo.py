@@ -459,6 +459,7 @@ def train(args: Args) -> dict:
     step = dataclasses.replace(step, reference=not LORA and (dpo or args.beta > 0), lora=LORA)
     warm = dataclasses.replace(step, studies=WARM_START["batch_size"], rows=1, grad_accum=1, rollout=False)
     run = common.start_run(args, notes=notes, memory=(step, warm) if args.sft_steps else (step,))
+    common.seed_everything(args.seed)  # the same initial weights and draws on every rank
     per_process = run.per_rank(args.prompts_per_step, "--prompts-per-step")  # fail now, not after a warm start
     common.exact_div(per_process, args.grad_accum, "--prompts-per-step per process / --grad-accum")
     zrr = ZeroRewardRate(ZRR_MOMENTUM)

@@ -279,6 +279,7 @@ def toy_train(args, interrupt_at=None):
     """The shape of a method script's train() on a dropout MLP: each step's data comes from the python,
     numpy and torch RNGs, so an inexact RNG restore shows in the weights."""
     run = common.start_run(args)
+    common.seed_everything(args.seed)  # the same initial weights on every rank, as a script
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
     optimizer, scheduler = common.adamw(model.parameters(), args.lr, args.steps, "cosine", warmup=0.2)
     state = {"seen": 0}
@@ -308,6 +309,16 @@ def toy_args(small_synthetic, tmp_path):
 def _same_weights(a, b):
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_start_run_leaves_the_seed_to_the_script(toy_args):
+    """Issue 70: each script seeds in its train(), in view; start_run neither seeds nor draws (a seed there would
+    set the RNGs to --seed's state, not the one the caller left)."""
+    seed_everything(12345)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    common.start_run(toy_args(seed=3))
+    assert random.getstate() == before[0]
+    assert (np.random.get_state()[1] == before[1]).all() and torch.equal(torch.get_rng_state(), before[2])
 
 
 def test_crashed_run_resumes_exactly(toy_args, tmp_path, monkeypatch, crash_after_checkpoint):
