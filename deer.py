@@ -44,7 +44,6 @@ import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import numpy as np
@@ -127,28 +126,6 @@ STAGE_FLAGS = {  # the flags a stage's output depends on
     "ddsampling": SHARED + LABELS,  # --grad-accum: memory, SFT may differ
     "rl": SHARED + RL_FLAGS + ("steps", "subset", "fraction", "fsdp"),  # --steps places the phase switch
 }
-
-
-def settings(args: Args) -> SimpleNamespace:
-    """What Args leaves to the model, resolved once: the paper's values for HF models, ours for the tiny model."""
-    tiny = args.model == "tiny"
-
-    def pick(value, tiny_default, hf_default):
-        """The flag's value if given, else the model's default."""
-        return value if value is not None else (tiny_default if tiny else hf_default)
-
-    return SimpleNamespace(
-        tiny=tiny,
-        max_new=pick(args.max_new_tokens, 96, 256),  # every stage
-        lr=pick(args.lr, 1e-4, 1e-6),  # RL
-        prompts=pick(args.prompts_per_step, 8, 64),  # RL studies per step
-        steps=pick(args.steps, 120, None),  # RL; None: one epoch of the RL data
-        sft_lr=SFT["lr_tiny" if tiny else "lr_hf"],
-        sft_batch=SFT["batch_tiny" if tiny else "batch_hf"],
-        sft_steps=args.sft_steps,  # None: one epoch, or until CONVERGE stops it (sft_converge)
-        sft_converge=tiny and args.sft_steps is None,
-        pool=1000 if tiny else None,  # DDSampling's (the costliest stage) and --subset random's studies: the first
-    )
 
 
 # Eq. 1: the reward ------------------------------------------------------------------------------
@@ -312,12 +289,12 @@ def token_weights(
 
 
 @torch.no_grad()
-def premise_beta(run: common.Run, args: Args, s, policy, records) -> dict:
+def premise_beta(run: common.Run, args: Args, max_new: int, policy, records) -> dict:
     """BETA_RULE: beta = (median - 1) / the median s~ of the tokens outside the reference's findings, on the policy's G
     samples of BETA_RULE's studies drawn by --seed -> {"beta", the median s~ outside and inside them, the tokens}."""
     torch.manual_seed(args.seed)
     rng, rules, outside, inside = np.random.default_rng(args.seed), common.RuleLabeler(), [], []
-    for _, g in sample_groups(run, args, s, records, rng, BETA_RULE["studies"], policy):
+    for _, g in sample_groups(run, args, max_new, records, rng, BETA_RULE["studies"], policy):
         targets = reference_targets(g["ref_labels"])
         texts, spans = token_spans(policy, g["ids"], g["mask"])
         s_tilde = gradient_weights(run.labeler, texts, spans, g["mask"], targets, 1.0) - 1  # (N, T) Eq. 11's s~
@@ -365,31 +342,31 @@ def sft_trainable(policy, frozen_lm: bool) -> list:
     return [p for p in policy.model.parameters() if p.requires_grad]
 
 
-def sft(run: common.Run, args: Args, s) -> dict:
+def sft(run: common.Run, args: Args, max_new: int, lr: float, batch: int, steps: int | None, converge: bool) -> dict:
     """Stage 1, SFT cold start (common.sft_stage): the reports teacher-forced, sft_trainable()'s parameters train, one
-    epoch or until validation stops improving; then the test split."""
+    epoch (steps None) or `steps`, or until validation stops improving (converge); then the test split."""
     if run.done:
         return run.done
     studies = run.data["train"]
-    policy = common.initial_policy(run, [r.report for r in studies], s.max_new, max_pixels=args.max_pixels)
-    random_lm = s.tiny and run.foundation is None  # a random language model writes nothing: it trains
+    policy = common.initial_policy(run, [r.report for r in studies], max_new, max_pixels=args.max_pixels)
+    random_lm = args.model == "tiny" and run.foundation is None  # a random language model writes nothing: it trains
     frozen_lm = args.sft_lm == "frozen" or (args.sft_lm == "auto" and not random_lm)
     sft_trainable(policy, frozen_lm)
-    converge = common.Convergence(**CONVERGE) if s.sft_converge else None
-    steps = s.sft_steps if s.sft_steps is not None else len(studies) // s.sft_batch  # one epoch
-    until = f"until validation stops improving ({CONVERGE})" if converge else steps
-    run.record(lr=s.sft_lr, batch=s.sft_batch, sft_steps=until, lm="frozen" if frozen_lm else "trained")
+    convergence = common.Convergence(**CONVERGE) if converge else None
+    steps = steps if steps is not None else len(studies) // batch  # one epoch
+    until = f"until validation stops improving ({CONVERGE})" if convergence else steps
+    run.record(lr=lr, batch=batch, sft_steps=until, lm="frozen" if frozen_lm else "trained")
 
     def validate(stage, policy, step):
         """The headline, CE example F1, of greedy reports on N_VAL validation studies."""
-        r = stage.evaluate(policy, stage.data["val"][:N_VAL], f"val_step{step}", PROMPT, s.max_new, ce=CE)
+        r = stage.evaluate(policy, stage.data["val"][:N_VAL], f"val_step{step}", PROMPT, max_new, ce=CE)
         return r["ce"][r["headline"]]
 
     def test(stage, policy):
-        return {"test": evaluate(stage, policy, s)}
+        return {"test": evaluate(stage, policy, max_new)}
 
-    sft_rule = dict(converge=converge, validate=validate, grad_accum=args.grad_accum, extra=test)
-    return common.sft_stage(run, policy, studies, steps, s.sft_lr, s.sft_batch, PROMPT, **sft_rule)
+    sft_rule = dict(converge=convergence, validate=validate, grad_accum=args.grad_accum, extra=test)
+    return common.sft_stage(run, policy, studies, steps, lr, batch, PROMPT, **sft_rule)
 
 
 # Stage 2: DDSampling -----------------------------------------------------------------------------
@@ -406,14 +383,14 @@ def score_chunk(policy, records, labeler, max_new: int) -> np.ndarray:
     return diagnostic_diversity(labeler(policy.decode(ids, mask)).reshape(len(records), K, -1))  # (B, K, 14) -> (B,)
 
 
-def ddsampling(run: common.Run, args: Args, s) -> dict:
-    """Stage 2: D(I) of every study of the pool (the first s.pool), a chunk per rank and step, chunk c seeded by c (the
+def ddsampling(run: common.Run, args: Args, max_new: int, pool: int | None) -> dict:
+    """Stage 2: D(I) of every study of the pool (the first `pool`), a chunk per rank and step, chunk c seeded by c (the
     same samples under any ranks or a resume); the scores so far are the checkpoint. Then the draw of the RL subset."""
     if run.done:
         return run.done
-    pool = run.data["train"][: s.pool]
+    studies = run.data["train"][:pool]
     policy = sft_policy(run, args)
-    chunks = [pool[c : c + DD_CHUNK] for c in range(0, len(pool), DD_CHUNK)]
+    chunks = [studies[c : c + DD_CHUNK] for c in range(0, len(studies), DD_CHUNK)]
     scores = {}  # study id -> D(I)
     common.seed_everything(args.seed, run.rank)
     run.restore(torch.nn.Module(), state=scores)  # no weights to save: the checkpoint holds the scores
@@ -426,19 +403,19 @@ def ddsampling(run: common.Run, args: Args, s) -> dict:
         mine = {}  # a rank past the last chunk scores nothing
         if c < len(chunks):
             with run.autocast():
-                D_chunk = score_chunk(policy, chunks[c], run.labeler, s.max_new)
+                D_chunk = score_chunk(policy, chunks[c], run.labeler, max_new)
             mine = dict(zip([r.id for r in chunks[c]], D_chunk.tolist()))
         shards = common.all_gather_objects(mine)
         scores.update({k: v for shard in shards for k, v in shard.items()})
         run.log(D=np.mean([d for shard in shards for d in shard.values()]))
         run.log_step(step)  # metrics.jsonl: this step's line
         run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
-    D = np.array([scores[r.id] for r in pool])
-    selection = select_subset([r.id for r in pool], D, args.fraction, args.seed)
+    D = np.array([scores[r.id] for r in studies])
+    selection = select_subset([r.id for r in studies], D, args.fraction, args.seed)
     run.write("selection.json", json.dumps(selection, indent=1))
     chosen = [scores[i] for i in selection["ids"]]
     return run.finish(
-        {"n_pool": len(pool), "n_selected": len(chosen), "D_mean": D.mean(), "D_mean_selected": np.mean(chosen)}
+        {"n_pool": len(studies), "n_selected": len(chosen), "D_mean": D.mean(), "D_mean_selected": np.mean(chosen)}
     )
 
 
@@ -462,35 +439,38 @@ def rl_records(args: Args, train: list, subset: str, pool: int | None) -> list:
     return [by_id[i] for i in ids]
 
 
-def ditpo(run: common.Run, args: Args, s) -> dict:
-    """Stage 3, from the SFT model on the RL data. Per step: G rollouts per study, Eq. 1 in its phase, token weights
-    (Eq. 7-8 or 9-12), Eq. 2 -> 6, one update. The test split's metrics at the end."""
+def ditpo(
+    run: common.Run, args: Args, max_new: int, lr: float, prompts: int, steps: int | None, pool: int | None
+) -> dict:
+    """Stage 3, from the SFT model on the RL data (rl_records: of the first `pool` studies). Per step (`steps`, None:
+    one epoch): G rollouts for each of `prompts` studies, Eq. 1 in its phase, token weights (Eq. 7-8 or 9-12), Eq. 2 ->
+    6, one update. The test split's metrics at the end."""
     if run.done:
         return run.done
-    records = rl_records(args, run.data["train"], args.subset, s.pool)
+    records = rl_records(args, run.data["train"], args.subset, pool)
     G = args.group_size
-    total = s.steps if s.steps is not None else len(records) // s.prompts  # one epoch
+    total = steps if steps is not None else len(records) // prompts  # one epoch
     init = Path(args.out) / "sft" / "final"  # the SFT model, all of it trainable
     reports = [r.report for r in records]
-    policy = common.initial_policy(run, reports, s.max_new, max_pixels=args.max_pixels, init=init, fsdp=args.fsdp)
+    policy = common.initial_policy(run, reports, max_new, max_pixels=args.max_pixels, init=init, fsdp=args.fsdp)
     policy, _ = common.for_training(run, policy, reference=False, fsdp=args.fsdp)
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer, _ = common.adamw(params, s.lr, total)  # constant lr: the paper names no schedule
+    optimizer, _ = common.adamw(params, lr, total)  # constant lr: the paper names no schedule
     premise = {"beta": args.beta}  # Eq. 12's beta: as given, or BETA_RULE's on the SFT policy's samples
     if args.weighting == "grad" and args.beta is None:
-        premise = premise_beta(run, args, s, policy, records)
-    run.record(lr=s.lr, prompts_per_step=s.prompts, steps=total, max_new_tokens=s.max_new, studies=len(records))
+        premise = premise_beta(run, args, max_new, policy, records)
+    run.record(lr=lr, prompts_per_step=prompts, steps=total, max_new_tokens=max_new, studies=len(records))
     run.record(beta=premise)
     common.seed_everything(args.seed, run.rank)  # ranks sample apart from here
     run.restore(policy.model, optimizer)
-    batches = run.study_batches(records, s.prompts, "--prompts-per-step")
+    batches = run.study_batches(records, prompts, "--prompts-per-step")
     for step, batch in run.steps(
         total, batches, "GRPO" if args.weighting == "none" else f"DiTPO ({args.weighting})", bar=BAR
     ):
         gamma = gamma_at(step, total, args.gamma)  # Sec. 3.1: F1 first, then + gamma BLEU-2
         ref_labels = run.labeler(batch["report"])  # (B, 14) C(y)
         with run.autocast():
-            roll = common.rollout(policy, batch["images"], PROMPT, G, s.max_new, TEMPERATURE)  # once a step
+            roll = common.rollout(policy, batch["images"], PROMPT, G, max_new, TEMPERATURE)  # once a step
         ids, mask = roll.completion_ids, roll.completion_mask  # (N, T) each
         group_labels = np.repeat(ref_labels, G, axis=0)  # (N, 14) each reference's labels, G times
         refs = [r for r in batch["report"] for _ in range(G)]
@@ -512,13 +492,13 @@ def ditpo(run: common.Run, args: Args, s) -> dict:
         run.log(grad_norm=grad_norm)
         run.log_step(step)  # metrics.jsonl: this step's line
         run.checkpoint(step)  # last.pt every 50 steps, at the last step and on Ctrl-C
-    return run.finish({"test": evaluate(run, policy, s), "beta": premise}, policy)
+    return run.finish({"test": evaluate(run, policy, max_new), "beta": premise}, policy)
 
 
 # Evaluation and Tables 6-7 ---------------------------------------------------------------------
-def evaluate(run: common.Run, policy, s) -> dict:
+def evaluate(run: common.Run, policy, max_new: int) -> dict:
     """Greedy reports on the test split: NLG and CE metrics (METEOR where Java is), into the stage's folder."""
-    results = run.evaluate(policy, run.data["test"], "test", PROMPT, s.max_new, meteor=True, ce=CE)
+    results = run.evaluate(policy, run.data["test"], "test", PROMPT, max_new, meteor=True, ce=CE)
     if run.is_main:
         print(f"{run.out}: {common.summary(results)}")
     return results
@@ -566,26 +546,27 @@ def masking_effect(policy, labeler, ids, mask, w, labels: np.ndarray, frac: floa
 
 
 @torch.no_grad()
-def sample_groups(run: common.Run, args: Args, s, records, rng, n: int | None = None, policy=None):
+def sample_groups(run: common.Run, args: Args, max_new: int, records, rng, n: int | None = None, policy=None):
     """The SFT model's (or `policy`'s) G rollouts (temperature sampling, as in RL) for n (ANALYSIS_N) drawn studies."""
     policy = policy or sft_policy(run, args)
     drawn = sorted(rng.choice(len(records), min(n or ANALYSIS_N, len(records)), replace=False))
     for b in range(0, len(drawn), DD_CHUNK):
         chunk = [records[i] for i in drawn[b : b + DD_CHUNK]]
         with run.autocast():
-            ids, mask = policy.generate(study_prompts(policy, chunk), s.max_new, TEMPERATURE, n=args.group_size)
+            ids, mask = policy.generate(study_prompts(policy, chunk), max_new, TEMPERATURE, n=args.group_size)
         refs = [r.report for r in chunk for _ in range(args.group_size)]
         yield policy, dict(ids=ids, mask=mask, texts=policy.decode(ids, mask), refs=refs, ref_labels=run.labeler(refs))
 
 
-def tables(command: str, run: common.Run, args: Args, s) -> dict:
+def tables(command: str, run: common.Run, args: Args, max_new: int, pool: int | None) -> dict:
     """Table 7: reward diversity (phase-1 reward) of the SFT model's groups on the training set vs the DDSampling
-    subset. Table 6: mask the top 10 % of each SFT rollout's tokens by random, rule and (with CheXbert) grad weights."""
+    subset (of the first `pool` studies). Table 6: mask the top 10 % of each SFT rollout's tokens by random, rule and
+    (with CheXbert) grad weights."""
     rng = np.random.default_rng(args.seed)
     results = {"G": args.group_size, "mask_frac": MASK_FRAC}
     if command == "table7":
         for name, subset in (("random_100", "all"), ("ddsampling", "ddsampling")):
-            groups = sample_groups(run, args, s, rl_records(args, run.data["train"], subset, s.pool), rng)
+            groups = sample_groups(run, args, max_new, rl_records(args, run.data["train"], subset, pool), rng)
             r = [reward(g["texts"], g["refs"], g["ref_labels"], run.labeler, 0.0)[0] for _, g in groups]  # phase 1: F1
             results[name] = reward_diversity(np.concatenate(r).reshape(-1, args.group_size))
     else:
@@ -593,7 +574,7 @@ def tables(command: str, run: common.Run, args: Args, s) -> dict:
         if isinstance(run.labeler, common.CheXbertLabeler):  # Eq. 9-11 need CheXbert's gradients
             strategies.append("grad")
         stats = {name: defaultdict(list) for name in strategies}
-        for policy, g in sample_groups(run, args, s, run.data["train"], rng):
+        for policy, g in sample_groups(run, args, max_new, run.data["train"], rng):
             labels = run.labeler(g["texts"])  # (N, 14) C(o)
             for name in strategies:
                 if name == "random":
@@ -620,28 +601,43 @@ def train(command: str, args: Args) -> dict:
         args.weighting = "grad" if args.labeler == "chexbert" else "rule"
     if args.weighting == "grad" and args.labeler != "chexbert":
         raise ValueError("--weighting grad needs --labeler chexbert (CheXbert's input-embedding saliency, Eq. 9-11)")
-    s = settings(args)
+    tiny = args.model == "tiny"  # what Args leaves to the model: the paper's values for HF models, ours for tiny
+
+    def pick(value, tiny_default, hf_default):
+        """The flag's value if given, else the model's default."""
+        return value if value is not None else (tiny_default if tiny else hf_default)
+
+    max_new = pick(args.max_new_tokens, 96, 256)  # every stage (ours)
+    lr = pick(args.lr, 1e-4, 1e-6)  # RL: Sec. 4.1's 1e-6
+    prompts = pick(args.prompts_per_step, 8, 64)  # RL studies per step: Sec. 4.1's 64
+    steps = pick(args.steps, 120, None)  # RL; None: one epoch of the RL data (the paper gives none)
+    sft_lr = SFT["lr_tiny" if tiny else "lr_hf"]  # SFT: Sec. 4.1's for HF models, ours for tiny
+    sft_batch = SFT["batch_tiny" if tiny else "batch_hf"]
+    sft_converge = tiny and args.sft_steps is None  # --sft-steps None: one epoch, or until CONVERGE stops it (tiny)
+    pool = 1000 if tiny else None  # DDSampling's (the costliest stage) and --subset random's studies: the first
     shapes = {
-        "sft": common.StepShape(s.sft_batch, 1, s.max_new, args.grad_accum, rollout=False, trained="vision"),
-        "rl": common.StepShape(s.prompts, args.group_size, s.max_new, args.grad_accum, fsdp=args.fsdp),  # no ref.
+        "sft": common.StepShape(sft_batch, 1, max_new, args.grad_accum, rollout=False, trained="vision"),
+        "rl": common.StepShape(prompts, args.group_size, max_new, args.grad_accum, fsdp=args.fsdp),  # no ref.
     }
     memory = [shape for stage, shape in shapes.items() if command in (stage, "all")]
     run = common.start_run(args, stages=True, notes=[RULE_NOTE] if args.weighting == "rule" else [], memory=memory)
-    for stage, batch, flag in (("sft", s.sft_batch, "the SFT batch"), ("rl", s.prompts, "--prompts-per-step")):
+    for stage, batch, flag in (("sft", sft_batch, "the SFT batch"), ("rl", prompts, "--prompts-per-step")):
         if command in (stage, "all"):  # fail now, not hours later
             common.exact_div(run.per_rank(batch, flag), args.grad_accum, f"{flag} per process / --grad-accum")
     results = {}
     if command in ("sft", "all"):  # Stage 1: SFT cold start
-        results["sft"] = sft(run.stage("sft", STAGE_FLAGS["sft"]), args, s)
+        sft_run = run.stage("sft", STAGE_FLAGS["sft"])
+        results["sft"] = sft(sft_run, args, max_new, sft_lr, sft_batch, args.sft_steps, sft_converge)
     if command in ("sample", "all"):  # Stage 2: DDSampling, the RL subset
-        results["ddsampling"] = ddsampling(run.stage("ddsampling", STAGE_FLAGS["ddsampling"]), args, s)
+        results["ddsampling"] = ddsampling(run.stage("ddsampling", STAGE_FLAGS["ddsampling"]), args, max_new, pool)
     if command in ("rl", "all"):  # Stage 3: DiTPO from the SFT model on the subset (--weighting none: GRPO)
         subset = "" if args.subset == "ddsampling" else f"_{args.subset}"  # rl_grad: DEER, rl_none_all: GRPO 100 %
-        results["rl"] = ditpo(run.stage(f"rl_{args.weighting}{subset}", STAGE_FLAGS["rl"]), args, s)
+        rl_run = run.stage(f"rl_{args.weighting}{subset}", STAGE_FLAGS["rl"])
+        results["rl"] = ditpo(rl_run, args, max_new, lr, prompts, steps, pool)
     if command in ("table6", "table7"):  # analyses of the SFT policy, in one process
         if run.world_size > 1:
             raise ValueError(f"run `deer.py {command}` with python, not torchrun (a single-process analysis)")
-        return tables(command, run, args, s)
+        return tables(command, run, args, max_new, pool)
     return results
 
 

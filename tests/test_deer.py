@@ -95,16 +95,39 @@ def test_select_subset_ranks_and_draws_without_replacement():
     assert len(select_subset(ids, D, 1.0, seed=1)["ids"]) == 10
 
 
-def test_rl_records_random_draws_fraction_of_pool_and_tiny_defaults():
+def test_rl_records_random_draws_fraction_of_pool():
     train = list(range(50))
     args = deer.Args(fraction=0.2)
     drawn = deer.rl_records(args, train, "random", 20)  # the tiny default's pool: the first `pool` studies
     assert len(drawn) == 4 == len(set(drawn)) and all(x < 20 for x in drawn)
     assert len(deer.rl_records(args, train, "random", None)) == 10 and deer.rl_records(args, train, "all", 20) == train
-    s = deer.settings(deer.Args())
-    assert (s.sft_steps, s.sft_converge, s.steps, s.pool) == (None, True, 120, 1000)  # SFT until CONVERGE stops it
-    assert not deer.settings(deer.Args(sft_steps=50)).sft_converge  # a number of steps: that many
-    assert deer.settings(deer.Args(model="Qwen/Qwen2.5-VL-3B-Instruct")).pool is None  # HF: every study
+
+
+def test_the_stages_take_the_model_defaults(tmp_path, synthetic_is_small, tiny_qwen_dir, small_synthetic, monkeypatch):
+    """train() resolves what Args leaves to the model and hands each stage its numbers: (max_new, lr, batch, steps,
+    converge) to SFT, (max_new, pool) to DDSampling, (max_new, lr, prompts, steps, pool) to DiTPO. Tiny: SFT until
+    CONVERGE stops it (a number of steps: that many), 120 RL steps, the pool the first 1000 studies; HF: every study."""
+    seen = {}
+
+    def stage(name):
+        def record(run, args, *numbers):
+            seen[name] = numbers
+            return {}
+
+        return record
+
+    for name in ("sft", "ddsampling", "ditpo"):
+        monkeypatch.setattr(deer, name, stage(name))
+    deer.main(["all", "--out", str(tmp_path / "tiny")])
+    assert seen == {"sft": (96, 1e-3, 32, None, True), "ddsampling": (96, 1000), "ditpo": (96, 1e-4, 8, 120, 1000)}
+    deer.main(["sft", "--sft-steps", "50", "--out", str(tmp_path / "tiny_50")])
+    assert seen["sft"] == (96, 1e-3, 32, 50, False)
+    deer.main(["all", *qwen_flags(small_synthetic, tiny_qwen_dir, tmp_path / "hf")])
+    assert seen == {
+        "sft": (256, 1e-5, 64, None, False),
+        "ddsampling": (256, None),
+        "ditpo": (256, 1e-6, 64, None, None),
+    }
 
 
 # Eq. 7-8 -----------------------------------------------------------------------------------------
