@@ -621,6 +621,7 @@ def train(command: str, args: Args) -> dict:
     }
     memory = [shape for stage, shape in shapes.items() if command in (stage, "all")]
     run = common.start_run(args, stages=True, notes=[RULE_NOTE] if args.weighting == "rule" else [], memory=memory)
+    common.seed_everything(args.seed)  # the same initial weights and draws on every rank
     for stage, batch, flag in (("sft", sft_batch, "the SFT batch"), ("rl", prompts, "--prompts-per-step")):
         if command in (stage, "all"):  # fail now, not hours later
             common.exact_div(run.per_rank(batch, flag), args.grad_accum, f"{flag} per process / --grad-accum")
