@@ -587,8 +587,23 @@ class HFPolicy(Policy):
 
     def generate(self, prompts, max_new_tokens=256, temperature=1.0, n=1, **sampling):  # as TinyPolicy's
         P = prompts["input_ids"].shape[1]
-        with autocast(self.device, self.dtype), self.views_once(prompts, n) as inputs:
-            return generate_completions(self, self.model, inputs, P, max_new_tokens, temperature, **sampling)
+        with autocast(self.device, self.dtype):  # prefilled() runs in generate_completions, the weights gathered
+            return generate_completions(
+                self, self.model, lambda: self.prefilled(prompts, n), P, max_new_tokens, temperature, **sampling
+            )
+
+    def prefilled(self, prompts: dict, n: int) -> dict:
+        """model.generate's inputs for n rows a study: each prompt but its last token through the model once (views and
+        text), the KV cache repeated to the rows; generate's first step feeds the last token, row by row (no images)."""
+        text = [k for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in prompts]  # a row each
+        once = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS} | {k: prompts[k][:, :-1] for k in text}
+        out = self.model(**once, use_cache=True, logits_to_keep=1)  # B rows: the prompts' P - 1 tokens
+        key = "cache" if "cache" in out else "past_key_values"  # transformers 5.x renamed it (the old name warns)
+        out[key].batch_repeat_interleave(n)  # (B, heads, P - 1, d) -> (B n, ...) each layer, row i n + j study i's
+        # the prefill left rope_deltas (B, 1) on the model (mrope: the text's offset after the images); generate adds it
+        # to the B n rows' positions as is (_prepare_position_ids_for_generation repeats nothing; forward would)
+        self.model.model.rope_deltas = self.model.model.rope_deltas.repeat_interleave(n, 0)
+        return {k: prompts[k].repeat_interleave(n, 0) for k in text} | {key: out[key]}
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
@@ -668,6 +683,7 @@ def generate_completions(
     output = dict(use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs)
     fsdp = isinstance(policy.model, FSDPModule)  # synced_gpus: every rank runs as many forwards
     with gathered(policy.model, once=policy.vision_and_language()[0]):
+        inputs = inputs() if callable(inputs) else inputs  # HFPolicy's prefill, under the weights gathered
         out = model.generate(**inputs, **stop, **output, do_sample=do_sample, **sampling, synced_gpus=fsdp)
     policy.model.train(was_training)
     ids = out.sequences[:, P:]  # (N, T) the completion only

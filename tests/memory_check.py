@@ -10,9 +10,10 @@ What runs is the project's own: common.for_training (LoRA, the frozen reference,
 shard), common.rollout and micro_batches, the reference's pass, each script's step (orapo_step, grpo_step, ditpo_step,
 sft_loss) and backward, clip, AdamW's step. Two things stand in: the policy's inputs (ShapePolicy: prompts, images
 and completions of the setting's shapes, no processor) and generate() (data-dependent: it samples and stops at EOS),
-which here prefills the prompts and decodes the completion's tokens in one chunk into the cache, under the same
-common.gathered, so that its peak holds the KV cache at full length. Two steps run; the second is kept (the first
-step's optimizer allocates its states; fake tensors also count a transient there that real ones do not).
+which here prefills the prompts (HFPolicy.prefilled: once a study, the cache repeated to the G rows) and decodes the
+completion's tokens in one chunk into the cache, under the same common.gathered, so that its peak holds the KV cache
+at full length. Two steps run; the second is kept (the first step's optimizer allocates its states; fake tensors also
+count a transient there that real ones do not).
 
 Phases and what each peak holds, per GPU (rank 0; every rank holds the same under FSDP2 and DDP):
     load         the policy and reference as training starts them (for_training), from weights read in bf16
@@ -308,7 +309,8 @@ def shape_policy(common, mode, model, setting: Setting, dtype):
                 return mode.constant(ids), mode.constant(mask)
 
         def generate(self, prompts, max_new_tokens=256, temperature=1.0, n=1, **kwargs):
-            share = getattr(self, "views_once", None)  # n rows a study (before issue 69: prompts already repeated)
+            prefill_once = hasattr(self, "prefilled")  # each prompt prefilled once, the cache repeated (issue 69, 2)
+            share = None if prefill_once else getattr(self, "views_once", None)  # n rows a study (before: repeated)
             rows = share(prompts, n) if share else contextlib.nullcontext(prompts)
             was_training = self.model.training
             self.model.eval()
@@ -320,15 +322,23 @@ def shape_policy(common, mode, model, setting: Setting, dtype):
             gathered = common.gathered(self.model, **once)  # (before: the vision tower gathered for the whole rollout)
             with rows as inputs, torch.no_grad(), gathered, common.autocast(self.device, dtype):
                 inputs = {k: v for k, v in inputs.items() if k in self.MODEL_KEYS}
-                N = inputs["input_ids"].shape[0]
+                N = inputs["input_ids"].shape[0] * (n if prefill_once else 1)
                 with unset_fake_temporarily():
                     ids = mode.constant(torch.full((N, max_new_tokens), 102))
                     ones = mode.constant(torch.ones(N, max_new_tokens, dtype=torch.long))
                     mask = mode.constant(torch.ones(N, max_new_tokens))
-                out = self.model(**inputs, use_cache=True, logits_to_keep=1)  # the prompt's prefill
+                    no_offset = mode.constant(torch.zeros(len(prompts["input_ids"]), 1, dtype=torch.long))
+                if prefill_once:  # no mm_token_type_ids here (no get_rope_index on fake tensors): no rope_deltas set
+                    self.model.model.rope_deltas = no_offset  # for prefilled() to repeat; text positions, as before
+                    inputs = self.prefilled(prompts, n)  # the cache holds P - 1 tokens: the last one decodes too
+                    self.model.model.rope_deltas = None  # the decode below: positions from the cache length
+                    key = "cache" if "cache" in inputs else "past_key_values"
+                    cache, ids_in = inputs[key], torch.cat([inputs["input_ids"][:, -1:], ids], 1)
+                else:  # the prompts' prefill on the N rows
+                    out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+                    cache, ids_in = out.past_key_values, ids
                 attention = torch.cat([inputs["attention_mask"], ones], 1)
-                cache = out.past_key_values
-                self.model(input_ids=ids, attention_mask=attention, past_key_values=cache, logits_to_keep=1)
+                self.model(input_ids=ids_in, attention_mask=attention, past_key_values=cache, logits_to_keep=1)
             self.model.train(was_training)
             return ids, mask
 

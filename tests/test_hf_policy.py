@@ -159,6 +159,33 @@ def test_generate_encodes_each_studys_views_once(policy, studies):
     assert torch.equal(ids, ids_r) and torch.equal(mask, mask_r)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generate_prefills_each_prompt_once(policy, studies, do_sample):
+    """generate(prompts, n=G) runs the language model over each study's prompt once: B rows of its first P - 1 tokens,
+    the KV cache then repeated to the B G rows, which feed the last prompt token and then each new one, one a step. The
+    old way (prompts repeated to the rows: G prefills a study) gives the same tokens, greedy or sampled under one seed,
+    and log-probs within float noise: the first token's logits come from a 1-token step over a cache rather than a
+    P-token pass (other shapes, other rounding), and a draw falls on the other side of a token's boundary only if
+    that noise (~1e-7 here) reaches it. Greedy with n=1 (evaluation) gives each study's row of n=G."""
+    views, _ = studies
+    prompts = policy.prompt_batch(views, PROMPT)
+    (B, P), G = prompts["input_ids"].shape, 3
+    embedded = []  # the token rows the language model embeds at each forward (B, L)
+    embed = policy.model.model.language_model.embed_tokens
+    hook = embed.register_forward_hook(lambda m, args, out: embedded.append(tuple(args[0].shape)))
+    torch.manual_seed(0)
+    ids, mask, logp = policy.generate(prompts, 8, n=G, do_sample=do_sample, return_logprobs=True)
+    hook.remove()
+    assert embedded[0] == (B, P - 1) and set(embedded[1:]) == {(B * G, 1)}  # not (B G, P) first
+    torch.manual_seed(0)
+    with policy.views_once(prompts, G) as inputs:  # the old way: generate on the prompts repeated to the B G rows
+        old = common.generate_completions(policy, policy.model, inputs, P, 8, 1.0, do_sample, return_logprobs=True)
+    assert torch.equal(ids, old[0]) and torch.equal(mask, old[1])
+    assert (logp - old[2]).abs().max() < 1e-4  # as the other comparisons here: a few ulp of the logits
+    if not do_sample:
+        assert torch.equal(policy.generate(prompts, 8, n=1, do_sample=False)[0], ids[::G])
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_recorded_logprobs_equal_forward_then_other_batch_size(policy, studies, temperature):
     views, _ = studies
