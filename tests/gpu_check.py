@@ -286,7 +286,9 @@ class PrefillClock:
         sync()
         self.ended = time.perf_counter()
 
-    def figures(self, rows: int, prompt: int) -> dict:
+    def figures(self, rows: int, prompt: int, prefill_writes: bool = True) -> dict:
+        """`prefill_writes`: the first forward wrote the first token (model.generate's), or not (HFPolicy.prefilled
+        runs the prompt but its last token; generate's first step feeds that token, a decode step, and writes it)."""
         return dict(
             rows=rows,
             prompt=prompt,
@@ -294,6 +296,7 @@ class PrefillClock:
             prefill_s=self.prefill_ended - self.prefill_begun,
             decode_s=self.ended - self.prefill_ended,
             decode_steps=self.forwards - 1,
+            new_tokens=self.forwards - 1 + prefill_writes,
         )
 
 
@@ -302,7 +305,7 @@ def decode_figures(calls: list[dict], weights: int, kv_per_token: int, bandwidth
     HBM bound's ms per decode step (decode_bytes at `bandwidth`; None if not known) and the share of it reached."""
     seconds, prefill = sum(c["seconds"] for c in calls), sum(c["prefill_s"] for c in calls)
     decode_s, steps = sum(c["decode_s"] for c in calls), max(1, sum(c["decode_steps"] for c in calls))
-    tokens = sum(c["rows"] * (c["decode_steps"] + 1) for c in calls)
+    tokens = sum(c["rows"] * c["new_tokens"] for c in calls)
     read = sum(decode_bytes(weights, kv_per_token, c["rows"], c["prompt"], c["decode_steps"]) for c in calls)
     bound_s = bandwidth and read / bandwidth
     return dict(
@@ -485,7 +488,8 @@ def instrument(phases: Phases):
     def generate(self, prompts, *args, **kwargs):
         with PrefillClock(self.model) as clock:
             out = real_generate(self, prompts, *args, **kwargs)
-        phases.record("generate", clock.figures(len(out[0]), prompts["input_ids"].shape[1]))  # rows: n a study
+        rows, prompt = len(out[0]), prompts["input_ids"].shape[1]  # rows: n a study
+        phases.record("generate", clock.figures(rows, prompt, prefill_writes=False))  # HFPolicy.prefilled's first
         return out
 
     def completion_logprobs(self, prompts, ids, mask, *args, **kwargs):
@@ -561,7 +565,7 @@ def part_step(script: str, work: Path, figures: Figures, model: str | None = Non
         figures[phase]["mfu"] = flop_s and seconds and round(flops / seconds / flop_s, 3)
     calls = [c for _, c in last["generate"]]
     weights, kv = decode_weight_bytes(policy_model), kv_bytes_per_token(policy_model.config)
-    figures.update(completions=sum(c["rows"] for c in calls), new_tokens=max(c["decode_steps"] + 1 for c in calls))
+    figures.update(completions=sum(c["rows"] for c in calls), new_tokens=max(c["new_tokens"] for c in calls))
     figures["decode"] = decode_figures(calls, weights, kv, bandwidth)
 
 

@@ -103,7 +103,7 @@ def test_decode_bound_by_hand():
     from hub_layout import QWEN7B_TEXT, QWEN7B_VISION, qwen_config
 
     assert gpu_check.decode_bytes(1000, 10, rows=2, prompt=5, steps=3) == 3420
-    call = dict(rows=2, prompt=5, seconds=1.0, prefill_s=0.4, decode_s=0.6, decode_steps=3)
+    call = dict(rows=2, prompt=5, seconds=1.0, prefill_s=0.4, decode_s=0.6, decode_steps=3, new_tokens=4)
     figures = gpu_check.decode_figures([call], 1000, 10, bandwidth=3420 / 0.3)
     assert figures["decode_ms_per_step"] == 200 and figures["hbm_bound_ms_per_step"] == pytest.approx(100)
     assert figures["decode_share_of_hbm_bound"] == 0.5 and figures["tokens_per_s"] == 8  # 2 rows x 4 tokens
