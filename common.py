@@ -613,12 +613,10 @@ class HFPolicy(Policy):
         """One forward pass over prompt + completion, the LM head on the last T + 1 positions -> (N, T) (views_once)."""
         T = completion_ids.shape[1]
         with self.views_once(prompts, self.rows_per_study(prompts, completion_ids)) as inputs:
-            inputs["input_ids"] = torch.cat([inputs["input_ids"], completion_ids], dim=1)  # (N, P+T)
-            mask = completion_mask.to(inputs["attention_mask"].dtype)
-            inputs["attention_mask"] = torch.cat([inputs["attention_mask"], mask], 1)
-            if "mm_token_type_ids" in inputs:  # completions are text (type 0)
-                types_ = torch.zeros_like(completion_ids)
-                inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], types_], 1)
+            completions = dict(input_ids=completion_ids, attention_mask=completion_mask)  # text: mm type 0
+            completions["mm_token_type_ids"] = torch.zeros_like(completion_ids)
+            for k in [k for k in completions if k in inputs]:  # (N, P) + (N, T) -> (N, P + T)
+                inputs[k] = torch.cat([inputs[k], completions[k].to(inputs[k].dtype)], 1)
             # no KV cache: positions are recomputed, never generate()'s cached rope_deltas (tests/test_hf_policy.py)
             with autocast(self.device, self.dtype):
                 logits = self.forward_module(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # (N,T,V)
