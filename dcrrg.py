@@ -823,7 +823,6 @@ def paper_notes(args: Args) -> list[str]:
 
 def train(command: str, args: Args) -> dict:
     run = common.start_run(args, stages=True, notes=paper_notes(args))
-    common.seed_everything(args.seed)  # the same initial weights and draws on every rank
     if run.foundation is not None and args.text_encoder is None:  # ClinicalBERT's stand-in: the sandbox's text BERT
         args.text_encoder = str(run.foundation / "text_encoder")
     env = prepare(run, args)
