@@ -1,4 +1,4 @@
-"""`python common.py evaluate` and `python tests/sandbox.py synthetic`, run as a user would; what a default run
+"""`python tests/reports.py evaluate` and `python tests/sandbox.py synthetic`, run as a user would; what a default run
 prints; a broken install."""
 
 import importlib.metadata
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+import reports
 import reproduce
 import sandbox
 from conftest import run_python
@@ -36,14 +37,14 @@ ROWS = [
 ]
 
 
-def run_common(*args):
-    return run_python(ROOT / "common.py", *args, cwd=ROOT, timeout=120)
+def run_reports(*args):
+    return run_python(ROOT / "tests" / "reports.py", *args, cwd=ROOT, timeout=120)
 
 
 def test_evaluate_writes_the_same_numbers_as_the_functions(tmp_path):
     gen = tmp_path / "generations.jsonl"
     gen.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-    proc = run_common("evaluate", "--generations", str(gen), "--no-meteor")
+    proc = run_reports("evaluate", "--generations", str(gen), "--no-meteor")
     assert proc.returncode == 0, proc.stderr
     assert '"5label_micro_f1": 0.8' in proc.stdout
     # its own name beside the generations, never a run's eval.json
@@ -70,15 +71,15 @@ def test_evaluate_writes_the_same_numbers_as_the_functions(tmp_path):
 
 
 def test_evaluate_bad_file_names_the_line(tmp_path):
-    """One line that names the file and line, no traceback (common.main as the command calls it: SystemExit(message)
+    """One line that names the file and line, no traceback (reports.main as the command calls it: SystemExit(message)
     prints the message to stderr and exits 1)."""
     gen = tmp_path / "generations.jsonl"
     gen.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"id": "x", "generated": "ok"}) + "\n")
     with pytest.raises(SystemExit) as stop:
-        common.main(["evaluate", "--generations", str(gen), "--no-meteor"])
+        reports.main(["evaluate", "--generations", str(gen), "--no-meteor"])
     assert isinstance(stop.value.code, str) and f"{gen}:2" in stop.value.code and "'reference'" in stop.value.code
     with pytest.raises(SystemExit) as stop:
-        common.main(["evaluate", "--generations", str(tmp_path / "missing.jsonl")])
+        reports.main(["evaluate", "--generations", str(tmp_path / "missing.jsonl")])
     assert isinstance(stop.value.code, str) and "missing.jsonl" in stop.value.code
     assert not list(tmp_path.glob("*.scores.json"))
 
@@ -137,16 +138,16 @@ TINY_CHEXBERT = dict(hidden=32, layers=1, heads=2, epochs=1, lr=3e-3, batch_size
 
 
 def rescore(generations, scores, *flags) -> dict:
-    common.main(["evaluate", "--generations", str(generations), "--out", str(scores), "--no-meteor", *flags])
+    reports.main(["evaluate", "--generations", str(generations), "--out", str(scores), "--no-meteor", *flags])
     return json.loads(Path(scores).read_text())
 
 
 def test_a_run_says_what_it_read_and_wrote_and_rescoring_gives_its_numbers(tmp_path, small_synthetic, iu_xray, capsys):
     """A short real OraPO run on IU X-Ray-like data with a CheXbert: at its start the folder, data, model and labeler
     (weights), at its end its files; no library warning, bars of at most 4 numbers (metrics.jsonl keeps all). Then
-    `common.py evaluate` on its test generations scores by the run's rules (its CheXbert, IU X-Ray's cleaning, OraPO's
-    macro F1 with uncertain negative) and gives the run's own CE and NLG numbers; flags given win; a stage's file
-    finds the run's config.json above it; the eval JSON's convention is the one taken."""
+    `tests/reports.py evaluate` on its test generations scores by the run's rules (its CheXbert, IU X-Ray's cleaning,
+    OraPO's macro F1 with uncertain negative) and gives the run's own CE and NLG numbers; flags given win; a stage's
+    file finds the run's config.json above it; the eval JSON's convention is the one taken."""
     weights = sandbox.train_chexbert(common.load_annotation(small_synthetic)["train"], tmp_path / "cb", **TINY_CHEXBERT)
     out = tmp_path / "run"
     flags = ["--data", str(iu_xray), "--out", str(out), "--labeler", "chexbert", "--chexbert-weights", str(weights)]

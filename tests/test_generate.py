@@ -1,5 +1,5 @@
-"""A trained run's report for new images (`python common.py generate`), a real-data run that never reads the sandbox,
-and the sandbox's shipped models: the files every run loads, as MANIFEST.json lists them."""
+"""A trained run's report for new images (`python tests/reports.py generate`), a real-data run that never reads the
+sandbox, and the sandbox's shipped models: the files every run loads, as MANIFEST.json lists them."""
 
 import json
 import shutil
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import common
+import reports
 import sandbox
 from conftest import ROOT, run_python
 
@@ -53,16 +54,16 @@ def test_generate_writes_the_report_the_run_evaluated_with(real_data_run, small_
     out = real_data_run[0]
     test = common.load_annotation(small_synthetic)["test"]
     rows = {json.loads(x)["id"]: json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()}
-    common.main(["generate", str(out), *test[0].image_paths])
+    reports.main(["generate", str(out), *test[0].image_paths])
     assert capsys.readouterr().out.strip() == rows[test[0].id]["generated"].strip()
     folder = out.parent / "images"
     folder.mkdir()
     for r in test[:3]:
         shutil.copy(r.image_paths[0], folder / f"{r.id}.png")
-    common.main(["generate", str(out), str(folder)])
+    reports.main(["generate", str(out), str(folder)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert [x.split(":")[0] for x in lines] == [r.id for r in test[:3]]
-    common.main(
+    reports.main(
         ["generate", str(out), "--data", str(small_synthetic), "--split", "test", "--json", str(out / "g.jsonl")]
     )
     written = [json.loads(x) for x in (out / "g.jsonl").read_text().splitlines()]
@@ -87,15 +88,15 @@ def test_generate_takes_the_length_the_run_resolved_not_its_flag(real_data_run, 
     image = common.load_annotation(small_synthetic)["test"][0].image_paths[0]
     for flag in (None, 3):
         (run / "config.json").write_text(json.dumps(config | {"max_new_tokens": flag}))
-        common.main(["generate", str(run), image])
+        reports.main(["generate", str(run), image])
     assert json.loads((run / "final" / "generation.json").read_text())["max_new_tokens"] == 8
     assert lengths == [8, 8]
 
 
 def test_generate_from_the_command_line(real_data_run, small_synthetic):
-    """`python common.py generate` in a process of its own (common.py as __main__ imports mrg_r1 for the report)."""
+    """`python tests/reports.py generate` in a process of its own (it imports mrg_r1 for the report)."""
     out, study = real_data_run[0], common.load_annotation(small_synthetic)["test"][0]
-    done = run_python(ROOT / "common.py", "generate", str(out), *study.image_paths, timeout=120)
+    done = run_python(ROOT / "tests" / "reports.py", "generate", str(out), *study.image_paths, timeout=120)
     rows = [json.loads(x) for x in (out / "generations_test_after.jsonl").read_text().splitlines()]
     assert done.returncode == 0, done.stderr[-1000:]
     assert done.stdout.strip() == next(r["generated"] for r in rows if r["id"] == study.id).strip()
@@ -117,7 +118,7 @@ def test_generate_errors_are_one_line(real_data_run, small_synthetic, tmp_path, 
     else:
         argv, expected = [str(out)], "no image given"
     with pytest.raises(SystemExit) as e:
-        common.main(["generate", *argv])
+        reports.main(["generate", *argv])
     message = str(e.value)
     assert message.startswith("error: ") and expected in message and "\n" not in message
 

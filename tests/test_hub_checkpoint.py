@@ -3,7 +3,7 @@ processor's min/max_pixels at the top of preprocessor_config.json and no `size`,
 ids, the hub's chat template and tokenizer settings): every setting the project applies takes effect on that layout.
 A MIMIC-CXR view (2544 x 3056 px) is 320 image tokens at --max-pixels 512 x 512 (at most max_pixels / 784) in every
 pass a run makes: SFT, the rollout, the loss's forward, OraPO's DPO targets, evaluation, and after save and reload
-(final/, `common.py generate`)."""
+(final/, `tests/reports.py generate`)."""
 
 import functools
 import json
@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 import common
+import reports
 from conftest import qwen_flags
 
 MIMIC_VIEW = (2544, 3056)  # width, height of a MIMIC-CXR view
@@ -88,7 +89,8 @@ def mimic_views(tmp_path_factory):
 
 def test_a_mimic_view_is_320_tokens_in_every_pass_of_a_run(tmp_path, mimic_views, tiny_qwen_dir, monkeypatch, capsys):
     """OraPO with a warm start (SFT), one RL step (the rollout, the loss's forward, the DPO target's forward) and its
-    evaluations, then `common.py generate` on its final/: every forward that sees images sees 320 tokens a view."""
+    evaluations, then `tests/reports.py generate` on its final/: every forward that sees images sees 320 tokens a
+    view."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as Vision
 
     import orapo
@@ -117,7 +119,7 @@ def test_a_mimic_view_is_320_tokens_in_every_pass_of_a_run(tmp_path, mimic_views
     monkeypatch.setattr(
         common.HFPolicy, "generate", lambda self, p, n, *a, **k: lengths.append(n) or real_generate(self, p, n, *a, **k)
     )
-    common.main(["generate", str(out), str(mimic_views.parent / "images" / "test0.png")])
+    reports.main(["generate", str(out), str(mimic_views.parent / "images" / "test0.png")])
     assert len(seen) == len(passes) + 1 and capsys.readouterr().out.strip() != ""
     assert {t for views in seen for t in views} == {TOKENS_AT_512}
     assert lengths == [4]  # the run's --max-new-tokens, read from final/generation.json

@@ -14,6 +14,7 @@ import torch
 import common
 import mrg_r1
 import orapo
+import reports
 from conftest import fake_eval, qwen_flags
 
 
@@ -164,8 +165,8 @@ def test_lora_merge_adds_in_fp32_and_rounds_once():
 
 
 def test_chexbert_goes_to_the_gpu_where_there_is_one(tmp_path, monkeypatch):
-    """`python common.py evaluate --labeler chexbert` (and rrgcl's q1, through make_labeler's default) put CheXbert on
-    the GPU when torch sees one; a run passes its own device (each rank its GPU)."""
+    """`python tests/reports.py evaluate --labeler chexbert` (and rrgcl's q1, through make_labeler's default) put
+    CheXbert on the GPU when torch sees one; a run passes its own device (each rank its GPU)."""
     devices = []
 
     class Recorder:
@@ -179,7 +180,7 @@ def test_chexbert_goes_to_the_gpu_where_there_is_one(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     generations = tmp_path / "g.jsonl"
     generations.write_text(json.dumps({"reference": "No effusion.", "generated": "Small effusion."}) + "\n")
-    common.main(["evaluate", "--generations", str(generations), "--labeler", "chexbert", "--no-meteor"])
+    reports.main(["evaluate", "--generations", str(generations), "--labeler", "chexbert", "--no-meteor"])
     assert devices == ["cuda"]
     common.make_labeler("chexbert", device=torch.device("cuda", 1))
     assert devices[-1] == "cuda:1"

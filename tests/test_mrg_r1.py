@@ -11,6 +11,7 @@ import torch
 
 import common
 import mrg_r1
+import reports
 from conftest import (
     Crash,
     assert_applied,
@@ -436,9 +437,9 @@ def test_hugging_face_path(tmp_path, small_synthetic, tiny_qwen_dir, fast, monke
     assert AutoProcessor.from_pretrained(out / "final").tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
     theirs, ours = plain.state_dict(), loaded.model.state_dict()
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
-    # and `python common.py generate` writes its report with the run's prompt and <report> extraction
+    # and `python tests/reports.py generate` writes its report with the run's prompt and <report> extraction
     study = common.load_annotation(small_synthetic)["test"][0]
-    (row,) = common.generate_reports(out, [(study.id, study.image_paths)])
+    (row,) = reports.generate_reports(out, [(study.id, study.image_paths)])
     completion = common.greedy_reports(loaded, [study], mrg_r1.PROMPTS["tags"], 8, "cpu", torch.float32)[0]
     assert row == {"id": study.id, "views": study.image_paths, "report": mrg_r1.extract_report(completion)}
 
