@@ -605,9 +605,9 @@ def synthetic_chexbert(annotation=None, settings=None) -> Path:
 
 
 def build_once(final: Path, marker: str, command: str, annotation: Path, settings: dict) -> Path:
-    """`python common.py COMMAND --data ANNOTATION --out FINAL` (with `settings` as flags) unless FINAL/MARKER exists:
-    in a process of its own under NUMERIC_PINS, so that every machine gets the same weights. One process builds it,
-    others wait for it; stopped (Ctrl-C) or failed, no half-built folder is left."""
+    """`python tests/sandbox.py COMMAND --data ANNOTATION --out FINAL` (`settings` as flags) unless FINAL/MARKER is
+    there: in a process of its own under NUMERIC_PINS, so that every machine gets the same weights. One process builds
+    it, others wait; stopped (Ctrl-C) or failed, no half-built folder is left."""
     with cache_lock(final.parent / f".{command}.lock"):
         if not (final / marker).is_file():
             log.info("training the sandbox's %s beside %s, once: %s", command, annotation, final)
