@@ -1272,9 +1272,7 @@ class Run:
         weights = full_state_dicts(policy.model)[0] if isinstance(getattr(policy, "model", None), FSDPModule) else None
         if self.is_main and policy is not None:
             policy.save(self.out / "final", weights)
-            if getattr(
-                self, "generation", None
-            ):  # how it writes a report: `python tests/reports.py generate RUN IMAGE`
+            if getattr(self, "generation", None):  # how it writes a report: `tests/reports.py generate RUN IMAGE`
                 atomic_save(json.dumps(self.generation, indent=1), self.out / "final" / "generation.json")
         self.write("eval.json", json.dumps(results, indent=2))
         if self.is_main and os.environ.get("RRG_FIGURES") != "0":  # RRG_FIGURES=0: none (the tests, the sweeps)
