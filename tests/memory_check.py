@@ -332,13 +332,14 @@ def shape_policy(common, mode, model, setting: Setting, dtype):
                     self.model.model.rope_deltas = no_offset  # for prefilled() to repeat; text positions, as before
                     inputs = self.prefilled(prompts, n)  # the cache holds P - 1 tokens: the last one decodes too
                     self.model.model.rope_deltas = None  # the decode below: positions from the cache length
-                    key = "cache" if "cache" in inputs else "past_key_values"
-                    cache, ids_in = inputs[key], torch.cat([inputs["input_ids"][:, -1:], ids], 1)
+                    key = "cache" if "cache" in inputs else "past_key_values"  # transformers 5.x renamed it
+                    cache, ids_in = {key: inputs[key]}, torch.cat([inputs["input_ids"][:, -1:], ids], 1)
                 else:  # the prompts' prefill on the N rows
                     out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-                    cache, ids_in = out.past_key_values, ids
+                    key = "cache" if "cache" in out else "past_key_values"
+                    cache, ids_in = {key: out[key]}, ids
                 attention = torch.cat([inputs["attention_mask"], ones], 1)
-                self.model(input_ids=ids_in, attention_mask=attention, past_key_values=cache, logits_to_keep=1)
+                self.model(input_ids=ids_in, attention_mask=attention, **cache, logits_to_keep=1)
             self.model.train(was_training)
             return ids, mask
 
@@ -365,7 +366,8 @@ def build_model(setting: Setting, mode, layers: int | tuple | None):
             model = Qwen2_5_VLForConditionalGeneration(cfg)
     finally:
         torch.set_default_dtype(torch.float32)
-    model.gradient_checkpointing_enable({"use_reentrant": False})
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # as HFPolicy
+    enable({"use_reentrant": False})
     model.config.use_cache = False
     return model.train()
 
