@@ -487,6 +487,7 @@ class HFPolicy(Policy):
     sampling (sampled log-probs equal scored ones). max_pixels bounds the image tokens per view (one per 28 x 28 px)."""
 
     MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")  # of MODEL_KEYS, a row each (B, P)
     ROW_KEY = "input_ids"
     MAX_TARGET_TOKENS = 512  # of an SFT / DPO target, EOS included
 
@@ -576,8 +577,7 @@ class HFPolicy(Policy):
             out.pooler_output = tuple(out.pooler_output[k] for k in index)
             return out
 
-        text = [k for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in prompts]  # a row each
-        inputs = {k: prompts[k].repeat_interleave(n, 0) for k in text}
+        inputs = {k: prompts[k].repeat_interleave(n, 0) for k in self.TEXT_KEYS if k in prompts}
         inputs |= dict(pixel_values=prompts["pixel_values"], image_grid_thw=prompts["image_grid_thw"][index])
         vision.get_image_features = get_image_features  # for this call only
         try:
@@ -595,7 +595,7 @@ class HFPolicy(Policy):
     def prefilled(self, prompts: dict, n: int) -> dict:
         """model.generate's inputs for n rows a study: each prompt but its last token through the model once (views and
         text), the KV cache repeated to the rows; generate's first step feeds the last token, row by row (no images)."""
-        text = [k for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in prompts]  # a row each
+        text = [k for k in self.TEXT_KEYS if k in prompts]
         once = {k: v for k, v in prompts.items() if k in self.MODEL_KEYS} | {k: prompts[k][:, :-1] for k in text}
         out = self.model(**once, use_cache=True, logits_to_keep=1)  # B rows: the prompts' P - 1 tokens
         key = "cache" if "cache" in out else "past_key_values"  # transformers 5.x renamed it (the old name warns)

@@ -330,16 +330,14 @@ def shape_policy(common, mode, model, setting: Setting, dtype):
                     no_offset = mode.constant(torch.zeros(len(prompts["input_ids"]), 1, dtype=torch.long))
                 if prefill_once:  # no mm_token_type_ids here (no get_rope_index on fake tensors): no rope_deltas set
                     self.model.model.rope_deltas = no_offset  # for prefilled() to repeat; text positions, as before
-                    inputs = self.prefilled(prompts, n)  # the cache holds P - 1 tokens: the last one decodes too
+                    inputs = out = self.prefilled(prompts, n)  # the cache holds P - 1 tokens: the last decodes too
                     self.model.model.rope_deltas = None  # the decode below: positions from the cache length
-                    key = "cache" if "cache" in inputs else "past_key_values"  # transformers 5.x renamed it
-                    cache, ids_in = {key: inputs[key]}, torch.cat([inputs["input_ids"][:, -1:], ids], 1)
+                    ids_in = torch.cat([inputs["input_ids"][:, -1:], ids], 1)
                 else:  # the prompts' prefill on the N rows
-                    out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-                    key = "cache" if "cache" in out else "past_key_values"
-                    cache, ids_in = {key: out[key]}, ids
+                    out, ids_in = self.model(**inputs, use_cache=True, logits_to_keep=1), ids
+                key = "cache" if "cache" in out else "past_key_values"  # transformers 5.x renamed it (as prefilled)
                 attention = torch.cat([inputs["attention_mask"], ones], 1)
-                self.model(input_ids=ids_in, attention_mask=attention, **cache, logits_to_keep=1)
+                self.model(input_ids=ids_in, attention_mask=attention, **{key: out[key]}, logits_to_keep=1)
             self.model.train(was_training)
             return ids, mask
 
