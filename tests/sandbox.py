@@ -1,5 +1,6 @@
 """The synthetic sandbox: the set `--data synthetic` reads, the CheXbert that labels it and the foundation its tiny
-model starts from; common.sandbox() imports this file only when a run asks for one of them, never on real data.
+model starts from; common.sandbox() imports this file when a run asks for one of them (start), and for the tiny
+model's scoring of OraPO's rows (scored_apart), the one part a run on real data reads.
 
 The set: chest-radiograph-like images drawn by code (draw_synthetic_cxr), one visible sign per finding, and reports
 from templates (write_synthetic_report), deterministic from a seed: a sandbox, not a benchmark. What the papers start
@@ -8,7 +9,6 @@ reports (the papers' labeler), and a foundation (the tiny VLM trained on caption
 never meet; a small BERT on report text: a pre-trained VLM's and ClinicalBERT's stand-ins).
 
     python tests/sandbox.py synthetic --out DIR     # the synthetic set (R2Gen's layout) in a folder
-    python tests/sandbox.py ship                    # rebuild the shipped models here: how far from them? (--write)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -37,30 +36,7 @@ from PIL import Image
 from tqdm.auto import trange
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as `python tests/sandbox.py`
-from common import (
-    CHEXBERT_FILE,
-    CHEXBERT_MAX_PIECES,
-    CHEXPERT_LABELS,
-    FINDINGS,
-    LABEL_INDEX,
-    NEGATIVE,
-    POSITIVE,
-    UNCERTAIN,
-    Convergence,
-    TinyPolicy,
-    TinyVLM,
-    WordTokenizer,
-    adamw,
-    apply_no_finding_rule,
-    binarize,
-    chexbert_model,
-    load_annotation,
-    load_data,
-    load_image,
-    load_policy,
-    log,
-    pad_completions,
-)
+import common
 
 # Synthetic chest X-ray set (README, "The sandbox"): a visible sign and templated sentences per finding.
 # finding: (prevalence, chance that it is mentioned as negative when absent, else it goes unmentioned)
@@ -80,7 +56,8 @@ SYNTHETIC_RATES = {
     "Pleural Other": (0.015, 0.05),
 }
 SYNTHETIC_P_UNCERTAIN = 0.15  # of present findings, reported with a hedge (drawn fainter)
-SIDED = set(FINDINGS) - {"Enlarged Cardiomediastinum", "Cardiomegaly", "Edema", "Support Devices"}  # in a lung, a side
+# the findings in a lung, on a side
+SIDED = set(common.FINDINGS) - {"Enlarged Cardiomediastinum", "Cardiomegaly", "Edema", "Support Devices"}
 BILATERAL_OK = {"Lung Opacity", "Atelectasis", "Pleural Effusion"}
 GRADED = {"Pleural Effusion", "Pneumothorax", "Cardiomegaly"}
 DEGREES = {"small": ("mild", "mildly"), "moderate": ("moderate", "moderately"), "large": ("severe", "severely")}
@@ -160,9 +137,9 @@ NORMAL_EXTRAS = "No acute cardiopulmonary process. | The lungs are clear. | The 
 
 def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
     """One study's findings, {label: attrs} (side, severity, device kind, uncertain), and its (14,) labels."""
-    labels = np.full(len(CHEXPERT_LABELS), np.nan)
+    labels = np.full(len(common.CHEXPERT_LABELS), np.nan)
     findings = {}
-    for name in FINDINGS:
+    for name in common.FINDINGS:
         prevalence, p_negated = SYNTHETIC_RATES[name]
         if rng.random() < prevalence:
             uncertain = name not in ("Support Devices", "Fracture") and rng.random() < SYNTHETIC_P_UNCERTAIN
@@ -173,10 +150,10 @@ def sample_synthetic_study(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
                 a["severity"] = str(rng.choice(["small", "moderate", "large"]))
             if name == "Support Devices":
                 a["kind"] = str(rng.choice(DEVICE_KINDS))
-            labels[LABEL_INDEX[name]] = UNCERTAIN if a["uncertain"] else POSITIVE
+            labels[common.LABEL_INDEX[name]] = common.UNCERTAIN if a["uncertain"] else common.POSITIVE
         elif rng.random() < p_negated:
-            labels[LABEL_INDEX[name]] = NEGATIVE
-    return findings, apply_no_finding_rule(labels)
+            labels[common.LABEL_INDEX[name]] = common.NEGATIVE
+    return findings, common.apply_no_finding_rule(labels)
 
 
 def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Generator) -> str:
@@ -186,7 +163,7 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
         return str(rng.choice(variants.split(" | ")))
 
     sentences, negated = [], []
-    for name in FINDINGS:
+    for name in common.FINDINGS:
         a = findings.get(name)
         if name == "Support Devices" and a:
             sentences.append(pick(POSITIVE_TEMPLATES[a["kind"]]))
@@ -197,7 +174,7 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
             text = pick((UNCERTAIN_TEMPLATES if a["uncertain"] else POSITIVE_TEMPLATES)[name]).format(**fields)
             text = text.replace("the bilateral lung", "both lungs").replace("the bilateral base", "both bases")
             sentences.append(text)
-        elif labels[LABEL_INDEX[name]] == NEGATIVE:
+        elif labels[common.LABEL_INDEX[name]] == common.NEGATIVE:
             if name in NEGATED_SINGLE and (name not in NEGATED_PHRASES or rng.random() < 0.5):
                 sentences.append(pick(NEGATED_SINGLE[name]))
             else:
@@ -211,7 +188,7 @@ def write_synthetic_report(findings: dict, labels: np.ndarray, rng: np.random.Ge
         else:
             items = ", ".join(phrases[:-1]) + (", or " if len(phrases) > 2 else " or ") + phrases[-1]
         sentences.append(pick(NEGATED_LIST_TEMPLATES).format(list=items))
-    if labels[LABEL_INDEX["No Finding"]] == 1 and (not sentences or rng.random() < 0.5):
+    if labels[common.LABEL_INDEX["No Finding"]] == 1 and (not sentences or rng.random() < 0.5):
         sentences.append(pick(NORMAL_EXTRAS))
     return " ".join(s[0].upper() + s[1:] for s in sentences)
 
@@ -411,7 +388,7 @@ CAPTION_SIGNS = {  # the words that name each finding's sign in a caption: what 
 def describe_synthetic_image(findings: dict) -> str:
     """A caption of the image draw_synthetic_cxr draws for `findings` ({label: attrs}), a sentence per sign."""
     sentences = []
-    for name in FINDINGS:
+    for name in common.FINDINGS:
         a = findings.get(name)
         if not a:
             continue
@@ -428,7 +405,7 @@ def describe_synthetic_image(findings: dict) -> str:
 
 def caption_signs(captions: list[str]) -> np.ndarray:
     """(N, 13) bool: which findings' signs each caption names (CAPTION_SIGNS)."""
-    return np.array([[bool(re.search(CAPTION_SIGNS[n], c.lower())) for n in FINDINGS] for c in captions])
+    return np.array([[bool(re.search(CAPTION_SIGNS[n], c.lower())) for n in common.FINDINGS] for c in captions])
 
 
 def make_synthetic(out_dir, n_train=2000, n_val=200, n_test=500, size=128, seed=0) -> Path:
@@ -480,7 +457,7 @@ NUMERIC_PINS = {
 }
 
 
-# The sandbox's trained models ship beside this file, built by `python tests/sandbox.py ship --write` (under
+# The sandbox's trained models ship beside this file, built by `python tests/ship_sandbox.py --write` (under
 # NUMERIC_PINS, in build_once's processes): every run on the synthetic set loads these files, and no machine trains them
 SHIPPED = Path(__file__).resolve().parent / "sandbox_models"
 
@@ -494,50 +471,8 @@ def shipped(name: str) -> Path:
     files = json.loads((SHIPPED / "MANIFEST.json").read_text())["files"]
     changed = [f for f, digest in files.items() if f.startswith(name + "/") and sha256(SHIPPED / f) != digest]
     if changed or not any(f.startswith(name + "/") for f in files):
-        raise ValueError(f"{SHIPPED / name}: {changed or 'not'} as shipped (MANIFEST.json; tests/sandbox.py ship)")
+        raise ValueError(f"{SHIPPED / name}: {changed or 'not'} as shipped (MANIFEST.json; tests/ship_sandbox.py)")
     return SHIPPED / name
-
-
-def tensors(path: Path) -> dict:
-    """The weights in a shipped file (chexbert.pth, tiny_policy.pt, model.safetensors)."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    return checkpoint.get("model_state_dict", checkpoint.get("state_dict"))
-
-
-def ship(write: bool = False) -> dict:
-    """Rebuild the shipped models from their recipes on this machine, beside the synthetic set; per file, whether it
-    is the shipped one to the byte and, for weights, the largest difference of any tensor; the foundation's probe.
-    `write`: the rebuild becomes what ships (its files and MANIFEST.json)."""
-    annotation, scratch = synthetic_data(), Path(tempfile.mkdtemp(dir=synthetic_data().parent, prefix=".ship-"))
-    recipes = {f"chexbert-v{SANDBOX_CHEXBERT_VERSION}": ("chexbert", CHEXBERT_FILE, SANDBOX_CHEXBERT)}
-    recipes[f"foundation-v{FOUNDATION_VERSION}"] = ("foundation", "foundation.json", FOUNDATION)
-    info = Path("/proc/cpuinfo")
-    cpu = re.findall(r"model name\s*: (.*)", info.read_text()) if info.is_file() else [platform.processor()]
-    report = {"machine": cpu[0], "torch": torch.__version__, "files": {}}
-    for name, (command, marker, settings) in recipes.items():
-        built = build_once(scratch / name, marker, command, annotation, settings)
-        for f in sorted(p for p in built.rglob("*") if p.is_file()):
-            rel, old = f"{name}/{f.relative_to(built)}", SHIPPED / name / f.relative_to(built)
-            row = {"same bytes": old.is_file() and sha256(f) == sha256(old)}
-            if f.suffix in (".pth", ".pt", ".safetensors") and old.is_file():
-                new_w, old_w = tensors(f), tensors(old)
-                row["largest tensor difference"] = max(float((new_w[k] - old_w[k]).abs().max()) for k in old_w)
-            report["files"][rel] = row
-    probe = json.loads((scratch / f"foundation-v{FOUNDATION_VERSION}" / "foundation.json").read_text())["probe"]
-    report["probe"] = {k: probe[k] for k in ("probe_auroc_mean", "caption_signs_f1", "reports_distinct")}
-    if write:
-        for name in recipes:
-            shutil.rmtree(SHIPPED / name, ignore_errors=True)
-            shutil.copytree(scratch / name, SHIPPED / name)
-        files = {str(f.relative_to(SHIPPED)): sha256(f) for f in sorted(SHIPPED.rglob("*/*")) if f.is_file()}
-        built = {k: report[k] for k in ("machine", "torch")} | {"pins": NUMERIC_PINS}
-        (SHIPPED / "MANIFEST.json").write_text(json.dumps({"files": files, "built": built}, indent=1) + "\n")
-    shutil.rmtree(scratch, ignore_errors=True)
-    return report
 
 
 def word_piece_tokenizer(texts: list[str], out_dir: Path):
@@ -570,19 +505,20 @@ def train_chexbert(records, out_dir, hidden, layers, heads, epochs, lr, batch_si
     config.to_json_file(out_dir / "config.json")
     labels = np.stack([r.labels for r in records])  # (N, 14): 1, 0, -1, NaN
     classes = np.select([labels == 1, labels == 0, labels == -1], [1, 2, 3], 0)  # (N, 14): CheXbert's classes
-    classes[:, LABEL_INDEX["No Finding"]] = labels[:, LABEL_INDEX["No Finding"]] == 1  # its head: blank or positive
+    no_finding = common.LABEL_INDEX["No Finding"]
+    classes[:, no_finding] = labels[:, no_finding] == 1  # its head: blank or positive
     classes = torch.as_tensor(classes)
-    ids = [tokenizer(t)["input_ids"][:CHEXBERT_MAX_PIECES] for t in reports]
+    ids = [tokenizer(t)["input_ids"][: common.CHEXBERT_MAX_PIECES] for t in reports]
     torch.manual_seed(seed)
-    model = chexbert_model(config).train()
+    model = common.chexbert_model(config).train()
     total = epochs * math.ceil(len(ids) / batch_size)
-    optimizer, scheduler = adamw(model.parameters(), lr, total, "linear", warmup=0.05)
+    optimizer, scheduler = common.adamw(model.parameters(), lr, total, "linear", warmup=0.05)
     order = torch.Generator().manual_seed(seed)
     for _ in trange(epochs, desc="sandbox CheXbert (epochs)"):
         shuffled = torch.randperm(len(ids), generator=order)
         for b in range(0, len(ids), batch_size):
             batch = shuffled[b : b + batch_size]
-            x, mask = pad_completions([ids[i] for i in batch], tokenizer.pad_token_id)  # (B, L) each
+            x, mask = common.pad_completions([ids[i] for i in batch], tokenizer.pad_token_id)  # (B, L) each
             logits = model(x, mask.long())  # 14 tensors (B, C)
             loss = sum(torch.nn.functional.cross_entropy(z, classes[batch, k]) for k, z in enumerate(logits))
             optimizer.zero_grad(set_to_none=True)
@@ -590,18 +526,19 @@ def train_chexbert(records, out_dir, hidden, layers, heads, epochs, lr, batch_si
             optimizer.step()
             scheduler.step()
     state = {"module." + k: v for k, v in model.state_dict().items()}  # chexbert.pth's keys (saved from DataParallel)
-    torch.save({"model_state_dict": state}, out_dir / CHEXBERT_FILE)
-    return out_dir / CHEXBERT_FILE
+    torch.save({"model_state_dict": state}, out_dir / common.CHEXBERT_FILE)
+    return out_dir / common.CHEXBERT_FILE
 
 
 def synthetic_chexbert(annotation=None, settings=None) -> Path:
     """The sandbox's CheXbert: the shipped one for the synthetic set; for another set (`annotation`) or other settings,
     trained once beside it on its training split (9 CPU-minutes at full size)."""
     if annotation is None and settings is None:
-        return shipped(f"chexbert-v{SANDBOX_CHEXBERT_VERSION}") / CHEXBERT_FILE
+        return shipped(f"chexbert-v{SANDBOX_CHEXBERT_VERSION}") / common.CHEXBERT_FILE
     annotation = Path(annotation or synthetic_data())
     final = annotation.parent / f"chexbert-v{SANDBOX_CHEXBERT_VERSION}"
-    return build_once(final, CHEXBERT_FILE, "chexbert", annotation, settings or SANDBOX_CHEXBERT) / CHEXBERT_FILE
+    settings = settings or SANDBOX_CHEXBERT
+    return build_once(final, common.CHEXBERT_FILE, "chexbert", annotation, settings) / common.CHEXBERT_FILE
 
 
 def build_once(final: Path, marker: str, command: str, annotation: Path, settings: dict) -> Path:
@@ -610,7 +547,7 @@ def build_once(final: Path, marker: str, command: str, annotation: Path, setting
     it, others wait; stopped (Ctrl-C) or failed, no half-built folder is left."""
     with cache_lock(final.parent / f".{command}.lock"):
         if not (final / marker).is_file():
-            log.info("training the sandbox's %s beside %s, once: %s", command, annotation, final)
+            common.log.info("training the sandbox's %s beside %s, once: %s", command, annotation, final)
             tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{command}-"))
             argv = [sys.executable, str(Path(__file__).resolve()), command, "--data", str(annotation)]
             argv += ["--out", str(tmp)]
@@ -653,7 +590,7 @@ FOUNDATION |= dict(min_gain=0.005, max_steps=20000, seed=1)  # min_gain in nats 
 SIZES_TEXT_ENCODER = dict(hidden=128, layers=2, heads=2)  # DCRRG --model tiny's BERT (BERT-Tiny's shape)
 
 
-def caption_prompts(policy: TinyPolicy, images) -> dict:
+def caption_prompts(policy: common.TinyPolicy, images) -> dict:
     """The foundation's other task: the policy's prompts with <caption> as the start token."""
     prompts = policy.prompt_batch(images)
     prompts["start_ids"] = torch.full_like(prompts["start_ids"], policy.tokenizer.index[CAPTION_TOKEN])
@@ -679,7 +616,7 @@ def held_out_convergence(loss_fn, held_out_fn, model, desc, every, patience, min
     validations, every `every` steps; the best weights loaded. -> {"steps", "best_step", "curve": [[step, loss]]}."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr)
-    rule, curve, step = Convergence(every, patience, min_gain, max_steps), [], 0
+    rule, curve, step = common.Convergence(every, patience, min_gain, max_steps), [], 0
     for step in trange(1, max_steps + 1, desc=desc):
         loss = loss_fn(step)
         optimizer.zero_grad(set_to_none=True)
@@ -700,10 +637,10 @@ def train_foundation_vlm(train_records, images, captions, reports, held_out, out
     """The tiny VLM on captions (<caption> first) and blank-view reports (BOS first), half a batch each: the mean of
     the two teacher-forced NLLs. Saved as a policy (load_policy) in out_dir. -> its training record."""
     # the tokenizer covers the captions, the reports, the synthetic set's words and the labels' names (MRG-R1's SFT)
-    words = [r.report for r in train_records] + [n.lower() for n in CHEXPERT_LABELS]
-    tokenizer = WordTokenizer.build(captions + reports + words, (CAPTION_TOKEN, *REASONING_TAGS))
+    words = [r.report for r in train_records] + [n.lower() for n in common.CHEXPERT_LABELS]
+    tokenizer = common.WordTokenizer.build(captions + reports + words, (CAPTION_TOKEN, *REASONING_TAGS))
     torch.manual_seed(seed)
-    policy = TinyPolicy(TinyVLM(len(tokenizer.vocab), max_len=128), tokenizer)
+    policy = common.TinyPolicy(common.TinyVLM(len(tokenizer.vocab), max_len=128), tokenizer)
     pixels = caption_prompts(policy, [[im] for im in images])  # every image once: (N, 1, 1, S, S), <caption>
     blank = policy.prompt_batch([[Image.new("L", images[0].size)]])  # a blank view, BOS
     n_images, n_reports = len(images) - held_out, len(reports) - held_out
@@ -780,14 +717,14 @@ def foundation_probe(policy, data: dict, write: bool = True) -> dict:
     from sklearn.metrics import roc_auc_score
 
     def features(records):
-        images = [[load_image(r.image_paths[0], r.id)] for r in records]
+        images = [[common.load_image(r.image_paths[0], r.id)] for r in records]
         chunks = [policy.prompt_batch(images[k : k + 256]) for k in range(0, len(images), 256)]
         return torch.cat([policy.model.prefix(**p)[:, :-1].flatten(1) for p in chunks]).numpy()  # (N, g*g*D)
 
     x_train, x_test = features(data["train"]), features(data["test"])
-    y_train, y_test = (binarize(np.stack([r.labels for r in data[s]])) for s in ("train", "test"))  # (N, 14)
+    y_train, y_test = (common.binarize(np.stack([r.labels for r in data[s]])) for s in ("train", "test"))  # (N, 14)
     auroc = {}
-    for k, name in enumerate(CHEXPERT_LABELS):
+    for k, name in enumerate(common.CHEXPERT_LABELS):
         if 0 < y_train[:, k].sum() < len(y_train) and 0 < y_test[:, k].sum() < len(y_test):
             probe = LogisticRegression(max_iter=2000).fit(x_train, y_train[:, k])
             auroc[name] = float(roc_auc_score(y_test[:, k], probe.decision_function(x_test)))
@@ -797,7 +734,7 @@ def foundation_probe(policy, data: dict, write: bool = True) -> dict:
     records = data["test"]
     written, reports = [], []
     for k in range(0, len(records), 64):
-        images = [[load_image(r.image_paths[0], r.id)] for r in records[k : k + 64]]
+        images = [[common.load_image(r.image_paths[0], r.id)] for r in records[k : k + 64]]
         written += policy.decode(*policy.generate(caption_prompts(policy, images), 96, do_sample=False))
         reports += policy.decode(*policy.generate(policy.prompt_batch(images), 96, do_sample=False))
     drawn = [describe_synthetic_image(r.meta["findings"]) for r in records]
@@ -820,16 +757,16 @@ def train_foundation(annotation, out_dir, settings: dict) -> Path:
     out_dir/vlm (the tiny VLM), out_dir/text_encoder (the BERT), out_dir/foundation.json."""
     out_dir, clock = Path(out_dir), time.process_time()
     s = dict(settings)
-    data = load_annotation(annotation)
+    data = common.load_annotation(annotation)
     n, held_out, seed = s.pop("images"), s["held_out"], s.pop("seed")
     images, captions, reports = foundation_data(n + held_out, s.pop("reports") + held_out, seed)
     rule = {k: s[k] for k in ("every", "patience", "min_gain", "max_steps", "lr", "batch_size")} | {"seed": seed}
     vlm = train_foundation_vlm(data["train"], images, captions, reports, held_out, out_dir / "vlm", **rule)
     words = [r.report for r in data["train"]]  # the set's words are whole word pieces (DCRRG's decoder writes them)
     text = train_text_encoder(reports, held_out, out_dir / "text_encoder", **SIZES_TEXT_ENCODER, words=words, **rule)
-    probe = foundation_probe(load_policy(out_dir / "vlm"), data)
+    probe = foundation_probe(common.load_policy(out_dir / "vlm"), data)
     torch.manual_seed(seed)  # the same model untrained: what a probe reads from random features
-    untrained = TinyPolicy(TinyVLM(vlm["vocabulary"], max_len=128), WordTokenizer.build([]))
+    untrained = common.TinyPolicy(common.TinyVLM(vlm["vocabulary"], max_len=128), common.WordTokenizer.build([]))
     probe["probe_auroc_mean_untrained"] = foundation_probe(untrained, data, write=False)["probe_auroc_mean"]
     record = {"version": FOUNDATION_VERSION, "settings": settings, "vlm": vlm, "text_encoder": text, "probe": probe}
     record["cpu_seconds"] = round(time.process_time() - clock, 1)
@@ -852,7 +789,7 @@ class FoundationImageEncoder(torch.nn.Module):
     default_transform(S, 1) gives them: (B, 1, S, S) -> (B, g*g*D), its g x g prefix features flattened (where a sign
     lies stays visible), as ImageNet's ResNet-50 stands for a pre-trained image encoder (DCRRG, App. A)."""
 
-    def __init__(self, vlm: TinyVLM):
+    def __init__(self, vlm: common.TinyVLM):
         super().__init__()
         self.encoder, self.project = vlm.encoder, vlm.project
         self.dim = vlm.hparams["grid"] ** 2 * vlm.hparams["n_embd"]
@@ -862,10 +799,40 @@ class FoundationImageEncoder(torch.nn.Module):
         return self.project(self.encoder(x).flatten(2).transpose(1, 2)).flatten(1)  # (B, g*g, D) -> (B, g*g*D)
 
 
+# What a run asks of the sandbox: start_run's set-up on --data synthetic; the tiny policy's scoring of OraPO's rows
+def start(args, rank: int) -> Path | None:
+    """start_run on --data synthetic: the set, its CheXbert (--labeler chexbert without --chexbert-weights) and the
+    foundation (--tiny-start foundation) -> the foundation's folder or None. Rank 0 first: it builds what is missing."""
+    if rank != 0:
+        common.barrier()
+    synthetic_data()
+    if args.labeler == "chexbert" and not args.chexbert_weights:
+        args.chexbert_weights = str(synthetic_chexbert())  # the shipped one (config.json records it)
+    foundation = synthetic_foundation() if args.model == "tiny" and args.tiny_start == "foundation" else None
+    if rank == 0:
+        common.barrier()
+    return foundation
+
+
+def scored_apart(policy: common.TinyPolicy, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
+    """Rows of G + 1 a study whose last is another kind (OraPO's ground truth after its G samples: prompts["apart"]
+    = G, the samples' length, the last's), scored in two passes, as the sandbox's committed numbers were: a batch of
+    other shapes rounds differently in float, and 250 steps carry that into every number printed."""
+    G, T, Tl = prompts["apart"].tolist()
+    plain = {k: v for k, v in prompts.items() if k != "apart"}
+    B = len(plain["start_ids"])
+    ids, mask = completion_ids.view(B, G + 1, -1), completion_mask.view(B, G + 1, -1)
+    rows = (ids[:, :G, :T].reshape(B * G, T), mask[:, :G, :T].reshape(B * G, T))
+    samples = policy.completion_logprobs(plain, *rows, temperature)
+    last = policy.completion_logprobs(plain, ids[:, G, :Tl], mask[:, G, :Tl], temperature)
+    out = torch.zeros(ids.shape, device=ids.device)  # (B, G + 1, T')
+    out[:, :G, :T], out[:, G, :Tl] = samples.view(B, G, T), last
+    return out.view(B * (G + 1), -1)
+
+
 def main(argv=None):
     """`python tests/sandbox.py synthetic --out DIR`: the synthetic set in a folder; `chexbert --out DIR`: a CheXbert of
-    the sandbox's kind trained on --data's labelled reports; `foundation --out DIR`: a foundation, and its probe;
-    `ship [--write]`: the shipped models rebuilt, and how far the rebuild lands from them."""
+    the sandbox's kind trained on --data's labelled reports; `foundation --out DIR`: a foundation, and its probe."""
     p = argparse.ArgumentParser(description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     recipes = {"chexbert": SANDBOX_CHEXBERT | {"seed": 0}, "foundation": FOUNDATION}
@@ -876,17 +843,14 @@ def main(argv=None):
         c.add_argument("--out", required=True, help="a fresh folder")
         for name, default in recipe.items():
             c.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    sub.add_parser("ship").add_argument("--write", action="store_true", help="replace the shipped models")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.command == "ship":
-        return print(json.dumps(ship(args.write), indent=1))
     settings = {k: getattr(args, k) for k in recipes[args.command]}
     if args.command == "synthetic":
         path = make_synthetic(args.out, **settings)
         return print(f"wrote {path / 'annotation.json'} and {args.n_train + args.n_val + args.n_test} images")
     if args.command == "chexbert":
-        records = load_data(args.data)["train"]
+        records = common.load_data(args.data)["train"]
         if any(r.labels is None for r in records):
             raise SystemExit(f"error: {args.data}: every training record needs 'labels' to train CheXbert on")
         return print(f"wrote {train_chexbert(records, args.out, **settings)}")

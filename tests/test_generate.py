@@ -178,11 +178,11 @@ def test_the_shipped_models_keep_their_quality(small_synthetic):
 
 @pytest.mark.slow
 def test_a_rebuild_lands_near_the_shipped_models():
-    """`python tests/sandbox.py ship` on this CPU (about 30 CPU-minutes, the full synthetic set drawn first): every
+    """`python tests/ship_sandbox.py` on this CPU (about 30 CPU-minutes, the full synthetic set drawn first): every
     shipped file rebuilt, the weights' largest difference and the probe printed; the rebuild keeps the quality bar, and
     on the CPU kind they were built on it is the same to the byte (tests/RESULTS.md: "What repeats to the bit")."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "sandbox.py"), "ship"],
+        [sys.executable, str(ROOT / "tests" / "ship_sandbox.py")],
         capture_output=True,
         text=True,
         check=False,
