@@ -558,9 +558,7 @@ class HFPolicy(Policy):
 
         def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
             out = encode(pixel_values, prompts["image_grid_thw"], **kwargs)  # the studies' views, once each
-            if not hasattr(out, "pooler_output"):  # transformers < 5: the features; 5.x: an output holding them
-                return tuple(out[k] for k in index)
-            out.pooler_output = tuple(out.pooler_output[k] for k in index)
+            out.pooler_output = tuple(out.pooler_output[k] for k in index)  # the features, one a view (forward reads)
             return out
 
         inputs = {k: prompts[k].repeat_interleave(n, 0) for k in self.TEXT_KEYS if k in prompts}
