@@ -320,8 +320,7 @@ def mean_pooled_bert_features(model, tokenizer, texts: list[str], device, max_le
 
 
 def sandbox():
-    """tests/sandbox.py (the synthetic set, its trained models, start_run's part for them), imported on first use; on
-    real data only the tiny model's scoring of OraPO's rows reads it (TinyPolicy.completion_logprobs)."""
+    """tests/sandbox.py (the synthetic set and its trained models), imported on first use: real data never reads it."""
     tests = str(Path(__file__).resolve().parent / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
@@ -449,11 +448,26 @@ class TinyPolicy(Policy):
 
     def completion_logprobs(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
         """One forward pass over prefix + (right-padded) completion -> (N, T) float32, 0 where the mask is 0."""
-        if "apart" in prompts:  # OraPO's G + 1 rows a study, as the sandbox's committed numbers scored them
-            return sandbox().scored_apart(self, prompts, completion_ids, completion_mask, temperature)
+        if "apart" in prompts:
+            return self.scored_apart(prompts, completion_ids, completion_mask, temperature)
         inputs = (*self.repeated(prompts, self.rows_per_study(prompts, completion_ids)), completion_ids)
         logits = self.forward_module(*inputs)  # (N, T, V): the logits that predict each completion token
         return token_logprobs(logits, completion_ids, temperature) * completion_mask  # (N, T)
+
+    def scored_apart(self, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
+        """Rows of G + 1 a study whose last is another kind (OraPO's ground truth after its G samples: prompts["apart"]
+        = G, the samples' length, the last's), scored in two passes, as the sandbox's committed numbers were: a
+        batch of other shapes rounds differently in float, and 250 steps carry that into every number printed."""
+        G, T, Tl = prompts["apart"].tolist()
+        plain = {k: v for k, v in prompts.items() if k != "apart"}
+        B = len(plain["start_ids"])
+        ids, mask = completion_ids.view(B, G + 1, -1), completion_mask.view(B, G + 1, -1)
+        rows = (ids[:, :G, :T].reshape(B * G, T), mask[:, :G, :T].reshape(B * G, T))
+        samples = self.completion_logprobs(plain, *rows, temperature)
+        last = self.completion_logprobs(plain, ids[:, G, :Tl], mask[:, G, :Tl], temperature)
+        out = torch.zeros(ids.shape, device=ids.device)  # (B, G + 1, T')
+        out[:, :G, :T], out[:, G, :Tl] = samples.view(B, G, T), last
+        return out.view(B * (G + 1), -1)
 
     def encode_targets(self, texts: list[str]):
         targets = [self.tokenizer.encode(t)[: self.model.hparams["max_len"] - 1] + [self.eos_token_id] for t in texts]
@@ -558,7 +572,7 @@ class HFPolicy(Policy):
 
         def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
             out = encode(pixel_values, prompts["image_grid_thw"], **kwargs)  # the studies' views, once each
-            out.pooler_output = tuple(out.pooler_output[k] for k in index)  # the features, one a view (forward reads)
+            out.pooler_output = tuple(out.pooler_output[k] for k in index)  # each row's views (forward reads these)
             return out
 
         inputs = {k: prompts[k].repeat_interleave(n, 0) for k in self.TEXT_KEYS if k in prompts}
@@ -1418,7 +1432,7 @@ def start_run(args, stages: bool = False, notes=(), memory: tuple = ()) -> Run:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # one thread (tests/MACHINES.md, "Threads"):
         torch.set_num_threads(1)  # spinning threads ran 17x slower on a busy machine, sleeping ones 1.3x
     resolve_defaults(args)
-    foundation = sandbox().start(args, rank) if args.data == "synthetic" else None  # its CheXbert, its foundation
+    foundation = sandbox().start(args, rank) if args.data == "synthetic" else None  # the set, CheXbert, foundation
     data = load_data(args.data, drop_invalid=args.drop_invalid)
     empty = [split for split in ("train", "test") if not data[split]]
     if empty:  # before anything is written: a start that fails leaves nothing behind

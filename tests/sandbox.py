@@ -1,6 +1,6 @@
 """The synthetic sandbox: the set `--data synthetic` reads, the CheXbert that labels it and the foundation its tiny
-model starts from; common.sandbox() imports this file when a run asks for one of them (start), and for the tiny
-model's scoring of OraPO's rows (scored_apart), the one part a run on real data reads.
+model starts from; common.sandbox() imports this file only when a run asks for one of them (start), never on real
+data.
 
 The set: chest-radiograph-like images drawn by code (draw_synthetic_cxr), one visible sign per finding, and reports
 from templates (write_synthetic_report), deterministic from a seed: a sandbox, not a benchmark. What the papers start
@@ -799,7 +799,7 @@ class FoundationImageEncoder(torch.nn.Module):
         return self.project(self.encoder(x).flatten(2).transpose(1, 2)).flatten(1)  # (B, g*g, D) -> (B, g*g*D)
 
 
-# What a run asks of the sandbox: start_run's set-up on --data synthetic; the tiny policy's scoring of OraPO's rows
+# What a run on the synthetic set asks of the sandbox (common.start_run)
 def start(args, rank: int) -> Path | None:
     """start_run on --data synthetic: the set, its CheXbert (--labeler chexbert without --chexbert-weights) and the
     foundation (--tiny-start foundation) -> the foundation's folder or None. Rank 0 first: it builds what is missing."""
@@ -812,22 +812,6 @@ def start(args, rank: int) -> Path | None:
     if rank == 0:
         common.barrier()
     return foundation
-
-
-def scored_apart(policy: common.TinyPolicy, prompts: dict, completion_ids, completion_mask, temperature: float = 1.0):
-    """Rows of G + 1 a study whose last is another kind (OraPO's ground truth after its G samples: prompts["apart"]
-    = G, the samples' length, the last's), scored in two passes, as the sandbox's committed numbers were: a batch of
-    other shapes rounds differently in float, and 250 steps carry that into every number printed."""
-    G, T, Tl = prompts["apart"].tolist()
-    plain = {k: v for k, v in prompts.items() if k != "apart"}
-    B = len(plain["start_ids"])
-    ids, mask = completion_ids.view(B, G + 1, -1), completion_mask.view(B, G + 1, -1)
-    rows = (ids[:, :G, :T].reshape(B * G, T), mask[:, :G, :T].reshape(B * G, T))
-    samples = policy.completion_logprobs(plain, *rows, temperature)
-    last = policy.completion_logprobs(plain, ids[:, G, :Tl], mask[:, G, :Tl], temperature)
-    out = torch.zeros(ids.shape, device=ids.device)  # (B, G + 1, T')
-    out[:, :G, :T], out[:, G, :Tl] = samples.view(B, G, T), last
-    return out.view(B * (G + 1), -1)
 
 
 def main(argv=None):

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # each loop, OraPO's DPO loss, the warm start's call). common.py's 2,300 (issues 61, 70) is not met: 2,510 held what
 # issue 59 added (DDP, FSDP2 gathered once, micro-batches, the reference, --report-to, every run's figure) with today's
 # parser (kept: its one-line errors); 2,522 added issue 69's prefill once a study (HFPolicy.prefilled); 2,427 after
-# the user commands (evaluate, generate) left for tests/reports.py; 2,403 after the sandbox's hooks (start_run's
-# synthetic set-up, the tiny model's two-pass OraPO scoring) left for tests/sandbox.py; the difference is to cut
-BUDGETS = {"common.py": 2403, "tests/sandbox.py": 900, "dcrrg.py": 850, "deer.py": 655, "rrgcl.py": 620}
+# the user commands (evaluate, generate) left for tests/reports.py; 2,417 after start_run's synthetic set-up left for
+# tests/sandbox.py (sandbox.start); the difference is to cut, not to keep
+BUDGETS = {"common.py": 2417, "tests/sandbox.py": 900, "dcrrg.py": 850, "deer.py": 655, "rrgcl.py": 620}
 BUDGETS |= {"orapo.py": 580, "mrg_r1.py": 365}
 
 
